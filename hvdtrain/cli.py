@@ -1,0 +1,48 @@
+"""The ``hvdtrain`` command. Subcommands import what they need, so ``--help`` stays instant."""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from typing import List, Optional
+
+
+def _info(_: argparse.Namespace) -> int:
+    """What this install can do: versions and the collective back-ends Horovod was built with."""
+    import torch
+    import horovod
+    import horovod.torch as hvd
+
+    import hvdtrain
+
+    rows = [
+        ("hvdtrain", hvdtrain.__version__),
+        ("python", platform.python_version()),
+        ("torch", torch.__version__),
+        ("horovod", horovod.__version__),
+        ("horovod MPI", "yes" if hvd.mpi_built() else "no"),
+        ("horovod Gloo", "yes" if hvd.gloo_built() else "no"),
+        ("horovod NCCL", "yes" if hvd.nccl_built() else "no"),
+        ("CUDA devices", str(torch.cuda.device_count())),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hvdtrain", description="Data-parallel PyTorch training on Horovod.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    info = commands.add_parser("info", help="versions and the back-ends Horovod was built with")
+    info.set_defaults(run=_info)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

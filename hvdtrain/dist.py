@@ -1,0 +1,197 @@
+"""Horovod, wrapped: start-up, per-rank pinning and seeding, and state broadcast from rank 0.
+
+Everything above this module talks to Horovod through it, so the rest of hvdtrain never
+depends on which launcher started the job (horovodrun, mpirun, srun) or on MPI vs Gloo.
+"""
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+import horovod.torch as hvd
+
+# Horovod's default is to warn about a stalled collective after 60 s and never give up,
+# which turns a rank that stopped calling collectives into a silent hang (MPI controller only).
+_STALL_DEFAULTS = {
+    "HOROVOD_STALL_CHECK_TIME_SECONDS": "60",
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "300",
+}
+
+
+@dataclass(frozen=True)
+class World:
+    """Who this process is in the job, as Horovod reports it after init."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    hostname: str
+    controller: str  # "mpi" or "gloo"
+    threads: int
+    device: torch.device
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+def threads_per_rank(local_size: int, cpus_visible: int, cpus_on_host: int) -> int:
+    """Intra-op threads for one rank, so the ranks on a host do not oversubscribe its cores.
+
+    A launcher that binds ranks (Open MPI binds to a core for np <= 2) already gives each
+    rank its own CPU set: use all of it. Unbound, the ranks share the host: split it.
+    """
+    if cpus_visible < cpus_on_host:
+        return max(1, cpus_visible)
+    return max(1, cpus_on_host // max(1, local_size))
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """A seed for one rank, derived from the job's seed: distinct per rank, the same every run."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def init(seed: int = 0, threads: Optional[int] = None) -> World:
+    """Start Horovod, pin this rank to its device and threads, and seed it.
+
+    Safe to call more than once: Horovod's init is idempotent.
+    """
+    for key, value in _STALL_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    hvd.init()
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(hvd.local_rank())
+        device = torch.device("cuda", hvd.local_rank())
+    else:
+        device = torch.device("cpu")
+    if threads is None:
+        threads = threads_per_rank(
+            hvd.local_size(), len(os.sched_getaffinity(0)), os.cpu_count() or 1
+        )
+    torch.set_num_threads(threads)
+    seed_everything(rank_seed(seed, hvd.rank()))
+
+    return World(
+        rank=hvd.rank(),
+        size=hvd.size(),
+        local_rank=hvd.local_rank(),
+        local_size=hvd.local_size(),
+        cross_rank=hvd.cross_rank(),
+        cross_size=hvd.cross_size(),
+        hostname=socket.gethostname(),
+        controller="gloo" if hvd.gloo_enabled() else "mpi",
+        threads=threads,
+        device=device,
+    )
+
+
+def _split_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    """Replace every tensor in a nested structure by a placeholder (its index, shape, dtype)."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return ("__tensor__", len(tensors) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return {k: _split_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_split_tensors(v, tensors) for v in obj)
+    return obj
+
+
+def _is_placeholder(obj: Any) -> bool:
+    return isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "__tensor__"
+
+
+def _fill_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    if _is_placeholder(obj):
+        return tensors[obj[1]]
+    if isinstance(obj, dict):
+        return {k: _fill_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill_tensors(v, tensors) for v in obj)
+    return obj
+
+
+def _placeholders(obj: Any) -> List[Tuple[int, Tuple[int, ...], torch.dtype]]:
+    found: List[Tuple[int, Tuple[int, ...], torch.dtype]] = []
+
+    def walk(o: Any) -> None:
+        if _is_placeholder(o):
+            found.append(o[1:])
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    return sorted(found, key=lambda p: p[0])
+
+
+def broadcast_state(state: Any, root_rank: int = 0, name: str = "state") -> Any:
+    """Return rank ``root_rank``'s copy of a nested structure of tensors and plain values.
+
+    The structure travels once as a small pickled skeleton; the tensors travel as tensors
+    (no pickling), so this scales to optimizer states of large models. Other ranks'
+    structures may differ entirely (a fresh optimizer with no state, say): they are replaced.
+    """
+    tensors: List[torch.Tensor] = []
+    skeleton = _split_tensors(state, tensors)
+    skeleton = hvd.broadcast_object(skeleton, root_rank=root_rank, name=f"{name}.skeleton")
+    if hvd.rank() == root_rank:
+        received = [t.detach().contiguous() for t in tensors]
+    else:
+        received = [torch.empty(shape, dtype=dtype) for _, shape, dtype in _placeholders(skeleton)]
+    handles = [
+        hvd.broadcast_async_(t, root_rank=root_rank, name=f"{name}.{i}")
+        for i, t in enumerate(received)
+    ]
+    for handle in handles:
+        hvd.synchronize(handle)
+    return _fill_tensors(skeleton, received)
+
+
+def broadcast_model_and_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, root_rank: int = 0
+) -> None:
+    """Make every rank start from rank 0's parameters, buffers and optimizer state."""
+    # In place, so the tensors the optimizer holds stay the model's tensors.
+    hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
+    optimizer.load_state_dict(
+        broadcast_state(optimizer.state_dict(), root_rank=root_rank, name="optimizer")
+    )
+
+
+def allreduce_sum(values: torch.Tensor, name: str) -> torch.Tensor:
+    """Sum a small tensor of statistics over all ranks (one collective, every rank must call it)."""
+    return hvd.allreduce(values, op=hvd.Sum, name=name)
+
+
+def allgather_rows(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Stack one row per rank: rank r's tensor (flattened) becomes row r."""
+    return hvd.allgather(tensor.detach().reshape(1, -1), name=name)
+
+
+def allgather_object(obj: Any, name: str) -> List[Any]:
+    """Every rank's ``obj``, in rank order (pickled: for small values, not for tensors)."""
+    return hvd.allgather_object(obj, name=name)
+
+
+def barrier() -> None:
+    hvd.barrier()

@@ -1,0 +1,1 @@
+"""Models and data that ship with hvdtrain, so its examples train on real data with no download."""

@@ -1,0 +1,67 @@
+"""Training statistics kept on each rank without synchronising, and reduced across ranks on demand."""
+from __future__ import annotations
+
+import time
+from typing import Dict, Tuple
+
+import torch
+
+from hvdtrain import dist
+
+
+class RunningLoss:
+    """Sum of per-sample losses and the sample count since the last reset.
+
+    Kept as a tensor on the training device: no .item() in the step, which would force a
+    device sync on every step on a GPU.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._totals = torch.zeros(2, dtype=torch.float64, device=device)
+
+    def add(self, mean_loss: torch.Tensor, samples: int) -> None:
+        self._totals[0] += mean_loss.detach().to(torch.float64) * samples
+        self._totals[1] += samples
+
+    def reduce(self, name: str) -> Tuple[float, float]:
+        """(loss sum, sample count) over every rank since the last reset; a collective."""
+        totals = dist.allreduce_sum(self._totals.cpu(), name=name)
+        self._totals.zero_()
+        return float(totals[0]), float(totals[1])
+
+
+class Throughput:
+    """Global samples per second between two readings, timed on this rank's wall clock.
+
+    Every step ends in the gradient all-reduce, so ranks advance in lockstep and rank 0's
+    clock measures the job's rate.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._start = time.perf_counter()
+        self._samples = 0
+
+    def add(self, samples_per_rank: int) -> None:
+        self._samples += samples_per_rank * self.world_size
+
+    def read(self) -> float:
+        now = time.perf_counter()
+        rate = self._samples / max(now - self._start, 1e-9)
+        self._start, self._samples = now, 0
+        return rate
+
+
+def evaluation_metrics(loss_sum: float, correct: int, count: int, name: str) -> Dict[str, float]:
+    """Loss and accuracy over the union of every rank's shard (summed, not an average of averages)."""
+    totals = dist.allreduce_sum(
+        torch.tensor([loss_sum, float(correct), float(count)], dtype=torch.float64), name=name
+    )
+    total_count = float(totals[2])
+    if total_count == 0:
+        raise ValueError("the validation set is empty on every rank")
+    return {
+        "val_loss": float(totals[0]) / total_count,
+        "val_accuracy": float(totals[1]) / total_count,
+        "val_samples": total_count,
+    }

@@ -1,0 +1,69 @@
+"""The optimizer side of data parallelism: Horovod's DistributedOptimizer and LR scaling.
+
+With N workers each averaging gradients over its batch B, one step sees N*B samples; the
+linear scaling rule (Goyal et al. 2017) multiplies the learning rate by N (and by the number
+of accumulated micro-batches), reached by a linear warm-up from the single-worker rate.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Tuple
+
+import torch
+
+import horovod.torch as hvd
+
+
+def lr_scale(world_size: int, accumulation: int, enabled: bool) -> float:
+    return float(world_size * accumulation) if enabled else 1.0
+
+
+def warmup_factor(scale: float, warmup_steps: int) -> Callable[[int], float]:
+    """Multiplier on the scaled LR at each step: 1/scale at step 0, rising linearly to 1.
+
+    The optimizer's LR is already multiplied by ``scale``, so training starts at the
+    single-worker rate and reaches the scaled rate after ``warmup_steps`` steps.
+    """
+    if scale <= 0:
+        raise ValueError(f"LR scale must be positive, got {scale}")
+    if warmup_steps <= 0 or scale == 1.0:
+        return lambda step: 1.0
+    start = 1.0 / scale
+
+    def factor(step: int) -> float:
+        progress = min(1.0, step / warmup_steps)
+        return start + (1.0 - start) * progress
+
+    return factor
+
+
+def scale_learning_rate(optimizer: torch.optim.Optimizer, scale: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * scale
+        # LambdaLR reads initial_lr when it exists; keep it consistent with the scaled rate.
+        if "initial_lr" in group:
+            group["initial_lr"] = group["initial_lr"] * scale
+
+
+def distributed_optimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[Tuple[str, torch.nn.Parameter]],
+    accumulation: int,
+    fp16_allreduce: bool,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so gradients are averaged across ranks as they become ready.
+
+    Horovod hooks every gradient accumulator: each all-reduce starts while backward is still
+    running (overlap) and small tensors are fused into one buffer (tensor fusion).
+    The user's optimizer state is carried over: Horovod's wrapper starts with an empty one.
+    """
+    state = optimizer.state_dict()
+    wrapped = hvd.DistributedOptimizer(
+        optimizer,
+        named_parameters=list(named_parameters),
+        compression=hvd.Compression.fp16 if fp16_allreduce else hvd.Compression.none,
+        backward_passes_per_step=accumulation,
+        op=hvd.Average,
+    )
+    if state["state"]:
+        wrapped.load_state_dict(state)
+    return wrapped

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Sets up everything hvdtrain needs, from nothing, and is fast the second time.
+#
+#   system packages (Open MPI, cmake, a C++ compiler)  -> apt-get when root, else the exact command
+#   a virtual environment in .venv                     -> VENV=... to choose another place
+#   torch                                              -> an importable torch is reused; else TORCH_SPEC
+#   Horovod 0.28.1, patched for C++17, from its sdist  -> wheel cached in .cache/wheels/<key>/
+#   mpi4py (built against the system MPI), hvdtrain    -> pip install -e .[test,examples]
+#   horovodrun --check-build                           -> fails unless PyTorch, MPI and Gloo are built
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${VENV:-$ROOT/.venv}
+PYTHON=${PYTHON:-python3}
+# On this machine kind torch==2.13.0 is a local CPU wheel; on a CUDA box PyPI serves the CUDA build.
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+HOROVOD_VERSION=0.28.1
+CACHE=$ROOT/.cache
+
+say() { printf '[setup] %s\n' "$*"; }
+die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
+
+install_system_packages() {
+  local missing=()
+  command -v mpirun >/dev/null || missing+=(openmpi-bin)
+  command -v mpicxx >/dev/null || missing+=(libopenmpi-dev)
+  command -v cmake  >/dev/null || missing+=(cmake)
+  command -v g++    >/dev/null || missing+=(g++)
+  command -v make   >/dev/null || missing+=(make)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  local cmd="apt-get install -y --no-install-recommends ${missing[*]}"
+  if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
+    die "missing system packages: ${missing[*]}. Install them, e.g.: sudo apt-get update && sudo $cmd"
+  fi
+  say "installing system packages: ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $cmd -qq >/dev/null
+}
+
+make_venv() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    local site=()
+    # Reuse a torch that is already installed (often a site-wide CUDA build on clusters).
+    if "$PYTHON" -c 'import torch' 2>/dev/null; then site=(--system-site-packages); fi
+    say "creating virtual environment $VENV ${site[*]}"
+    "$PYTHON" -m venv "${site[@]}" "$VENV"
+  fi
+  PY=$VENV/bin/python
+  PIP=("$PY" -m pip install -q --disable-pip-version-check)
+}
+
+install_torch() {
+  if ! "$PY" -c 'import torch' 2>/dev/null; then
+    say "installing $TORCH_SPEC"
+    "${PIP[@]}" "$TORCH_SPEC" numpy
+  fi
+  TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
+  HAS_CUDA=$("$PY" -c 'import torch; print(int(torch.version.cuda is not None and torch.cuda.is_available()))')
+}
+
+# The wheel depends on the exact torch ABI and Python: both are in the cache key.
+horovod_wheel_dir() {
+  local py_tag
+  py_tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  echo "$CACHE/wheels/horovod-$HOROVOD_VERSION-$py_tag-torch-$TORCH_VERSION-cuda$HAS_CUDA"
+}
+
+build_horovod_wheel() {
+  local out=$1 work=$CACHE/build/horovod-$HOROVOD_VERSION
+  say "building Horovod $HOROVOD_VERSION against torch $TORCH_VERSION (about 4 minutes on 2 cores)"
+  rm -rf "$work" && mkdir -p "$work"
+  "$PY" -m pip download -q --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" -d "$work"
+  tar -xzf "$work"/horovod-$HOROVOD_VERSION.tar.gz -C "$work"
+  local src=$work/horovod-$HOROVOD_VERSION
+  # 0.28.1 compiles with C++14; torch >= 2.1 headers need C++17 (upstream PR #3998, in no release).
+  local f
+  for f in "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"; do
+    grep -q 'set(CMAKE_CXX_STANDARD 14)' "$f" || die "C++17 patch does not apply to $f: the sdist changed"
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$f"
+  done
+  local gpu=()
+  [ "$HAS_CUDA" = 1 ] && gpu=(HOROVOD_GPU_OPERATIONS=NCCL)
+  mkdir -p "$out"
+  env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+      HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+      MAKEFLAGS="-j$(nproc)" "${gpu[@]}" \
+      "$PY" -m pip wheel -q --no-build-isolation --no-deps "$src" -w "$out.tmp" \
+      > "$work/build.log" 2>&1 || die "Horovod build failed; see $work/build.log"
+  mv "$out.tmp"/horovod-*.whl "$out"/ && rm -rf "$out.tmp" "$work"
+}
+
+install_horovod() {
+  # Horovod's runtime deps, and what its build needs from the environment (no build isolation).
+  "${PIP[@]}" cloudpickle psutil pyyaml packaging cffi wheel setuptools
+  local dir wheel
+  dir=$(horovod_wheel_dir)
+  ls "$dir"/horovod-*.whl >/dev/null 2>&1 || build_horovod_wheel "$dir"
+  wheel=$(ls "$dir"/horovod-*.whl | head -n 1)
+  # pip would keep an installed 0.28.1 built against another torch: reinstall when the wheel differs.
+  if [ "$(cat "$VENV/.horovod-wheel" 2>/dev/null)" != "$wheel" ]; then
+    say "installing $(basename "$wheel")"
+    "${PIP[@]}" --force-reinstall --no-deps "$wheel"
+    echo "$wheel" > "$VENV/.horovod-wheel"
+  fi
+}
+
+install_hvdtrain() {
+  local stamp=$VENV/.hvdtrain-deps key
+  key=$(cat "$ROOT/setup.cfg" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)
+  [ "$(cat "$stamp" 2>/dev/null)" = "$key" ] && return 0
+  say "installing mpi4py (built against $(command -v mpicc)) and hvdtrain"
+  # A binary mpi4py wheel may carry another MPI; it must match the mpirun that launches it.
+  "${PIP[@]}" --no-binary mpi4py mpi4py
+  "${PIP[@]}" -e "$ROOT[test,examples]"
+  echo "$key" > "$stamp"
+}
+
+verify_horovod() {
+  local report
+  report=$("$VENV/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $report"
+  local need
+  for need in PyTorch MPI Gloo; do
+    grep -Eq "\[X\] $need\b" <<<"$report" || die "Horovod was built without $need support:
+$report
+Remove $(horovod_wheel_dir) and run this script again; the build log shows why $need was left out."
+  done
+  say "Horovod $HOROVOD_VERSION ready: PyTorch, MPI and Gloo built ($VENV)"
+}
+
+install_system_packages
+make_venv
+install_torch
+install_horovod
+install_hvdtrain
+verify_horovod

@@ -1,0 +1,18 @@
+import os
+
+import pytest
+
+# Set by libraries when first imported or used, not by tests: torch's compile cache,
+# and the OpenMP switches scikit-learn sets on import.
+_SET_BY_LIBRARIES = {"TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
+
+
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """A test that leaks an environment variable into the next one fails loudly instead."""
+    saved = dict(os.environ)
+    yield
+    leaked = set(os.environ) - set(saved) - _SET_BY_LIBRARIES
+    os.environ.clear()
+    os.environ.update(saved)
+    assert not leaked, f"test left environment variables behind: {sorted(leaked)}"

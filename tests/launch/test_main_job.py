@@ -1,0 +1,63 @@
+"""The main job, train.py, launched the ways users launch it, reaches the stated accuracy."""
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+PYTHON = sys.executable
+REQUIRED_ACCURACY = 0.95
+LAUNCH_TIMEOUT = 300  # seconds; a launch that hangs fails instead of blocking CI
+
+
+def run(argv, timeout=LAUNCH_TIMEOUT):
+    """Run a launch in its own process group, so a timeout kills every rank it started."""
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    if os.geteuid() == 0:  # Open MPI refuses root unless told twice
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"{' '.join(argv)} did not finish in {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
+    return process.returncode, out, err
+
+
+def final_accuracy(output):
+    match = re.search(r"final validation accuracy: ([0-9.]+) on \d+ held-out digits, (\d+) workers", output)
+    assert match, f"no final accuracy line in:\n{output[-3000:]}"
+    return float(match.group(1)), int(match.group(2))
+
+
+LAUNCHES = {
+    "one process": [PYTHON, "train.py"],
+    "horovodrun -np 2": [str(BIN / "horovodrun"), "-np", "2", PYTHON, "train.py"],
+    "horovodrun -np 2 --gloo": [str(BIN / "horovodrun"), "-np", "2", "--gloo", PYTHON, "train.py"],
+    "mpirun --hostfile": ["mpirun", "-np", "2", "--hostfile", "hostfiles/localhost", PYTHON, "train.py"],
+}
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_train_py_reaches_the_stated_accuracy(launch):
+    code, out, err = run(LAUNCHES[launch] + ["--require-accuracy", str(REQUIRED_ACCURACY)])
+    assert code == 0, f"exit {code}\n{out[-3000:]}\n{err[-3000:]}"
+    accuracy, workers = final_accuracy(out)
+    assert workers == (1 if launch == "one process" else 2)
+    assert accuracy >= REQUIRED_ACCURACY
+    # Progress is logged by rank 0 only: each epoch line appears once, not once per rank.
+    assert len(re.findall(r"epoch 1/\d+ step", out)) == 1
+
+
+def test_a_missed_accuracy_target_fails_every_rank_with_a_message():
+    code, out, err = run([str(BIN / "horovodrun"), "-np", "2", PYTHON, "train.py",
+                          "--epochs", "1", "--require-accuracy", "0.999"])
+    assert code != 0
+    assert "is below the required 0.999" in err + out

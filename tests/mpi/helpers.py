@@ -1,0 +1,24 @@
+"""Models and data shared by the MPI tests: small, deterministic, float64."""
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def synthetic_classification(samples: int = 192, features: int = 12, classes: int = 4,
+                             dtype: torch.dtype = torch.float64) -> TensorDataset:
+    """A fixed, learnable data set: the same on every rank and every run."""
+    generator = torch.Generator().manual_seed(2024)
+    inputs = torch.randn(samples, features, generator=generator, dtype=dtype)
+    weights = torch.randn(features, classes, generator=generator, dtype=dtype)
+    labels = (inputs @ weights).argmax(dim=1)
+    return TensorDataset(inputs, labels)
+
+
+def small_mlp(seed: int, features: int = 12, classes: int = 4,
+              dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(features, 16), nn.Tanh(), nn.Linear(16, classes)).to(dtype)
+
+
+def flat_parameters(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])

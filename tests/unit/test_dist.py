@@ -1,0 +1,20 @@
+import pytest
+
+from hvdtrain.dist import rank_seed, threads_per_rank
+
+
+@pytest.mark.parametrize("local_size,visible,host,expected", [
+    (2, 8, 8, 4),   # unbound: two ranks share eight cores
+    (4, 2, 2, 1),   # more ranks than cores: never zero threads
+    (2, 1, 2, 1),   # bound to one core by the launcher: use it
+    (1, 3, 16, 3),  # bound to three cores (cpuset): use those
+])
+def test_threads_per_rank_divides_the_host_or_keeps_the_binding(local_size, visible, host, expected):
+    assert threads_per_rank(local_size, visible, host) == expected
+
+
+def test_rank_seeds_differ_per_rank_and_repeat_per_run():
+    seeds = [rank_seed(42, rank) for rank in range(64)]
+    assert len(set(seeds)) == 64
+    assert seeds == [rank_seed(42, rank) for rank in range(64)]
+    assert rank_seed(43, 0) != seeds[0]

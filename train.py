@@ -1,0 +1,51 @@
+"""Train a small CNN on the 8x8 digits, data-parallel over every rank of the launch.
+
+    horovodrun -np 2 python train.py
+    mpirun -np 2 --hostfile hostfiles/localhost python train.py
+    python train.py --epochs 5            # one process, no launcher
+
+Copy this file for your own job: build the data, the model and the optimizer as for one
+process (with one worker's learning rate); hvdtrain does the distribution.
+"""
+import argparse
+import sys
+
+import torch
+
+import hvdtrain
+from hvdtrain.config import TrainConfig, add_config_arguments, config_from_args
+from hvdtrain.examples.digits import DigitsCNN, load_digits_datasets
+
+DEFAULTS = TrainConfig(epochs=12, batch_size=32, lr=0.02, warmup_epochs=2, log_every=10)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arguments(parser, DEFAULTS)
+    parser.add_argument("--require-accuracy", type=float, default=None,
+                        help="exit 1 unless the final validation accuracy reaches this fraction")
+    args = parser.parse_args(argv)
+    config = config_from_args(args)
+
+    world = hvdtrain.init(seed=config.seed)
+    train_set, val_set = load_digits_datasets()
+    model = DigitsCNN()
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+    trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, config, world=world)
+    history = trainer.fit()
+
+    # Every rank holds the same, all-reduced accuracy, so every rank exits with the same code.
+    accuracy = history[-1]["val_accuracy"]
+    if world.is_root:
+        print(f"final validation accuracy: {accuracy:.4f} on {int(history[-1]['val_samples'])} "
+              f"held-out digits, {world.size} workers", flush=True)
+    if args.require_accuracy is not None and accuracy < args.require_accuracy:
+        if world.is_root:
+            print(f"error: accuracy {accuracy:.4f} is below the required {args.require_accuracy}",
+                  file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
