@@ -46,7 +46,14 @@ make_venv() {
     "$PYTHON" -m venv "${site[@]}" "$VENV"
   fi
   PY=$VENV/bin/python
-  PIP=("$PY" -m pip install -q --disable-pip-version-check)
+  PIP=(pip_quiet install)
+}
+
+# Some pip configurations list local index folders that lack most packages; pip warns once per
+# package about each. Those lines say nothing about this install: drop them, keep everything else.
+pip_quiet() {
+  "$PY" -m pip "$1" -q --disable-pip-version-check "${@:2}" \
+    2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 }
 
 install_torch() {
@@ -54,8 +61,13 @@ install_torch() {
     say "installing $TORCH_SPEC"
     "${PIP[@]}" "$TORCH_SPEC" numpy
   fi
-  TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
-  HAS_CUDA=$("$PY" -c 'import torch; print(int(torch.version.cuda is not None and torch.cuda.is_available()))')
+  TORCH_VERSION=$("$PY" -W ignore -c 'import torch; print(torch.__version__)')
+  # NCCL support needs a CUDA build of torch and the CUDA toolkit, not a visible GPU: a login
+  # node without GPUs builds the same wheel as the compute nodes.
+  HAS_CUDA=0
+  if [ "$("$PY" -W ignore -c 'import torch; print(torch.version.cuda or "")')" != "" ] && command -v nvcc >/dev/null; then
+    HAS_CUDA=1
+  fi
 }
 
 # The wheel depends on the exact torch ABI and Python: both are in the cache key.
@@ -69,7 +81,7 @@ build_horovod_wheel() {
   local out=$1 work=$CACHE/build/horovod-$HOROVOD_VERSION
   say "building Horovod $HOROVOD_VERSION against torch $TORCH_VERSION (about 4 minutes on 2 cores)"
   rm -rf "$work" && mkdir -p "$work"
-  "$PY" -m pip download -q --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" -d "$work"
+  pip_quiet download --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" -d "$work"
   tar -xzf "$work"/horovod-$HOROVOD_VERSION.tar.gz -C "$work"
   local src=$work/horovod-$HOROVOD_VERSION
   # 0.28.1 compiles with C++14; torch >= 2.1 headers need C++17 (upstream PR #3998, in no release).
