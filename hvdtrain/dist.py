@@ -16,6 +16,8 @@ import torch
 
 import horovod.torch as hvd
 
+from hvdtrain import env as launcher_env
+
 # Horovod's default is to warn about a stalled collective after 60 s and never give up,
 # which turns a rank that stopped calling collectives into a silent hang (MPI controller only).
 _STALL_DEFAULTS = {
@@ -36,6 +38,7 @@ class World:
     cross_size: int
     hostname: str
     controller: str  # "mpi" or "gloo"
+    launcher: str  # which launcher's variables were found, e.g. "SLURM srun"
     threads: int
     device: torch.device
 
@@ -69,11 +72,14 @@ def seed_everything(seed: int) -> None:
 def init(seed: int = 0, threads: Optional[int] = None) -> World:
     """Start Horovod, pin this rank to its device and threads, and seed it.
 
-    Safe to call more than once: Horovod's init is idempotent.
+    Safe to call more than once: Horovod's init is idempotent. Fails, naming both values and
+    the likely fix, when the launcher's variables disagree with the world Horovod formed.
     """
     for key, value in _STALL_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    launcher = launcher_env.detect()
     hvd.init()
+    launcher_env.check_world(launcher, hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
 
     if torch.cuda.is_available():
         torch.cuda.set_device(hvd.local_rank())
@@ -96,6 +102,7 @@ def init(seed: int = 0, threads: Optional[int] = None) -> World:
         cross_size=hvd.cross_size(),
         hostname=socket.gethostname(),
         controller="gloo" if hvd.gloo_enabled() else "mpi",
+        launcher=launcher.name,
         threads=threads,
         device=device,
     )

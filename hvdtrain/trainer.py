@@ -100,8 +100,8 @@ class Trainer:
     def _announce(self) -> None:
         w, cfg = self.world, self.config
         self.log.info(
-            f"{w.size} workers ({w.cross_size} hosts x {w.local_size}), {w.controller.upper()} "
-            f"controller, {w.threads} threads/rank, device {w.device}"
+            f"{w.size} workers ({w.cross_size} hosts x {w.local_size}) started by {w.launcher}, "
+            f"{w.controller.upper()} controller, {w.threads} threads/rank, device {w.device}"
         )
         self.log.info(
             f"global batch {self.global_batch_size} = {cfg.batch_size} x {cfg.accumulation} "

@@ -15,9 +15,9 @@ REQUIRED_ACCURACY = 0.95
 LAUNCH_TIMEOUT = 300  # seconds; a launch that hangs fails instead of blocking CI
 
 
-def run(argv, timeout=LAUNCH_TIMEOUT):
+def run(argv, timeout=LAUNCH_TIMEOUT, extra_env=None):
     """Run a launch in its own process group, so a timeout kills every rank it started."""
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(extra_env or {}))
     if os.geteuid() == 0:  # Open MPI refuses root unless told twice
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -61,3 +61,14 @@ def test_a_missed_accuracy_target_fails_every_rank_with_a_message():
                           "--epochs", "1", "--require-accuracy", "0.999"])
     assert code != 0
     assert "is below the required 0.999" in err + out
+
+
+def test_srun_without_mpi_fails_at_start_naming_both_sizes_and_the_fix():
+    """Two tasks that each formed a 1-rank world (srun without --mpi) must not train."""
+    fake_srun = {"SLURM_PROCID": "1", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
+                 "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2"}
+    code, out, err = run([PYTHON, "train.py", "--epochs", "1"], extra_env=fake_srun, timeout=120)
+    assert code != 0
+    assert "world size: the launcher says 2, Horovod says 1 (hvd.size())" in err
+    assert "srun --mpi=pmix" in err
+    assert "final validation accuracy" not in out

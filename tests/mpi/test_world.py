@@ -4,25 +4,22 @@ import os
 import pytest
 import torch
 
-from hvdtrain import dist
+from hvdtrain import dist, env
 
 pytestmark = pytest.mark.mpi
 
 
-def launcher_world():
-    """(rank, size, controller) as the launcher's own variables say."""
-    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ:  # horovodrun --gloo
-        return int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"]), "gloo"
-    if "OMPI_COMM_WORLD_SIZE" in os.environ:  # mpirun (or horovodrun over MPI)
-        return int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"]), "mpi"
-    return 0, 1, "mpi"  # one process, no launcher
-
-
 def test_world_matches_the_launcher(world):
-    rank, size, controller = launcher_world()
+    launcher = env.detect()
     ranks = dist.allgather_rows(torch.tensor([world.rank, world.local_rank]), name="world.ranks")
+    expected_launcher = ("horovodrun (Gloo)" if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
+                         else "Open MPI mpirun" if "OMPI_COMM_WORLD_SIZE" in os.environ
+                         else "single process")
 
-    assert (world.rank, world.size, world.controller) == (rank, size, controller)
-    assert sorted(ranks[:, 0].tolist()) == list(range(size))
+    assert world.launcher == launcher.name == expected_launcher
+    assert (world.rank, world.size) == (launcher.global_rank(), launcher.world_size())
+    assert (world.local_rank, world.local_size) == (launcher.local_rank(), launcher.local_size())
+    assert world.controller == ("gloo" if expected_launcher.startswith("horovodrun") else "mpi")
+    assert sorted(ranks[:, 0].tolist()) == list(range(world.size))
     assert world.local_size * world.cross_size == world.size
     assert 1 <= world.threads <= (os.cpu_count() or 1)
