@@ -6,6 +6,8 @@ import platform
 import sys
 from typing import List, Optional
 
+from hvdtrain.launch import runner as launch_runner
+
 
 def _info(_: argparse.Namespace) -> int:
     """What this install can do: versions and the collective back-ends Horovod was built with."""
@@ -36,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="versions and the back-ends Horovod was built with")
     info.set_defaults(run=_info)
+    launch = commands.add_parser("launch", help="start a job with mpirun, mpiexec, horovodrun or srun",
+                                 description=launch_runner.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    launch_runner.add_arguments(launch)
+    launch.set_defaults(run=launch_runner.run)
     return parser
 
 

@@ -1,35 +1,11 @@
 """The main job, train.py, launched the ways users launch it, reaches the stated accuracy."""
-import os
 import re
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-PYTHON = sys.executable
+from tests.launch.helpers import BIN, PYTHON, run
+
 REQUIRED_ACCURACY = 0.95
-LAUNCH_TIMEOUT = 300  # seconds; a launch that hangs fails instead of blocking CI
-
-
-def run(argv, timeout=LAUNCH_TIMEOUT, extra_env=None):
-    """Run a launch in its own process group, so a timeout kills every rank it started."""
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(extra_env or {}))
-    if os.geteuid() == 0:  # Open MPI refuses root unless told twice
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-        pytest.fail(f"{' '.join(argv)} did not finish in {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
-    return process.returncode, out, err
-
 
 def final_accuracy(output):
     match = re.search(r"final validation accuracy: ([0-9.]+) on \d+ held-out digits, (\d+) workers", output)

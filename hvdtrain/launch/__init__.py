@@ -1,0 +1,1 @@
+"""Hostfiles and launch commands. Runs on login nodes: imports neither torch nor Horovod."""

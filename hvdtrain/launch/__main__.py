@@ -1,0 +1,5 @@
+import sys
+
+from hvdtrain.launch.runner import main
+
+sys.exit(main())

@@ -1,0 +1,91 @@
+"""The exact command line each launcher needs, as pure functions of one LaunchSpec."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+from hvdtrain.launch.hostfile import Host, HostfileError, check_hostname, to_host_list, total_slots
+
+# Variables every rank needs from the launching shell; mpirun passes none unless told (-x).
+DEFAULT_EXPORTS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    np: int
+    command: Sequence[str]
+    hosts: Sequence[Host] = ()  # empty: this host only
+    network_interface: Optional[str] = None
+    exports: Sequence[str] = field(default=DEFAULT_EXPORTS)
+    as_root: bool = False
+
+    def __post_init__(self) -> None:
+        if self.np < 1:
+            raise ValueError(f"-np must be >= 1, got {self.np}")
+        if not self.command:
+            raise ValueError("no command to launch: put it after the options, e.g. -- python train.py")
+        if self.hosts and self.np > total_slots(self.hosts):
+            raise HostfileError(
+                f"-np {self.np} asks for more ranks than the {total_slots(self.hosts)} slots of "
+                f"{to_host_list(self.hosts)}: lower -np or add slots"
+            )
+        if self.network_interface is not None:
+            check_hostname(self.network_interface, "--network-interface")
+
+
+def openmpi_argv(spec: LaunchSpec) -> List[str]:
+    """Open MPI's mpirun, with the flags horovodrun would add for the same job."""
+    argv = ["mpirun", "-np", str(spec.np)]
+    if spec.as_root:
+        argv.append("--allow-run-as-root")
+    if spec.hosts:
+        argv += ["-H", to_host_list(spec.hosts)]
+    # No binding (Horovod's background thread needs a core of its own), ranks filled host by host;
+    # ob1 + no openib: the TCP/shared-memory path that works everywhere.
+    argv += ["-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib"]
+    if spec.network_interface:
+        argv += ["-mca", "btl_tcp_if_include", spec.network_interface,
+                 "-mca", "oob_tcp_if_include", spec.network_interface,
+                 "-x", f"NCCL_SOCKET_IFNAME={spec.network_interface}"]
+    for name in spec.exports:
+        argv += ["-x", name]
+    return argv + list(spec.command)
+
+
+def mpich_argv(spec: LaunchSpec) -> List[str]:
+    """MPICH/Intel MPI's Hydra mpiexec."""
+    argv = ["mpiexec", "-n", str(spec.np)]
+    if spec.hosts:
+        argv += ["-hosts", to_host_list(spec.hosts)]
+    if spec.network_interface:
+        argv += ["-iface", spec.network_interface, "-genv", "NCCL_SOCKET_IFNAME", spec.network_interface]
+    if spec.exports:
+        argv += ["-genvlist", ",".join(spec.exports)]
+    return argv + list(spec.command)
+
+
+def horovodrun_argv(spec: LaunchSpec, start_timeout: int = 30) -> List[str]:
+    argv = ["horovodrun", "-np", str(spec.np), "--start-timeout", str(start_timeout)]
+    if spec.hosts:
+        argv += ["-H", to_host_list(spec.hosts)]
+    if spec.network_interface:
+        argv += ["--network-interface", spec.network_interface]
+    return argv + list(spec.command)
+
+
+def srun_argv(spec: LaunchSpec) -> List[str]:
+    """srun inside an allocation; PMIx is what Debian's and most sites' Open MPI speak."""
+    argv = ["srun", "--mpi=pmix", f"--ntasks={spec.np}"]
+    if spec.hosts:
+        argv.append("--nodelist=" + ",".join(h.name for h in spec.hosts))
+    if spec.network_interface:
+        argv.append(f"--export=ALL,NCCL_SOCKET_IFNAME={spec.network_interface}")
+    return argv + list(spec.command)
+
+
+BUILDERS: Dict[str, Callable[[LaunchSpec], List[str]]] = {
+    "mpirun": openmpi_argv,
+    "mpich": mpich_argv,
+    "horovodrun": horovodrun_argv,
+    "srun": srun_argv,
+}

@@ -1,0 +1,109 @@
+"""``hvdtrain launch``: one command line for every launcher, with a dry run and a time limit.
+
+    hvdtrain launch -np 4 --hostfile hostfiles/two-hosts -- python train.py --epochs 20
+    hvdtrain launch --launcher horovodrun -H a:2,b:2 --dry-run -- python train.py
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from typing import List, Optional
+
+from hvdtrain.launch.commands import BUILDERS, DEFAULT_EXPORTS, LaunchSpec
+from hvdtrain.launch.hostfile import HostfileError, parse_host_list, parse_hostfile, total_slots
+
+GRACE_SECONDS = 10  # between SIGTERM and SIGKILL when a job must be stopped
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-np", "--num-proc", dest="np", type=int, default=None,
+                        help="ranks to start (default: every slot of the hosts, or 1)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--hostfile", help="hostfile in Open MPI (host slots=N), Horovod (host:N) or bare form")
+    where.add_argument("-H", "--hosts", help="hosts as a:2,b:2")
+    parser.add_argument("--launcher", choices=sorted(BUILDERS), default="mpirun",
+                        help="mpirun (Open MPI), mpich (Hydra mpiexec), horovodrun, srun (default: mpirun)")
+    parser.add_argument("--network-interface", help="the interface ranks talk over, e.g. eth0 or ib0")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="stop the whole job after this many seconds (exit code 124)")
+    parser.add_argument("--dry-run", action="store_true", help="print the exact command and exit")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program and its arguments")
+
+
+def build_command(args: argparse.Namespace, environ=os.environ) -> List[str]:
+    hosts = []
+    if args.hostfile:
+        hosts = parse_hostfile(args.hostfile)
+    elif args.hosts:
+        hosts = parse_host_list(args.hosts)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    spec = LaunchSpec(
+        np=args.np or total_slots(hosts) or 1,
+        command=command,
+        hosts=hosts,
+        network_interface=args.network_interface,
+        exports=[name for name in DEFAULT_EXPORTS if name in environ],
+        as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+    )
+    return BUILDERS[args.launcher](spec)
+
+
+def execute(argv: List[str], timeout: Optional[float]) -> int:
+    """Run the launcher in its own process group: a timeout or Ctrl-C stops every rank it started."""
+    try:
+        process = subprocess.Popen(argv, start_new_session=True)
+    except FileNotFoundError:
+        print(f"hvdtrain launch: {argv[0]} not found on PATH: install it or choose another --launcher",
+              file=sys.stderr)
+        return 127
+
+    def stop(signum=signal.SIGTERM, _frame=None) -> None:
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"hvdtrain launch: the job ran past --timeout {timeout:g} s; stopping every rank",
+                  file=sys.stderr, flush=True)
+            stop()
+            try:
+                process.wait(timeout=GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                stop(signal.SIGKILL)
+                process.wait()
+            return 124
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code != 0:
+        print(f"hvdtrain launch: the job failed with exit code {code}; the launcher's message above "
+              f"names the first rank that failed", file=sys.stderr, flush=True)
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        argv = build_command(args)
+    except (HostfileError, ValueError) as error:
+        print(f"hvdtrain launch: {error}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(shlex.join(argv))
+        return 0
+    return execute(argv, args.timeout)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="hvdtrain launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,84 @@
+import shlex
+
+import pytest
+
+from hvdtrain.cli import main as cli_main
+from hvdtrain.launch.commands import (LaunchSpec, horovodrun_argv, mpich_argv, openmpi_argv,
+                                      srun_argv)
+from hvdtrain.launch.hostfile import Host, HostfileError
+
+TWO_HOSTS = (Host("hostA", 2), Host("hostB", 2))
+COMMAND = ("python", "train.py", "--epochs", "3")
+
+
+def spec(**overrides):
+    values = dict(np=4, command=COMMAND, hosts=TWO_HOSTS, network_interface="eth0",
+                  exports=("PATH", "PYTHONPATH"), as_root=False)
+    values.update(overrides)
+    return LaunchSpec(**values)
+
+
+def test_open_mpi_command_line():
+    assert openmpi_argv(spec()) == [
+        "mpirun", "-np", "4", "-H", "hostA:2,hostB:2", "-bind-to", "none", "-map-by", "slot",
+        "-mca", "pml", "ob1", "-mca", "btl", "^openib",
+        "-mca", "btl_tcp_if_include", "eth0", "-mca", "oob_tcp_if_include", "eth0",
+        "-x", "NCCL_SOCKET_IFNAME=eth0", "-x", "PATH", "-x", "PYTHONPATH",
+        "python", "train.py", "--epochs", "3",
+    ]
+
+
+def test_open_mpi_on_one_host_as_root():
+    assert openmpi_argv(spec(np=2, hosts=(), network_interface=None, exports=(), as_root=True)) == [
+        "mpirun", "-np", "2", "--allow-run-as-root", "-bind-to", "none", "-map-by", "slot",
+        "-mca", "pml", "ob1", "-mca", "btl", "^openib", "python", "train.py", "--epochs", "3",
+    ]
+
+
+def test_mpich_command_line():
+    assert mpich_argv(spec()) == [
+        "mpiexec", "-n", "4", "-hosts", "hostA:2,hostB:2", "-iface", "eth0",
+        "-genv", "NCCL_SOCKET_IFNAME", "eth0", "-genvlist", "PATH,PYTHONPATH",
+        "python", "train.py", "--epochs", "3",
+    ]
+
+
+def test_horovodrun_and_srun_command_lines():
+    assert horovodrun_argv(spec()) == [
+        "horovodrun", "-np", "4", "--start-timeout", "30", "-H", "hostA:2,hostB:2",
+        "--network-interface", "eth0", "python", "train.py", "--epochs", "3",
+    ]
+    assert srun_argv(spec()) == [
+        "srun", "--mpi=pmix", "--ntasks=4", "--nodelist=hostA,hostB",
+        "--export=ALL,NCCL_SOCKET_IFNAME=eth0", "python", "train.py", "--epochs", "3",
+    ]
+
+
+@pytest.mark.parametrize("overrides,error,message", [
+    ({"np": 5}, HostfileError, "-np 5 asks for more ranks than the 4 slots of hostA:2,hostB:2"),
+    ({"np": 0}, ValueError, "-np must be >= 1"),
+    ({"command": ()}, ValueError, "no command to launch"),
+    ({"network_interface": "eth0;reboot"}, HostfileError, "bad host name 'eth0;reboot'"),
+])
+def test_impossible_launches_are_refused(overrides, error, message):
+    with pytest.raises(error, match=message):
+        spec(**overrides)
+
+
+def test_cli_dry_run_prints_the_command_and_np_defaults_to_the_slots(capsys, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two hosts\nhostA slots=2\nhostB:2\n")
+    code = cli_main(["launch", "--hostfile", str(hostfile), "--launcher", "horovodrun", "--dry-run",
+                     "--", "python", "train.py", "--lr", "0.1"])
+    assert code == 0
+    assert shlex.split(capsys.readouterr().out) == [
+        "horovodrun", "-np", "4", "--start-timeout", "30", "-H", "hostA:2,hostB:2",
+        "python", "train.py", "--lr", "0.1",
+    ]
+
+
+def test_cli_reports_a_bad_hostfile_line_and_exits_2(capsys, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("hostA slots=2\nhostB slots=two\n")
+    assert cli_main(["launch", "--hostfile", str(hostfile), "--dry-run", "--", "python"]) == 2
+    assert f"{hostfile}:2: bad slots 'two'" in capsys.readouterr().err
