@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 from typing import List, Optional
@@ -33,6 +34,23 @@ def _info(_: argparse.Namespace) -> int:
     return 0
 
 
+def _hosts(args: argparse.Namespace) -> int:
+    """The SLURM allocation's hosts, in the form a launcher takes."""
+    from hvdtrain.launch.allocation import allocation_hosts
+    from hvdtrain.launch.hostfile import (HostfileError, to_colon_lines, to_host_list, to_openmpi,
+                                          total_slots)
+
+    try:
+        hosts = allocation_hosts(os.environ)
+    except (HostfileError, ValueError) as error:
+        print(f"hvdtrain hosts: {error}", file=sys.stderr)
+        return 2
+    writers = {"list": lambda h: to_host_list(h) + "\n", "openmpi": to_openmpi, "colon": to_colon_lines,
+               "np": lambda h: f"{total_slots(h)}\n"}
+    sys.stdout.write(writers[args.format](hosts))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hvdtrain", description="Data-parallel PyTorch training on Horovod.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     launch_runner.add_arguments(launch)
     launch.set_defaults(run=launch_runner.run)
+    hosts = commands.add_parser("hosts", help="the SLURM allocation's hosts, for -H or a hostfile")
+    hosts.add_argument("--format", choices=["list", "openmpi", "colon", "np"], default="list",
+                       help="list: a:2,b:2 (for -H); openmpi: 'a slots=2' lines; colon: 'a:2' lines; "
+                            "np: the total number of slots")
+    hosts.set_defaults(run=_hosts)
     return parser
 
 

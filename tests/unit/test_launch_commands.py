@@ -82,3 +82,29 @@ def test_cli_reports_a_bad_hostfile_line_and_exits_2(capsys, tmp_path):
     hostfile.write_text("hostA slots=2\nhostB slots=two\n")
     assert cli_main(["launch", "--hostfile", str(hostfile), "--dry-run", "--", "python"]) == 2
     assert f"{hostfile}:2: bad slots 'two'" in capsys.readouterr().err
+
+
+def test_hosts_of_a_slurm_allocation_in_every_format(capsys, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[01-02],gpu7")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2),4")
+    outputs = {}
+    for form in ("list", "openmpi", "colon", "np"):
+        assert cli_main(["hosts", "--format", form]) == 0
+        outputs[form] = capsys.readouterr().out
+    assert outputs == {
+        "list": "node01:2,node02:2,gpu7:4\n",
+        "openmpi": "node01 slots=2\nnode02 slots=2\ngpu7 slots=4\n",
+        "colon": "node01:2\nnode02:2\ngpu7:4\n",
+        "np": "8\n",
+    }
+
+
+def test_hosts_outside_an_allocation_or_with_inconsistent_variables_fail(capsys, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    monkeypatch.delenv("SLURM_NODELIST", raising=False)
+    assert cli_main(["hosts"]) == 2
+    assert "not inside a SLURM allocation" in capsys.readouterr().err
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[01-03]")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
+    assert cli_main(["hosts"]) == 2
+    assert "names 3 nodes but SLURM_TASKS_PER_NODE='2(x2)' covers 2" in capsys.readouterr().err
