@@ -1,7 +1,7 @@
 """The interface every launcher's environment implements: who am I, as the launcher says."""
 from __future__ import annotations
 
-from typing import ClassVar, Mapping, Optional
+from typing import ClassVar, Mapping, Optional, Tuple
 
 
 class LauncherEnvironmentError(RuntimeError):
@@ -11,12 +11,18 @@ class LauncherEnvironmentError(RuntimeError):
 class ClusterEnvironment:
     """What one launcher's environment variables say about this process.
 
-    Subclasses only read variables. A value the launcher does not publish is None: it is
-    then taken from Horovod after init, not guessed.
+    Subclasses only read variables: they name them in the ``*_VARS`` tuples (the first one set
+    wins). A value the launcher does not publish is None: it is then taken from Horovod after
+    init, not guessed.
     """
 
     name: ClassVar[str] = "unknown"
     hint: ClassVar[str] = ""  # what to check when this launcher's view disagrees with Horovod's
+    RANK_VARS: ClassVar[Tuple[str, ...]] = ()
+    SIZE_VARS: ClassVar[Tuple[str, ...]] = ()
+    LOCAL_RANK_VARS: ClassVar[Tuple[str, ...]] = ()
+    LOCAL_SIZE_VARS: ClassVar[Tuple[str, ...]] = ()
+    NODE_RANK_VARS: ClassVar[Tuple[str, ...]] = ()
 
     def __init__(self, env: Mapping[str, str]) -> None:
         self.env = env
@@ -26,19 +32,19 @@ class ClusterEnvironment:
         raise NotImplementedError
 
     def world_size(self) -> Optional[int]:
-        return None
+        return self._int(*self.SIZE_VARS)
 
     def global_rank(self) -> Optional[int]:
-        return None
+        return self._int(*self.RANK_VARS)
 
     def local_rank(self) -> Optional[int]:
-        return None
+        return self._int(*self.LOCAL_RANK_VARS)
 
     def local_size(self) -> Optional[int]:
-        return None
+        return self._int(*self.LOCAL_SIZE_VARS)
 
     def node_rank(self) -> Optional[int]:
-        return None
+        return self._int(*self.NODE_RANK_VARS)
 
     def _int(self, *names: str) -> Optional[int]:
         """The first of ``names`` that is set, as a whole number >= 0 (or None if none is set)."""

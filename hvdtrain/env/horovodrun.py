@@ -10,22 +10,12 @@ class HorovodRunEnvironment(ClusterEnvironment):
     name = "horovodrun (Gloo)"
     hint = ("check that every host runs the same hvdtrain/Horovod and that horovodrun's -np "
             "matches the slots given with -H or --hostfile")
+    RANK_VARS = ("HOROVOD_RANK",)
+    SIZE_VARS = ("HOROVOD_SIZE",)
+    LOCAL_RANK_VARS = ("HOROVOD_LOCAL_RANK",)
+    LOCAL_SIZE_VARS = ("HOROVOD_LOCAL_SIZE",)
+    NODE_RANK_VARS = ("HOROVOD_CROSS_RANK",)
 
     @classmethod
     def detect(cls, env):
         return "HOROVOD_RANK" in env and "HOROVOD_SIZE" in env
-
-    def world_size(self):
-        return self._int("HOROVOD_SIZE")
-
-    def global_rank(self):
-        return self._int("HOROVOD_RANK")
-
-    def local_rank(self):
-        return self._int("HOROVOD_LOCAL_RANK")
-
-    def local_size(self):
-        return self._int("HOROVOD_LOCAL_SIZE")
-
-    def node_rank(self):
-        return self._int("HOROVOD_CROSS_RANK")

@@ -8,19 +8,11 @@ class OpenMPIEnvironment(ClusterEnvironment):
     hint = ("the mpirun on PATH must be the Open MPI that mpi4py and Horovod were built against "
             "(compare `which mpirun` with `hvdtrain info`); on SLURM, start mpirun once per job, "
             "not once per task under srun")
+    RANK_VARS = ("OMPI_COMM_WORLD_RANK",)
+    SIZE_VARS = ("OMPI_COMM_WORLD_SIZE",)
+    LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK",)
+    LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE",)
 
     @classmethod
     def detect(cls, env):
         return "OMPI_COMM_WORLD_SIZE" in env
-
-    def world_size(self):
-        return self._int("OMPI_COMM_WORLD_SIZE")
-
-    def global_rank(self):
-        return self._int("OMPI_COMM_WORLD_RANK")
-
-    def local_rank(self):
-        return self._int("OMPI_COMM_WORLD_LOCAL_RANK")
-
-    def local_size(self):
-        return self._int("OMPI_COMM_WORLD_LOCAL_SIZE")

@@ -6,10 +6,8 @@ class PMIxEnvironment(ClusterEnvironment):
 
     name = "PMIx"
     hint = "the launcher's PMIx must be the one Open MPI was built with (check `ompi_info | grep pmix`)"
+    RANK_VARS = ("PMIX_RANK",)
 
     @classmethod
     def detect(cls, env):
         return "PMIX_RANK" in env
-
-    def global_rank(self):
-        return self._int("PMIX_RANK")

@@ -36,22 +36,15 @@ class SlurmEnvironment(ClusterEnvironment):
             "(`srun --mpi=list` shows what the site supports), or launch with mpirun inside the "
             "allocation; and ask for tasks with --ntasks-per-node, so that every node runs its share")
 
+    # The step's own count first: `srun -n 2` inside a 4-task job starts 2 ranks, not 4.
+    SIZE_VARS = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    RANK_VARS = ("SLURM_PROCID",)
+    LOCAL_RANK_VARS = ("SLURM_LOCALID",)
+    NODE_RANK_VARS = ("SLURM_NODEID",)
+
     @classmethod
     def detect(cls, env):
         return "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
-
-    def world_size(self):
-        # The step's own count: `srun -n 2` inside a 4-task job starts 2 ranks, not 4.
-        return self._int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
-
-    def global_rank(self):
-        return self._int("SLURM_PROCID")
-
-    def local_rank(self):
-        return self._int("SLURM_LOCALID")
-
-    def node_rank(self):
-        return self._int("SLURM_NODEID")
 
     def local_size(self) -> Optional[int]:
         value = self.env.get("SLURM_STEP_TASKS_PER_NODE") or self.env.get("SLURM_TASKS_PER_NODE")
