@@ -7,6 +7,7 @@ import platform
 import sys
 from typing import List, Optional
 
+from hvdtrain.launch import doctor as launch_doctor
 from hvdtrain.launch import runner as launch_runner
 
 
@@ -61,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     launch_runner.add_arguments(launch)
     launch.set_defaults(run=launch_runner.run)
+    doctor = commands.add_parser("doctor", help="check every host before a launch",
+                                 description=launch_doctor.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    launch_doctor.add_arguments(doctor)
+    doctor.set_defaults(run=launch_doctor.run)
     hosts = commands.add_parser("hosts", help="the SLURM allocation's hosts, for -H or a hostfile")
     hosts.add_argument("--format", choices=["list", "openmpi", "colon", "np"], default="list",
                        help="list: a:2,b:2 (for -H); openmpi: 'a slots=2' lines; colon: 'a:2' lines; "

@@ -1,0 +1,273 @@
+"""``hvdtrain doctor``: check every host before a launch, and say what to fix, in one table.
+
+    hvdtrain doctor --hostfile hostfiles/cluster --checkpoint-dir /shared/ckpt
+    hvdtrain doctor                      # inside a SLURM allocation: its hosts
+
+Checks: ssh to every host; the same Python/torch/Horovod/mpi4py/hvdtrain on every host; a
+network interface with one name on every host; slots against cores and GPUs; the checkpoint
+directory writable and the same directory on every host; a short all-reduce with its bandwidth;
+scontrol inside SLURM. Exit 1 when any row fails. Runs on login nodes: no torch import here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from hvdtrain.launch.allocation import allocation_hosts
+from hvdtrain.launch.commands import DEFAULT_EXPORTS, LaunchSpec, openmpi_argv
+from hvdtrain.launch.hostfile import Host, HostfileError, parse_host_list, parse_hostfile, total_slots
+
+FACTS_SCRIPT = (Path(__file__).with_name("host_facts.py")).read_text()
+SSH_CONNECT_TIMEOUT = 5
+HOST_TIMEOUT = 30
+PROBE_TIMEOUT = 120
+OK, WARN, FAIL = "ok", "WARN", "FAIL"
+
+
+@dataclass(frozen=True)
+class Row:
+    check: str
+    host: str
+    status: str
+    detail: str
+
+
+def is_local(host: str) -> bool:
+    return host in ("localhost", socket.gethostname(), socket.getfqdn()) or host.startswith("127.")
+
+
+def host_argv(host: str, python: str, args: Sequence[str]) -> List[str]:
+    """Run ``python - args`` on ``host`` (locally without ssh); the script comes on stdin."""
+    if is_local(host):
+        return [python, "-", *args]
+    remote = " ".join(shlex.quote(part) for part in (python, "-", *args))
+    return ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT}", host, remote]
+
+
+def run_on_host(host: str, python: str, args: Sequence[str]) -> Tuple[Optional[dict], str]:
+    """(parsed JSON, "") on success, or (None, why it failed)."""
+    try:
+        done = subprocess.run(host_argv(host, python, args), input=FACTS_SCRIPT, capture_output=True,
+                              text=True, timeout=HOST_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return None, f"no answer in {HOST_TIMEOUT} s"
+    last_error = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+    if done.returncode == 255 and not is_local(host):
+        return None, f"ssh failed: {last_error}"
+    if done.returncode != 0:
+        return None, f"{python} failed there (exit {done.returncode}): {last_error}"
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1]), ""
+    except (ValueError, IndexError):
+        return None, f"unexpected answer: {done.stdout.strip()[-200:]!r}"
+
+
+def on_every_host(hosts: Sequence[Host], python: str, args: Sequence[str]) -> Dict[str, Tuple[Optional[dict], str]]:
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        answers = pool.map(lambda h: run_on_host(h.name, python, args), hosts)
+        return dict(zip((h.name for h in hosts), answers))
+
+
+# ---- the checks: pure functions of what the hosts answered ---------------------------------
+
+def ssh_rows(answers: Mapping[str, Tuple[Optional[dict], str]]) -> List[Row]:
+    rows = []
+    for host, (facts, error) in answers.items():
+        if facts is not None:
+            how = "local" if is_local(host) else "ssh"
+            rows.append(Row("reach", host, OK, f"{how}: answered as {facts['hostname']}"))
+        else:
+            rows.append(Row("reach", host, FAIL, f"{error}. HINT: passwordless ssh from here must work "
+                                                 f"(ssh {host} true) and the host name must resolve"))
+    return rows
+
+
+def version_rows(facts: Mapping[str, dict]) -> List[Row]:
+    """Every host against the first one: a mismatch is the usual cause of crashes at init."""
+    if not facts:
+        return []
+    reference_host = next(iter(facts))
+    reference = facts[reference_host]["versions"]
+    rows = []
+    for host, found in facts.items():
+        versions = found["versions"]
+        missing = [name for name, version in versions.items() if version is None]
+        differ = [f"{name} {versions[name]} (vs {reference[name]} on {reference_host})"
+                  for name in versions if versions[name] != reference[name] and versions[name] is not None]
+        summary = " ".join(f"{name} {version}" for name, version in versions.items())
+        if missing:
+            rows.append(Row("versions", host, FAIL, f"not installed: {', '.join(missing)} (for {found['executable']})"))
+        elif differ:
+            rows.append(Row("versions", host, FAIL, "differs: " + "; ".join(differ)))
+        else:
+            rows.append(Row("versions", host, OK, summary))
+    return rows
+
+
+def interface_rows(facts: Mapping[str, dict], wanted: Optional[str]) -> List[Row]:
+    if not facts:
+        return []
+    every = "all hosts"
+    if wanted:
+        lacking = [host for host, found in facts.items() if wanted not in found["interfaces"]]
+        if lacking:
+            return [Row("network", every, FAIL, f"--network-interface {wanted} is missing on {', '.join(lacking)}")]
+        return [Row("network", every, OK, f"{wanted} is up on every host")]
+    common = set.intersection(*(set(found["interfaces"]) for found in facts.values()))
+    if len(facts) > 1:
+        common.discard("lo")  # loopback reaches no other host
+    if not common:
+        listing = "; ".join(f"{host}: {','.join(found['interfaces'])}" for host, found in facts.items())
+        return [Row("network", every, FAIL, f"no interface name is common to every host ({listing}). HINT: "
+                                            f"horovodrun needs one name everywhere; pass --network-interface")]
+    return [Row("network", every, OK, "common interfaces: " + ", ".join(sorted(common)))]
+
+
+def slot_rows(hosts: Sequence[Host], facts: Mapping[str, dict]) -> List[Row]:
+    rows = []
+    for host in hosts:
+        found = facts.get(host.name)
+        if found is None:
+            continue
+        cpus, gpus = found["cpus"], found["gpus"]
+        detail = f"{host.slots} slots, {cpus} cores, {gpus} GPUs"
+        if gpus and host.slots > gpus:
+            rows.append(Row("slots", host.name, FAIL, f"{detail}: more ranks than GPUs; lower the slots to {gpus}"))
+        elif gpus and host.slots < gpus:
+            rows.append(Row("slots", host.name, WARN, f"{detail}: {gpus - host.slots} GPUs stay idle"))
+        elif host.slots > cpus:
+            rows.append(Row("slots", host.name, WARN, f"{detail}: more ranks than cores (oversubscribed)"))
+        else:
+            rows.append(Row("slots", host.name, OK, detail))
+    return rows
+
+
+def checkpoint_rows(facts: Mapping[str, dict], seen: Mapping[str, List[str]], directory: str) -> List[Row]:
+    """Writable on every host, and one directory: each host sees the files all the others wrote."""
+    rows = []
+    writers = sorted(found["hostname"] for found in facts.values() if found["checkpoint"].get("writable"))
+    for host, found in facts.items():
+        result = found["checkpoint"]
+        if not result.get("writable"):
+            rows.append(Row("checkpoint dir", host, FAIL, f"not writable: {result.get('error')}"))
+            continue
+        unseen = sorted(set(writers) - set(seen.get(host, [])))
+        if unseen:
+            rows.append(Row("checkpoint dir", host, FAIL,
+                            f"{directory} here does not hold the files written on {', '.join(unseen)}: not "
+                            f"a shared filesystem. HINT: put checkpoints where every host mounts the same disk"))
+        else:
+            rows.append(Row("checkpoint dir", host, OK, f"{result['path']} writable, shared by {len(writers)} hosts"))
+    return rows
+
+
+def scheduler_rows(environ: Mapping[str, str]) -> List[Row]:
+    if "SLURM_JOB_ID" not in environ:
+        return []
+    if shutil.which("scontrol"):
+        return [Row("slurm", "this host", OK, f"job {environ['SLURM_JOB_ID']}, scontrol found (requeue works)")]
+    return [Row("slurm", "this host", FAIL, "scontrol not on PATH: preempted jobs cannot requeue themselves")]
+
+
+# ---- the probe ------------------------------------------------------------------------------
+
+def probe_row(hosts: Sequence[Host], python: str, interface: Optional[str]) -> Row:
+    spec = LaunchSpec(np=total_slots(hosts), command=[python, "-m", "hvdtrain.launch.probe"], hosts=hosts,
+                      network_interface=interface, exports=[n for n in DEFAULT_EXPORTS if n in os.environ],
+                      as_root=os.geteuid() == 0)
+    argv = openmpi_argv(spec)
+    where = f"{spec.np} ranks"
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=PROBE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        return Row("allreduce", where, FAIL, f"no result in {PROBE_TIMEOUT} s: ranks cannot reach each other "
+                                             f"(firewall, or a wrong --network-interface)")
+    results = [line for line in out.splitlines() if line.startswith("{")]
+    if process.returncode != 0 or not results:
+        tail = (err.strip().splitlines() or out.strip().splitlines() or ["(no output)"])[-1]
+        return Row("allreduce", where, FAIL, f"exit {process.returncode}: {tail}")
+    result = json.loads(results[-1])
+    return Row("allreduce", f"{result['ranks']} ranks, {len(result['hosts'])} hosts", OK,
+               f"{result['size_mb']} MiB in {result['seconds'] * 1e3:.1f} ms, "
+               f"busbw {result['busbw_gbps']:.2f} GB/s")
+
+
+# ---- the command ----------------------------------------------------------------------------
+
+def diagnose(hosts: Sequence[Host], python: str, checkpoint_dir: Optional[str],
+             interface: Optional[str], probe: bool, environ: Mapping[str, str]) -> List[Row]:
+    token = uuid.uuid4().hex[:12]
+    arguments = json.dumps({"checkpoint_dir": checkpoint_dir, "token": token})
+    answers = on_every_host(hosts, python, ["facts", arguments])
+    rows = ssh_rows(answers)
+    facts = {host: found for host, (found, _) in answers.items() if found is not None}
+    rows += version_rows(facts) + interface_rows(facts, interface) + slot_rows(hosts, facts)
+    if checkpoint_dir:
+        reachable = [host for host in hosts if host.name in facts]
+        seen = {host: (found or {}).get("seen", [])
+                for host, (found, _) in on_every_host(reachable, python, ["tokens", arguments]).items()}
+        rows += checkpoint_rows(facts, seen, checkpoint_dir)
+    rows += scheduler_rows(environ)
+    if probe:
+        if len(facts) == len(hosts):
+            rows.append(probe_row(hosts, python, interface))
+        else:
+            rows.append(Row("allreduce", "all hosts", FAIL, "not run: some hosts cannot be reached"))
+    return rows
+
+
+def render(rows: Sequence[Row]) -> str:
+    headers = Row("CHECK", "HOST", "STATUS", "DETAIL")
+    widths = [max(len(getattr(r, f)) for r in (headers, *rows)) for f in ("check", "host", "status")]
+    lines = [f"{r.check:<{widths[0]}}  {r.host:<{widths[1]}}  {r.status:<{widths[2]}}  {r.detail}"
+             for r in (headers, *rows)]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--hostfile", help="the hostfile the job will use (any format hvdtrain reads)")
+    where.add_argument("-H", "--hosts", help="hosts as a:2,b:2 (default: the SLURM allocation)")
+    parser.add_argument("--checkpoint-dir", help="check it is writable and the same directory on every host")
+    parser.add_argument("--network-interface", help="check this interface exists on every host")
+    parser.add_argument("--python", default=sys.executable,
+                        help="the Python the job runs on every host (default: this one)")
+    parser.add_argument("--no-probe", dest="probe", action="store_false", help="skip the all-reduce probe")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.hostfile:
+            hosts = parse_hostfile(args.hostfile)
+        elif args.hosts:
+            hosts = parse_host_list(args.hosts)
+        else:
+            hosts = allocation_hosts(os.environ)
+    except (HostfileError, ValueError) as error:
+        print(f"hvdtrain doctor: {error}", file=sys.stderr)
+        return 2
+    rows = diagnose(hosts, args.python, args.checkpoint_dir, args.network_interface, args.probe, os.environ)
+    print(render(rows), flush=True)
+    failed = [row for row in rows if row.status == FAIL]
+    if failed:
+        print(f"\nhvdtrain doctor: {len(failed)} check(s) failed: "
+              + ", ".join(sorted({f'{r.check} ({r.host})' for r in failed})), flush=True)
+        return 1
+    print(f"\nhvdtrain doctor: all {len(rows)} checks passed on {len(hosts)} host(s)", flush=True)
+    return 0

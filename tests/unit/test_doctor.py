@@ -1,0 +1,93 @@
+"""The doctor's verdicts, from what hosts answered (no hosts needed)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hvdtrain.launch import doctor
+from hvdtrain.launch.hostfile import Host
+
+VERSIONS = {"python": "3.11.7", "torch": "2.13.0", "horovod": "0.28.1", "mpi4py": "4.1.2", "hvdtrain": "0.1.0"}
+
+
+def facts(host, **overrides):
+    found = {"hostname": host, "executable": "/venv/bin/python", "versions": dict(VERSIONS), "cpus": 8,
+             "gpus": 0, "interfaces": ["eth0", "lo"],
+             "checkpoint": {"checked": True, "writable": True, "path": "/shared/ckpt"}}
+    found.update(overrides)
+    return found
+
+
+def statuses(rows):
+    return [(row.check, row.host, row.status) for row in rows]
+
+
+def test_unreachable_hosts_fail_with_the_reason_and_a_hint():
+    rows = doctor.ssh_rows({"hostA": (facts("hostA"), ""), "hostB": (None, "ssh failed: Connection refused")})
+    assert statuses(rows) == [("reach", "hostA", "ok"), ("reach", "hostB", "FAIL")]
+    assert "Connection refused" in rows[1].detail and "ssh hostB true" in rows[1].detail
+
+
+def test_a_host_with_other_versions_or_a_missing_package_fails():
+    odd = facts("hostB", versions={**VERSIONS, "torch": "2.1.0"})
+    bare = facts("hostC", versions={**VERSIONS, "horovod": None})
+    rows = doctor.version_rows({"hostA": facts("hostA"), "hostB": odd, "hostC": bare})
+    assert statuses(rows) == [("versions", "hostA", "ok"), ("versions", "hostB", "FAIL"),
+                              ("versions", "hostC", "FAIL")]
+    assert rows[1].detail == "differs: torch 2.1.0 (vs 2.13.0 on hostA)"
+    assert rows[2].detail == "not installed: horovod (for /venv/bin/python)"
+
+
+def test_network_needs_one_interface_name_on_every_host_besides_loopback():
+    same = {"a": facts("a", interfaces=["eth0", "ib0", "lo"]), "b": facts("b", interfaces=["ib0", "lo"])}
+    assert doctor.interface_rows(same, None)[0].detail == "common interfaces: ib0"
+    different = {"a": facts("a", interfaces=["eth0", "lo"]), "b": facts("b", interfaces=["ens3", "lo"])}
+    row = doctor.interface_rows(different, None)[0]
+    assert row.status == "FAIL" and "a: eth0,lo; b: ens3,lo" in row.detail
+    row = doctor.interface_rows(same, "eth0")[0]
+    assert row.status == "FAIL" and row.detail == "--network-interface eth0 is missing on b"
+
+
+@pytest.mark.parametrize("slots,cpus,gpus,status", [
+    (4, 8, 0, "ok"), (16, 8, 0, "WARN"), (4, 32, 4, "ok"), (8, 32, 4, "FAIL"), (2, 32, 4, "WARN"),
+])
+def test_slots_against_cores_and_gpus(slots, cpus, gpus, status):
+    rows = doctor.slot_rows([Host("n", slots)], {"n": facts("n", cpus=cpus, gpus=gpus)})
+    assert rows[0].status == status
+
+
+def test_a_checkpoint_directory_that_is_not_shared_or_not_writable_fails():
+    hosts = {"a": facts("a"), "b": facts("b"),
+             "c": facts("c", checkpoint={"checked": True, "writable": False, "error": "Permission denied: /x"})}
+    rows = doctor.checkpoint_rows(hosts, {"a": ["a", "b"], "b": ["b"]}, "/shared/ckpt")
+    assert statuses(rows) == [("checkpoint dir", "a", "ok"), ("checkpoint dir", "b", "FAIL"),
+                              ("checkpoint dir", "c", "FAIL")]
+    assert "does not hold the files written on a" in rows[1].detail
+    assert rows[2].detail == "not writable: Permission denied: /x"
+
+
+def test_inside_slurm_scontrol_is_checked_and_outside_nothing_is_said():
+    assert doctor.scheduler_rows({}) == []
+    assert doctor.scheduler_rows({"SLURM_JOB_ID": "12"})[0].check == "slurm"
+
+
+def test_the_table_aligns_columns():
+    table = doctor.render([doctor.Row("reach", "hostA", "ok", "fine"), doctor.Row("allreduce", "2 ranks", "FAIL", "x")])
+    lines = table.splitlines()
+    assert lines[0].split() == ["CHECK", "HOST", "STATUS", "DETAIL"]
+    column = lines[0].index("STATUS")
+    assert [line[column:].split()[0] for line in lines[1:]] == ["ok", "FAIL"]
+
+
+def test_the_host_facts_script_runs_alone_with_the_standard_library(tmp_path):
+    """It is sent to hosts as a script: it must run without hvdtrain, torch or Horovod."""
+    args = json.dumps({"checkpoint_dir": str(tmp_path), "token": "t1"})
+    done = subprocess.run([sys.executable, "-I", "-", "facts", args], input=doctor.FACTS_SCRIPT,
+                          capture_output=True, text=True, timeout=60)
+    found = json.loads(done.stdout)
+    assert found["checkpoint"]["writable"] and found["cpus"] >= 1 and "lo" in found["interfaces"]
+    done = subprocess.run([sys.executable, "-I", "-", "tokens", args], input=doctor.FACTS_SCRIPT,
+                          capture_output=True, text=True, timeout=60)
+    assert json.loads(done.stdout)["seen"] == [found["hostname"]]
+    assert list(tmp_path.iterdir()) == []  # the token is cleaned up
