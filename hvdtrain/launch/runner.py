@@ -6,15 +6,19 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
-from typing import List, Optional
+import threading
+from typing import IO, Deque, List, Optional, Sequence, Tuple
 
 from hvdtrain.launch.commands import BUILDERS, DEFAULT_EXPORTS, LaunchSpec
-from hvdtrain.launch.hostfile import HostfileError, parse_host_list, parse_hostfile, total_slots
+from hvdtrain.launch.failures import first_failed_rank, rank_host
+from hvdtrain.launch.hostfile import Host, HostfileError, parse_host_list, parse_hostfile, total_slots
 
 GRACE_SECONDS = 10  # between SIGTERM and SIGKILL when a job must be stopped
 
@@ -34,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program and its arguments")
 
 
-def build_command(args: argparse.Namespace, environ=os.environ) -> List[str]:
+def build_command(args: argparse.Namespace, environ=os.environ) -> Tuple[List[str], LaunchSpec]:
     hosts = []
     if args.hostfile:
         hosts = parse_hostfile(args.hostfile)
@@ -49,13 +53,21 @@ def build_command(args: argparse.Namespace, environ=os.environ) -> List[str]:
         exports=[name for name in DEFAULT_EXPORTS if name in environ],
         as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
     )
-    return BUILDERS[args.launcher](spec)
+    return BUILDERS[args.launcher](spec), spec
 
 
-def execute(argv: List[str], timeout: Optional[float]) -> int:
+def _relay(stream: IO[str], sink: IO[str], keep: Deque[str]) -> None:
+    """Copy the launcher's stderr through, keeping its tail to find the failed rank in."""
+    for line in stream:
+        sink.write(line)
+        sink.flush()
+        keep.append(line)
+
+
+def execute(argv: List[str], timeout: Optional[float], hosts: Sequence[Host] = ()) -> int:
     """Run the launcher in its own process group: a timeout or Ctrl-C stops every rank it started."""
     try:
-        process = subprocess.Popen(argv, start_new_session=True)
+        process = subprocess.Popen(argv, start_new_session=True, stderr=subprocess.PIPE, text=True)
     except FileNotFoundError:
         print(f"hvdtrain launch: {argv[0]} not found on PATH: install it or choose another --launcher",
               file=sys.stderr)
@@ -67,6 +79,9 @@ def execute(argv: List[str], timeout: Optional[float]) -> int:
         except ProcessLookupError:
             pass
 
+    tail: Deque[str] = collections.deque(maxlen=400)
+    relay = threading.Thread(target=_relay, args=(process.stderr, sys.stderr, tail), daemon=True)
+    relay.start()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
@@ -84,22 +99,27 @@ def execute(argv: List[str], timeout: Optional[float]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    relay.join(timeout=GRACE_SECONDS)
     if code != 0:
-        print(f"hvdtrain launch: the job failed with exit code {code}; the launcher's message above "
-              f"names the first rank that failed", file=sys.stderr, flush=True)
+        failed = first_failed_rank("".join(tail))
+        culprit = "the launcher's messages above say more"
+        if failed is not None:
+            rank, host = failed
+            culprit = f"rank {rank} on {host or rank_host(rank, hosts, socket.gethostname())} failed first"
+        print(f"hvdtrain launch: the job failed with exit code {code}: {culprit}", file=sys.stderr, flush=True)
     return code
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        argv = build_command(args)
+        argv, spec = build_command(args)
     except (HostfileError, ValueError) as error:
         print(f"hvdtrain launch: {error}", file=sys.stderr)
         return 2
     if args.dry_run:
         print(shlex.join(argv))
         return 0
-    return execute(argv, args.timeout)
+    return execute(argv, args.timeout, spec.hosts)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

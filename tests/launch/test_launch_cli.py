@@ -1,4 +1,5 @@
 """``hvdtrain launch`` starts real jobs and never lets one run forever."""
+import socket
 import time
 
 from tests.launch.helpers import BIN, PYTHON, run
@@ -31,5 +32,5 @@ def test_a_rank_that_dies_ends_the_job_with_a_non_zero_exit():
                          timeout=150)
     assert code != 0 and code != 124
     assert "Exit code:    3" in err or "exit code 3" in err.lower()
-    assert "the job failed with exit code" in err
+    assert f"the job failed with exit code {code}: rank 1 on {socket.gethostname()} failed first" in err
     assert time.monotonic() - started < 60

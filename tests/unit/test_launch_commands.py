@@ -108,3 +108,20 @@ def test_hosts_outside_an_allocation_or_with_inconsistent_variables_fail(capsys,
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
     assert cli_main(["hosts"]) == 2
     assert "names 3 nodes but SLURM_TASKS_PER_NODE='2(x2)' covers 2" in capsys.readouterr().err
+
+
+def test_ranks_map_to_hosts_slot_by_slot():
+    from hvdtrain.launch.failures import rank_host
+    hosts = (Host("a", 2), Host("b", 3))
+    assert [rank_host(r, hosts, "here") for r in range(6)] == ["a", "a", "b", "b", "b", "here"]
+
+
+@pytest.mark.parametrize("output,expected", [
+    ("...\n  Process name: [[31763,1],3]\n  Exit code:    1\n", (3, None)),
+    ("[1]<stderr>:boom\nProcess 1 exit with status code 255.\nProcess 0 exit with status code 1.\n", (1, None)),
+    ("srun: error: node07: task 5: Exited with exit code 2\n", (5, "node07")),
+    ("everything is fine\n", None),
+])
+def test_the_first_failed_rank_is_read_from_each_launcher(output, expected):
+    from hvdtrain.launch.failures import first_failed_rank
+    assert first_failed_rank(output) == expected
