@@ -103,6 +103,13 @@ class Trainer:
             f"{w.size} workers ({w.cross_size} hosts x {w.local_size}) started by {w.launcher}, "
             f"{w.controller.upper()} controller, {w.threads} threads/rank, device {w.device}"
         )
+        # Where every rank runs, in one line: a collective, so every rank calls it.
+        hosts = dist.allgather_object(w.hostname, name="trainer.hosts")
+        ranks_by_host: Dict[str, List[int]] = {}
+        for rank, host in enumerate(hosts):
+            ranks_by_host.setdefault(host, []).append(rank)
+        self.log.info("ranks per host: " + "; ".join(
+            f"{host}: {','.join(map(str, ranks))}" for host, ranks in ranks_by_host.items()))
         self.log.info(
             f"global batch {self.global_batch_size} = {cfg.batch_size} x {cfg.accumulation} "
             f"accumulation x {w.size} workers; {self.steps_per_epoch} steps/epoch; "

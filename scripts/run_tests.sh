@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The whole test suite, in three launches:
+# The whole test suite, in four launches:
 #   1. one process:               tests/unit (no MPI) and tests/launch (train.py under every launcher)
 #   2. mpirun -np $NP:            tests/mpi, every test in every rank
 #   3. horovodrun -np $NP --gloo: tests/mpi again, over Gloo instead of MPI
+#   4. one process:               tests/cluster, two test hosts and a SLURM cluster built on this
+#                                 machine (as root on Linux; skipped with the reason elsewhere)
 # then one summary over all of them. Each launch has a hard time limit: nothing here can hang CI.
 set -uo pipefail
 
@@ -37,6 +39,8 @@ phase "mpirun -np $NP: tests/mpi" \
 phase "horovodrun -np $NP --gloo: tests/mpi" \
   timeout -k 10 900 horovodrun -np "$NP" --gloo \
   sh -c "exec $PYTEST --with-mpi tests/mpi --junitxml=$RESULTS/gloo-rank\$HOROVOD_RANK.xml"
+phase "two-host cluster: tests/cluster" \
+  timeout -k 30 1800 $PYTEST -rs tests/cluster --junitxml="$RESULTS/cluster.xml"
 
 printf '\n===== summary =====\n'
 python "$ROOT/scripts/summarize_tests.py" "$RESULTS" --ranks "$NP" || status=1

@@ -10,7 +10,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-PHASES = {"single": "one process", "mpi": "mpirun", "gloo": "horovodrun --gloo"}
+PHASES = {"single": "one process", "mpi": "mpirun", "gloo": "horovodrun --gloo", "cluster": "two-host cluster"}
+ONE_PROCESS = ("single", "cluster")
 
 
 def outcomes(path: Path) -> Dict[Tuple[str, str], str]:
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
     total: Counter = Counter()
     ok = True
     for phase, title in PHASES.items():
-        files = ([args.results / "single.xml"] if phase == "single"
+        files = ([args.results / f"{phase}.xml"] if phase in ONE_PROCESS
                  else [args.results / f"{phase}-rank{r}.xml" for r in range(args.ranks)])
         missing = [f.name for f in files if not f.exists()]
         if missing:
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
             ok = False
             continue
         counts = merge_ranks([outcomes(f) for f in files])
-        ranks = "" if phase == "single" else f" (each in {args.ranks} ranks)"
+        ranks = "" if phase in ONE_PROCESS else f" (each in {args.ranks} ranks)"
         print(f"{title}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped{ranks}")
         total += counts
     print(f"total: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")

@@ -222,6 +222,7 @@ def diagnose(hosts: Sequence[Host], python: str, checkpoint_dir: Optional[str],
         reachable = [host for host in hosts if host.name in facts]
         seen = {host: (found or {}).get("seen", [])
                 for host, (found, _) in on_every_host(reachable, python, ["tokens", arguments]).items()}
+        on_every_host(reachable, python, ["cleanup", arguments])
         rows += checkpoint_rows(facts, seen, checkpoint_dir)
     rows += scheduler_rows(environ)
     if probe:

@@ -6,6 +6,7 @@ come from the installed packages' metadata. It prints one JSON object.
 
     python host_facts.py facts '{"checkpoint_dir": "/shared/ckpt", "token": "abc"}'
     python host_facts.py tokens '{"checkpoint_dir": "/shared/ckpt", "token": "abc"}'
+    python host_facts.py cleanup '{"checkpoint_dir": "/shared/ckpt", "token": "abc"}'
 """
 import json
 import os
@@ -78,19 +79,24 @@ def facts(args):
 
 
 def tokens(args):
-    """The hosts whose token this host sees, and then its own token removed."""
+    """The hosts whose token this host sees (every host lists before any host cleans up)."""
     directory, prefix = args["checkpoint_dir"], TOKEN_PREFIX + args["token"] + "-"
     try:
         seen = sorted(name[len(prefix):] for name in os.listdir(directory) if name.startswith(prefix))
     except OSError as error:
         return {"error": f"{error.strerror}: {directory}", "seen": []}
-    try:
-        os.remove(os.path.join(directory, prefix + socket.gethostname()))
-    except OSError:
-        pass
     return {"seen": seen}
+
+
+def cleanup(args):
+    path = os.path.join(args["checkpoint_dir"], TOKEN_PREFIX + args["token"] + "-" + socket.gethostname())
+    try:
+        os.remove(path)
+    except OSError:
+        return {"removed": False}
+    return {"removed": True}
 
 
 if __name__ == "__main__":
     action, arguments = sys.argv[1], json.loads(sys.argv[2])
-    print(json.dumps({"facts": facts, "tokens": tokens}[action](arguments)))
+    print(json.dumps({"facts": facts, "tokens": tokens, "cleanup": cleanup}[action](arguments)))

@@ -90,4 +90,7 @@ def test_the_host_facts_script_runs_alone_with_the_standard_library(tmp_path):
     done = subprocess.run([sys.executable, "-I", "-", "tokens", args], input=doctor.FACTS_SCRIPT,
                           capture_output=True, text=True, timeout=60)
     assert json.loads(done.stdout)["seen"] == [found["hostname"]]
-    assert list(tmp_path.iterdir()) == []  # the token is cleaned up
+    done = subprocess.run([sys.executable, "-I", "-", "cleanup", args], input=doctor.FACTS_SCRIPT,
+                          capture_output=True, text=True, timeout=60)
+    assert json.loads(done.stdout) == {"removed": True}
+    assert list(tmp_path.iterdir()) == []

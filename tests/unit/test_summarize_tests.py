@@ -22,6 +22,7 @@ def junit(path: Path, cases: dict) -> None:
 
 def write_all(tmp_path, rank1_cases):
     junit(tmp_path / "single.xml", {"a": "passed", "b": "skipped"})
+    junit(tmp_path / "cluster.xml", {"c": "passed"})
     for phase in ("mpi", "gloo"):
         junit(tmp_path / f"{phase}-rank0.xml", {"x": "passed", "y": "passed"})
         junit(tmp_path / f"{phase}-rank1.xml", rank1_cases)
@@ -30,7 +31,7 @@ def write_all(tmp_path, rank1_cases):
 def test_all_green_counts_each_test_once_per_launch(tmp_path, capsys):
     write_all(tmp_path, {"x": "passed", "y": "passed"})
     assert summarize.main([str(tmp_path), "--ranks", "2"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == "total: 5 passed, 0 failed, 1 skipped"
+    assert capsys.readouterr().out.splitlines()[-1] == "total: 6 passed, 0 failed, 1 skipped"
 
 
 @pytest.mark.parametrize("rank1_cases", [
@@ -40,7 +41,7 @@ def test_all_green_counts_each_test_once_per_launch(tmp_path, capsys):
 def test_a_test_that_fails_or_is_missing_in_one_rank_fails(tmp_path, capsys, rank1_cases):
     write_all(tmp_path, rank1_cases)
     assert summarize.main([str(tmp_path), "--ranks", "2"]) == 1
-    assert "total: 3 passed, 2 failed, 1 skipped" in capsys.readouterr().out
+    assert "total: 4 passed, 2 failed, 1 skipped" in capsys.readouterr().out
 
 
 def test_a_launch_without_results_fails(tmp_path, capsys):

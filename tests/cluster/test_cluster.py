@@ -1,0 +1,160 @@
+"""train.py on two real hosts, launched every way users launch it across machines, and the doctor.
+
+hostA and hostB are network + UTS namespaces with their own hostname, address and sshd
+(tests/cluster/harness.py), so Open MPI, Horovod and SLURM see two machines: each test
+checks that Horovod formed 4 workers as 2 hosts x 2 and that training reached 95%.
+
+    .venv/bin/python -m pytest tests/cluster -q -p no:cacheprovider      # as root, on Linux
+"""
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.harness import Cluster, Result, log_tail
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+HOROVODRUN = str(Path(sys.executable).parent / "horovodrun")
+REQUIRED_ACCURACY = 0.95
+TRAIN_ARGS = ["train.py", "--epochs", "12", "--require-accuracy", str(REQUIRED_ACCURACY)]
+LAUNCH_TIMEOUT = 300  # seconds; one 4-worker training run takes ~35-50 s on a 2-core machine
+TEST_TIMEOUT = LAUNCH_TIMEOUT + 60  # pytest-timeout's backstop; the launch's own timeout fires first
+
+# func_only: the session fixture's build (apt-get on a fresh machine) is bounded by the harness's
+# own step timeouts, not counted against the first test. signal: a timeout raises in the test,
+# so the fixture still tears the cluster down (the thread method would exit at once).
+pytestmark = [pytest.mark.cluster,
+              pytest.mark.timeout(TEST_TIMEOUT, method="signal", func_only=True)]
+
+START_LINE = re.compile(r"\b4 workers \(2 hosts x 2\)")
+FINAL_LINE = re.compile(r"final validation accuracy: ([0-9.]+) on 359 held-out digits, (\d+) workers$")
+# mpirun --tag-output's prefix; Open MPI also tags a line's lone trailing newline, leaving a
+# stray tag at the end of a line ("... 4 workers[1,0]<stdout>:"), so tags go wherever they are.
+MPI_TAG = re.compile(r"\[\d+,\d+\]<std(?:out|err)>:")
+
+
+def untagged_lines(text):
+    lines = (MPI_TAG.sub("", line).rstrip() for line in text.splitlines())
+    return [line for line in lines if line]
+
+
+def assert_trained_on_two_hosts(output, context):
+    """The Trainer's start line shows Horovod's size / cross_size / local_size as 4 (2 hosts x 2),
+    and the last line of output is rank 0's final accuracy line, at 4 workers and >= 95%."""
+    lines = untagged_lines(output)
+    assert any(START_LINE.search(line) for line in lines), f"no '4 workers (2 hosts x 2)' start line\n{context}"
+    assert lines, f"no output\n{context}"
+    final = FINAL_LINE.search(lines[-1])
+    assert final, f"the last line is not the final accuracy line: {lines[-1]!r}\n{context}"
+    accuracy, workers = float(final.group(1)), int(final.group(2))
+    assert workers == 4, f"trained on {workers} workers, not 4\n{context}"
+    assert accuracy >= REQUIRED_ACCURACY, f"accuracy {accuracy} < {REQUIRED_ACCURACY}\n{context}"
+
+
+def launch_from_head(cluster: Cluster, argv) -> Result:
+    result = cluster.run_on(cluster.head, argv, LAUNCH_TIMEOUT, cwd=ROOT)
+    context = result.describe(lines=60)
+    assert not result.timed_out, f"the launch did not finish in {LAUNCH_TIMEOUT} s\n{context}"
+    assert result.returncode == 0, context
+    return result
+
+
+def test_horovodrun_on_two_hosts(cluster):
+    result = launch_from_head(cluster, [
+        HOROVODRUN, "-np", "4", "-H", "hostA:2,hostB:2", "--network-interface", "eth0",
+        PYTHON, *TRAIN_ARGS])
+    assert_trained_on_two_hosts(result.stdout, result.describe(lines=60))
+
+
+def test_mpirun_hostfile_on_two_hosts(cluster):
+    assert cluster.hostfile.read_text() == "hostA slots=2\nhostB slots=2\n"
+    result = launch_from_head(cluster, [
+        "mpirun", "-np", "4", "--hostfile", str(cluster.hostfile), "--bind-to", "none",
+        PYTHON, *TRAIN_ARGS])
+    assert_trained_on_two_hosts(result.stdout, result.describe(lines=60))
+
+
+# The Trainer logs where every rank runs: "ranks per host: hostA: 0,1; hostB: 2,3".
+PLACEMENT_LINE = re.compile(r"ranks per host: (.*)$")
+SBATCH_SCRIPTS = ["slurm/train.sbatch", "slurm/train-mpirun.sbatch", "slurm/train-horovodrun.sbatch"]
+
+
+def ranks_per_host(output):
+    for line in untagged_lines(output):
+        found = PLACEMENT_LINE.search(line)
+        if found:
+            return dict(part.split(": ") for part in found.group(1).split("; "))
+    return None
+
+
+@pytest.mark.parametrize("script", SBATCH_SCRIPTS)
+def test_sbatch_script_on_two_nodes(cluster, script):
+    jobs = cluster.state / f"jobs-{Path(script).stem}"
+    jobs.mkdir()
+    log = jobs / "train-%j.out"
+    # HVDTRAIN_NIC: the horovodrun script's interface common to both hosts.
+    env = cluster.env(VENV=sys.prefix, HVDTRAIN_NIC="eth0")
+    result = cluster.run_on(cluster.head, [
+        "sbatch", "--wait", "--nodes=2", "--ntasks-per-node=2", "--time=00:15:00", f"--output={log}",
+        script, *TRAIN_ARGS[1:]], LAUNCH_TIMEOUT, cwd=ROOT, env=env)
+    job_logs = sorted(jobs.glob("train-*.out"))
+    context = "\n".join([result.describe(), *map(log_tail, job_logs), *map(log_tail, cluster.slurm_logs)])
+    if result.timed_out:
+        cancel_jobs(cluster, result)
+    assert not result.timed_out, f"sbatch --wait did not return in {LAUNCH_TIMEOUT} s\n{context}"
+    assert result.returncode == 0, context
+    assert len(job_logs) == 1, f"expected one job log in {jobs}\n{context}"
+    output = job_logs[0].read_text()
+
+    assert ranks_per_host(output) == {"hostA": "0,1", "hostB": "2,3"}, context
+    assert_trained_on_two_hosts(output, context)
+
+
+def cancel_jobs(cluster: Cluster, result: Result) -> None:
+    """sbatch was killed, not its job: cancel that job before tear-down stops the daemons."""
+    submitted = re.search(r"Submitted batch job (\d+)", result.stdout)
+    if submitted:
+        cluster.run_on(cluster.head, ["scancel", "--full", submitted.group(1)], 30)
+
+
+DOCTOR = str(Path(sys.executable).parent / "hvdtrain")
+
+
+def run_doctor(cluster: Cluster) -> Result:
+    ckpt = cluster.state / "ckpt"
+    return cluster.run_on(cluster.head, [
+        DOCTOR, "doctor", "-H", "hostA:2,hostB:2", "--network-interface", "eth0",
+        "--checkpoint-dir", str(ckpt)], LAUNCH_TIMEOUT, cwd=ROOT)
+
+
+def doctor_rows(output):
+    return {tuple(line.split()[:2]): line.split()[2] for line in output.splitlines()
+            if line.split()[:1] and line.split()[0] in ("reach", "versions", "slots")}
+
+
+def test_doctor_passes_on_the_healthy_cluster(cluster):
+    result = run_doctor(cluster)
+    assert result.returncode == 0, result.describe(lines=60)
+    rows = doctor_rows(result.stdout)
+    assert rows[("reach", "hostB")] == rows[("versions", "hostB")] == "ok", result.stdout
+    assert "eth0 is up on every host" in result.stdout
+    assert re.search(r"allreduce\s+4 ranks, 2 hosts\s+ok\s+16 MiB in [0-9.]+ ms, busbw", result.stdout), result.stdout
+    assert "shared by 2 hosts" in result.stdout
+
+
+def test_doctor_names_the_host_whose_sshd_is_stopped(cluster):
+    sshd = cluster.hosts[1].sshd
+    # SIGSTOP, not kill: the stopped sshd still holds hostB's namespaces for the tests after this.
+    os.kill(sshd.pid, signal.SIGSTOP)
+    try:
+        result = run_doctor(cluster)
+    finally:
+        os.kill(sshd.pid, signal.SIGCONT)
+    assert result.returncode == 1, result.describe(lines=60)
+    rows = doctor_rows(result.stdout)
+    assert rows[("reach", "hostA")] == "ok" and rows[("reach", "hostB")] == "FAIL", result.stdout
+    assert "check(s) failed" in result.stdout and "reach (hostB)" in result.stdout
