@@ -80,7 +80,13 @@ def test_mpirun_hostfile_on_two_hosts(cluster):
 
 # The Trainer logs where every rank runs: "ranks per host: hostA: 0,1; hostB: 2,3".
 PLACEMENT_LINE = re.compile(r"ranks per host: (.*)$")
-SBATCH_SCRIPTS = ["slurm/train.sbatch", "slurm/train-mpirun.sbatch", "slurm/train-horovodrun.sbatch"]
+# Each script, and the launcher hvdtrain must detect in its ranks (horovodrun hands over to mpirun;
+# mpirun inside an allocation inherits SLURM_* but is not srun).
+SBATCH_SCRIPTS = {
+    "slurm/train.sbatch": "SLURM srun",
+    "slurm/train-mpirun.sbatch": "Open MPI mpirun",
+    "slurm/train-horovodrun.sbatch": "Open MPI mpirun",
+}
 
 
 def ranks_per_host(output):
@@ -91,7 +97,7 @@ def ranks_per_host(output):
     return None
 
 
-@pytest.mark.parametrize("script", SBATCH_SCRIPTS)
+@pytest.mark.parametrize("script", sorted(SBATCH_SCRIPTS))
 def test_sbatch_script_on_two_nodes(cluster, script):
     jobs = cluster.state / f"jobs-{Path(script).stem}"
     jobs.mkdir()
@@ -111,6 +117,7 @@ def test_sbatch_script_on_two_nodes(cluster, script):
     output = job_logs[0].read_text()
 
     assert ranks_per_host(output) == {"hostA": "0,1", "hostB": "2,3"}, context
+    assert f"(2 hosts x 2) started by {SBATCH_SCRIPTS[script]}," in output, context
     assert_trained_on_two_hosts(output, context)
 
 
