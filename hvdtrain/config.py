@@ -22,9 +22,13 @@ class TrainConfig:
     log_every: int = field(default=20, metadata={"help": "steps between log lines (rank 0)"})
     max_steps: Optional[int] = field(default=None, metadata={"help": "stop after this many optimizer steps"})
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank"})
+    checkpoint_dir: Optional[str] = field(default=None, metadata={"help": "where rank 0 writes checkpoints (none: no checkpoints)"})
+    checkpoint_every: int = field(default=0, metadata={"help": "steps between checkpoints (0: at the end of each epoch only)"})
+    keep_checkpoints: int = field(default=3, metadata={"help": "checkpoints kept; older ones are deleted"})
+    resume: bool = field(default=True, metadata={"help": "continue from the newest valid checkpoint in checkpoint_dir"})
 
     def __post_init__(self) -> None:
-        positive = ("epochs", "batch_size", "accumulation", "log_every")
+        positive = ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -35,8 +39,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.warmup_epochs must be >= 0, got {self.warmup_epochs!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps!r}")
-        if self.num_workers < 0:
-            raise ValueError(f"TrainConfig.num_workers must be >= 0, got {self.num_workers!r}")
+        for name in ("num_workers", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)!r}")
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -47,7 +52,7 @@ def _flag(name: str) -> str:
 
 
 # Field annotations are strings here (postponed evaluation): map them to argparse types.
-_ARG_TYPES = {"int": int, "float": float, "Optional[int]": int}
+_ARG_TYPES = {"int": int, "float": float, "Optional[int]": int, "Optional[str]": str}
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:

@@ -7,8 +7,7 @@ resuming on another world size), and a start position inside an epoch for exact 
 """
 from __future__ import annotations
 
-import math
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -17,11 +16,15 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 class ShardedSampler(Sampler[int]):
     """This rank's share of one per-epoch permutation of the whole dataset.
 
-    The permutation is padded (wrapping around) to a multiple of the world size, so every
-    rank gets the same number of samples and takes the same number of steps: ranks that
-    step a different number of times deadlock in the gradient all-reduce.
-    Rank r takes positions r, r + size, r + 2*size, ... so batch k of every rank together
-    is exactly positions [k*B*size, (k+1)*B*size) of the global order.
+    Rank r takes positions r, r + size, r + 2*size, ... so batch k of every rank together is
+    exactly positions [k*B*size, (k+1)*B*size) of the global order.
+
+    For training, give ``global_batch``: an epoch is then the whole global batches that fit, and
+    the last partial one is left out (a different sample each epoch, as the order changes). Every
+    rank takes the same number of full steps (ranks that step a different number of times
+    deadlock in the gradient all-reduce), and every step holds the same samples at any world
+    size: padding would repeat samples, and which ones would depend on the world size.
+    Without it (evaluation), every sample is taken exactly once and shards may differ by one.
     """
 
     def __init__(
@@ -31,7 +34,7 @@ class ShardedSampler(Sampler[int]):
         world_size: int,
         seed: int = 0,
         shuffle: bool = True,
-        pad: bool = True,
+        global_batch: Optional[int] = None,
     ) -> None:
         if dataset_size <= 0:
             raise ValueError(f"cannot shard an empty dataset (size {dataset_size})")
@@ -43,13 +46,28 @@ class ShardedSampler(Sampler[int]):
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
+        if global_batch is not None:
+            if global_batch < 1 or global_batch % world_size:
+                raise ValueError(f"global_batch {global_batch} must be a positive multiple of the world size {world_size}")
+            if global_batch > dataset_size:
+                raise ValueError(f"the dataset has {dataset_size} samples, fewer than one global batch of "
+                                 f"{global_batch}: lower the batch size or use fewer workers")
         self.shuffle = shuffle
-        self.pad = pad
+        self.global_batch = global_batch
         self.epoch = 0
+        self.start = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch's permutation; the Trainer calls it, users need not."""
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Choose the epoch's permutation, and where in it to begin (a resumed epoch).
+
+        ``start`` counts samples of the global order already consumed; it is a multiple of the
+        world size (whole global batches), so each rank resumes exactly where its slice left off.
+        The Trainer calls this; users need not.
+        """
+        if start < 0 or start % self.world_size:
+            raise ValueError(f"start {start} must be a non-negative multiple of the world size {self.world_size}")
         self.epoch = epoch
+        self.start = start
 
     def global_order(self) -> List[int]:
         """The epoch's order of all samples, the same on every rank and at every world size."""
@@ -59,21 +77,17 @@ class ShardedSampler(Sampler[int]):
         generator.manual_seed(self.seed + self.epoch)
         return torch.randperm(self.dataset_size, generator=generator).tolist()
 
-    def _padded_size(self) -> int:
-        if self.pad:
-            return math.ceil(self.dataset_size / self.world_size) * self.world_size
-        return self.dataset_size
+    def samples_per_epoch(self) -> int:
+        if self.global_batch is None:
+            return self.dataset_size
+        return self.dataset_size // self.global_batch * self.global_batch
 
     def __iter__(self) -> Iterator[int]:
         order = self.global_order()
-        total = self._padded_size()
-        if total > len(order):
-            order = (order * math.ceil(total / len(order)))[:total]
-        return iter(order[self.rank : total : self.world_size])
+        return iter(order[self.start + self.rank : self.samples_per_epoch() : self.world_size])
 
     def __len__(self) -> int:
-        total = self._padded_size()
-        return len(range(self.rank, total, self.world_size))
+        return len(range(self.start + self.rank, self.samples_per_epoch(), self.world_size))
 
 
 def sharded_loader(
@@ -82,18 +96,19 @@ def sharded_loader(
     rank: int,
     world_size: int,
     seed: int,
-    train: bool,
+    global_batch: Optional[int] = None,
     num_workers: int = 0,
     pin_memory: bool = False,
 ) -> DataLoader:
     """A DataLoader over this rank's shard.
 
-    Training shards are shuffled per epoch and padded to equal length (equal step counts).
-    Evaluation shards are in order and not padded, so every sample counts exactly once in
-    metrics summed across ranks.
+    With ``global_batch`` (training): shuffled per epoch, whole global batches only. Without
+    (evaluation): in order, every sample exactly once across ranks, so metrics summed across
+    ranks count each sample once.
     """
     sampler = ShardedSampler(
-        len(dataset), rank, world_size, seed=seed, shuffle=train, pad=train  # type: ignore[arg-type]
+        len(dataset), rank, world_size, seed=seed,  # type: ignore[arg-type]
+        shuffle=global_batch is not None, global_batch=global_batch,
     )
     return DataLoader(
         dataset,
@@ -102,4 +117,7 @@ def sharded_loader(
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
+        # Its own generator: otherwise starting each epoch's iterator draws from the global torch
+        # RNG (for worker seeds), and a resumed run's dropout masks would shift by one draw.
+        generator=torch.Generator().manual_seed(seed + rank),
     )

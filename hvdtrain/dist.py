@@ -6,17 +6,16 @@ depends on which launcher started the job (horovodrun, mpirun, srun) or on MPI v
 from __future__ import annotations
 
 import os
-import random
 import socket
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 
 import horovod.torch as hvd
 
 from hvdtrain import env as launcher_env
+from hvdtrain import rng
 
 # Horovod's default is to warn about a stalled collective after 60 s and never give up,
 # which turns a rank that stopped calling collectives into a silent hang (MPI controller only).
@@ -58,17 +57,6 @@ def threads_per_rank(local_size: int, cpus_visible: int, cpus_on_host: int) -> i
     return max(1, cpus_on_host // max(1, local_size))
 
 
-def rank_seed(seed: int, rank: int) -> int:
-    """A seed for one rank, derived from the job's seed: distinct per rank, the same every run."""
-    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def init(seed: int = 0, threads: Optional[int] = None) -> World:
     """Start Horovod, pin this rank to its device and threads, and seed it.
 
@@ -91,7 +79,7 @@ def init(seed: int = 0, threads: Optional[int] = None) -> World:
             hvd.local_size(), len(os.sched_getaffinity(0)), os.cpu_count() or 1
         )
     torch.set_num_threads(threads)
-    seed_everything(rank_seed(seed, hvd.rank()))
+    rng.seed_everything(rng.rank_seed(seed, hvd.rank()))
 
     return World(
         rank=hvd.rank(),

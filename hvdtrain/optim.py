@@ -13,8 +13,13 @@ import torch
 import horovod.torch as hvd
 
 
-def lr_scale(world_size: int, accumulation: int, enabled: bool) -> float:
-    return float(world_size * accumulation) if enabled else 1.0
+def lr_scale(global_batch: int, base_batch: int, enabled: bool) -> float:
+    """How many one-worker batches one step sees: workers x accumulation, in the usual case.
+
+    Measured in samples, so a run resumed on another worker count with the same global batch
+    (and so a smaller or larger batch per worker) keeps the learning rate it had.
+    """
+    return global_batch / base_batch if enabled else 1.0
 
 
 def warmup_factor(scale: float, warmup_steps: int) -> Callable[[int], float]:

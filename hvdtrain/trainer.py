@@ -11,14 +11,15 @@ The steps of Horovod data parallelism, in order, each marked where it happens:
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
-from hvdtrain import dist
+from hvdtrain import dist, rng
+from hvdtrain.checkpoint import FORMAT_VERSION, CheckpointStore
 from hvdtrain.config import TrainConfig
 from hvdtrain.data import ShardedSampler, sharded_loader
 from hvdtrain.log import get_logger
@@ -53,32 +54,33 @@ class Trainer:
         self.model = model.to(self.world.device)
         cfg, world = self.config, self.world
 
+        self.store = None
+        if cfg.checkpoint_dir:
+            self.store = CheckpointStore(cfg.checkpoint_dir, keep=cfg.keep_checkpoints, log=self.log)
+        # Read before the loaders are built: a run resumed on another worker count keeps the
+        # checkpoint's global batch, so its batch per worker follows from it.
+        resumed = self._read_checkpoint() if self.store is not None and cfg.resume else None
+        self.batch_size = self._batch_per_worker(resumed)
+
         pin = self.world.device.type == "cuda"
         self.train_loader = sharded_loader(
-            train_dataset, cfg.batch_size, world.rank, world.size, cfg.seed,
-            train=True, num_workers=cfg.num_workers, pin_memory=pin,
+            train_dataset, self.batch_size, world.rank, world.size, cfg.seed,
+            global_batch=self.global_batch_size, num_workers=cfg.num_workers, pin_memory=pin,
         )
         self.val_loader = None
         if val_dataset is not None:
             self.val_loader = sharded_loader(
-                val_dataset, cfg.batch_size, world.rank, world.size, cfg.seed,
-                train=False, num_workers=cfg.num_workers, pin_memory=pin,
+                val_dataset, self.batch_size, world.rank, world.size, cfg.seed,
+                num_workers=cfg.num_workers, pin_memory=pin,
             )
-        # Leftover micro-batches that do not fill an accumulation window are skipped: a
-        # backward pass without its optimizer step would leak gradients into the next epoch.
-        self.steps_per_epoch = len(self.train_loader) // cfg.accumulation
-        if self.steps_per_epoch == 0:
-            raise ValueError(
-                f"each rank has {len(self.train_loader)} batches per epoch, fewer than "
-                f"accumulation={cfg.accumulation}: lower --accumulation or --batch-size, "
-                f"or use fewer workers than {world.size}"
-            )
+        # Whole global batches only: every step is B x accumulation full micro-batches per rank.
+        self.steps_per_epoch = self.sampler.samples_per_epoch() // self.global_batch_size
 
         # 4. Horovod's wrapper hooks each gradient for an all-reduce that overlaps backward.
         self.optimizer = distributed_optimizer(
             optimizer, self.model.named_parameters(), cfg.accumulation, cfg.fp16_allreduce
         )
-        self.lr_scale = lr_scale(world.size, cfg.accumulation, cfg.scale_lr)
+        self.lr_scale = lr_scale(self.global_batch_size, cfg.batch_size, cfg.scale_lr)
         scale_learning_rate(self.optimizer, self.lr_scale)
         # 1. Rank 0's parameters and optimizer state, everywhere, before the first step.
         dist.broadcast_model_and_optimizer(self.model, self.optimizer, root_rank=0)
@@ -87,7 +89,79 @@ class Trainer:
 
         self.epoch = 0
         self.step = 0
+        self.epoch_step = 0  # optimizer steps taken in the current epoch
         self._announce()
+        if resumed is not None:
+            self.load_state_dict(resumed)
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def _read_checkpoint(self) -> Optional[Dict[str, Any]]:
+        """Rank 0 reads the newest valid checkpoint; every rank receives it by broadcast."""
+        found = None
+        if self.world.is_root:
+            newest = self.store.read_newest_valid()
+            if newest is not None:
+                path, found = newest
+                self.log.info(f"resuming from {path}")
+        return dist.broadcast_state(found, root_rank=0, name="checkpoint")
+
+    def _batch_per_worker(self, resumed: Optional[Dict[str, Any]]) -> int:
+        cfg, size = self.config, self.world.size
+        if resumed is None or resumed["world_size"] == size:
+            return cfg.batch_size
+        global_batch = resumed["global_batch"]
+        if global_batch % (size * cfg.accumulation):
+            raise ValueError(
+                f"the checkpoint's global batch {global_batch} (written by {resumed['world_size']} "
+                f"workers) cannot be split over {size} workers x {cfg.accumulation} accumulation: "
+                f"resume on a worker count that divides it, or start a new run"
+            )
+        per_worker = global_batch // (size * cfg.accumulation)
+        self.log.warning(
+            f"resuming a {resumed['world_size']}-worker checkpoint on {size} workers: the global batch "
+            f"stays {global_batch}, so each worker now takes {per_worker} samples per micro-batch"
+        )
+        return per_worker
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything needed to continue exactly: every rank must call it (it gathers RNG states)."""
+        rng_states = dist.allgather_object(rng.capture(), name="checkpoint.rng")
+        return {
+            "format": FORMAT_VERSION,
+            "model": self.model.state_dict(),  # the plain module: Horovod wraps only the optimizer
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "epoch": self.epoch,
+            "step": self.step,
+            "epoch_position": self.epoch_step * self.global_batch_size,
+            "global_batch": self.global_batch_size,
+            "world_size": self.world.size,
+            "rng": rng_states,
+            "config": self.config.to_dict(),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.epoch, self.step = state["epoch"], state["step"]
+        self.epoch_step = state["epoch_position"] // self.global_batch_size
+        if state["world_size"] == self.world.size:
+            rng.restore(state["rng"][self.world.rank])
+        else:
+            # Rank r of the new world is not rank r of the old one: derive fresh per-rank seeds.
+            rng.seed_everything(rng.rank_seed(self.config.seed + self.step, self.world.rank))
+        self.log.info(f"resumed at epoch {self.epoch + 1}, step {self.step}, "
+                      f"sample {state['epoch_position']} of the epoch")
+
+    def save_checkpoint(self) -> None:
+        """Rank 0 writes; the others wait at the barrier, so no rank runs ahead of a save."""
+        state = self.state_dict()
+        if self.world.is_root:
+            path = self.store.save(state, self.step)
+            self.log.info(f"checkpoint {path}")
+        dist.barrier()
 
     @property
     def sampler(self) -> ShardedSampler:
@@ -95,7 +169,7 @@ class Trainer:
 
     @property
     def global_batch_size(self) -> int:
-        return self.config.batch_size * self.config.accumulation * self.world.size
+        return self.batch_size * self.config.accumulation * self.world.size
 
     def _announce(self) -> None:
         w, cfg = self.world, self.config
@@ -111,7 +185,7 @@ class Trainer:
         self.log.info("ranks per host: " + "; ".join(
             f"{host}: {','.join(map(str, ranks))}" for host, ranks in ranks_by_host.items()))
         self.log.info(
-            f"global batch {self.global_batch_size} = {cfg.batch_size} x {cfg.accumulation} "
+            f"global batch {self.global_batch_size} = {self.batch_size} x {cfg.accumulation} "
             f"accumulation x {w.size} workers; {self.steps_per_epoch} steps/epoch; "
             f"lr {cfg.lr:g} x {self.lr_scale:g} after {self.warmup_steps} warm-up steps"
         )
@@ -129,9 +203,12 @@ class Trainer:
             started = time.perf_counter()
             train_loss, samples = self._train_epoch()
             elapsed = time.perf_counter() - started
-            self.epoch += 1
+            if self.epoch_step == self.steps_per_epoch:
+                self.epoch, self.epoch_step = self.epoch + 1, 0
+            # max_steps can end training inside an epoch: the record says how far it got.
+            reached = self.epoch + self.epoch_step / self.steps_per_epoch
             record = {
-                "epoch": self.epoch,
+                "epoch": reached,
                 "step": self.step,
                 "train_loss": train_loss,
                 "samples_per_sec": samples / elapsed,
@@ -140,24 +217,27 @@ class Trainer:
             }
             history.append(record)
             self.log.info(
-                f"epoch {self.epoch}/{self.config.epochs} step {self.step} "
+                f"epoch {reached:g}/{self.config.epochs} step {self.step} "
                 f"train_loss {train_loss:.4f}"
                 + (f" val_loss {record['val_loss']:.4f} val_accuracy {record['val_accuracy']:.4f}"
                    if "val_accuracy" in record else "")
                 + f" {record['samples_per_sec']:.0f} samples/s"
             )
+            if self.store is not None:
+                self.save_checkpoint()
         return history
 
     def _train_epoch(self) -> tuple:
         """One pass over this rank's shard; returns (mean train loss over all ranks, global samples)."""
         cfg, device = self.config, self.world.device
-        # 2. A new permutation each epoch, the same on every rank; each rank takes its slice.
-        self.sampler.set_epoch(self.epoch)
+        # 2. A new permutation each epoch, the same on every rank; each rank takes its slice
+        #    (from where a resumed epoch stopped).
+        self.sampler.set_epoch(self.epoch, start=self.epoch_step * self.global_batch_size)
         self.model.train()
         window = RunningLoss(device)
         throughput = Throughput(self.world.size)
         epoch_loss_sum = epoch_count = 0.0
-        usable_batches = self.steps_per_epoch * cfg.accumulation
+        usable_batches = (self.steps_per_epoch - self.epoch_step) * cfg.accumulation
 
         for index, (inputs, targets) in enumerate(self.train_loader):
             if index >= usable_batches or self._finished():
@@ -177,6 +257,11 @@ class Trainer:
             self.optimizer.zero_grad()
             self.scheduler.step()
             self.step += 1
+            self.epoch_step += 1
+            # The last step of an epoch is saved by the epoch's end, as the start of the next.
+            if (self.store is not None and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
+                    and self.epoch_step < self.steps_per_epoch):
+                self.save_checkpoint()
             if self.step % cfg.log_every == 0:
                 loss_sum, count = window.reduce(name="train.window_loss")
                 epoch_loss_sum, epoch_count = epoch_loss_sum + loss_sum, epoch_count + count

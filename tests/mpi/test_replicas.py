@@ -55,7 +55,8 @@ def test_setup_gives_every_rank_rank0_parameters_and_optimizer_state(world, opti
 
     before_params = dist.allgather_rows(flat_parameters(model), name=f"bcast.before.p.{optimizer_name}")
     before_state = dist.allgather_rows(flat_optimizer_state(optimizer), name=f"bcast.before.s.{optimizer_name}")
-    trainer = Trainer(model, optimizer, data, None, TrainConfig(epochs=1, scale_lr=False), world=world)
+    trainer = Trainer(model, optimizer, data, None, TrainConfig(epochs=1, batch_size=8, scale_lr=False),
+                      world=world)
     after_params = dist.allgather_rows(flat_parameters(trainer.model), name=f"bcast.after.p.{optimizer_name}")
     after_state = dist.allgather_rows(flat_optimizer_state(trainer.optimizer), name=f"bcast.after.s.{optimizer_name}")
 

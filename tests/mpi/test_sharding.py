@@ -19,8 +19,9 @@ def test_shards_are_disjoint_cover_the_data_and_reshuffle_per_epoch(world):
     samples = 96  # divisible by 1, 2, 3, 4: no padding, so shards must be exactly disjoint
     data = synthetic_classification(samples=samples)
     model = small_mlp(seed=1)
+    # batch 8: the global batch (8 x workers) divides 96 at 1-4 workers, so nothing is left out.
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, None,
-                      TrainConfig(seed=5), world=world)
+                      TrainConfig(seed=5, batch_size=8), world=world)
     mine = {epoch: epoch_indices(trainer, epoch) for epoch in (0, 1)}
     again = epoch_indices(trainer, 0)
     gathered = {epoch: dist.allgather_object(mine[epoch], name=f"shard.{epoch}") for epoch in (0, 1)}

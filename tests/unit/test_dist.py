@@ -1,6 +1,7 @@
 import pytest
 
-from hvdtrain.dist import rank_seed, threads_per_rank
+from hvdtrain.dist import threads_per_rank
+from hvdtrain.rng import rank_seed
 
 
 @pytest.mark.parametrize("local_size,visible,host,expected", [

@@ -3,9 +3,11 @@ import pytest
 from hvdtrain.optim import lr_scale, warmup_factor
 
 
-def test_scale_is_workers_times_accumulation_or_one_when_disabled():
-    assert lr_scale(8, 2, enabled=True) == 16.0
-    assert lr_scale(8, 2, enabled=False) == 1.0
+def test_scale_is_global_batch_over_one_worker_batch_or_one_when_disabled():
+    assert lr_scale(global_batch=32 * 8 * 2, base_batch=32, enabled=True) == 16.0  # 8 workers x 2 micro
+    assert lr_scale(global_batch=512, base_batch=32, enabled=False) == 1.0
+    # Resumed on 4 workers with the global batch of 8 x 32: the per-worker batch grows, the LR stays.
+    assert lr_scale(global_batch=256, base_batch=32, enabled=True) == 8.0
 
 
 def test_warmup_rises_linearly_from_the_single_worker_rate_to_the_scaled_rate():

@@ -20,17 +20,25 @@ def test_shards_are_disjoint_and_cover_when_the_size_divides(world_size):
     assert {len(part) for part in parts} == {84 // world_size}
 
 
-@pytest.mark.parametrize("dataset_size,world_size", [(10, 4), (7, 2), (3, 4)])
-def test_uneven_training_shards_are_padded_to_equal_length_and_still_cover(dataset_size, world_size):
-    parts = shards(dataset_size, world_size)
+@pytest.mark.parametrize("dataset_size,world_size,global_batch", [(10, 4, 4), (7, 2, 2), (100, 3, 9), (64, 2, 64)])
+def test_training_shards_hold_whole_global_batches_only(dataset_size, world_size, global_batch):
+    parts = shards(dataset_size, world_size, global_batch=global_batch)
+    kept = dataset_size // global_batch * global_batch
     # Equal lengths: ranks take equal step counts and never wait on each other forever.
-    assert len({len(part) for part in parts}) == 1
-    assert set(i for part in parts for i in part) == set(range(dataset_size))
-    assert len(parts[0]) * world_size - dataset_size < world_size
+    assert {len(part) for part in parts} == {kept // world_size}
+    union = [i for part in parts for i in part]
+    assert len(set(union)) == len(union) == kept, "a sample is repeated or missing"
 
 
-def test_evaluation_shards_are_not_padded_and_count_every_sample_once():
-    parts = shards(10, 4, shuffle=False, pad=False)
+def test_the_left_out_tail_changes_with_the_epoch():
+    left_out = [set(range(10)) - set(i for part in shards(10, 2, epoch=e, global_batch=4) for i in part)
+                for e in range(4)]
+    assert all(len(tail) == 2 for tail in left_out)
+    assert len({frozenset(tail) for tail in left_out}) > 1
+
+
+def test_evaluation_shards_count_every_sample_once():
+    parts = shards(10, 4, shuffle=False)
     assert sorted(i for part in parts for i in part) == list(range(10))
     assert [len(p) for p in parts] == [3, 3, 2, 2]
 
@@ -57,7 +65,25 @@ def test_global_batches_hold_the_same_samples_at_every_world_size(world_size, ba
     ((10, 2, 2), "rank 2 is outside the world of size 2"),
     ((10, -1, 2), "rank -1 is outside"),
     ((10, 0, 0), "world_size must be >= 1"),
+    ((10, 0, 4, 0, True, 6), "global_batch 6 must be a positive multiple of the world size 4"),
+    ((10, 0, 4, 0, True, 12), "10 samples, fewer than one global batch of 12"),
 ])
 def test_bad_arguments_are_refused_with_a_clear_message(args, message):
     with pytest.raises(ValueError, match=message):
         ShardedSampler(*args)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_a_resumed_epoch_continues_each_slice_exactly_where_it_stopped(world_size):
+    full = shards(96, world_size, epoch=1)
+    consumed = 24  # whole global batches of the global order
+    for rank in range(world_size):
+        sampler = ShardedSampler(96, rank, world_size)
+        sampler.set_epoch(1, start=consumed)
+        assert list(sampler) == full[rank][consumed // world_size:]
+        assert len(sampler) == len(full[rank]) - consumed // world_size
+
+
+def test_a_start_that_splits_a_global_position_is_refused():
+    with pytest.raises(ValueError, match="multiple of the world size 4"):
+        ShardedSampler(96, 0, 4).set_epoch(0, start=6)

@@ -1,0 +1,82 @@
+"""A run killed with SIGKILL and started again ends exactly where an uninterrupted run ends,
+and a checkpoint written at 2 workers resumes at 1 and at 4 with the same global batch."""
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from tests.launch.helpers import BIN, PYTHON, ROOT, run
+
+EPOCHS, EVERY = 3, 10
+LAST_STEP = EPOCHS * 22  # 1438 digits hold 22 whole global batches of 64
+
+
+def train_argv(np, checkpoint_dir):
+    return ["mpirun", "-np", str(np), "--oversubscribe", PYTHON, "train.py", "--epochs", str(EPOCHS),
+            "--checkpoint-dir", str(checkpoint_dir), "--checkpoint-every", str(EVERY)]
+
+
+def final_state(checkpoint_dir):
+    return torch.load(checkpoint_dir / f"ckpt-{LAST_STEP:09d}.pt", weights_only=True)
+
+
+def kill_when(argv, path, timeout=240):
+    """Start argv, SIGKILL every process of it as soon as ``path`` exists."""
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while not path.exists():
+            assert process.poll() is None, f"the run ended (exit {process.returncode}) before {path.name}"
+            assert time.monotonic() < deadline, f"{path.name} did not appear in {timeout} s"
+            time.sleep(0.02)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An uninterrupted run, and a run killed right after its step-30 checkpoint."""
+    base = tmp_path_factory.mktemp("resume")
+    whole, killed = base / "whole", base / "killed"
+    code, out, err = run(train_argv(2, whole))
+    assert code == 0, err[-3000:]
+    kill_when(train_argv(2, killed), killed / f"ckpt-{3 * EVERY:09d}.pt")
+    snapshot = base / "at-kill"
+    shutil.copytree(killed, snapshot)
+    return whole, killed, snapshot
+
+
+def test_a_run_killed_mid_epoch_resumes_to_bitwise_the_same_parameters(runs):
+    whole, killed, _ = runs
+    steps_left = sorted(p.name for p in killed.glob("ckpt-*.pt"))
+    code, out, err = run(train_argv(2, killed))
+    assert code == 0, err[-3000:]
+    assert "resuming from" in out and f"step {LAST_STEP}" in out
+    assert f"ckpt-{LAST_STEP:09d}.pt" not in steps_left, "the kill came too late to prove anything"
+    expected, resumed = final_state(whole), final_state(killed)
+    for key, tensor in expected["model"].items():
+        assert torch.equal(tensor, resumed["model"][key]), f"model {key} differs after resume"
+    for index, state in expected["optimizer"]["state"].items():
+        assert torch.equal(state["momentum_buffer"], resumed["optimizer"]["state"][index]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("np", [1, 4])
+def test_a_2_worker_checkpoint_resumes_on_another_worker_count(runs, tmp_path, np):
+    whole, _, snapshot = runs
+    moved = tmp_path / "ckpt"
+    shutil.copytree(snapshot, moved)
+    code, out, err = run(train_argv(np, moved))
+    assert code == 0, err[-3000:]
+    assert f"resuming a 2-worker checkpoint on {np} workers: the global batch stays 64" in out
+    expected, resumed = final_state(whole), final_state(moved)
+    assert resumed["global_batch"] == 64 and resumed["world_size"] == np
+    for key, tensor in expected["model"].items():
+        torch.testing.assert_close(resumed["model"][key], tensor, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"model {key} after resuming on {np} workers: {m}")
