@@ -33,6 +33,10 @@ def main(argv=None) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, config, world=world)
     history = trainer.fit()
+    if trainer.preempted:  # checkpointed (and requeued under SLURM): the next start resumes
+        if world.is_root:
+            print(f"preempted at step {trainer.step}; run again to resume", flush=True)
+        return 0
     # A run resumed from its own last checkpoint has nothing left to train: evaluate that model.
     final = history[-1] if history else trainer.evaluate()
 

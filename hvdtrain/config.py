@@ -26,9 +26,12 @@ class TrainConfig:
     checkpoint_every: int = field(default=0, metadata={"help": "steps between checkpoints (0: at the end of each epoch only)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "checkpoints kept; older ones are deleted"})
     resume: bool = field(default=True, metadata={"help": "continue from the newest valid checkpoint in checkpoint_dir"})
+    preempt_signal: str = field(default="USR1", metadata={"help": "signal that asks for checkpoint + requeue ('' disables)"})
+    preempt_check_every: int = field(default=10, metadata={"help": "steps between the ranks' vote on a preemption signal"})
 
     def __post_init__(self) -> None:
-        positive = ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints")
+        positive = ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints",
+                    "preempt_check_every")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -52,7 +55,7 @@ def _flag(name: str) -> str:
 
 
 # Field annotations are strings here (postponed evaluation): map them to argparse types.
-_ARG_TYPES = {"int": int, "float": float, "Optional[int]": int, "Optional[str]": str}
+_ARG_TYPES = {"int": int, "float": float, "str": str, "Optional[int]": int, "Optional[str]": str}
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:

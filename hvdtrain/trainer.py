@@ -10,6 +10,7 @@ The steps of Horovod data parallelism, in order, each marked where it happens:
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -24,6 +25,7 @@ from hvdtrain.config import TrainConfig
 from hvdtrain.data import ShardedSampler, sharded_loader
 from hvdtrain.log import get_logger
 from hvdtrain.metrics import RunningLoss, Throughput, evaluation_metrics
+from hvdtrain.preempt import PreemptionFlag, requeue, requeue_command
 from hvdtrain.optim import distributed_optimizer, lr_scale, scale_learning_rate, warmup_factor
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -90,6 +92,8 @@ class Trainer:
         self.epoch = 0
         self.step = 0
         self.epoch_step = 0  # optimizer steps taken in the current epoch
+        self.preemption = PreemptionFlag(cfg.preempt_signal)
+        self.preempted = False
         self._announce()
         if resumed is not None:
             self.load_state_dict(resumed)
@@ -191,7 +195,25 @@ class Trainer:
         )
 
     def _finished(self) -> bool:
-        return self.config.max_steps is not None and self.step >= self.config.max_steps
+        return self.preempted or (self.config.max_steps is not None and self.step >= self.config.max_steps)
+
+    def _stop_for_preemption(self) -> None:
+        """Every rank agreed to stop: checkpoint now, requeue the job (rank 0), and return from fit."""
+        if self.store is None:
+            self.log.warning("preemption signal, but no checkpoint_dir: this run cannot be resumed")
+        else:
+            self.save_checkpoint()
+        self.preempted = True
+        if not self.world.is_root:
+            return
+        command = requeue_command(os.environ)
+        if command is None:
+            self.log.info(f"preempted after step {self.step}: not a SLURM job, start it again to resume")
+            return
+        self.log.info(f"preempted after step {self.step}: requeueing with `{' '.join(command)}`")
+        failure = requeue(command)  # SLURM may end this process during the call
+        if failure:
+            self.log.warning(failure)
 
     def fit(self) -> List[Dict[str, float]]:
         """Train to the configured epochs (or max_steps); returns one metrics dict per epoch.
@@ -203,6 +225,8 @@ class Trainer:
             started = time.perf_counter()
             train_loss, samples = self._train_epoch()
             elapsed = time.perf_counter() - started
+            if self.preempted:
+                break
             if self.epoch_step == self.steps_per_epoch:
                 self.epoch, self.epoch_step = self.epoch + 1, 0
             # max_steps can end training inside an epoch: the record says how far it got.
@@ -262,6 +286,9 @@ class Trainer:
             if (self.store is not None and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
                     and self.epoch_step < self.steps_per_epoch):
                 self.save_checkpoint()
+            if self.step % cfg.preempt_check_every == 0 and self.preemption.agreed():
+                self._stop_for_preemption()
+                break
             if self.step % cfg.log_every == 0:
                 loss_sum, count = window.reduce(name="train.window_loss")
                 epoch_loss_sum, epoch_count = epoch_loss_sum + loss_sum, epoch_count + count

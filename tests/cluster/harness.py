@@ -520,8 +520,10 @@ SlurmUser=root
 SlurmdUser=root
 MailProg=/bin/true
 AuthType=auth/munge
-# our own munged, not the system one
-AuthInfo=socket={munge_socket}
+# our own munged, not the system one; cred_expire=5: a requeued job may start again after 5 s,
+# not 120 s (needs a fresh slurmctld, which every harness run is)
+AuthInfo=socket={munge_socket},cred_expire=5
+SchedulerParameters=sched_interval=2,bf_interval=1
 StateSaveLocation={slurm}/ctld
 # %n: two slurmd on one machine need separate spool, pid, log and TmpFS (PMIx app dirs)
 SlurmdSpoolDir={slurm}/spool-%n

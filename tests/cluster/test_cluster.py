@@ -9,7 +9,9 @@ checks that Horovod formed 4 workers as 2 hosts x 2 and that training reached 95
 import os
 import re
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -165,3 +167,51 @@ def test_doctor_names_the_host_whose_sshd_is_stopped(cluster):
     rows = doctor_rows(result.stdout)
     assert rows[("reach", "hostA")] == "ok" and rows[("reach", "hostB")] == "FAIL", result.stdout
     assert "check(s) failed" in result.stdout and "reach (hostB)" in result.stdout
+
+
+# How SLURM's preemption warning reaches each script's ranks, sent at once here (the scripts'
+# --signal=...@90 arrives 60-90 s before the end, too late for a test to wait on):
+# srun tasks directly (--signal=USR1), or the batch shell, which passes it to mpirun (B:USR1).
+PREEMPTION_SIGNALS = {
+    "slurm/train.sbatch": ["scancel", "-s", "USR1"],
+    "slurm/train-mpirun.sbatch": ["scancel", "--batch", "-s", "USR1"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(PREEMPTION_SIGNALS))
+def test_sbatch_job_preempted_with_usr1_checkpoints_requeues_and_resumes(cluster, script):
+    """The ranks agree at a step boundary, checkpoint, rank 0 requeues the job, and the requeued
+    job resumes from the checkpoint and finishes."""
+    jobs = cluster.state / f"jobs-preempt-{Path(script).stem}"
+    jobs.mkdir()
+    log, checkpoints = jobs / "train-%j.out", jobs / "ckpt"
+    argv = ["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=2", "--time=00:15:00", f"--output={log}",
+            script, *TRAIN_ARGS[1:], "--checkpoint-dir", str(checkpoints),
+            "--checkpoint-every", "10"]
+    waiting = subprocess.Popen(cluster.head.enter() + argv, cwd=ROOT, env=cluster.env(VENV=sys.prefix),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while not (checkpoints / "ckpt-000000010.pt").exists():
+            assert waiting.poll() is None, f"the job ended before its first checkpoint: {waiting.communicate()}"
+            assert time.monotonic() < deadline, "no first checkpoint"
+            time.sleep(0.1)
+        job = cluster.run_on(cluster.head, ["squeue", "-h", "-o", "%i"], 30).stdout.split()
+        assert len(job) == 1, f"expected one job in the queue: {job}"
+        signalled = cluster.run_on(cluster.head, [*PREEMPTION_SIGNALS[script], job[0]], 30)
+        assert signalled.returncode == 0, signalled.describe()
+        out, err = waiting.communicate(timeout=LAUNCH_TIMEOUT)
+    finally:
+        if waiting.poll() is None:
+            os.killpg(waiting.pid, signal.SIGKILL)
+            cluster.run_on(cluster.head, ["scancel", "--full", *job], 30)
+    output = "\n".join(path.read_text() for path in sorted(jobs.glob("train-*.out")))
+    context = f"{out}\n{err}\n{output[-4000:]}\n" + "\n".join(map(log_tail, cluster.slurm_logs))
+    assert waiting.returncode == 0, context
+
+    stopped = re.search(rf"preempted after step (\d+): requeueing with `scontrol requeue {job[0]}`", output)
+    assert stopped, context
+    assert re.search(rf"resumed at epoch \d+, step {stopped.group(1)}, sample \d+ of the epoch", output), context
+    # The resumed half trains on to the end: its last line is the 4-worker accuracy line.
+    assert_trained_on_two_hosts(output, context)

@@ -1,6 +1,7 @@
 """A run killed with SIGKILL and started again ends exactly where an uninterrupted run ends,
 and a checkpoint written at 2 workers resumes at 1 and at 4 with the same global batch."""
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -80,3 +81,36 @@ def test_a_2_worker_checkpoint_resumes_on_another_worker_count(runs, tmp_path, n
     for key, tensor in expected["model"].items():
         torch.testing.assert_close(resumed["model"][key], tensor, rtol=1e-4, atol=1e-5,
                                    msg=lambda m: f"model {key} after resuming on {np} workers: {m}")
+
+
+def test_a_preemption_signal_checkpoints_at_a_step_boundary_and_the_rerun_ends_bitwise_equal(runs, tmp_path):
+    """SIGUSR1 to mpirun (as SLURM sends before preemption) reaches every rank: they agree,
+    checkpoint, exit 0; started again, the run ends where the uninterrupted one did."""
+    whole, _, _ = runs
+    directory = tmp_path / "preempted"
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    process = subprocess.Popen(train_argv(2, directory), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (directory / f"ckpt-{EVERY:09d}.pt").exists():
+            assert process.poll() is None and time.monotonic() < deadline, "no first checkpoint"
+            time.sleep(0.02)
+        process.send_signal(signal.SIGUSR1)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, err[-3000:]
+    stopped = re.search(r"preempted at step (\d+); run again to resume", out)
+    assert stopped, out[-3000:]
+    step = int(stopped.group(1))
+    assert step % 10 == 0 and step < LAST_STEP, "ranks stop together at a vote step, before the end"
+    assert (directory / f"ckpt-{step:09d}.pt").exists()
+
+    code, out, err = run(train_argv(2, directory))
+    assert code == 0, err[-3000:]
+    assert f"resumed at epoch {step // 22 + 1}, step {step}" in out
+    expected, resumed = final_state(whole), final_state(directory)
+    for key, tensor in expected["model"].items():
+        assert torch.equal(tensor, resumed["model"][key]), f"model {key} differs after preemption"
