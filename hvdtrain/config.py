@@ -27,6 +27,7 @@ class TrainConfig:
     keep_checkpoints: int = field(default=3, metadata={"help": "checkpoints kept; older ones are deleted"})
     resume: bool = field(default=True, metadata={"help": "continue from the newest valid checkpoint in checkpoint_dir"})
     preempt_signal: str = field(default="USR1", metadata={"help": "signal that asks for checkpoint + requeue ('' disables)"})
+    stall_timeout: float = field(default=600.0, metadata={"help": "seconds without a finished step before a rank ends the job, naming where it is stuck (0: never)"})
     preempt_check_every: int = field(default=10, metadata={"help": "steps between the ranks' vote on a preemption signal"})
 
     def __post_init__(self) -> None:
@@ -38,6 +39,8 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be a whole number >= 1, got {value!r}")
         if not self.lr > 0:
             raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr!r}")
+        if self.stall_timeout < 0:
+            raise ValueError(f"TrainConfig.stall_timeout must be >= 0, got {self.stall_timeout!r}")
         if self.warmup_epochs < 0:
             raise ValueError(f"TrainConfig.warmup_epochs must be >= 0, got {self.warmup_epochs!r}")
         if self.max_steps is not None and self.max_steps < 1:

@@ -25,6 +25,7 @@ from hvdtrain.config import TrainConfig
 from hvdtrain.data import ShardedSampler, sharded_loader
 from hvdtrain.log import get_logger
 from hvdtrain.metrics import RunningLoss, Throughput, evaluation_metrics
+from hvdtrain.watchdog import StallWatchdog, pending_allreduces
 from hvdtrain.preempt import PreemptionFlag, requeue, requeue_command
 from hvdtrain.optim import distributed_optimizer, lr_scale, scale_learning_rate, warmup_factor
 
@@ -93,6 +94,7 @@ class Trainer:
         self.step = 0
         self.epoch_step = 0  # optimizer steps taken in the current epoch
         self.preemption = PreemptionFlag(cfg.preempt_signal)
+        self.watchdog: Optional[StallWatchdog] = None
         self.preempted = False
         self._announce()
         if resumed is not None:
@@ -166,6 +168,7 @@ class Trainer:
             path = self.store.save(state, self.step)
             self.log.info(f"checkpoint {path}")
         dist.barrier()
+        self._beat()  # a large checkpoint may take longer than a step
 
     @property
     def sampler(self) -> ShardedSampler:
@@ -221,6 +224,21 @@ class Trainer:
         Every rank returns the same history: all values are reduced across ranks.
         """
         history: List[Dict[str, float]] = []
+        if self.config.stall_timeout:
+            self.watchdog = StallWatchdog(self.config.stall_timeout, self.world.rank, self.world.hostname,
+                                          lambda: pending_allreduces(self.optimizer)).start()
+        try:
+            self._fit(history)
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+        return history
+
+    def _beat(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(self.step)
+
+    def _fit(self, history: List[Dict[str, float]]) -> None:
         while self.epoch < self.config.epochs and not self._finished():
             started = time.perf_counter()
             train_loss, samples = self._train_epoch()
@@ -249,7 +267,6 @@ class Trainer:
             )
             if self.store is not None:
                 self.save_checkpoint()
-        return history
 
     def _train_epoch(self) -> tuple:
         """One pass over this rank's shard; returns (mean train loss over all ranks, global samples)."""
@@ -282,6 +299,7 @@ class Trainer:
             self.scheduler.step()
             self.step += 1
             self.epoch_step += 1
+            self._beat()
             # The last step of an epoch is saved by the epoch's end, as the start of the next.
             if (self.store is not None and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
                     and self.epoch_step < self.steps_per_epoch):
@@ -321,4 +339,5 @@ class Trainer:
             loss_sum += self.loss_fn(outputs, targets).to(torch.float64) * len(targets)
             correct += (outputs.argmax(dim=1) == targets).sum()
             count += len(targets)
+            self._beat()
         return evaluation_metrics(float(loss_sum), int(correct), count, name="val.metrics")

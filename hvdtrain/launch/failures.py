@@ -1,7 +1,8 @@
 """Which rank failed first, and on which host, from what the launcher printed.
 
-Open MPI names a dead rank as ``Process name: [[job,1],R]`` and horovodrun as ``Process R exit
-with status code``; neither names the host. With the rank and the host list, hvdtrain can.
+Open MPI names a dead rank as ``Process name: [[job,1],R]``, horovodrun --gloo as ``Process
+name: R`` and elastic horovodrun as ``Process R exit with status code``; none names the host.
+With the rank and the host list, hvdtrain can.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from hvdtrain.launch.hostfile import Host
 
 _PATTERNS = (
     re.compile(r"Process name:\s*\[\[\d+,\d+\],(?P<rank>\d+)\]"),           # Open MPI mpirun
-    re.compile(r"Process (?P<rank>\d+) exit with status code"),              # horovodrun
+    re.compile(r"Process name: (?P<rank>\d+)\s*$", re.MULTILINE),             # horovodrun --gloo
+    re.compile(r"Process (?P<rank>\d+) exit with status code"),              # horovodrun elastic
     re.compile(r"srun: error: (?P<host>[\w.-]+): task (?P<rank>\d+): "),     # srun
 )
 

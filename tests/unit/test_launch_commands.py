@@ -120,6 +120,7 @@ def test_ranks_map_to_hosts_slot_by_slot():
     ("...\n  Process name: [[31763,1],3]\n  Exit code:    1\n", (3, None)),
     ("[1]<stderr>:boom\nProcess 1 exit with status code 255.\nProcess 0 exit with status code 1.\n", (1, None)),
     ("srun: error: node07: task 5: Exited with exit code 2\n", (5, "node07")),
+    ("The first process to do so was:\nProcess name: 1\nExit code: 75\n", (1, None)),
     ("everything is fine\n", None),
 ])
 def test_the_first_failed_rank_is_read_from_each_launcher(output, expected):

@@ -1,0 +1,92 @@
+"""A rank that stops taking steps ends the job, saying where every rank is stuck.
+
+Horovod alone turns a rank that stops calling collectives into a silent hang (its stall check
+does not fire under Gloo, nor for a frozen rank under MPI). Every rank runs this watchdog: the
+training loop beats after each step; when no beat comes for ``timeout`` seconds, the watchdog
+names the rank, host and last step, and the all-reduces this rank waits in, then ends the
+process, and the launcher ends the job. The rank that stopped is the one waiting in none.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Callable, List
+
+import horovod.torch as hvd
+
+STALL_EXIT_CODE = 75
+
+
+def pending_allreduces(optimizer) -> List[str]:
+    """Names of the gradients whose all-reduce this rank started and that has not completed.
+
+    Reads Horovod's DistributedOptimizer internals (``_handles``, ``_parameter_names``) from
+    another thread: a racy read is retried, never trusted blindly.
+    """
+    names = getattr(optimizer, "_parameter_names", {})
+    for _ in range(5):
+        try:
+            handles = list(getattr(optimizer, "_handles", {}).items())
+            break
+        except RuntimeError:  # the training thread changed the dict while we copied it
+            time.sleep(0.01)
+    else:
+        return ["(unknown: the optimizer kept changing)"]
+    pending = []
+    for key, (handle, _) in handles:
+        if handle is None or callable(handle) or hvd.poll(handle):
+            continue
+        params = key if isinstance(key, tuple) else (key,)
+        pending.extend(names.get(p, "?") for p in params)
+    return sorted(pending)
+
+
+class StallWatchdog:
+    def __init__(self, timeout: float, rank: int, host: str, pending: Callable[[], List[str]],
+                 exit_process: Callable[[int], None] = os._exit) -> None:
+        self.timeout = timeout
+        self.rank, self.host = rank, host
+        self._pending = pending
+        self._exit = exit_process
+        self._last_beat = time.monotonic()
+        self._step = 0
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hvdtrain-watchdog", daemon=True)
+
+    def start(self) -> "StallWatchdog":
+        self.beat(self._step)
+        self._thread.start()
+        return self
+
+    def beat(self, step: int) -> None:
+        """Called by the training loop after each step: two assignments, nothing else."""
+        self._last_beat = time.monotonic()
+        self._step = step
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def report(self, silent_for: float) -> str:
+        waiting = self._pending()
+        where = (f"waiting in the all-reduce of {', '.join(waiting[:10])}"
+                 + (f" and {len(waiting) - 10} more" if len(waiting) > 10 else "")
+                 if waiting else
+                 "not waiting in any collective: THIS rank stopped calling them (stuck in data loading, "
+                 "in user code, or in I/O)")
+        return (f"[hvdtrain] STALL rank {self.rank} on {self.host}: no step finished for "
+                f"{silent_for:.0f} s after step {self._step}; {where}. Ending the job "
+                f"(stall_timeout={self.timeout:g} s).")
+
+    def _watch(self) -> None:
+        interval = max(0.1, min(5.0, self.timeout / 5))
+        while not self._stopped.wait(interval):
+            silent_for = time.monotonic() - self._last_beat
+            if silent_for > self.timeout:
+                print(self.report(silent_for), file=sys.stderr, flush=True)
+                # The other ranks' watchdogs fire within one interval: let them report too before
+                # this exit makes the launcher kill them.
+                time.sleep(interval + 2.0)
+                self._exit(STALL_EXIT_CODE)
+                return

@@ -1,0 +1,36 @@
+"""A rank that dies or stalls ends the whole job, in bounded time, saying which rank and where."""
+import socket
+import time
+
+import pytest
+
+from tests.launch.helpers import BIN, PYTHON, run
+
+HVDTRAIN = str(BIN / "hvdtrain")
+HOST = socket.gethostname()
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun --gloo"])
+def test_a_stalled_rank_ends_the_job_naming_itself_and_what_the_others_wait_for(launcher):
+    prefix = {"mpirun": ["mpirun", "-np", "2"],
+              "horovodrun --gloo": [str(BIN / "horovodrun"), "-np", "2", "--gloo"]}[launcher]
+    started = time.monotonic()
+    code, out, err = run(prefix + [PYTHON, "tests/launch/stall_job.py", "5"], timeout=120)
+    elapsed = time.monotonic() - started
+    output = out + err
+    assert code != 0
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
+    assert (f"STALL rank 1 on {HOST}: no step finished for" in output
+            and "not waiting in any collective: THIS rank stopped calling them" in output), output[-3000:]
+    assert f"STALL rank 0 on {HOST}" in output and "waiting in the all-reduce of 0.bias, 0.weight" in output
+
+
+def test_a_crashed_rank_launched_through_horovodrun_is_named_with_its_host():
+    crash = ("import os, torch, horovod.torch as hvd; hvd.init(); "
+             "os._exit(3) if hvd.rank() == 1 else hvd.allreduce(torch.ones(1), name='x')")
+    started = time.monotonic()
+    code, out, err = run([HVDTRAIN, "launch", "--launcher", "horovodrun", "-np", "2", "--timeout", "120",
+                          "--", PYTHON, "-c", crash], timeout=150)
+    assert code not in (0, 124)
+    assert time.monotonic() - started < 60
+    assert f"rank 1 on {HOST} failed first" in err, err[-3000:]
