@@ -58,14 +58,10 @@ class ShardedSampler(Sampler[int]):
         self.start = 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Choose the epoch's permutation, and where in it to begin (a resumed epoch).
-
-        ``start`` counts samples of the global order already consumed; it is a multiple of the
-        world size (whole global batches), so each rank resumes exactly where its slice left off.
-        The Trainer calls this; users need not.
-        """
-        if start < 0 or start % self.world_size:
-            raise ValueError(f"start {start} must be a non-negative multiple of the world size {self.world_size}")
+        """Choose the epoch's permutation, and how many samples of it were already consumed
+        (a resumed epoch, or one continued by a resized elastic job). The Trainer calls this."""
+        if not 0 <= start <= self.dataset_size:
+            raise ValueError(f"start {start} is outside the epoch's {self.dataset_size} samples")
         self.epoch = epoch
         self.start = start
 
@@ -77,17 +73,18 @@ class ShardedSampler(Sampler[int]):
         generator.manual_seed(self.seed + self.epoch)
         return torch.randperm(self.dataset_size, generator=generator).tolist()
 
-    def samples_per_epoch(self) -> int:
+    def end(self) -> int:
+        """Where this epoch's shards stop: after the last whole global batch from ``start``."""
         if self.global_batch is None:
             return self.dataset_size
-        return self.dataset_size // self.global_batch * self.global_batch
+        return self.start + (self.dataset_size - self.start) // self.global_batch * self.global_batch
 
     def __iter__(self) -> Iterator[int]:
         order = self.global_order()
-        return iter(order[self.start + self.rank : self.samples_per_epoch() : self.world_size])
+        return iter(order[self.start + self.rank : self.end() : self.world_size])
 
     def __len__(self) -> int:
-        return len(range(self.start + self.rank, self.samples_per_epoch(), self.world_size))
+        return len(range(self.start + self.rank, self.end(), self.world_size))
 
 
 def sharded_loader(

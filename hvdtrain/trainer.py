@@ -77,7 +77,8 @@ class Trainer:
                 num_workers=cfg.num_workers, pin_memory=pin,
             )
         # Whole global batches only: every step is B x accumulation full micro-batches per rank.
-        self.steps_per_epoch = self.sampler.samples_per_epoch() // self.global_batch_size
+        self.dataset_size = len(train_dataset)  # type: ignore[arg-type]
+        self.steps_per_epoch = self.dataset_size // self.global_batch_size
 
         # 4. Horovod's wrapper hooks each gradient for an all-reduce that overlaps backward.
         self.optimizer = distributed_optimizer(
@@ -92,7 +93,7 @@ class Trainer:
 
         self.epoch = 0
         self.step = 0
-        self.epoch_step = 0  # optimizer steps taken in the current epoch
+        self.epoch_position = 0  # samples of the current epoch's global order already trained on
         self.preemption = PreemptionFlag(cfg.preempt_signal)
         self.watchdog: Optional[StallWatchdog] = None
         self.preempted = False
@@ -140,7 +141,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "epoch": self.epoch,
             "step": self.step,
-            "epoch_position": self.epoch_step * self.global_batch_size,
+            "epoch_position": self.epoch_position,
             "global_batch": self.global_batch_size,
             "world_size": self.world.size,
             "rng": rng_states,
@@ -152,7 +153,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.epoch, self.step = state["epoch"], state["step"]
-        self.epoch_step = state["epoch_position"] // self.global_batch_size
+        self.epoch_position = state["epoch_position"]
         if state["world_size"] == self.world.size:
             rng.restore(state["rng"][self.world.rank])
         else:
@@ -196,6 +197,9 @@ class Trainer:
             f"accumulation x {w.size} workers; {self.steps_per_epoch} steps/epoch; "
             f"lr {cfg.lr:g} x {self.lr_scale:g} after {self.warmup_steps} warm-up steps"
         )
+
+    def _epoch_has_steps_left(self) -> bool:
+        return self.dataset_size - self.epoch_position >= self.global_batch_size
 
     def _finished(self) -> bool:
         return self.preempted or (self.config.max_steps is not None and self.step >= self.config.max_steps)
@@ -245,10 +249,10 @@ class Trainer:
             elapsed = time.perf_counter() - started
             if self.preempted:
                 break
-            if self.epoch_step == self.steps_per_epoch:
-                self.epoch, self.epoch_step = self.epoch + 1, 0
+            if not self._epoch_has_steps_left():
+                self.epoch, self.epoch_position = self.epoch + 1, 0
             # max_steps can end training inside an epoch: the record says how far it got.
-            reached = self.epoch + self.epoch_step / self.steps_per_epoch
+            reached = self.epoch + self.epoch_position / self.dataset_size
             record = {
                 "epoch": reached,
                 "step": self.step,
@@ -273,15 +277,14 @@ class Trainer:
         cfg, device = self.config, self.world.device
         # 2. A new permutation each epoch, the same on every rank; each rank takes its slice
         #    (from where a resumed epoch stopped).
-        self.sampler.set_epoch(self.epoch, start=self.epoch_step * self.global_batch_size)
+        self.sampler.set_epoch(self.epoch, start=self.epoch_position)
         self.model.train()
         window = RunningLoss(device)
         throughput = Throughput(self.world.size)
         epoch_loss_sum = epoch_count = 0.0
-        usable_batches = (self.steps_per_epoch - self.epoch_step) * cfg.accumulation
 
         for index, (inputs, targets) in enumerate(self.train_loader):
-            if index >= usable_batches or self._finished():
+            if self._finished():
                 break
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
@@ -298,11 +301,11 @@ class Trainer:
             self.optimizer.zero_grad()
             self.scheduler.step()
             self.step += 1
-            self.epoch_step += 1
+            self.epoch_position += self.global_batch_size
             self._beat()
             # The last step of an epoch is saved by the epoch's end, as the start of the next.
             if (self.store is not None and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
-                    and self.epoch_step < self.steps_per_epoch):
+                    and self._epoch_has_steps_left()):
                 self.save_checkpoint()
             if self.step % cfg.preempt_check_every == 0 and self.preemption.agreed():
                 self._stop_for_preemption()

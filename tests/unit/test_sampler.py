@@ -3,11 +3,11 @@ import pytest
 from hvdtrain.data import ShardedSampler
 
 
-def shards(dataset_size, world_size, epoch=0, seed=0, **kwargs):
+def shards(dataset_size, world_size, epoch=0, seed=0, start=0, **kwargs):
     result = []
     for rank in range(world_size):
         sampler = ShardedSampler(dataset_size, rank, world_size, seed=seed, **kwargs)
-        sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch, start=start)
         result.append(list(sampler))
     return result
 
@@ -84,6 +84,18 @@ def test_a_resumed_epoch_continues_each_slice_exactly_where_it_stopped(world_siz
         assert len(sampler) == len(full[rank]) - consumed // world_size
 
 
-def test_a_start_that_splits_a_global_position_is_refused():
-    with pytest.raises(ValueError, match="multiple of the world size 4"):
-        ShardedSampler(96, 0, 4).set_epoch(0, start=6)
+@pytest.mark.parametrize("start,world_size,global_batch", [(24, 2, 8), (30, 3, 9), (16, 4, 12)])
+def test_an_epoch_continued_at_another_world_size_takes_the_rest_in_whole_global_batches(
+        start, world_size, global_batch):
+    """An elastic job that shrinks or grows mid-epoch continues the same global order."""
+    parts = shards(100, world_size, epoch=3, global_batch=global_batch, start=start)
+    order = shards(100, 1, epoch=3)[0]
+    taken = sorted(i for part in parts for i in part)
+    expected_end = start + (100 - start) // global_batch * global_batch
+    assert taken == sorted(order[start:expected_end])
+    assert len({len(part) for part in parts}) == 1
+
+
+def test_a_start_outside_the_epoch_is_refused():
+    with pytest.raises(ValueError, match="start 101 is outside the epoch's 100 samples"):
+        ShardedSampler(100, 0, 4).set_epoch(0, start=101)
