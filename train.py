@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, config, world=world)
     history = trainer.fit()
+    world = trainer.world  # under Horovod elastic, the world at the end may not be the one at the start
     if trainer.preempted:  # checkpointed (and requeued under SLURM): the next start resumes
         if world.is_root:
             print(f"preempted at step {trainer.step}; run again to resume", flush=True)

@@ -28,11 +28,12 @@ class TrainConfig:
     resume: bool = field(default=True, metadata={"help": "continue from the newest valid checkpoint in checkpoint_dir"})
     preempt_signal: str = field(default="USR1", metadata={"help": "signal that asks for checkpoint + requeue ('' disables)"})
     stall_timeout: float = field(default=600.0, metadata={"help": "seconds without a finished step before a rank ends the job, naming where it is stuck (0: never)"})
+    elastic_commit_every: int = field(default=10, metadata={"help": "steps between in-memory commits under Horovod elastic (what a worker loss rolls back to)"})
     preempt_check_every: int = field(default=10, metadata={"help": "steps between the ranks' vote on a preemption signal"})
 
     def __post_init__(self) -> None:
         positive = ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints",
-                    "preempt_check_every")
+                    "preempt_check_every", "elastic_commit_every")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

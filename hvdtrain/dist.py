@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -93,6 +93,16 @@ def init(seed: int = 0, threads: Optional[int] = None) -> World:
         launcher=launcher.name,
         threads=threads,
         device=device,
+    )
+
+
+def reformed(world: World) -> World:
+    """The world after an elastic reset: Horovod re-initialised with other ranks (the device,
+    threads and launcher stay; the launcher's variables no longer describe the world)."""
+    return replace(
+        world,
+        rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size(),
+        cross_rank=hvd.cross_rank(), cross_size=hvd.cross_size(),
     )
 
 

@@ -6,7 +6,7 @@ of accumulated micro-batches), reached by a linear warm-up from the single-worke
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Tuple
+from typing import Callable, Iterable, Sequence, Tuple
 
 import torch
 
@@ -41,12 +41,10 @@ def warmup_factor(scale: float, warmup_steps: int) -> Callable[[int], float]:
     return factor
 
 
-def scale_learning_rate(optimizer: torch.optim.Optimizer, scale: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = group["lr"] * scale
-        # LambdaLR reads initial_lr when it exists; keep it consistent with the scaled rate.
-        if "initial_lr" in group:
-            group["initial_lr"] = group["initial_lr"] * scale
+def set_scaled_lr(optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], scale: float) -> None:
+    """Each group's rate = its one-worker rate x scale (also as the scheduler's initial_lr)."""
+    for group, base in zip(optimizer.param_groups, base_lrs):
+        group["lr"] = group["initial_lr"] = base * scale
 
 
 def distributed_optimizer(

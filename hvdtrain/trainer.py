@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
-from hvdtrain import dist, rng
+from hvdtrain import dist, elastic, rng
+from hvdtrain.elastic import TrainerState, is_elastic_launch
 from hvdtrain.checkpoint import FORMAT_VERSION, CheckpointStore
 from hvdtrain.config import TrainConfig
 from hvdtrain.data import ShardedSampler, sharded_loader
@@ -27,7 +28,7 @@ from hvdtrain.log import get_logger
 from hvdtrain.metrics import RunningLoss, Throughput, evaluation_metrics
 from hvdtrain.watchdog import StallWatchdog, pending_allreduces
 from hvdtrain.preempt import PreemptionFlag, requeue, requeue_command
-from hvdtrain.optim import distributed_optimizer, lr_scale, scale_learning_rate, warmup_factor
+from hvdtrain.optim import distributed_optimizer, lr_scale, set_scaled_lr, warmup_factor
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -62,10 +63,45 @@ class Trainer:
             self.store = CheckpointStore(cfg.checkpoint_dir, keep=cfg.keep_checkpoints, log=self.log)
         # Read before the loaders are built: a run resumed on another worker count keeps the
         # checkpoint's global batch, so its batch per worker follows from it.
-        resumed = self._read_checkpoint() if self.store is not None and cfg.resume else None
+        # Under Horovod elastic, set-up runs no collective: a worker that joins later runs this
+        # while the others wait in the elastic sync, and mismatched collectives deadlock. The
+        # elastic sync broadcasts rank 0's state (and its checkpoint, if it read one) instead.
+        self.elastic_launch = is_elastic_launch()
+        resumed = None
+        if self.store is not None and cfg.resume:
+            resumed = self._read_checkpoint(broadcast=not self.elastic_launch)
         self.batch_size = self._batch_per_worker(resumed)
 
-        pin = self.world.device.type == "cuda"
+        self._datasets = (train_dataset, val_dataset)
+        self.dataset_size = len(train_dataset)  # type: ignore[arg-type]
+        self._build_loaders()
+
+        # 4. Horovod's wrapper hooks each gradient for an all-reduce that overlaps backward.
+        self.optimizer = distributed_optimizer(
+            optimizer, self.model.named_parameters(), cfg.accumulation, cfg.fp16_allreduce
+        )
+        self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # one worker's rates
+        self.epoch = 0
+        self.step = 0
+        self.epoch_position = 0  # samples of the current epoch's global order already trained on
+        self._configure_lr()
+        # 1. Rank 0's parameters and optimizer state, everywhere, before the first step.
+        if not self.elastic_launch:
+            dist.broadcast_model_and_optimizer(self.model, self.optimizer, root_rank=0)
+
+        self.preemption = PreemptionFlag(cfg.preempt_signal)
+        self.watchdog: Optional[StallWatchdog] = None
+        self._elastic: Optional[TrainerState] = None
+        self.preempted = False
+        self._announce()
+        if resumed is not None:
+            self.load_state_dict(resumed)
+
+    def _build_loaders(self) -> None:
+        """This rank's loaders for the current world (again after an elastic resize)."""
+        cfg, world = self.config, self.world
+        train_dataset, val_dataset = self._datasets
+        pin = world.device.type == "cuda"
         self.train_loader = sharded_loader(
             train_dataset, self.batch_size, world.rank, world.size, cfg.seed,
             global_batch=self.global_batch_size, num_workers=cfg.num_workers, pin_memory=pin,
@@ -77,33 +113,30 @@ class Trainer:
                 num_workers=cfg.num_workers, pin_memory=pin,
             )
         # Whole global batches only: every step is B x accumulation full micro-batches per rank.
-        self.dataset_size = len(train_dataset)  # type: ignore[arg-type]
         self.steps_per_epoch = self.dataset_size // self.global_batch_size
-
-        # 4. Horovod's wrapper hooks each gradient for an all-reduce that overlaps backward.
-        self.optimizer = distributed_optimizer(
-            optimizer, self.model.named_parameters(), cfg.accumulation, cfg.fp16_allreduce
-        )
-        self.lr_scale = lr_scale(self.global_batch_size, cfg.batch_size, cfg.scale_lr)
-        scale_learning_rate(self.optimizer, self.lr_scale)
-        # 1. Rank 0's parameters and optimizer state, everywhere, before the first step.
-        dist.broadcast_model_and_optimizer(self.model, self.optimizer, root_rank=0)
         self.warmup_steps = round(cfg.warmup_epochs * self.steps_per_epoch)
-        self.scheduler = LambdaLR(self.optimizer, warmup_factor(self.lr_scale, self.warmup_steps))
 
-        self.epoch = 0
-        self.step = 0
-        self.epoch_position = 0  # samples of the current epoch's global order already trained on
-        self.preemption = PreemptionFlag(cfg.preempt_signal)
-        self.watchdog: Optional[StallWatchdog] = None
-        self.preempted = False
-        self._announce()
-        if resumed is not None:
-            self.load_state_dict(resumed)
+    def _configure_lr(self) -> None:
+        """Scale one worker's rates to the global batch, warmed up, continuing at the current step."""
+        self.lr_scale = lr_scale(self.global_batch_size, self.config.batch_size, self.config.scale_lr)
+        set_scaled_lr(self.optimizer, self._base_lrs, self.lr_scale)
+        self.scheduler = LambdaLR(self.optimizer, warmup_factor(self.lr_scale, self.warmup_steps),
+                                  last_epoch=self.step - 1)
+
+    def _on_world_change(self) -> None:
+        """Elastic reset: Horovod formed a new world; follow its size (sampler, batch, LR)."""
+        previous = self.world.size
+        self.world = dist.reformed(self.world)
+        self.log = get_logger(self.world)
+        self.batch_size = self.config.batch_size  # elastic: the global batch follows the world
+        self._build_loaders()
+        self._configure_lr()
+        self.log.info(f"world changed from {previous} to {self.world.size} workers: global batch "
+                      f"{self.global_batch_size}, lr x {self.lr_scale:g}; continuing at step {self.step}")
 
     # ---- checkpoints ---------------------------------------------------------------------
 
-    def _read_checkpoint(self) -> Optional[Dict[str, Any]]:
+    def _read_checkpoint(self, broadcast: bool) -> Optional[Dict[str, Any]]:
         """Rank 0 reads the newest valid checkpoint; every rank receives it by broadcast."""
         found = None
         if self.world.is_root:
@@ -111,7 +144,7 @@ class Trainer:
             if newest is not None:
                 path, found = newest
                 self.log.info(f"resuming from {path}")
-        return dist.broadcast_state(found, root_rank=0, name="checkpoint")
+        return dist.broadcast_state(found, root_rank=0, name="checkpoint") if broadcast else found
 
     def _batch_per_worker(self, resumed: Optional[Dict[str, Any]]) -> int:
         cfg, size = self.config, self.world.size
@@ -185,6 +218,8 @@ class Trainer:
             f"{w.size} workers ({w.cross_size} hosts x {w.local_size}) started by {w.launcher}, "
             f"{w.controller.upper()} controller, {w.threads} threads/rank, device {w.device}"
         )
+        if self.elastic_launch:
+            return  # no collective in elastic set-up (see __init__)
         # Where every rank runs, in one line: a collective, so every rank calls it.
         hosts = dist.allgather_object(w.hostname, name="trainer.hosts")
         ranks_by_host: Dict[str, List[int]] = {}
@@ -232,7 +267,11 @@ class Trainer:
             self.watchdog = StallWatchdog(self.config.stall_timeout, self.world.rank, self.world.hostname,
                                           lambda: pending_allreduces(self.optimizer)).start()
         try:
-            self._fit(history)
+            if self.elastic_launch:
+                self._elastic = TrainerState(self, self._on_world_change)
+                elastic.run(self._elastic, lambda: self._fit(history))
+            else:
+                self._fit(history)
         finally:
             if self.watchdog is not None:
                 self.watchdog.stop()
@@ -271,6 +310,8 @@ class Trainer:
             )
             if self.store is not None:
                 self.save_checkpoint()
+            if self._elastic is not None:
+                self._elastic.commit()
 
     def _train_epoch(self) -> tuple:
         """One pass over this rank's shard; returns (mean train loss over all ranks, global samples)."""
@@ -303,6 +344,8 @@ class Trainer:
             self.step += 1
             self.epoch_position += self.global_batch_size
             self._beat()
+            if self._elastic is not None and self.step % cfg.elastic_commit_every == 0:
+                self._elastic.commit()  # the point survivors roll back to; may raise to resize
             # The last step of an epoch is saved by the epoch's end, as the start of the next.
             if (self.store is not None and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
                     and self._epoch_has_steps_left()):
