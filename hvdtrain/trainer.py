@@ -20,15 +20,15 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
 from hvdtrain import dist, elastic, rng
-from hvdtrain.elastic import TrainerState, is_elastic_launch
 from hvdtrain.checkpoint import FORMAT_VERSION, CheckpointStore
 from hvdtrain.config import TrainConfig
 from hvdtrain.data import ShardedSampler, sharded_loader
+from hvdtrain.elastic import TrainerState, is_elastic_launch
 from hvdtrain.log import get_logger
 from hvdtrain.metrics import RunningLoss, Throughput, evaluation_metrics
-from hvdtrain.watchdog import StallWatchdog, pending_allreduces
-from hvdtrain.preempt import PreemptionFlag, requeue, requeue_command
 from hvdtrain.optim import distributed_optimizer, lr_scale, set_scaled_lr, warmup_factor
+from hvdtrain.preempt import PreemptionFlag, requeue, requeue_command
+from hvdtrain.watchdog import StallWatchdog, pending_allreduces
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -128,6 +128,8 @@ class Trainer:
         previous = self.world.size
         self.world = dist.reformed(self.world)
         self.log = get_logger(self.world)
+        if self.watchdog is not None:
+            self.watchdog.rank = self.world.rank
         self.batch_size = self.config.batch_size  # elastic: the global batch follows the world
         self._build_loaders()
         self._configure_lr()
@@ -148,7 +150,8 @@ class Trainer:
 
     def _batch_per_worker(self, resumed: Optional[Dict[str, Any]]) -> int:
         cfg, size = self.config, self.world.size
-        if resumed is None or resumed["world_size"] == size:
+        # Under elastic, the global batch follows the world (and only rank 0 has read the file).
+        if resumed is None or self.elastic_launch or resumed["world_size"] == size:
             return cfg.batch_size
         global_batch = resumed["global_batch"]
         if global_batch % (size * cfg.accumulation):
@@ -218,15 +221,14 @@ class Trainer:
             f"{w.size} workers ({w.cross_size} hosts x {w.local_size}) started by {w.launcher}, "
             f"{w.controller.upper()} controller, {w.threads} threads/rank, device {w.device}"
         )
-        if self.elastic_launch:
-            return  # no collective in elastic set-up (see __init__)
-        # Where every rank runs, in one line: a collective, so every rank calls it.
-        hosts = dist.allgather_object(w.hostname, name="trainer.hosts")
-        ranks_by_host: Dict[str, List[int]] = {}
-        for rank, host in enumerate(hosts):
-            ranks_by_host.setdefault(host, []).append(rank)
-        self.log.info("ranks per host: " + "; ".join(
-            f"{host}: {','.join(map(str, ranks))}" for host, ranks in ranks_by_host.items()))
+        if not self.elastic_launch:  # no collective in elastic set-up (see __init__)
+            # Where every rank runs, in one line: a collective, so every rank calls it.
+            hosts = dist.allgather_object(w.hostname, name="trainer.hosts")
+            ranks_by_host: Dict[str, List[int]] = {}
+            for rank, host in enumerate(hosts):
+                ranks_by_host.setdefault(host, []).append(rank)
+            self.log.info("ranks per host: " + "; ".join(
+                f"{host}: {','.join(map(str, ranks))}" for host, ranks in ranks_by_host.items()))
         self.log.info(
             f"global batch {self.global_batch_size} = {self.batch_size} x {cfg.accumulation} "
             f"accumulation x {w.size} workers; {self.steps_per_epoch} steps/epoch; "

@@ -215,3 +215,19 @@ def test_sbatch_job_preempted_with_usr1_checkpoints_requeues_and_resumes(cluster
     assert re.search(rf"resumed at epoch \d+, step {stopped.group(1)}, sample \d+ of the epoch", output), context
     # The resumed half trains on to the end: its last line is the 4-worker accuracy line.
     assert_trained_on_two_hosts(output, context)
+
+
+def test_doctor_inside_a_slurm_allocation_takes_its_hosts_from_slurm(cluster):
+    jobs = cluster.state / "jobs-doctor"
+    jobs.mkdir()
+    log = jobs / "doctor-%j.out"
+    result = cluster.run_on(cluster.head, [
+        "sbatch", "--wait", "--nodes=2", "--ntasks-per-node=2", "--time=00:05:00", f"--output={log}",
+        f"--wrap={DOCTOR} doctor --network-interface eth0 --checkpoint-dir {jobs / 'ckpt'}"],
+        LAUNCH_TIMEOUT, cwd=ROOT)
+    output = "\n".join(path.read_text() for path in jobs.glob("doctor-*.out"))
+    assert result.returncode == 0, f"{result.describe()}\n{output}"
+    rows = doctor_rows(output)
+    assert rows[("reach", "hostA")] == rows[("reach", "hostB")] == "ok", output
+    assert re.search(r"slurm\s+this host\s+ok\s+job \d+, scontrol found", output), output
+    assert re.search(r"allreduce\s+4 ranks, 2 hosts\s+ok", output), output
