@@ -61,11 +61,12 @@ install_torch() {
     say "installing $TORCH_SPEC"
     "${PIP[@]}" "$TORCH_SPEC" numpy
   fi
-  TORCH_VERSION=$("$PY" -W ignore -c 'import torch; print(torch.__version__)')
+  local cuda
+  read -r TORCH_VERSION cuda < <("$PY" -W ignore -c 'import torch; print(torch.__version__, torch.version.cuda or "none")')
   # NCCL support needs a CUDA build of torch and the CUDA toolkit, not a visible GPU: a login
   # node without GPUs builds the same wheel as the compute nodes.
   HAS_CUDA=0
-  if [ "$("$PY" -W ignore -c 'import torch; print(torch.version.cuda or "")')" != "" ] && command -v nvcc >/dev/null; then
+  if [ "$cuda" != none ] && command -v nvcc >/dev/null; then
     HAS_CUDA=1
   fi
 }
@@ -102,18 +103,21 @@ build_horovod_wheel() {
 }
 
 install_horovod() {
-  # Horovod's runtime deps, and what its build needs from the environment (no build isolation).
-  "${PIP[@]}" cloudpickle psutil pyyaml packaging cffi wheel setuptools
   local dir wheel
   dir=$(horovod_wheel_dir)
-  ls "$dir"/horovod-*.whl >/dev/null 2>&1 || build_horovod_wheel "$dir"
-  wheel=$(ls "$dir"/horovod-*.whl | head -n 1)
-  # pip would keep an installed 0.28.1 built against another torch: reinstall when the wheel differs.
-  if [ "$(cat "$VENV/.horovod-wheel" 2>/dev/null)" != "$wheel" ]; then
-    say "installing $(basename "$wheel")"
-    "${PIP[@]}" --force-reinstall --no-deps "$wheel"
-    echo "$wheel" > "$VENV/.horovod-wheel"
+  wheel=$(ls "$dir"/horovod-*.whl 2>/dev/null | head -n 1)
+  # Installed from this very wheel already: nothing to do (the fast path of a second run).
+  [ -n "$wheel" ] && [ "$(cat "$VENV/.horovod-wheel" 2>/dev/null)" = "$wheel" ] && return 0
+  # Horovod's runtime deps, and what its build needs from the environment (no build isolation).
+  "${PIP[@]}" cloudpickle psutil pyyaml packaging cffi wheel setuptools
+  if [ -z "$wheel" ]; then
+    build_horovod_wheel "$dir"
+    wheel=$(ls "$dir"/horovod-*.whl | head -n 1)
   fi
+  # pip would keep an installed 0.28.1 built against another torch: reinstall when the wheel differs.
+  say "installing $(basename "$wheel")"
+  "${PIP[@]}" --force-reinstall --no-deps "$wheel"
+  echo "$wheel" > "$VENV/.horovod-wheel"
 }
 
 install_hvdtrain() {
@@ -128,14 +132,22 @@ install_hvdtrain() {
 }
 
 verify_horovod() {
-  local report
-  report=$("$VENV/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $report"
-  local need
-  for need in PyTorch MPI Gloo; do
-    grep -Eq "\[X\] $need\b" <<<"$report" || die "Horovod was built without $need support:
+  local installed verified=$VENV/.horovod-verified
+  installed=$(cat "$VENV/.horovod-wheel")
+  if [ "$(cat "$verified" 2>/dev/null)" = "$installed" ]; then
+    # Verified when installed; since then a quick import says it still loads (check-build takes 5-10 s).
+    "$PY" -W ignore -c 'import horovod.torch as hvd; assert hvd.mpi_built() and hvd.gloo_built()' \
+      || die "Horovod no longer imports with MPI and Gloo: rm $verified and run this script again"
+  else
+    local report need
+    report=$("$VENV/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $report"
+    for need in PyTorch MPI Gloo; do
+      grep -Eq "\[X\] $need\b" <<<"$report" || die "Horovod was built without $need support:
 $report
 Remove $(horovod_wheel_dir) and run this script again; the build log shows why $need was left out."
-  done
+    done
+    echo "$installed" > "$verified"
+  fi
   say "Horovod $HOROVOD_VERSION ready: PyTorch, MPI and Gloo built ($VENV)"
 }
 
