@@ -92,7 +92,16 @@ build_horovod_wheel() {
     sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$f"
   done
   local gpu=()
-  [ "$HAS_CUDA" = 1 ] && gpu=(HOROVOD_GPU_OPERATIONS=NCCL)
+  if [ "$HAS_CUDA" = 1 ]; then
+    gpu=(HOROVOD_GPU_OPERATIONS=NCCL)
+    # PyPI's CUDA torch brings NCCL as the nvidia-nccl wheel: point Horovod's build at it
+    # (a system NCCL is found without help). Untested here: the reference machine has no GPU.
+    local nccl
+    nccl=$("$PY" -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)
+    if [ -n "$nccl" ] && [ -d "$nccl/include" ]; then
+      gpu+=(HOROVOD_NCCL_INCLUDE="$nccl/include" HOROVOD_NCCL_LIB="$nccl/lib" HOROVOD_NCCL_LINK=SHARED)
+    fi
+  fi
   mkdir -p "$out"
   env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
       HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
