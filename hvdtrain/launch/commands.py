@@ -18,6 +18,7 @@ class LaunchSpec:
     network_interface: Optional[str] = None
     exports: Sequence[str] = field(default=DEFAULT_EXPORTS)
     as_root: bool = False
+    start_timeout: int = 30  # seconds to reach every host before the launch fails
 
     def __post_init__(self) -> None:
         if self.np < 1:
@@ -31,6 +32,8 @@ class LaunchSpec:
             )
         if self.network_interface is not None:
             check_hostname(self.network_interface, "--network-interface")
+        if self.start_timeout < 1:
+            raise ValueError(f"--start-timeout must be >= 1 second, got {self.start_timeout}")
 
 
 def openmpi_argv(spec: LaunchSpec) -> List[str]:
@@ -39,7 +42,10 @@ def openmpi_argv(spec: LaunchSpec) -> List[str]:
     if spec.as_root:
         argv.append("--allow-run-as-root")
     if spec.hosts:
-        argv += ["-H", to_host_list(spec.hosts)]
+        # A host that is down would leave ssh (and so mpirun) waiting for minutes; BatchMode
+        # turns a password prompt, which nobody would answer, into an error.
+        argv += ["-H", to_host_list(spec.hosts),
+                 "-mca", "plm_rsh_args", f"-o ConnectTimeout={spec.start_timeout} -o BatchMode=yes"]
     # No binding (Horovod's background thread needs a core of its own), ranks filled host by host;
     # ob1 + no openib: the TCP/shared-memory path that works everywhere.
     argv += ["-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib"]
@@ -64,8 +70,8 @@ def mpich_argv(spec: LaunchSpec) -> List[str]:
     return argv + list(spec.command)
 
 
-def horovodrun_argv(spec: LaunchSpec, start_timeout: int = 30) -> List[str]:
-    argv = ["horovodrun", "-np", str(spec.np), "--start-timeout", str(start_timeout)]
+def horovodrun_argv(spec: LaunchSpec) -> List[str]:
+    argv = ["horovodrun", "-np", str(spec.np), "--start-timeout", str(spec.start_timeout)]
     if spec.hosts:
         argv += ["-H", to_host_list(spec.hosts)]
     if spec.network_interface:

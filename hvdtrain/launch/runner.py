@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--launcher", choices=sorted(BUILDERS), default="mpirun",
                         help="mpirun (Open MPI), mpich (Hydra mpiexec), horovodrun, srun (default: mpirun)")
     parser.add_argument("--network-interface", help="the interface ranks talk over, e.g. eth0 or ib0")
+    parser.add_argument("--start-timeout", type=int, default=30,
+                        help="seconds to reach every host before the launch fails (default: 30)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="stop the whole job after this many seconds (exit code 124)")
     parser.add_argument("--dry-run", action="store_true", help="print the exact command and exit")
@@ -52,6 +54,7 @@ def build_command(args: argparse.Namespace, environ=os.environ) -> Tuple[List[st
         network_interface=args.network_interface,
         exports=[name for name in DEFAULT_EXPORTS if name in environ],
         as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+        start_timeout=args.start_timeout,
     )
     return BUILDERS[args.launcher](spec), spec
 

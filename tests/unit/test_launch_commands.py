@@ -20,7 +20,8 @@ def spec(**overrides):
 
 def test_open_mpi_command_line():
     assert openmpi_argv(spec()) == [
-        "mpirun", "-np", "4", "-H", "hostA:2,hostB:2", "-bind-to", "none", "-map-by", "slot",
+        "mpirun", "-np", "4", "-H", "hostA:2,hostB:2",
+        "-mca", "plm_rsh_args", "-o ConnectTimeout=30 -o BatchMode=yes", "-bind-to", "none", "-map-by", "slot",
         "-mca", "pml", "ob1", "-mca", "btl", "^openib",
         "-mca", "btl_tcp_if_include", "eth0", "-mca", "oob_tcp_if_include", "eth0",
         "-x", "NCCL_SOCKET_IFNAME=eth0", "-x", "PATH", "-x", "PYTHONPATH",
@@ -59,6 +60,7 @@ def test_horovodrun_and_srun_command_lines():
     ({"np": 0}, ValueError, "-np must be >= 1"),
     ({"command": ()}, ValueError, "no command to launch"),
     ({"network_interface": "eth0;reboot"}, HostfileError, "bad host name 'eth0;reboot'"),
+    ({"start_timeout": 0}, ValueError, "--start-timeout must be >= 1 second"),
 ])
 def test_impossible_launches_are_refused(overrides, error, message):
     with pytest.raises(error, match=message):
@@ -69,10 +71,10 @@ def test_cli_dry_run_prints_the_command_and_np_defaults_to_the_slots(capsys, tmp
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# two hosts\nhostA slots=2\nhostB:2\n")
     code = cli_main(["launch", "--hostfile", str(hostfile), "--launcher", "horovodrun", "--dry-run",
-                     "--", "python", "train.py", "--lr", "0.1"])
+                     "--start-timeout", "90", "--", "python", "train.py", "--lr", "0.1"])
     assert code == 0
     assert shlex.split(capsys.readouterr().out) == [
-        "horovodrun", "-np", "4", "--start-timeout", "30", "-H", "hostA:2,hostB:2",
+        "horovodrun", "-np", "4", "--start-timeout", "90", "-H", "hostA:2,hostB:2",
         "python", "train.py", "--lr", "0.1",
     ]
 
