@@ -7,7 +7,7 @@
 #   Horovod 0.28.1, patched for C++17, from its sdist  -> wheel cached in .cache/wheels/<key>/
 #   mpi4py (built against the system MPI), hvdtrain    -> pip install -e .[test,examples]
 #   horovodrun --check-build                           -> fails unless PyTorch, MPI and Gloo are built
-set -euo pipefail
+set -Eeuo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${VENV:-$ROOT/.venv}
@@ -19,6 +19,8 @@ CACHE=$ROOT/.cache
 
 say() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
+# Never stop without saying where: set -e alone exits silently.
+trap 'die "line $LINENO failed (exit $?): $BASH_COMMAND"' ERR
 
 install_system_packages() {
   local missing=()
@@ -114,7 +116,7 @@ build_horovod_wheel() {
 install_horovod() {
   local dir wheel
   dir=$(horovod_wheel_dir)
-  wheel=$(ls "$dir"/horovod-*.whl 2>/dev/null | head -n 1)
+  wheel=$(ls "$dir"/horovod-*.whl 2>/dev/null | head -n 1 || true)  # none yet on a new machine
   # Installed from this very wheel already: nothing to do (the fast path of a second run).
   [ -n "$wheel" ] && [ "$(cat "$VENV/.horovod-wheel" 2>/dev/null)" = "$wheel" ] && return 0
   # Horovod's runtime deps, and what its build needs from the environment (no build isolation).
