@@ -21,6 +21,8 @@ say() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 # Never stop without saying where: set -e alone exits silently.
 trap 'die "line $LINENO failed (exit $?): $BASH_COMMAND"' ERR
+# The content of a stamp file, or nothing when there is none yet (without tripping the trap).
+stamp() { if [ -f "$1" ]; then cat "$1"; fi; }
 
 install_system_packages() {
   local missing=()
@@ -55,7 +57,7 @@ make_venv() {
 # package about each. Those lines say nothing about this install: drop them, keep everything else.
 pip_quiet() {
   "$PY" -m pip "$1" -q --disable-pip-version-check "${@:2}" \
-    2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+    2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2 || true)
 }
 
 install_torch() {
@@ -118,7 +120,7 @@ install_horovod() {
   dir=$(horovod_wheel_dir)
   wheel=$(ls "$dir"/horovod-*.whl 2>/dev/null | head -n 1 || true)  # none yet on a new machine
   # Installed from this very wheel already: nothing to do (the fast path of a second run).
-  [ -n "$wheel" ] && [ "$(cat "$VENV/.horovod-wheel" 2>/dev/null)" = "$wheel" ] && return 0
+  [ -n "$wheel" ] && [ "$(stamp "$VENV/.horovod-wheel")" = "$wheel" ] && return 0
   # Horovod's runtime deps, and what its build needs from the environment (no build isolation).
   "${PIP[@]}" cloudpickle psutil pyyaml packaging cffi wheel setuptools
   if [ -z "$wheel" ]; then
@@ -132,20 +134,20 @@ install_horovod() {
 }
 
 install_hvdtrain() {
-  local stamp=$VENV/.hvdtrain-deps key
+  local stamp_file=$VENV/.hvdtrain-deps key
   key=$(cat "$ROOT/setup.cfg" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)
-  [ "$(cat "$stamp" 2>/dev/null)" = "$key" ] && return 0
+  [ "$(stamp "$stamp_file")" = "$key" ] && return 0
   say "installing mpi4py (built against $(command -v mpicc)) and hvdtrain"
   # A binary mpi4py wheel may carry another MPI; it must match the mpirun that launches it.
   "${PIP[@]}" --no-binary mpi4py mpi4py
   "${PIP[@]}" -e "$ROOT[test,examples]"
-  echo "$key" > "$stamp"
+  echo "$key" > "$stamp_file"
 }
 
 verify_horovod() {
   local installed verified=$VENV/.horovod-verified
   installed=$(cat "$VENV/.horovod-wheel")
-  if [ "$(cat "$verified" 2>/dev/null)" = "$installed" ]; then
+  if [ "$(stamp "$verified")" = "$installed" ]; then
     # Verified when installed; since then a quick import says it still loads (check-build takes 5-10 s).
     "$PY" -W ignore -c 'import horovod.torch as hvd; assert hvd.mpi_built() and hvd.gloo_built()' \
       || die "Horovod no longer imports with MPI and Gloo: rm $verified and run this script again"
