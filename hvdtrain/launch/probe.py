@@ -23,7 +23,7 @@ def main() -> int:
     hosts = hvd.allgather_object(socket.gethostname(), name="probe.hosts")
     hvd.allreduce_(tensor, op=hvd.Sum, name="probe.warmup")
     times = []
-    for i in range(REPEATS):
+    for _ in range(REPEATS):
         hvd.barrier()
         start = time.perf_counter()
         hvd.allreduce_(tensor, op=hvd.Sum, name="probe.allreduce")
