@@ -82,12 +82,7 @@ def init(seed: int = 0, threads: Optional[int] = None) -> World:
     rng.seed_everything(rng.rank_seed(seed, hvd.rank()))
 
     return World(
-        rank=hvd.rank(),
-        size=hvd.size(),
-        local_rank=hvd.local_rank(),
-        local_size=hvd.local_size(),
-        cross_rank=hvd.cross_rank(),
-        cross_size=hvd.cross_size(),
+        **_horovod_ranks(),
         hostname=socket.gethostname(),
         controller="gloo" if hvd.gloo_enabled() else "mpi",
         launcher=launcher.name,
@@ -99,11 +94,16 @@ def init(seed: int = 0, threads: Optional[int] = None) -> World:
 def reformed(world: World) -> World:
     """The world after an elastic reset: Horovod re-initialised with other ranks (the device,
     threads and launcher stay; the launcher's variables no longer describe the world)."""
-    return replace(
-        world,
-        rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size(),
-        cross_rank=hvd.cross_rank(), cross_size=hvd.cross_size(),
-    )
+    return replace(world, **_horovod_ranks())
+
+
+def _horovod_ranks() -> Dict[str, int]:
+    """This process's place in the world Horovod formed, as World's fields."""
+    return {
+        "rank": hvd.rank(), "size": hvd.size(),
+        "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
+        "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(),
+    }
 
 
 def _split_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:

@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from hvdtrain.launch.hostfile import Host, HostfileError, check_hostname, to_host_list, total_slots
 
 # Variables every rank needs from the launching shell; mpirun passes none unless told (-x).
 DEFAULT_EXPORTS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV")
+
+
+def exports_present(environ: Mapping[str, str]) -> List[str]:
+    """The DEFAULT_EXPORTS set in ``environ``: mpirun -x of an unset name is an error."""
+    return [name for name in DEFAULT_EXPORTS if name in environ]
 
 
 @dataclass(frozen=True)

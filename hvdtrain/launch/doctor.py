@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hvdtrain.launch.allocation import allocation_hosts
-from hvdtrain.launch.commands import DEFAULT_EXPORTS, LaunchSpec, openmpi_argv
-from hvdtrain.launch.hostfile import Host, HostfileError, parse_host_list, parse_hostfile, total_slots
+from hvdtrain.launch.commands import LaunchSpec, exports_present, openmpi_argv
+from hvdtrain.launch.hostfile import Host, HostfileError, hosts_from_options, total_slots
 
 FACTS_SCRIPT = (Path(__file__).with_name("host_facts.py")).read_text()
 SSH_CONNECT_TIMEOUT = 5
@@ -185,7 +185,7 @@ def scheduler_rows(environ: Mapping[str, str]) -> List[Row]:
 
 def probe_row(hosts: Sequence[Host], python: str, interface: Optional[str]) -> Row:
     spec = LaunchSpec(np=total_slots(hosts), command=[python, "-m", "hvdtrain.launch.probe"], hosts=hosts,
-                      network_interface=interface, exports=[n for n in DEFAULT_EXPORTS if n in os.environ],
+                      network_interface=interface, exports=exports_present(os.environ),
                       as_root=os.geteuid() == 0)
     argv = openmpi_argv(spec)
     where = f"{spec.np} ranks"
@@ -254,12 +254,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.hostfile:
-            hosts = parse_hostfile(args.hostfile)
-        elif args.hosts:
-            hosts = parse_host_list(args.hosts)
-        else:
-            hosts = allocation_hosts(os.environ)
+        hosts = hosts_from_options(args.hostfile, args.hosts) or allocation_hosts(os.environ)
     except (HostfileError, ValueError) as error:
         print(f"hvdtrain doctor: {error}", file=sys.stderr)
         return 2

@@ -108,6 +108,15 @@ def parse_host_list(value: str) -> List[Host]:
     return parse_hosts("\n".join(value.split(",")), f"-H {value!r}", unit="entry")
 
 
+def hosts_from_options(hostfile: Optional[str], host_list: Optional[str]) -> Optional[List[Host]]:
+    """The hosts of --hostfile or -H, whichever was given; None when neither was."""
+    if hostfile:
+        return parse_hostfile(Path(hostfile))
+    if host_list:
+        return parse_host_list(host_list)
+    return None
+
+
 def total_slots(hosts: Iterable[Host]) -> int:
     return sum(host.slots for host in hosts)
 

@@ -16,9 +16,9 @@ import sys
 import threading
 from typing import IO, Deque, List, Optional, Sequence, Tuple
 
-from hvdtrain.launch.commands import BUILDERS, DEFAULT_EXPORTS, LaunchSpec
+from hvdtrain.launch.commands import BUILDERS, LaunchSpec, exports_present
 from hvdtrain.launch.failures import first_failed_rank, rank_host
-from hvdtrain.launch.hostfile import Host, HostfileError, parse_host_list, parse_hostfile, total_slots
+from hvdtrain.launch.hostfile import Host, HostfileError, hosts_from_options, total_slots
 
 GRACE_SECONDS = 10  # between SIGTERM and SIGKILL when a job must be stopped
 
@@ -41,18 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_command(args: argparse.Namespace, environ=os.environ) -> Tuple[List[str], LaunchSpec]:
-    hosts = []
-    if args.hostfile:
-        hosts = parse_hostfile(args.hostfile)
-    elif args.hosts:
-        hosts = parse_host_list(args.hosts)
+    hosts = hosts_from_options(args.hostfile, args.hosts) or []
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     spec = LaunchSpec(
         np=args.np or total_slots(hosts) or 1,
         command=command,
         hosts=hosts,
         network_interface=args.network_interface,
-        exports=[name for name in DEFAULT_EXPORTS if name in environ],
+        exports=exports_present(environ),
         as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
         start_timeout=args.start_timeout,
     )
