@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tests.launch.helpers import BIN, PYTHON, ROOT, run
+from tests.launch.helpers import PYTHON, ROOT, launch_env, run
 
 EPOCHS, EVERY = 3, 10
 LAST_STEP = EPOCHS * 22  # 1438 digits hold 22 whole global batches of 64
@@ -27,7 +27,7 @@ def final_state(checkpoint_dir):
 
 def kill_when(argv, path, timeout=240):
     """Start argv, SIGKILL every process of it as soon as ``path`` exists."""
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = launch_env()
     process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + timeout
@@ -88,7 +88,7 @@ def test_a_preemption_signal_checkpoints_at_a_step_boundary_and_the_rerun_ends_b
     checkpoint, exit 0; started again, the run ends where the uninterrupted one did."""
     whole, _, _ = runs
     directory = tmp_path / "preempted"
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = launch_env()
     process = subprocess.Popen(train_argv(2, directory), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
