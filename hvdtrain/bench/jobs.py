@@ -1,0 +1,66 @@
+"""Run one measured worker job (N ranks under a launcher) with a time limit and read its result.
+
+A benchmark worker is a module run as ``python -m <module> --out FILE ...``; rank 0 writes its
+result as JSON to FILE. Each job is its own launch, so variants that cannot share a process
+(Horovod-MPI, Horovod-Gloo, torch DDP, no distribution) are measured the same way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+from hvdtrain.launch.commands import LaunchSpec, exports_present, horovodrun_argv, openmpi_argv
+from hvdtrain.launch.hostfile import Host
+
+LAUNCHERS = ("none", "mpirun", "horovodrun")
+
+
+class JobFailed(RuntimeError):
+    """A worker job exited non-zero, timed out, or wrote no result."""
+
+
+def worker_argv(module: str, args: Sequence[str], out: Path, np: int, launcher: str,
+                hosts: Sequence[Host] = (), environ: Mapping[str, str] = os.environ) -> list:
+    command = [sys.executable, "-m", module, "--out", str(out), *args]
+    if launcher == "none":
+        if np != 1:
+            raise ValueError(f"launcher 'none' runs one process, not {np}")
+        return command
+    spec = LaunchSpec(np=np, command=command, hosts=hosts, exports=exports_present(environ),
+                      as_root=hasattr(os, "geteuid") and os.geteuid() == 0)
+    if launcher == "mpirun":
+        return openmpi_argv(spec)
+    if launcher == "horovodrun":
+        return horovodrun_argv(spec)[:1] + ["--gloo"] + horovodrun_argv(spec)[1:]
+    raise ValueError(f"unknown launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
+
+
+def run_job(module: str, args: Sequence[str], np: int, launcher: str, timeout: float,
+            env: Optional[Mapping[str, str]] = None, hosts: Sequence[Host] = ()) -> Dict[str, Any]:
+    """Launch the worker, wait at most ``timeout`` seconds, return rank 0's JSON result."""
+    environ = dict(os.environ)
+    environ.update(env or {})
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        environ.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        argv = worker_argv(module, args, out, np, launcher, hosts, environ)
+        # Own session: a timeout kills every rank, not only the launcher.
+        process = subprocess.Popen(argv, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, start_new_session=True)
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            raise JobFailed(f"{' '.join(argv)} did not finish in {timeout:.0f} s; its last output:\n"
+                            f"{output[-2000:]}") from None
+        if process.returncode != 0 or not out.exists():
+            raise JobFailed(f"{' '.join(argv)} exited {process.returncode}; its last output:\n{output[-2000:]}")
+        return json.loads(out.read_text())
