@@ -37,7 +37,8 @@ def worker_argv(module: str, args: Sequence[str], out: Path, np: int, launcher: 
     if launcher == "mpirun":
         return openmpi_argv(spec)
     if launcher == "horovodrun":
-        return horovodrun_argv(spec)[:1] + ["--gloo"] + horovodrun_argv(spec)[1:]
+        argv = horovodrun_argv(spec)
+        return [argv[0], "--gloo", *argv[1:]]
     raise ValueError(f"unknown launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
 
 
@@ -64,3 +65,10 @@ def run_job(module: str, args: Sequence[str], np: int, launcher: str, timeout: f
         if process.returncode != 0 or not out.exists():
             raise JobFailed(f"{' '.join(argv)} exited {process.returncode}; its last output:\n{output[-2000:]}")
         return json.loads(out.read_text())
+
+
+def write_result(out: Path, payload: Dict[str, Any]) -> None:
+    """Rank 0 of a worker job: leave the result where ``run_job`` reads it (whole or not at all)."""
+    tmp = Path(str(out) + ".tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, out)
