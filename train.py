@@ -1,38 +1,38 @@
 """Train a small CNN on the 8x8 digits, data-parallel over every rank of the launch.
 
     horovodrun -np 2 python train.py
-    mpirun -np 2 --hostfile hostfiles/localhost python train.py
-    python train.py --epochs 5            # one process, no launcher
+    mpirun -np 2 --hostfile hostfiles/localhost python train.py --config configs/digits.yaml
+    python train.py --train.epochs=5 --model.hidden=64      # one process, no launcher
 
 Copy this file for your own job: build the data, the model and the optimizer as for one
 process (with one worker's learning rate); hvdtrain does the distribution.
 """
-import argparse
 import sys
 
 import torch
 
 import hvdtrain
-from hvdtrain.config import TrainConfig, add_config_arguments, config_from_args
-from hvdtrain.examples.digits import DigitsCNN, load_digits_datasets
-
-DEFAULTS = TrainConfig(epochs=12, batch_size=32, lr=0.02, warmup_epochs=2, log_every=10)
+from hvdtrain.config_loader import job_argument_parser, parse_job, to_dict
+from hvdtrain.examples.digits import DigitsCNN, DigitsJob, load_digits_datasets
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_arguments(parser, DEFAULTS)
+    parser = job_argument_parser(DigitsJob, __doc__)
     parser.add_argument("--require-accuracy", type=float, default=None,
                         help="exit 1 unless the final validation accuracy reaches this fraction")
-    args = parser.parse_args(argv)
-    config = config_from_args(args)
+    job, args = parse_job(DigitsJob, parser, argv)
+    config = job.train
 
     world = hvdtrain.init(seed=config.seed)
-    train_set, val_set = load_digits_datasets()
-    model = DigitsCNN()
+    train_set, val_set = load_digits_datasets(job.data.val_fraction, job.data.split_seed)
+    model = DigitsCNN(channels=job.model.channels, hidden=job.model.hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
-    trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, config, world=world)
-    history = trainer.fit()
+    trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, config, world=world,
+                               job_config=to_dict(job))
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
     world = trainer.world  # under Horovod elastic, the world at the end may not be the one at the start
     if trainer.preempted:  # checkpointed (and requeued under SLURM): the next start resumes
         if world.is_root:
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     accuracy = final["val_accuracy"]
     if world.is_root:
         print(f"final validation accuracy: {accuracy:.4f} on {int(final['val_samples'])} "
-              f"held-out digits, {world.size} workers", flush=True)
+              f"held-out digits, {world.size} worker{'s' if world.size > 1 else ''}", flush=True)
     if args.require_accuracy is not None and accuracy < args.require_accuracy:
         if world.is_root:
             print(f"error: accuracy {accuracy:.4f} is below the required {args.require_accuracy}",

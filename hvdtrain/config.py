@@ -1,15 +1,21 @@
-"""Typed training settings, validated when created, and their command-line form."""
+"""The Trainer's settings (the ``train`` section of a job's configuration), validated when created."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Optional
 
 
+PROGRESS_MODES = ("auto", "bar", "log", "off")
+
+
 @dataclass
 class TrainConfig:
-    """What the Trainer needs to know. Every field is also a command-line flag (--batch-size ...)."""
+    """How the Trainer trains, checkpoints, survives failures and reports.
+
+    Scripts load it as the ``train`` section of their configuration (hvdtrain.config_loader):
+    from a YAML file and ``--train.key=value`` overrides.
+    """
 
     epochs: int = field(default=10, metadata={"help": "passes over the training set"})
     batch_size: int = field(default=32, metadata={"help": "samples per worker per micro-batch"})
@@ -30,6 +36,11 @@ class TrainConfig:
     stall_timeout: float = field(default=600.0, metadata={"help": "seconds without a finished step before a rank ends the job, naming where it is stuck (0: never)"})
     elastic_commit_every: int = field(default=10, metadata={"help": "steps between in-memory commits under Horovod elastic (what a worker loss rolls back to)"})
     preempt_check_every: int = field(default=10, metadata={"help": "steps between the ranks' vote on a preemption signal"})
+    run_dir: Optional[str] = field(default=None, metadata={"help": "parent of the run directories (resolved config, metrics.jsonl, TensorBoard events, per-rank logs); null: no files"})
+    run_name: Optional[str] = field(default=None, metadata={"help": "this run's directory under run_dir; null: slurm-<job id> under SLURM (a requeued job appends to it), else the start time"})
+    progress: str = field(default="auto", metadata={"help": "rank 0's progress display: a tqdm bar, log lines every log_every steps, or nothing; auto: a bar on a terminal, lines otherwise (SLURM logs)", "choices": PROGRESS_MODES})
+    tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard event files into the run directory"})
+    timeline_steps: int = field(default=0, metadata={"help": "record the Horovod timeline for this many steps, after 5 warm-up steps, into the run directory (0: off)"})
 
     def __post_init__(self) -> None:
         positive = ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints",
@@ -46,34 +57,13 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.warmup_epochs must be >= 0, got {self.warmup_epochs!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps!r}")
-        for name in ("num_workers", "checkpoint_every"):
+        if self.progress not in PROGRESS_MODES:
+            raise ValueError(f"TrainConfig.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
+        if self.run_name is not None and (not self.run_name or "/" in self.run_name or self.run_name.startswith(".")):
+            raise ValueError(f"TrainConfig.run_name must be a plain directory name, got {self.run_name!r}")
+        for name in ("num_workers", "checkpoint_every", "timeline_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)!r}")
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-# Field annotations are strings here (postponed evaluation): map them to argparse types.
-_ARG_TYPES = {"int": int, "float": float, "str": str, "Optional[int]": int, "Optional[str]": str}
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
-    """Add one flag per TrainConfig field, typed from the field, defaulting to ``defaults``."""
-    for f in fields(TrainConfig):
-        default = getattr(defaults, f.name)
-        help_text = f"{f.metadata.get('help', '')} (default: {default})"
-        if f.type == "bool":
-            parser.add_argument(_flag(f.name), default=default, help=help_text,
-                                action=argparse.BooleanOptionalAction)
-        else:
-            parser.add_argument(_flag(f.name), type=_ARG_TYPES[f.type], default=default,
-                                help=help_text)
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})

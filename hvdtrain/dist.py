@@ -5,10 +5,11 @@ depends on which launcher started the job (horovodrun, mpirun, srun) or on MPI v
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, MutableMapping, Optional, Tuple
 
 import torch
 
@@ -17,12 +18,36 @@ import horovod.torch as hvd
 from hvdtrain import env as launcher_env
 from hvdtrain import rng
 
-# Horovod's default is to warn about a stalled collective after 60 s and never give up,
-# which turns a rank that stopped calling collectives into a silent hang (MPI controller only).
-_STALL_DEFAULTS = {
+# Settings hvdtrain gives the job unless the user set them: each is read from the environment
+# when hvd.init() starts Horovod and MPI, so they are set in this process just before it.
+ENV_DEFAULTS = {
+    # Horovod's default is to warn about a stalled collective after 60 s and never give up,
+    # which turns a rank that stopped calling collectives into a silent hang (MPI controller only).
     "HOROVOD_STALL_CHECK_TIME_SECONDS": "60",
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "300",
+    # Open MPI busy-polls while it waits for a peer, and Horovod's background thread waits inside
+    # MPI every cycle: with as many ranks as cores, that polling takes CPU time from the ranks'
+    # compute. Open MPI yields when idle by default only on hosts it knows are oversubscribed,
+    # and it cannot count Horovod's thread. Measured by `hvdtrain bench throughput`.
+    # Open MPI reads OMPI_MCA_* at MPI_Init, which hvd.init() calls: setting it here takes
+    # effect, unless something (mpi4py, say) initialised MPI first.
+    "OMPI_MCA_mpi_yield_when_idle": "1",
 }
+
+
+def apply_env_defaults(environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
+    """Set each of ENV_DEFAULTS that ``environ`` lacks; a value the user set always wins.
+
+    Returns what this call set (the job runs with it because of hvdtrain, not its user).
+    """
+    applied = {key: value for key, value in ENV_DEFAULTS.items() if key not in environ}
+    environ.update(applied)
+    return applied
+
+
+# Lets train.timeline_steps start and stop the timeline mid-run (Horovod refuses otherwise);
+# nothing is recorded until it is started.
+_TIMELINE_DEFAULT = ("HOROVOD_TIMELINE", "DYNAMIC")
 
 
 @dataclass(frozen=True)
@@ -63,8 +88,11 @@ def init(seed: int = 0, threads: Optional[int] = None) -> World:
     Safe to call more than once: Horovod's init is idempotent. Fails, naming both values and
     the likely fix, when the launcher's variables disagree with the world Horovod formed.
     """
-    for key, value in _STALL_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+    applied = apply_env_defaults()
+    if applied:
+        logging.getLogger(__name__).info("hvdtrain defaults (set them yourself to override): %s",
+                                          " ".join(f"{k}={v}" for k, v in applied.items()))
+    os.environ.setdefault(*_TIMELINE_DEFAULT)
     launcher = launcher_env.detect()
     hvd.init()
     launcher_env.check_world(launcher, hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
@@ -200,3 +228,17 @@ def allgather_object(obj: Any, name: str) -> List[Any]:
 
 def barrier() -> None:
     hvd.barrier()
+
+
+def broadcast_object(obj: Any, root_rank: int, name: str) -> Any:
+    """Rank ``root_rank``'s small picklable ``obj`` on every rank."""
+    return hvd.broadcast_object(obj, root_rank=root_rank, name=name)
+
+
+def start_timeline(path: str) -> None:
+    """Record Horovod's timeline (Chrome trace format, written by rank 0) from now on; every rank calls it."""
+    hvd.start_timeline(path, mark_cycles=False)
+
+
+def stop_timeline() -> None:
+    hvd.stop_timeline()

@@ -31,7 +31,8 @@ class RunningLoss:
 
 
 class Throughput:
-    """Global samples per second between two readings, timed on this rank's wall clock.
+    """Global samples per second between two readings, and the share of that time spent
+    waiting for the gradient all-reduce, timed on this rank's wall clock.
 
     Every step ends in the gradient all-reduce, so ranks advance in lockstep and rank 0's
     clock measures the job's rate.
@@ -41,15 +42,21 @@ class Throughput:
         self.world_size = world_size
         self._start = time.perf_counter()
         self._samples = 0
+        self._waited = 0.0
 
     def add(self, samples_per_rank: int) -> None:
         self._samples += samples_per_rank * self.world_size
 
-    def read(self) -> float:
+    def add_wait(self, seconds: float) -> None:
+        self._waited += seconds
+
+    def read(self) -> Tuple[float, float]:
+        """(samples/s, fraction of the time spent waiting for communication) since the last read."""
         now = time.perf_counter()
-        rate = self._samples / max(now - self._start, 1e-9)
-        self._start, self._samples = now, 0
-        return rate
+        elapsed = max(now - self._start, 1e-9)
+        rates = (self._samples / elapsed, min(1.0, self._waited / elapsed))
+        self._start, self._samples, self._waited = now, 0, 0.0
+        return rates
 
 
 def evaluation_metrics(loss_sum: float, correct: int, count: int, name: str) -> Dict[str, float]:

@@ -6,13 +6,16 @@ The steps of Horovod data parallelism, in order, each marked where it happens:
   3. forward and backward on the shard                                (_train_epoch)
   4. gradients averaged by ring all-reduce during backward            (DistributedOptimizer hooks)
   5. every rank applies the same update                               (optimizer.step)
-  6. rank 0 logs; metrics are reduced over every rank's samples       (_log_progress, evaluate)
+  6. rank 0 logs; metrics are reduced over every rank's samples       (_report, evaluate)
 """
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import yaml
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,8 @@ from hvdtrain.log import get_logger
 from hvdtrain.metrics import RunningLoss, Throughput, evaluation_metrics
 from hvdtrain.optim import distributed_optimizer, lr_scale, set_scaled_lr, warmup_factor
 from hvdtrain.preempt import PreemptionFlag, requeue, requeue_command
+from hvdtrain.progress import Progress, resolve_mode
+from hvdtrain.rundir import TIMELINE_FILE, RunDirectory, default_run_name
 from hvdtrain.watchdog import StallWatchdog, pending_allreduces
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -39,6 +44,8 @@ class Trainer:
     Build the model and optimizer as for one process, with the learning rate of one worker:
     the Trainer wraps the optimizer, scales the rate and broadcasts rank 0's state.
     ``loss_fn`` takes (outputs, targets) and returns the mean loss of the batch.
+    ``job_config`` is the script's whole resolved configuration (all sections), recorded in
+    the run directory and in every checkpoint; by default only the ``train`` section.
     """
 
     def __init__(
@@ -50,8 +57,10 @@ class Trainer:
         config: Optional[TrainConfig] = None,
         loss_fn: LossFn = F.cross_entropy,
         world: Optional[dist.World] = None,
+        job_config: Optional[Mapping[str, Any]] = None,
     ) -> None:
         self.config = config or TrainConfig()
+        self.job_config = dict(job_config) if job_config is not None else {"train": self.config.to_dict()}
         self.world = world or dist.init(seed=self.config.seed)
         self.log = get_logger(self.world)
         self.loss_fn = loss_fn
@@ -93,7 +102,11 @@ class Trainer:
         self.watchdog: Optional[StallWatchdog] = None
         self._elastic: Optional[TrainerState] = None
         self.preempted = False
+        self.run: Optional[RunDirectory] = self._open_run_dir()
         self._announce()
+        self._started = time.time()
+        self.progress = Progress("off", 0, 0, self.log)  # fit() sets the real one
+        self._timeline_window = self._timeline_steps()
         if resumed is not None:
             self.load_state_dict(resumed)
 
@@ -135,6 +148,52 @@ class Trainer:
         self._configure_lr()
         self.log.info(f"world changed from {previous} to {self.world.size} workers: global batch "
                       f"{self.global_batch_size}, lr x {self.lr_scale:g}; continuing at step {self.step}")
+
+    # ---- run directory and timeline --------------------------------------------------------
+
+    def _open_run_dir(self) -> Optional[RunDirectory]:
+        """This run's directory: the same name on every rank (rank 0's start time, or SLURM's job)."""
+        cfg = self.config
+        if not cfg.run_dir:
+            return None
+        name = cfg.run_name or default_run_name(os.environ)
+        if not cfg.run_name and not self.elastic_launch:  # start times differ by rank: use rank 0's
+            name = dist.broadcast_object(name, root_rank=0, name="trainer.run_name")
+        if self.elastic_launch and not self.world.is_root and not cfg.run_name and "SLURM_JOB_ID" not in os.environ:
+            # No collective in elastic set-up, so no shared name: rank 0 alone keeps files.
+            self.log.warning("elastic run without train.run_name: only rank 0 writes the run directory")
+            return None
+        path = Path(cfg.run_dir) / name
+        path.mkdir(parents=True, exist_ok=True)
+        run = RunDirectory(path, self.world, self.log, cfg.tensorboard)
+        run.write_config(self.job_config)
+        self.log.info(f"run directory {path} (config.yaml, metrics.jsonl, tensorboard/, logs/rank-*.log)")
+        return run
+
+    def _timeline_steps(self) -> Optional[tuple]:
+        """Steps (first, last) of the Horovod timeline: after 5 warm-up steps of this start."""
+        steps = self.config.timeline_steps
+        if not steps:
+            return None
+        first = self.step + 5
+        return first, first + steps
+
+    def _timeline_path(self) -> str:
+        if self.run is not None:
+            return str(self.run.path / TIMELINE_FILE)
+        return os.path.abspath(f"horovod-timeline-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+    def _drive_timeline(self) -> None:
+        """Start or stop the timeline at the window's edges (every rank, same step)."""
+        first, last = self._timeline_window
+        if self.step == first:
+            self._timeline_file = self._timeline_path()
+            dist.start_timeline(self._timeline_file)
+        elif self.step == last:
+            dist.stop_timeline()
+            self._timeline_window = None
+            self.log.info(f"Horovod timeline of steps {first + 1}-{last} written to {self._timeline_file}: "
+                          f"open it in https://ui.perfetto.dev or chrome://tracing (Load)")
 
     # ---- checkpoints ---------------------------------------------------------------------
 
@@ -181,7 +240,7 @@ class Trainer:
             "global_batch": self.global_batch_size,
             "world_size": self.world.size,
             "rng": rng_states,
-            "config": self.config.to_dict(),
+            "config": self.job_config,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -234,6 +293,7 @@ class Trainer:
             f"accumulation x {w.size} workers; {self.steps_per_epoch} steps/epoch; "
             f"lr {cfg.lr:g} x {self.lr_scale:g} after {self.warmup_steps} warm-up steps"
         )
+        self.log.info("settings:\n" + yaml.safe_dump(self.job_config, sort_keys=False).rstrip())
 
     def _epoch_has_steps_left(self) -> bool:
         return self.dataset_size - self.epoch_position >= self.global_batch_size
@@ -265,6 +325,10 @@ class Trainer:
         Every rank returns the same history: all values are reduced across ranks.
         """
         history: List[Dict[str, float]] = []
+        total = self.config.epochs * self.steps_per_epoch
+        if self.config.max_steps is not None:
+            total = min(total, self.config.max_steps)
+        self.progress = Progress(resolve_mode(self.config.progress, self.world.is_root), total, self.step, self.log)
         if self.config.stall_timeout:
             self.watchdog = StallWatchdog(self.config.stall_timeout, self.world.rank, self.world.hostname,
                                           lambda: pending_allreduces(self.optimizer)).start()
@@ -275,9 +339,18 @@ class Trainer:
             else:
                 self._fit(history)
         finally:
+            self.progress.close()
             if self.watchdog is not None:
                 self.watchdog.stop()
+            if self._timeline_window is not None and self.step >= self._timeline_window[0]:
+                dist.stop_timeline()  # training ended inside the window: close the file
         return history
+
+    def close(self) -> None:
+        """Close the run directory's files (the metrics, TensorBoard and log files)."""
+        if self.run is not None:
+            self.run.close()
+            self.run = None
 
     def _beat(self) -> None:
         if self.watchdog is not None:
@@ -303,7 +376,9 @@ class Trainer:
                 **self.evaluate(),
             }
             history.append(record)
-            self.log.info(
+            if self.run is not None:
+                self.run.record("epoch", record, self._started)
+            self.progress.message(
                 f"epoch {reached:g}/{self.config.epochs} step {self.step} "
                 f"train_loss {train_loss:.4f}"
                 + (f" val_loss {record['val_loss']:.4f} val_accuracy {record['val_accuracy']:.4f}"
@@ -339,13 +414,21 @@ class Trainer:
             throughput.add(len(targets))
             if (index + 1) % cfg.accumulation:
                 continue
-            # 5. Wait for the averaged gradients, then the same update on every rank.
-            self.optimizer.step()
+            # 5. Wait for the averaged gradients, then the same update on every rank. The wait
+            #    is timed apart from the update: it is the step's exposed communication.
+            waited = time.perf_counter()
+            self.optimizer.synchronize()
+            throughput.add_wait(time.perf_counter() - waited)
+            with self.optimizer.skip_synchronize():
+                self.optimizer.step()
             self.optimizer.zero_grad()
             self.scheduler.step()
             self.step += 1
             self.epoch_position += self.global_batch_size
             self._beat()
+            self.progress.advance()
+            if self._timeline_window is not None:
+                self._drive_timeline()
             if self._elastic is not None and self.step % cfg.elastic_commit_every == 0:
                 self._elastic.commit()  # the point survivors roll back to; may raise to resize
             # The last step of an epoch is saved by the epoch's end, as the start of the next.
@@ -358,18 +441,24 @@ class Trainer:
             if self.step % cfg.log_every == 0:
                 loss_sum, count = window.reduce(name="train.window_loss")
                 epoch_loss_sum, epoch_count = epoch_loss_sum + loss_sum, epoch_count + count
-                self._log_progress(loss_sum / count, throughput.read())
+                self._report(loss_sum / count, throughput)
 
         loss_sum, count = window.reduce(name="train.epoch_loss")
         epoch_loss_sum, epoch_count = epoch_loss_sum + loss_sum, epoch_count + count
         mean = epoch_loss_sum / epoch_count if epoch_count else float("nan")
         return mean, epoch_count
 
-    def _log_progress(self, loss: float, samples_per_sec: float) -> None:
-        self.log.info(
-            f"epoch {self.epoch + 1} step {self.step} loss {loss:.4f} "
-            f"lr {self.optimizer.param_groups[0]['lr']:.4g} {samples_per_sec:.0f} samples/s"
-        )
+    def _report(self, loss: float, throughput: Throughput) -> None:
+        """Every log_every steps: the progress display and a metrics record (values of rank 0,
+        whose clock measures the job: every step ends in the same all-reduce on every rank)."""
+        samples_per_sec, comm_fraction = throughput.read()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.progress.report(self.epoch + 1, self.step, loss, lr, samples_per_sec, comm_fraction)
+        if self.run is not None:
+            self.run.record("step", {
+                "step": self.step, "epoch": self.epoch + self.epoch_position / self.dataset_size,
+                "loss": loss, "lr": lr, "samples_per_sec": samples_per_sec, "comm_fraction": comm_fraction,
+            }, self._started)
 
     @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:
@@ -384,8 +473,9 @@ class Trainer:
         for inputs, targets in self.val_loader:
             inputs, targets = inputs.to(device), targets.to(device)
             outputs = self.model(inputs)
-            loss_sum += self.loss_fn(outputs, targets).to(torch.float64) * len(targets)
-            correct += (outputs.argmax(dim=1) == targets).sum()
-            count += len(targets)
+            # Per target element: one per sample for a classifier, one per token for a language model.
+            loss_sum += self.loss_fn(outputs, targets).to(torch.float64) * targets.numel()
+            correct += (outputs.argmax(dim=-1) == targets).sum()
+            count += targets.numel()
             self._beat()
         return evaluation_metrics(float(loss_sum), int(correct), count, name="val.metrics")

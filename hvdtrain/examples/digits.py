@@ -5,11 +5,14 @@ two CPU cores finishes in seconds.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Tuple
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
+
+from hvdtrain.config import TrainConfig
 
 
 def load_digits_datasets(val_fraction: float = 0.2, split_seed: int = 0) -> Tuple[TensorDataset, TensorDataset]:
@@ -34,23 +37,58 @@ def load_digits_datasets(val_fraction: float = 0.2, split_seed: int = 0) -> Tupl
     return TensorDataset(images[train], labels[train]), TensorDataset(images[val], labels[val])
 
 
-class DigitsCNN(nn.Module):
-    """Two 3x3 convolutions, a pooling and two dense layers: about 0.15M parameters."""
+@dataclass
+class DigitsModelConfig:
+    """The digits CNN's size."""
 
-    def __init__(self, classes: int = 10) -> None:
+    channels: int = field(default=32, metadata={"help": "channels of the first convolution (the second has twice as many)"})
+    hidden: int = field(default=128, metadata={"help": "units of the hidden dense layer"})
+
+    def __post_init__(self) -> None:
+        for name in ("channels", "hidden"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DigitsModelConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+
+
+@dataclass
+class DigitsDataConfig:
+    """How the 1,797 digits are split."""
+
+    val_fraction: float = field(default=0.2, metadata={"help": "share of the digits held out for validation"})
+    split_seed: int = field(default=0, metadata={"help": "seed of the fixed train/validation split"})
+
+    def __post_init__(self) -> None:
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"DigitsDataConfig.val_fraction must be between 0 and 1, got {self.val_fraction!r}")
+
+
+@dataclass
+class DigitsJob:
+    """train.py's settings: configs/digits.yaml and --section.key=value overrides."""
+
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        epochs=12, batch_size=32, lr=0.02, warmup_epochs=2, log_every=10, run_dir="runs"))
+    model: DigitsModelConfig = field(default_factory=DigitsModelConfig)
+    data: DigitsDataConfig = field(default_factory=DigitsDataConfig)
+
+
+class DigitsCNN(nn.Module):
+    """Two 3x3 convolutions, a pooling and two dense layers: about 0.15M parameters by default."""
+
+    def __init__(self, classes: int = 10, channels: int = 32, hidden: int = 128) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 32, kernel_size=3, padding=1),
+            nn.Conv2d(1, channels, kernel_size=3, padding=1),
             nn.ReLU(inplace=True),
-            nn.Conv2d(32, 64, kernel_size=3, padding=1),
+            nn.Conv2d(channels, 2 * channels, kernel_size=3, padding=1),
             nn.ReLU(inplace=True),
             nn.MaxPool2d(2),
         )
         self.classifier = nn.Sequential(
             nn.Flatten(),
-            nn.Linear(64 * 4 * 4, 128),
+            nn.Linear(2 * channels * 4 * 4, hidden),
             nn.ReLU(inplace=True),
-            nn.Linear(128, classes),
+            nn.Linear(hidden, classes),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,41 +1,128 @@
-import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
 
 import pytest
+import yaml
 
-from hvdtrain.config import TrainConfig, add_config_arguments, config_from_args
+from hvdtrain.config import TrainConfig
+from hvdtrain.config_loader import (ConfigError, job_argument_parser, load_job, parse_job, reference,
+                                    to_yaml)
 
 
-@pytest.mark.parametrize("field,value", [
+@pytest.mark.parametrize("field_name,value", [
     ("epochs", 0), ("batch_size", -4), ("accumulation", 0), ("log_every", 0),
     ("lr", 0.0), ("warmup_epochs", -1.0), ("max_steps", 0), ("num_workers", -1),
-    ("batch_size", 2.5),
+    ("batch_size", 2.5), ("progress", "fancy"), ("timeline_steps", -1), ("run_name", "a/b"),
 ])
-def test_invalid_settings_name_the_field_and_the_value(field, value):
-    with pytest.raises(ValueError, match=rf"TrainConfig\.{field} must be .*{value!r}"):
-        TrainConfig(**{field: value})
+def test_invalid_settings_name_the_field_and_the_value(field_name, value):
+    with pytest.raises(ValueError, match=rf"TrainConfig\.{field_name} must be .*{value!r}"):
+        TrainConfig(**{field_name: value})
 
 
-def parse(argv, defaults=TrainConfig()):
-    parser = argparse.ArgumentParser()
-    add_config_arguments(parser, defaults)
-    return config_from_args(parser.parse_args(argv))
+@dataclass
+class ModelSection:
+    """A model."""
+
+    width: int = field(default=8, metadata={"help": "units"})
+    dropout: Optional[float] = None
+    name: str = "mlp"
 
 
-def test_every_field_is_a_typed_flag_with_the_given_defaults():
-    defaults = TrainConfig(epochs=3, lr=0.5)
-    assert parse([], defaults) == defaults
-    config = parse(["--batch-size", "16", "--lr", "0.1", "--no-scale-lr", "--fp16-allreduce",
-                    "--max-steps", "7", "--warmup-epochs", "0.5"])
-    assert (config.batch_size, config.lr, config.scale_lr, config.fp16_allreduce,
-            config.max_steps, config.warmup_epochs) == (16, 0.1, False, True, 7, 0.5)
+@dataclass
+class Job:
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=3, lr=0.5))
+    model: ModelSection = field(default_factory=ModelSection)
 
 
-def test_a_mistyped_flag_is_an_error_that_names_it(capsys):
-    with pytest.raises(SystemExit):
-        parse(["--batch-size", "sixteen"])
-    assert "--batch-size: invalid int value: 'sixteen'" in capsys.readouterr().err
+def write(tmp_path, text):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return str(path)
 
 
-def test_a_flag_that_fails_validation_is_an_error():
-    with pytest.raises(ValueError, match="TrainConfig.epochs"):
-        parse(["--epochs", "0"])
+def test_defaults_then_file_then_command_line(tmp_path):
+    assert load_job(Job) == Job()
+    path = write(tmp_path, "train:\n  epochs: 7\n  lr: 1\nmodel:\n  width: 16\n")
+    job = load_job(Job, path, ["--train.lr=0.1", "--model.dropout", "0.25", "--batch-size", "16",
+                               "--train.fp16_allreduce", "--train.scale-lr=false"])
+    assert (job.train.epochs, job.train.lr, job.train.batch_size) == (7, 0.1, 16)
+    assert isinstance(job.train.lr, float) and job.train.fp16_allreduce and not job.train.scale_lr
+    assert (job.model.width, job.model.dropout, job.model.name) == (16, 0.25, "mlp")
+    assert load_job(Job, None, ["--model.dropout=null"]).model.dropout is None
+
+
+def test_the_resolved_yaml_loads_back_to_the_same_job(tmp_path):
+    job = load_job(Job, None, ["--train.max_steps=9", "--model.name=cnn", "--train.run_dir=runs"])
+    assert load_job(Job, write(tmp_path, to_yaml(job))) == job
+
+
+@pytest.mark.parametrize("text,message", [
+    ("train:\n  lrr: 0.1\n", r"unknown key train\.lrr \(did you mean lr\?\); valid: epochs, batch_size"),
+    ("trian:\n  lr: 0.1\n", r"unknown section 'trian' \(did you mean train\?\); valid: train, model"),
+    ("train:\n  epochs: ten\n", r"job\.yaml: train\.epochs: expected a whole number, got 'ten'"),
+    ("train:\n  epochs: 2.5\n", r"train\.epochs: expected a whole number, got 2\.5"),
+    ("train:\n  scale_lr: 1\n", r"train\.scale_lr: expected true or false, got 1"),
+    ("train:\n  epochs: 0\n", r"section train: TrainConfig\.epochs must be a whole number >= 1, got 0"),
+    ("train: 3\n", r"train: a section holds key: value lines"),
+    ("- a\n- b\n", r"the top level must be sections"),
+    ("train: [\n", r"is not valid YAML"),
+])
+def test_a_bad_file_names_the_key_and_what_is_accepted(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_job(Job, write(tmp_path, text))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--train.epochs=many"], r"--train\.epochs: expected a whole number, got 'many'"),
+    (["--model.widht=3"], r"unknown key model\.widht \(did you mean width\?\)"),
+    (["--colour=red"], r"unknown setting --colour"),
+    (["--train.lr"], r"--train\.lr: needs a value \(a number\)"),
+    (["stray"], r"unexpected argument 'stray': settings are --section\.key=value"),
+    (["--model.progress=bar"], r"unknown key model\.progress"),
+])
+def test_a_bad_override_names_it(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        load_job(Job, None, argv)
+
+
+def test_a_missing_file_says_so(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file .*nope\.yaml does not exist"):
+        load_job(Job, str(tmp_path / "nope.yaml"))
+
+
+def test_a_bare_key_in_two_sections_must_be_qualified():
+    @dataclass
+    class Other:
+        epochs: int = 1
+
+    @dataclass
+    class TwoJob:
+        train: TrainConfig = field(default_factory=TrainConfig)
+        other: Other = field(default_factory=Other)
+
+    with pytest.raises(ConfigError, match=r"--epochs is in several sections \(train, other\)"):
+        load_job(TwoJob, None, ["--epochs", "2"])
+
+
+def test_script_parser_exits_2_with_the_reason_and_prints_the_config(capsys, tmp_path):
+    parser = job_argument_parser(Job, "demo")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_job(Job, parser, ["--train.epochs=x"])
+    assert exit_info.value.code == 2
+    assert "--train.epochs: expected a whole number, got 'x'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        parse_job(Job, job_argument_parser(Job, "demo"), ["--print-config", "--model.width=5"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["width"] == 5 and printed["train"]["epochs"] == 3
+    assert "--model.width=8" in job_argument_parser(Job, "demo").format_help()
+
+
+def test_reference_lists_every_key_with_type_default_and_choices():
+    text = reference(Job)
+    for f in dataclasses.fields(TrainConfig):
+        assert f"| `{f.name}` |" in text
+    assert "| `epochs` | a whole number | `3` |" in text
+    assert "| `dropout` | a number or null | `null` |" in text
+    assert "(one of: auto, bar, log, off)" in text
