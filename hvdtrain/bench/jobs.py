@@ -38,7 +38,9 @@ def worker_argv(module: str, args: Sequence[str], out: Path, np: int, launcher: 
         return openmpi_argv(spec)
     if launcher == "horovodrun":
         argv = horovodrun_argv(spec)
-        return [argv[0], "--gloo", *argv[1:]]
+        # The horovodrun of this Python's environment, activated or not.
+        beside = Path(sys.executable).parent / "horovodrun"
+        return [str(beside) if beside.exists() else argv[0], "--gloo", *argv[1:]]
     raise ValueError(f"unknown launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
 
 
