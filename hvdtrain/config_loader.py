@@ -220,7 +220,7 @@ def reference(job_cls: type, skip: Sequence[str] = ()) -> str:
         for f in dataclasses.fields(cls):
             hint = section_keys(cls)[f.name]
             default = getattr(section_default, f.name)
-            shown = "null" if default is None else repr(default) if isinstance(default, str) else str(default)
+            shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
             meaning = f.metadata.get("help", "")
             choices = f.metadata.get("choices")
             if choices:

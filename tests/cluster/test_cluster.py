@@ -6,6 +6,7 @@ checks that Horovod formed 4 workers as 2 hosts x 2 and that training reached 95
 
     .venv/bin/python -m pytest tests/cluster -q -p no:cacheprovider      # as root, on Linux
 """
+import json
 import os
 import re
 import signal
@@ -68,7 +69,7 @@ def launch_from_head(cluster: Cluster, argv) -> Result:
 def test_horovodrun_on_two_hosts(cluster):
     result = launch_from_head(cluster, [
         HOROVODRUN, "-np", "4", "-H", "hostA:2,hostB:2", "--network-interface", "eth0",
-        PYTHON, *TRAIN_ARGS])
+        PYTHON, *TRAIN_ARGS, f"--train.run_dir={cluster.state / 'runs-horovodrun'}"])
     assert_trained_on_two_hosts(result.stdout, result.describe(lines=60))
 
 
@@ -76,7 +77,7 @@ def test_mpirun_hostfile_on_two_hosts(cluster):
     assert cluster.hostfile.read_text() == "hostA slots=2\nhostB slots=2\n"
     result = launch_from_head(cluster, [
         "mpirun", "-np", "4", "--hostfile", str(cluster.hostfile), "--bind-to", "none",
-        PYTHON, *TRAIN_ARGS])
+        PYTHON, *TRAIN_ARGS, f"--train.run_dir={cluster.state / 'runs-mpirun'}"])
     assert_trained_on_two_hosts(result.stdout, result.describe(lines=60))
 
 
@@ -108,7 +109,7 @@ def test_sbatch_script_on_two_nodes(cluster, script):
     env = cluster.env(VENV=sys.prefix, HVDTRAIN_NIC="eth0")
     result = cluster.run_on(cluster.head, [
         "sbatch", "--wait", "--nodes=2", "--ntasks-per-node=2", "--time=00:15:00", f"--output={log}",
-        script, *TRAIN_ARGS[1:]], LAUNCH_TIMEOUT, cwd=ROOT, env=env)
+        script, *TRAIN_ARGS[1:], f"--train.run_dir={jobs / 'runs'}"], LAUNCH_TIMEOUT, cwd=ROOT, env=env)
     job_logs = sorted(jobs.glob("train-*.out"))
     context = "\n".join([result.describe(), *map(log_tail, job_logs), *map(log_tail, cluster.slurm_logs)])
     if result.timed_out:
@@ -121,6 +122,11 @@ def test_sbatch_script_on_two_nodes(cluster, script):
     assert ranks_per_host(output) == {"hostA": "0,1", "hostB": "2,3"}, context
     assert f"(2 hosts x 2) started by {SBATCH_SCRIPTS[script]}," in output, context
     assert_trained_on_two_hosts(output, context)
+    # One run directory, named after the job; every rank's own log, stamped with its host.
+    job_id = re.search(r"train-(\d+)\.out$", str(job_logs[0])).group(1)
+    rank_logs = jobs / "runs" / f"slurm-{job_id}" / "logs"
+    for rank, host in enumerate(["hostA", "hostA", "hostB", "hostB"]):
+        assert f" rank {rank}@{host} INFO " in (rank_logs / f"rank-{rank}.log").read_text(), context
 
 
 def cancel_jobs(cluster: Cluster, result: Result) -> None:
@@ -187,7 +193,7 @@ def test_sbatch_job_preempted_with_usr1_checkpoints_requeues_and_resumes(cluster
     log, checkpoints = jobs / "train-%j.out", jobs / "ckpt"
     argv = ["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=2", "--time=00:15:00", f"--output={log}",
             script, *TRAIN_ARGS[1:], "--checkpoint-dir", str(checkpoints),
-            "--checkpoint-every", "10"]
+            "--checkpoint-every", "10", f"--train.run_dir={jobs / 'runs'}"]
     waiting = subprocess.Popen(cluster.head.enter() + argv, cwd=ROOT, env=cluster.env(VENV=sys.prefix),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
@@ -215,6 +221,14 @@ def test_sbatch_job_preempted_with_usr1_checkpoints_requeues_and_resumes(cluster
     assert re.search(rf"resumed at epoch \d+, step {stopped.group(1)}, sample \d+ of the epoch", output), context
     # The resumed half trains on to the end: its last line is the 4-worker accuracy line.
     assert_trained_on_two_hosts(output, context)
+    # The requeued job appended to the same run directory (named after the job): its records
+    # (their clock restarted) go on from the preemption step to the end of training.
+    records = [json.loads(line) for line in (jobs / "runs" / f"slurm-{job[0]}" / "metrics.jsonl").open()]
+    restarts = [i for i in range(1, len(records)) if records[i]["elapsed"] < records[i - 1]["elapsed"]]
+    assert len(restarts) == 1, (records, context)
+    before, after = records[restarts[0] - 1], records[restarts[0]]
+    assert before["step"] <= int(stopped.group(1)) < after["step"], (records, context)
+    assert [r["epoch"] for r in records if r["kind"] == "epoch"][-1] == 12, context
 
 
 def test_doctor_inside_a_slurm_allocation_takes_its_hosts_from_slurm(cluster):

@@ -46,7 +46,8 @@ def test_a_killed_worker_does_not_end_the_run_and_its_host_rejoins(tmp_path):
     argv = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "1", "--max-np", "3",
             "--host-discovery-script", str(discover), "--network-interface", "lo",
             "--gloo-timeout-seconds", "5", "--blacklist-cooldown-range", "1", "2",
-            PYTHON, "train.py", "--epochs", "25", "--elastic-commit-every", "5", "--require-accuracy", "0.95"]
+            PYTHON, "train.py", "--epochs", "25", "--elastic-commit-every", "5", "--require-accuracy", "0.95",
+            f"--train.run_dir={tmp_path / 'runs'}"]
     process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     lines = []

@@ -7,9 +7,9 @@ from tests.launch.helpers import BIN, PYTHON, run
 HVDTRAIN = str(BIN / "hvdtrain")
 
 
-def test_launch_runs_train_py_on_the_hostfile_slots():
+def test_launch_runs_train_py_on_the_hostfile_slots(tmp_path):
     code, out, err = run([HVDTRAIN, "launch", "--hostfile", "hostfiles/localhost", "--timeout", "240",
-                          "--", PYTHON, "train.py", "--epochs", "2"])
+                          "--", PYTHON, "train.py", "--epochs", "2", f"--train.run_dir={tmp_path}"])
     assert code == 0, err[-3000:]
     assert "started by Open MPI mpirun" in out
     assert "held-out digits, 2 workers" in out

@@ -22,8 +22,9 @@ LAUNCHES = {
 
 
 @pytest.mark.parametrize("launch", sorted(LAUNCHES))
-def test_train_py_reaches_the_stated_accuracy(launch):
-    code, out, err = run(LAUNCHES[launch] + ["--require-accuracy", str(REQUIRED_ACCURACY)])
+def test_train_py_reaches_the_stated_accuracy(launch, tmp_path):
+    code, out, err = run(LAUNCHES[launch] + ["--require-accuracy", str(REQUIRED_ACCURACY),
+                                             f"--train.run_dir={tmp_path}"])
     assert code == 0, f"exit {code}\n{out[-3000:]}\n{err[-3000:]}"
     accuracy, workers = final_accuracy(out)
     assert workers == (1 if launch == "one process" else 2)
@@ -32,9 +33,9 @@ def test_train_py_reaches_the_stated_accuracy(launch):
     assert len(re.findall(r"epoch 1/\d+ step", out)) == 1
 
 
-def test_a_missed_accuracy_target_fails_every_rank_with_a_message():
+def test_a_missed_accuracy_target_fails_every_rank_with_a_message(tmp_path):
     code, out, err = run([str(BIN / "horovodrun"), "-np", "2", PYTHON, "train.py",
-                          "--epochs", "1", "--require-accuracy", "0.999"])
+                          "--epochs", "1", "--require-accuracy", "0.999", f"--train.run_dir={tmp_path}"])
     assert code != 0
     assert "is below the required 0.999" in err + out
 
@@ -43,7 +44,8 @@ def test_srun_without_mpi_fails_at_start_naming_both_sizes_and_the_fix():
     """Two tasks that each formed a 1-rank world (srun without --mpi) must not train."""
     fake_srun = {"SLURM_PROCID": "1", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
                  "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2"}
-    code, out, err = run([PYTHON, "train.py", "--epochs", "1"], extra_env=fake_srun, timeout=120)
+    code, out, err = run([PYTHON, "train.py", "--epochs", "1", "--train.run_dir=null"], extra_env=fake_srun,
+                         timeout=120)
     assert code != 0
     assert "world size: the launcher says 2, Horovod says 1 (hvd.size())" in err
     assert "srun --mpi=pmix" in err

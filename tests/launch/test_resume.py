@@ -18,7 +18,8 @@ LAST_STEP = EPOCHS * 22  # 1438 digits hold 22 whole global batches of 64
 
 def train_argv(np, checkpoint_dir):
     return ["mpirun", "-np", str(np), "--oversubscribe", PYTHON, "train.py", "--epochs", str(EPOCHS),
-            "--checkpoint-dir", str(checkpoint_dir), "--checkpoint-every", str(EVERY)]
+            "--checkpoint-dir", str(checkpoint_dir), "--checkpoint-every", str(EVERY),
+            f"--train.run_dir={checkpoint_dir.parent / 'runs'}"]
 
 
 def final_state(checkpoint_dir):
