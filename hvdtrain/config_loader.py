@@ -63,6 +63,8 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
     """``value`` (from YAML, or text from the command line) as the type ``hint`` asks for."""
     optional = typing.get_origin(hint) is typing.Union
     base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
+    if isinstance(value, str) and optional and value.strip().lower() in _NONE_WORDS:
+        return None  # `--train.run_dir=null` on a command line, as in YAML
     if isinstance(value, str) and base is not str:
         value = _from_text(value, base, optional, where)
     if value is None:
@@ -82,8 +84,6 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
 
 def _from_text(text: str, base: type, optional: bool, where: str) -> Any:
     word = text.strip().lower()
-    if optional and word in _NONE_WORDS:
-        return None
     try:
         if base is bool:
             if word in _TRUE_WORDS | _FALSE_WORDS:

@@ -129,6 +129,25 @@ def test_sbatch_script_on_two_nodes(cluster, script):
         assert f" rank {rank}@{host} INFO " in (rank_logs / f"rank-{rank}.log").read_text(), context
 
 
+def test_language_model_example_as_a_slurm_job_on_two_nodes(cluster):
+    """train_lm.py through the same sbatch script (SCRIPT=...), 4 workers on 2 nodes."""
+    jobs = cluster.state / "jobs-lm"
+    jobs.mkdir()
+    log = jobs / "lm-%j.out"
+    result = cluster.run_on(cluster.head, [
+        "sbatch", "--wait", "--nodes=2", "--ntasks-per-node=2", "--time=00:15:00", f"--output={log}",
+        "slurm/train.sbatch", "--config", "configs/textlm.yaml", "--train.max_steps=100",
+        f"--train.run_dir={jobs / 'runs'}", "--require-bpc", "3.6"],
+        LAUNCH_TIMEOUT, cwd=ROOT, env=cluster.env(VENV=sys.prefix, SCRIPT="train_lm.py"))
+    output = "\n".join(path.read_text() for path in jobs.glob("lm-*.out"))
+    context = f"{result.describe()}\n{output[-4000:]}"
+    if result.timed_out:
+        cancel_jobs(cluster, result)
+    assert result.returncode == 0, context
+    assert ranks_per_host(output) == {"hostA": "0,1", "hostB": "2,3"}, context
+    assert re.search(r"= [0-9.]+ bits/char on \d+ held-out characters, 4 workers", output), context
+
+
 def cancel_jobs(cluster: Cluster, result: Result) -> None:
     """sbatch was killed, not its job: cancel that job before tear-down stops the daemons."""
     submitted = re.search(r"Submitted batch job (\d+)", result.stdout)

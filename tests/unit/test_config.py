@@ -50,6 +50,8 @@ def test_defaults_then_file_then_command_line(tmp_path):
     assert isinstance(job.train.lr, float) and job.train.fp16_allreduce and not job.train.scale_lr
     assert (job.model.width, job.model.dropout, job.model.name) == (16, 0.25, "mlp")
     assert load_job(Job, None, ["--model.dropout=null"]).model.dropout is None
+    assert load_job(Job, None, ["--train.run_dir=runs", "--train.run_dir=null"]).train.run_dir is None
+    assert load_job(Job, None, ["--model.name=null"]).model.name == "null"  # not optional: text
 
 
 def test_the_resolved_yaml_loads_back_to_the_same_job(tmp_path):

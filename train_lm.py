@@ -1,0 +1,67 @@
+"""Train a small character-level transformer on Python's own reference text, data-parallel.
+
+    horovodrun -np 2 python train_lm.py
+    mpirun -np 2 --hostfile hostfiles/localhost python train_lm.py
+    python train_lm.py --train.epochs=1 --model.layers=1      # one process, no launcher
+
+The text is the standard library's pydoc_data.topics (no download); its last 10% is held out.
+Same structure as train.py: only the data, the model, the loss and the optimizer differ.
+"""
+import dataclasses
+import sys
+
+import torch
+
+import hvdtrain
+from hvdtrain.config_loader import job_argument_parser, parse_job, to_dict
+from hvdtrain.examples.textlm import (TextLMJob, TinyTransformerLM, bits_per_char, generate, lm_loss,
+                                      load_text_datasets, unigram_bits_per_char)
+
+PROMPT = "The if statement"
+
+
+def main(argv=None) -> int:
+    parser = job_argument_parser(TextLMJob, __doc__)
+    parser.add_argument("--require-bpc", type=float, default=None,
+                        help="exit 1 unless the final validation bits/char is at most this")
+    job, args = parse_job(TextLMJob, parser, argv)
+    config = job.train
+
+    world = hvdtrain.init(seed=config.seed)
+    train_set, val_set, vocab = load_text_datasets(job.model.seq_len, job.data.train_stride,
+                                                   job.data.val_fraction)
+    model = TinyTransformerLM(len(vocab), **dataclasses.asdict(job.model))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, config, loss_fn=lm_loss,
+                               world=world, job_config=to_dict(job))
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
+    world = trainer.world  # under Horovod elastic, the world at the end may not be the one at the start
+    if trainer.preempted:  # checkpointed (and requeued under SLURM): the next start resumes
+        if world.is_root:
+            print(f"preempted at step {trainer.step}; run again to resume", flush=True)
+        return 0
+    # A run resumed from its own last checkpoint has nothing left to train: evaluate that model.
+    final = history[-1] if history else trainer.evaluate()
+
+    # Every rank holds the same, all-reduced loss, so every rank exits with the same code.
+    bpc = bits_per_char(final["val_loss"])
+    if world.is_root:
+        baseline = unigram_bits_per_char(train_set.ids, val_set.scored_ids(), len(vocab))
+        print(f"final validation loss {final['val_loss']:.4f} nats/char = {bpc:.3f} bits/char on "
+              f"{int(final['val_samples'])} held-out characters, {world.size} "
+              f"worker{'s' if world.size > 1 else ''} (unigram baseline: {baseline:.3f} bits/char)",
+              flush=True)
+        print(f"sample: {PROMPT + generate(trainer.model, vocab, PROMPT, 160)!r}", flush=True)
+    if args.require_bpc is not None and not bpc <= args.require_bpc:
+        if world.is_root:
+            print(f"error: {bpc:.3f} bits/char is above the required {args.require_bpc}",
+                  file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
