@@ -34,17 +34,10 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, config, loss_fn=lm_loss,
                                world=world, job_config=to_dict(job))
-    try:
-        history = trainer.fit()
-    finally:
-        trainer.close()
-    world = trainer.world  # under Horovod elastic, the world at the end may not be the one at the start
-    if trainer.preempted:  # checkpointed (and requeued under SLURM): the next start resumes
-        if world.is_root:
-            print(f"preempted at step {trainer.step}; run again to resume", flush=True)
+    final = trainer.run()  # None: preempted, checkpointed (and requeued under SLURM); a restart resumes
+    if final is None:
         return 0
-    # A run resumed from its own last checkpoint has nothing left to train: evaluate that model.
-    final = history[-1] if history else trainer.evaluate()
+    world = trainer.world  # under Horovod elastic, the world at the end may not be the one at the start
 
     # Every rank holds the same, all-reduced loss, so every rank exits with the same code.
     bpc = bits_per_char(final["val_loss"])

@@ -346,6 +346,23 @@ class Trainer:
                 dist.stop_timeline()  # training ended inside the window: close the file
         return history
 
+    def run(self) -> Optional[Dict[str, float]]:
+        """fit(), then close the run directory; the final metrics (the same on every rank).
+
+        None when the run was preempted: it is checkpointed (and requeued under SLURM), and the
+        next start resumes. A run resumed from its own last checkpoint has nothing left to
+        train: its model is evaluated instead.
+        """
+        try:
+            history = self.fit()
+        finally:
+            self.close()
+        if self.preempted:
+            if self.world.is_root:
+                print(f"preempted at step {self.step}; run again to resume", flush=True)
+            return None
+        return history[-1] if history else self.evaluate()
+
     def close(self) -> None:
         """Close the run directory's files (the metrics, TensorBoard and log files)."""
         if self.run is not None:

@@ -323,14 +323,3 @@ def publish(args: argparse.Namespace, collected: Dict[str, List[Dict[str, Any]]]
         "summaries": summaries, **collected})
     png_path = plot(rows, args.ops, out / "collectives.png")
     print(f"wrote {json_path} and {png_path}", flush=True)
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="hvdtrain bench collectives", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

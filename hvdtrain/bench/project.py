@@ -379,14 +379,3 @@ def run(args: argparse.Namespace) -> int:
     report.save_figure(fig, out / "efficiency.png")
     report.print_lines(lines + [f"wrote {out / 'results.json'} and {out / 'efficiency.png'}"])
     return 0
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="hvdtrain bench project", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,8 +5,10 @@ import re
 
 import pytest
 
+from hvdtrain import cli
+
 from hvdtrain.bench import collectives
-from tests.launch.helpers import PYTHON, run
+from tests.launch.helpers import BIN, run
 
 SIZES = (4096, 1 << 20)
 RANKS = 2
@@ -22,7 +24,7 @@ SWEEP_TIMEOUT = 240  # seconds: three jobs of ~10 s each on an idle machine, slo
 def sweep(tmp_path_factory):
     """One real run, shared by the tests below: (output directory, stdout, results.json)."""
     out = tmp_path_factory.mktemp("collectives")
-    code, stdout, stderr = run([PYTHON, "-m", "hvdtrain.bench.collectives", "-np", str(RANKS),
+    code, stdout, stderr = run([str(BIN / "hvdtrain"), "bench", "collectives", "-np", str(RANKS),
                                 "--sizes", "4K,1M", "--rounds", "1", "--iters", "3", "--warmup", "1",
                                 "--repeats", "1", "--out", str(out)], timeout=SWEEP_TIMEOUT)
     assert code == 0, f"exit {code}\n{stdout[-3000:]}\n{stderr[-3000:]}"
@@ -95,14 +97,14 @@ def test_printed_tables_have_the_header_every_size_and_a_verdict(sweep):
 
 def test_a_bad_size_names_the_token_and_the_accepted_form(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        collectives.main(["--sizes", "4K,3X"])
+        cli.main(["bench", "collectives", "--sizes", "4K,3X"])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert "'3X' is not a size" in error and "4K,1M,64M" in error
 
 
 def test_a_size_that_does_not_split_over_the_ranks_is_refused_before_any_launch(capsys):
-    assert collectives.main(["-np", "2", "--sizes", "4K,6"]) == 2
+    assert cli.main(["bench", "collectives", "-np", "2", "--sizes", "4K,6"]) == 2
     error = capsys.readouterr().err
     assert "--sizes: 6 (6 bytes)" in error and "multiple of 8 bytes" in error
 

@@ -4,6 +4,8 @@ import sys
 
 import pytest
 
+from hvdtrain import cli
+
 from hvdtrain.bench import project
 from hvdtrain.bench.project import (ANCHORS, CALIBRATION, LABEL, NETWORKS, Calibration, Network, Workload,
                                     calibrate, expected_max_normal, predict, ring_bandwidth_s, ring_latency_s)
@@ -111,7 +113,7 @@ def test_validation_error_is_within_the_claimed_bounds(validation):
 
 def test_cli_writes_a_labelled_table_json_and_png(tmp_path, capsys):
     out = tmp_path / "proj"
-    code = project.main(["--model", "resnet101", "--network", "25gbe,ib-hdr", "--gpus-per-node", "4",
+    code = cli.main(["bench", "project", "--model", "resnet101", "--network", "25gbe,ib-hdr", "--gpus-per-node", "4",
                          "--workers", "1,8,128", "--out", str(out)])
     assert code == 0
     text = capsys.readouterr().out
@@ -125,7 +127,7 @@ def test_cli_writes_a_labelled_table_json_and_png(tmp_path, capsys):
 
 
 def test_cli_validate_prints_published_against_projected(tmp_path, capsys):
-    assert project.main(["--validate", "--out", str(tmp_path)]) == 0
+    assert cli.main(["bench", "project", "--validate", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert f"{LABEL} vs published" in text and "LOO error pp" in text
     assert len(json.loads((tmp_path / "results.json").read_text())["validation"]) == len(ANCHORS)
@@ -133,7 +135,7 @@ def test_cli_validate_prints_published_against_projected(tmp_path, capsys):
 
 
 def test_cli_refuses_an_incomplete_workload(tmp_path, capsys):
-    assert project.main(["--params", "25e6", "--out", str(tmp_path)]) == 2
+    assert cli.main(["bench", "project", "--params", "25e6", "--out", str(tmp_path)]) == 2
     assert "--compute-ms" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
 
