@@ -9,6 +9,21 @@ from typing import Any, Dict, Optional
 PROGRESS_MODES = ("auto", "bar", "log", "off")
 
 
+def check_whole_numbers(section: Any, names: tuple, minimum: int = 1) -> None:
+    """Each named field of a settings dataclass is an int >= ``minimum``, or ValueError naming it."""
+    for name in names:
+        value = getattr(section, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"{type(section).__name__}.{name} must be a whole number >= {minimum}, got {value!r}")
+
+
+def check_fraction(section: Any, name: str) -> None:
+    """A share strictly between 0 and 1, or ValueError naming the field."""
+    value = getattr(section, name)
+    if not 0 < value < 1:
+        raise ValueError(f"{type(section).__name__}.{name} must be between 0 and 1, got {value!r}")
+
+
 @dataclass
 class TrainConfig:
     """How the Trainer trains, checkpoints, survives failures and reports.
@@ -43,12 +58,9 @@ class TrainConfig:
     timeline_steps: int = field(default=0, metadata={"help": "record the Horovod timeline for this many steps, after 5 warm-up steps, into the run directory (0: off)"})
 
     def __post_init__(self) -> None:
-        positive = ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints",
-                    "preempt_check_every", "elastic_commit_every")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"TrainConfig.{name} must be a whole number >= 1, got {value!r}")
+        check_whole_numbers(self, ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints",
+                                   "preempt_check_every", "elastic_commit_every"))
+        check_whole_numbers(self, ("num_workers", "checkpoint_every", "timeline_steps"), minimum=0)
         if not self.lr > 0:
             raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr!r}")
         if self.stall_timeout < 0:
@@ -61,9 +73,6 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
         if self.run_name is not None and (not self.run_name or "/" in self.run_name or self.run_name.startswith(".")):
             raise ValueError(f"TrainConfig.run_name must be a plain directory name, got {self.run_name!r}")
-        for name in ("num_workers", "checkpoint_every", "timeline_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)!r}")
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

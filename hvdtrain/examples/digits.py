@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from hvdtrain.config import TrainConfig
+from hvdtrain.config import TrainConfig, check_fraction, check_whole_numbers
 
 
 def load_digits_datasets(val_fraction: float = 0.2, split_seed: int = 0) -> Tuple[TensorDataset, TensorDataset]:
@@ -45,9 +45,7 @@ class DigitsModelConfig:
     hidden: int = field(default=128, metadata={"help": "units of the hidden dense layer"})
 
     def __post_init__(self) -> None:
-        for name in ("channels", "hidden"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DigitsModelConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        check_whole_numbers(self, ("channels", "hidden"))
 
 
 @dataclass
@@ -58,8 +56,7 @@ class DigitsDataConfig:
     split_seed: int = field(default=0, metadata={"help": "seed of the fixed train/validation split"})
 
     def __post_init__(self) -> None:
-        if not 0 < self.val_fraction < 1:
-            raise ValueError(f"DigitsDataConfig.val_fraction must be between 0 and 1, got {self.val_fraction!r}")
+        check_fraction(self, "val_fraction")
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from hvdtrain.config import TrainConfig
+from hvdtrain.config import TrainConfig, check_fraction, check_whole_numbers
 
 
 def load_corpus() -> str:
@@ -113,10 +113,7 @@ class TextLMModelConfig:
     dropout: float = field(default=0.0, metadata={"help": "dropout probability in training"})
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "d_model", "layers", "heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"TextLMModelConfig.{name} must be a whole number >= 1, got {value!r}")
+        check_whole_numbers(self, ("seq_len", "d_model", "layers", "heads"))
         if self.d_model % self.heads:
             raise ValueError(f"TextLMModelConfig.d_model {self.d_model} must be a multiple of heads {self.heads}")
         if not 0 <= self.dropout < 1:
@@ -131,10 +128,8 @@ class TextLMDataConfig:
     train_stride: int = field(default=64, metadata={"help": "characters between the starts of two training windows"})
 
     def __post_init__(self) -> None:
-        if not 0 < self.val_fraction < 1:
-            raise ValueError(f"TextLMDataConfig.val_fraction must be between 0 and 1, got {self.val_fraction!r}")
-        if not isinstance(self.train_stride, int) or self.train_stride < 1:
-            raise ValueError(f"TextLMDataConfig.train_stride must be a whole number >= 1, got {self.train_stride!r}")
+        check_fraction(self, "val_fraction")
+        check_whole_numbers(self, ("train_stride",))
 
 
 @dataclass
