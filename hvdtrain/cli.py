@@ -7,6 +7,8 @@ import platform
 import sys
 from typing import List, Optional
 
+from hvdtrain import plot as plot_command
+from hvdtrain.bench.cli import add_bench_parser
 from hvdtrain.launch import doctor as launch_doctor
 from hvdtrain.launch import runner as launch_runner
 
@@ -72,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="list: a:2,b:2 (for -H); openmpi: 'a slots=2' lines; colon: 'a:2' lines; "
                             "np: the total number of slots")
     hosts.set_defaults(run=_hosts)
+    plot = commands.add_parser("plot", help="PNGs of a run's loss, accuracy and throughput",
+                               description=plot_command.__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    plot_command.add_arguments(plot)
+    plot.set_defaults(run=plot_command.run)
+    add_bench_parser(commands)
     return parser
 
 

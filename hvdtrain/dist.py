@@ -32,6 +32,9 @@ ENV_DEFAULTS = {
     # Open MPI reads OMPI_MCA_* at MPI_Init, which hvd.init() calls: setting it here takes
     # effect, unless something (mpi4py, say) initialised MPI first.
     "OMPI_MCA_mpi_yield_when_idle": "1",
+    # Lets train.timeline_steps start and stop the timeline mid-run (Horovod refuses otherwise);
+    # nothing is recorded until it is started.
+    "HOROVOD_TIMELINE": "DYNAMIC",
 }
 
 
@@ -43,11 +46,6 @@ def apply_env_defaults(environ: MutableMapping[str, str] = os.environ) -> Dict[s
     applied = {key: value for key, value in ENV_DEFAULTS.items() if key not in environ}
     environ.update(applied)
     return applied
-
-
-# Lets train.timeline_steps start and stop the timeline mid-run (Horovod refuses otherwise);
-# nothing is recorded until it is started.
-_TIMELINE_DEFAULT = ("HOROVOD_TIMELINE", "DYNAMIC")
 
 
 @dataclass(frozen=True)
@@ -92,7 +90,6 @@ def init(seed: int = 0, threads: Optional[int] = None) -> World:
     if applied:
         logging.getLogger(__name__).info("hvdtrain defaults (set them yourself to override): %s",
                                           " ".join(f"{k}={v}" for k, v in applied.items()))
-    os.environ.setdefault(*_TIMELINE_DEFAULT)
     launcher = launcher_env.detect()
     hvd.init()
     launcher_env.check_world(launcher, hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())

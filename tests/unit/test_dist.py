@@ -1,6 +1,6 @@
 import pytest
 
-from hvdtrain.dist import threads_per_rank
+from hvdtrain.dist import ENV_DEFAULTS, apply_env_defaults, threads_per_rank
 from hvdtrain.rng import rank_seed
 
 
@@ -19,3 +19,21 @@ def test_rank_seeds_differ_per_rank_and_repeat_per_run():
     assert len(set(seeds)) == 64
     assert seeds == [rank_seed(42, rank) for rank in range(64)]
     assert rank_seed(43, 0) != seeds[0]
+
+
+def test_env_defaults_fill_only_what_the_user_left_unset():
+    environ = {"OMPI_MCA_mpi_yield_when_idle": "0", "PATH": "/bin"}
+    applied = apply_env_defaults(environ)
+    # The user's 0 (busy-poll) wins; the other defaults are set and reported.
+    assert environ["OMPI_MCA_mpi_yield_when_idle"] == "0"
+    assert "OMPI_MCA_mpi_yield_when_idle" not in applied
+    assert applied == {k: v for k, v in ENV_DEFAULTS.items() if k != "OMPI_MCA_mpi_yield_when_idle"}
+    assert all(environ[k] == v for k, v in applied.items())
+    assert environ["PATH"] == "/bin"
+
+
+def test_env_defaults_ask_open_mpi_to_yield_when_idle_and_are_set_once():
+    environ = {}
+    assert apply_env_defaults(environ)["OMPI_MCA_mpi_yield_when_idle"] == "1"
+    assert apply_env_defaults(environ) == {}  # a second init changes nothing and reports nothing
+    assert environ == ENV_DEFAULTS

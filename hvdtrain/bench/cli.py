@@ -1,0 +1,28 @@
+"""``hvdtrain bench <name>``: each benchmark module brings its own options and runner."""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> (module, one-line help). The drivers import torch/Horovod only inside their workers,
+# so building this parser stays instant.
+BENCHMARKS = {
+    "collectives": ("hvdtrain.bench.collectives",
+                    "all-reduce/broadcast/allgather sweeps: Horovod MPI and Gloo, raw MPI, torch gloo"),
+    "throughput": ("hvdtrain.bench.throughput",
+                   "training samples/s: one process, hvdtrain, plain Horovod, PyTorch DDP; knobs"),
+    "scaling": ("hvdtrain.bench.scaling", "the same job at 1..N workers: samples/s, efficiency, communication share"),
+    "project": ("hvdtrain.bench.project", "MODELLED step time and scaling efficiency on large clusters"),
+}
+
+
+def add_bench_parser(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmarks: collectives, throughput, scaling, projection",
+                                description=__doc__)
+    names = bench.add_subparsers(dest="benchmark", required=True)
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        parser = names.add_parser(name, help=help_text, description=module.__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(parser)
+        parser.set_defaults(run=module.run)

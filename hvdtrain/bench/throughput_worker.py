@@ -1,0 +1,410 @@
+"""One measured training run of one variant: ``python -m hvdtrain.bench.throughput_worker``.
+
+Variants (the same model, data, batch per rank and one thread per rank in each):
+  single       one process, no distribution at all (run it with launcher "none")
+  independent  N processes under mpirun that never communicate: the ceiling for N workers
+  trainer      hvdtrain's Trainer (hvdtrain.dist.init, then Trainer.fit)
+  horovod      the plain loop of Horovod's examples/pytorch/pytorch_mnist.py
+  ddp          PyTorch DistributedDataParallel over gloo, rendezvous picked by rank 0
+
+Timing: ``--warmup`` optimizer steps first (first-touch allocations, Horovod's response cache,
+DDP's bucket rebuild), then ``--steps`` steps on the clock in ``--segments`` parts, each started
+after a barrier and lasting as long as its slowest rank. Every step ends with the averaged
+gradients applied, so the clock stops on finished work. samples/s is over all the timed steps;
+the best segment's rate is also kept (on a shared machine, the one least disturbed by others).
+For the Trainer, fit() runs once to the warm-up step count (set-up, broadcast, first
+iterations: not timed), then once per segment, timed, each time to a higher max_steps.
+
+Also reported: the time each rank spends in the optimizer's synchronize() (the all-reduce wait
+that backward did not hide: the exposed communication), the CPU time of the training thread and
+of every other thread of the process over the timed steps (Horovod's background thread, gloo's
+threads: what communication costs in CPU on cores that also compute), and each rank's peak RSS.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import os
+import resource
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+
+from hvdtrain.bench import jobs, workloads
+
+VARIANTS = ("single", "independent", "trainer", "horovod", "ddp")
+LR = 0.01  # one worker's rate; every distributed variant scales it by the world size, as Horovod's examples do
+MOMENTUM = 0.9
+# Environment variables that change how Horovod or Open MPI move gradients: recorded with each result.
+RECORDED_ENV = ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CPU_OPERATIONS",
+                "HOROVOD_TIMELINE", "OMPI_MCA_mpi_yield_when_idle", "OMP_NUM_THREADS")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="where rank 0 writes the JSON result")
+    parser.add_argument("--variant", choices=VARIANTS, required=True)
+    parser.add_argument("--model", choices=sorted(workloads.WORKLOADS), required=True)
+    parser.add_argument("--batch", type=int, default=64, help="samples per rank per micro-batch")
+    parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=5, help="optimizer steps before the clock starts")
+    parser.add_argument("--segments", type=int, default=1, help="timed parts, each after a barrier")
+    parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--fp16", action="store_true", help="fp16 gradient compression (trainer, horovod)")
+    parser.add_argument("--samples", type=int, default=4096, help="size of the synthetic training set")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set before anything starts (Horovod and Open MPI read them at init); "
+                             "set here rather than by the launcher, so they reach every host")
+    parser.add_argument("--hvdtrain-defaults", action="store_true",
+                        help="horovod variant: apply hvdtrain's environment defaults first, as dist.init does")
+    args = parser.parse_args(argv)
+    for item in args.set_env:
+        if "=" not in item:
+            parser.error(f"--set-env takes NAME=VALUE, got {item!r}")
+    if args.hvdtrain_defaults and args.variant != "horovod":
+        parser.error("--hvdtrain-defaults is for --variant horovod (the trainer applies them itself)")
+    if min(args.batch, args.steps, args.warmup, args.accumulation, args.samples, args.segments) < 1:
+        parser.error("--batch, --steps, --warmup, --accumulation, --samples and --segments must be >= 1")
+    if args.segments > args.steps:
+        parser.error(f"--segments {args.segments} is more than the {args.steps} timed steps")
+    if args.variant in ("single", "independent", "ddp") and args.fp16:
+        parser.error(f"--fp16 is a Horovod compression: not for --variant {args.variant}")
+    return args
+
+
+# ---- what every variant shares ------------------------------------------------------------
+
+def batches(loader: DataLoader) -> Iterator:
+    """Micro-batches forever, a new shuffle each epoch (as a multi-epoch run sees them)."""
+    epoch = 0
+    while True:
+        if isinstance(loader.sampler, DistributedSampler):
+            loader.sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def local_step(model, optimizer, micro_batches: Iterator, accumulation: int) -> None:
+    """One optimizer step of plain PyTorch: zero_grad, forward/backward per micro-batch, step."""
+    optimizer.zero_grad()
+    for _ in range(accumulation):
+        inputs, targets = next(micro_batches)
+        loss = F.cross_entropy(model(inputs), targets)
+        (loss / accumulation if accumulation > 1 else loss).backward()
+    optimizer.step()
+
+
+class SyncTimer:
+    """Wraps a Horovod DistributedOptimizer's synchronize() to add up the time spent in it.
+
+    step() calls self.synchronize() (or the loop does, before step(), as the Trainer does): the
+    wrapper sees every wait without changing the loop.
+    """
+
+    def __init__(self, optimizer) -> None:
+        self.seconds = 0.0
+        original = optimizer.synchronize
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+
+        optimizer.synchronize = timed
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def mpi_yield_when_idle() -> Optional[bool]:
+    """The value Open MPI actually runs with in this process (None: Open MPI not loaded)."""
+    try:
+        lib = ctypes.CDLL("libopen-pal.so.40", mode=os.RTLD_NOLOAD)
+        return bool(ctypes.c_bool.in_dll(lib, "opal_progress_yield_when_idle").value)
+    except (OSError, ValueError):
+        return None
+
+
+def thread_cpu_seconds() -> Dict[int, float]:
+    """CPU time (user + system) of each thread of this process, by thread id (Linux; else empty)."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    times = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return times
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        times[int(tid)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return times
+
+
+@dataclasses.dataclass
+class Measured:
+    """One rank's view of its timed steps: seconds per segment, in synchronize(), and CPU seconds
+    of the training thread and of all other threads together."""
+
+    segments: List[float]
+    sync: float = float("nan")
+    cpu_main: float = float("nan")
+    cpu_other: float = float("nan")
+
+
+def segment_steps(steps: int, segments: int) -> List[int]:
+    """``steps`` split into ``segments`` parts differing by at most one step."""
+    return [steps // segments + (1 if k < steps % segments else 0) for k in range(segments)]
+
+
+def result(args, size: int, per_rank: List[Dict[str, Any]], model, extra: Dict[str, Any]) -> Dict[str, Any]:
+    """Rank 0's JSON: each segment lasts as long as its slowest rank."""
+    slowest = [max(rank["segments"][k] for rank in per_rank) for k in range(args.segments)]
+    elapsed = sum(slowest)
+    per_step_samples = args.accumulation * args.batch * size
+    samples = args.steps * per_step_samples
+    params, tensors = workloads.parameter_count(model)
+    syncs = [rank["sync"] for rank in per_rank]
+    segment_rates = [n * per_step_samples / t for n, t in zip(segment_steps(args.steps, args.segments), slowest)]
+    return {
+        "variant": args.variant, "model": args.model, "world_size": size,
+        "batch": args.batch, "steps": args.steps, "warmup": args.warmup, "segments": args.segments,
+        "accumulation": args.accumulation, "fp16": args.fp16,
+        "parameters": params, "parameter_tensors": tensors,
+        "samples": samples, "elapsed_s": elapsed, "samples_per_sec": samples / elapsed,
+        "segment_samples_per_sec": segment_rates, "best_segment_samples_per_sec": max(segment_rates),
+        "elapsed_per_rank_s": [sum(rank["segments"]) for rank in per_rank],
+        "sync_per_rank_s": syncs,
+        # Exposed communication: share of the timed steps each rank spent waiting for gradients.
+        "comm_share": (sum(s / sum(r["segments"]) for s, r in zip(syncs, per_rank)) / len(per_rank)
+                       if all(s == s for s in syncs) else None),
+        # Cores' worth of CPU per rank over the timed steps: the training thread, the other threads.
+        "cpu_main_cores": sum(r["cpu_main"] / sum(r["segments"]) for r in per_rank) / len(per_rank),
+        "cpu_other_cores": sum(r["cpu_other"] / sum(r["segments"]) for r in per_rank) / len(per_rank),
+        "peak_rss_mb_per_rank": [rank["rss_mb"] for rank in per_rank],
+        "env": {name: os.environ.get(name) for name in RECORDED_ENV},
+        "mpi_yield_when_idle": mpi_yield_when_idle(),
+        "torch_threads": torch.get_num_threads(),
+        **extra,
+    }
+
+
+def rank_record(measured: Measured) -> Dict[str, Any]:
+    return {"segments": measured.segments, "sync": measured.sync, "rss_mb": peak_rss_mb(),
+            "cpu_main": measured.cpu_main, "cpu_other": measured.cpu_other}
+
+
+def timed(barrier: Callable[[], None], run_steps: Callable[[int], None], args,
+          sync: Optional["SyncTimer"] = None) -> Measured:
+    """Warm up, then time ``args.steps`` steps in segments, the ranks lined up before each."""
+    run_steps(args.warmup)
+    if sync is not None:
+        sync.seconds = 0.0
+    segments = []
+    cpu_before = thread_cpu_seconds()
+    for steps in segment_steps(args.steps, args.segments):
+        barrier()
+        started = time.perf_counter()
+        run_steps(steps)
+        segments.append(time.perf_counter() - started)
+    cpu_after = thread_cpu_seconds()
+    used = {tid: seconds - cpu_before.get(tid, 0.0) for tid, seconds in cpu_after.items()}
+    main = threading.main_thread().native_id
+    return Measured(segments, sync.seconds if sync is not None else float("nan"),
+                    cpu_main=used.get(main, float("nan")),
+                    cpu_other=sum(seconds for tid, seconds in used.items() if tid != main))
+
+
+# ---- the variants -------------------------------------------------------------------------
+
+def run_single(args) -> None:
+    model = workloads.build_model(args.model, args.seed)
+    dataset = workloads.synthetic_dataset(args.model, args.samples, args.seed)
+    loader = DataLoader(dataset, batch_size=args.batch, shuffle=True, drop_last=True,
+                        generator=torch.Generator().manual_seed(args.seed))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    micro = batches(loader)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            local_step(model, optimizer, micro, args.accumulation)
+
+    measured = timed(lambda: None, steps, args)
+    jobs.write_result(args.out, result(args, 1, [rank_record(measured)], model, {}))
+
+
+def run_independent(args) -> None:
+    """N copies of the one-process run: each its own model and data order, no gradient exchange.
+    MPI (mpi4py) only lines them up before the clock and collects the times after it."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    model = workloads.build_model(args.model, args.seed)
+    dataset = workloads.synthetic_dataset(args.model, args.samples, args.seed)
+    loader = DataLoader(dataset, batch_size=args.batch, shuffle=True, drop_last=True,
+                        generator=torch.Generator().manual_seed(args.seed + comm.rank))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    micro = batches(loader)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            local_step(model, optimizer, micro, args.accumulation)
+
+    measured = timed(comm.Barrier, steps, args)
+    per_rank = comm.gather(rank_record(measured), root=0)
+    if comm.rank == 0:
+        jobs.write_result(args.out, result(args, comm.size, per_rank, model, {}))
+
+
+def run_horovod(args) -> None:
+    """The steps of Horovod's examples/pytorch/pytorch_mnist.py, in its order."""
+    import horovod.torch as hvd
+
+    if args.hvdtrain_defaults:
+        from hvdtrain.dist import apply_env_defaults
+
+        apply_env_defaults()
+    # Initialize Horovod; one thread per rank
+    hvd.init()
+    torch.set_num_threads(1)
+    model = workloads.build_model(args.model, args.seed)
+    dataset = workloads.synthetic_dataset(args.model, args.samples, args.seed)
+    # Partition the dataset among workers
+    sampler = DistributedSampler(dataset, num_replicas=hvd.size(), rank=hvd.rank(), seed=args.seed)
+    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
+    # Scale the learning rate by the number of workers
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR * hvd.size(), momentum=MOMENTUM)
+    # Broadcast parameters and optimizer state from rank 0
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    # Wrap the optimizer: gradients are averaged by all-reduce as backward produces them
+    compression = hvd.Compression.fp16 if args.fp16 else hvd.Compression.none
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=compression, op=hvd.Average,
+                                         backward_passes_per_step=args.accumulation)
+    sync = SyncTimer(optimizer)
+    micro = batches(loader)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            local_step(model, optimizer, micro, args.accumulation)  # zero_grad, forward, backward, step
+
+    measured = timed(hvd.barrier, steps, args, sync)
+    per_rank = hvd.allgather_object(rank_record(measured), name="bench.result")
+    if hvd.rank() == 0:
+        jobs.write_result(args.out, result(args, hvd.size(), per_rank, model,
+                                           {"controller": "gloo" if hvd.gloo_enabled() else "mpi"}))
+
+
+def run_trainer(args) -> None:
+    from hvdtrain import dist
+    from hvdtrain.config import TrainConfig
+    from hvdtrain.trainer import Trainer
+
+    world = dist.init(seed=args.seed, threads=1)
+    model = workloads.build_model(args.model, args.seed)
+    dataset = workloads.synthetic_dataset(args.model, args.samples, args.seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    # No progress lines in the timed steps (a user's choice, not a cost of the Trainer); the
+    # other per-step work (stall watchdog beat, preemption vote, LR schedule) stays on.
+    config = TrainConfig(epochs=10**6, batch_size=args.batch, lr=LR, max_steps=args.warmup,
+                         log_every=10**9, accumulation=args.accumulation, fp16_allreduce=args.fp16,
+                         seed=args.seed)
+    trainer = Trainer(model, optimizer, dataset, config=config, loss_fn=F.cross_entropy, world=world)
+    sync = SyncTimer(trainer.optimizer)
+
+    def steps(n: int) -> None:
+        # fit() trains until max_steps: raise it by n and continue where the last fit stopped.
+        trainer.config = dataclasses.replace(trainer.config, max_steps=trainer.step + n)
+        trainer.fit()
+
+    # The first fit() runs the warm-up steps after the Trainer's set-up (broadcast, loaders):
+    # neither is timed, as for the other variants. Each timed fit() pays fit()'s own start and
+    # end again (watchdog thread, loader iterator, the epoch's loss reduction): charged to it.
+    measured = timed(dist.barrier, steps, args, sync)
+    per_rank = dist.allgather_object(rank_record(measured), name="bench.result")
+    if world.is_root:
+        jobs.write_result(args.out, result(args, world.size, per_rank, model,
+                                           {"controller": world.controller, "steps_taken": trainer.step}))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def run_ddp(args) -> None:
+    """torch DDP over gloo under mpirun: rank and size from MPI, rank 0 picks the rendezvous."""
+    import torch.distributed as tdist
+    from mpi4py import MPI
+    from torch.nn.parallel import DistributedDataParallel
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.rank, comm.size
+    address, port = comm.bcast((socket.gethostname(), free_port()) if rank == 0 else None, root=0)
+    tdist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=size)
+    try:
+        torch.set_num_threads(1)
+        model = workloads.build_model(args.model, args.seed)
+        dataset = workloads.synthetic_dataset(args.model, args.samples, args.seed)
+        sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, seed=args.seed)
+        loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
+        ddp = DistributedDataParallel(model)  # broadcasts rank 0's parameters
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=LR * size, momentum=MOMENTUM)
+        micro = batches(loader)
+
+        def step() -> None:
+            optimizer.zero_grad()
+            for index in range(args.accumulation):
+                inputs, targets = next(micro)
+                last = index == args.accumulation - 1
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    loss = F.cross_entropy(ddp(inputs), targets)
+                    (loss / args.accumulation if args.accumulation > 1 else loss).backward()
+            optimizer.step()
+
+        def steps(n: int) -> None:
+            for _ in range(n):
+                step()
+
+        measured = timed(tdist.barrier, steps, args)
+        per_rank = comm.gather(rank_record(measured), root=0)
+        if rank == 0:
+            jobs.write_result(args.out, result(args, size, per_rank, model,
+                                               {"bucket_cap_mb": 25, "backend": "gloo"}))
+    finally:
+        tdist.destroy_process_group()
+
+
+RUNNERS = {"single": run_single, "independent": run_independent, "trainer": run_trainer,
+           "horovod": run_horovod, "ddp": run_ddp}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    for item in args.set_env:
+        name, value = item.split("=", 1)
+        os.environ[name] = value
+    workloads.one_thread_per_rank()
+    RUNNERS[args.variant](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
