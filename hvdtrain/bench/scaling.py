@@ -174,14 +174,3 @@ def run(args: argparse.Namespace) -> int:
 
 def _finite(row: Dict[str, Any]) -> Dict[str, Any]:
     return {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="hvdtrain bench scaling", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,9 +4,10 @@ import math
 
 import pytest
 
+from hvdtrain import cli
 from hvdtrain.bench import scaling, throughput, workloads
 from hvdtrain.launch.hostfile import Host
-from tests.launch.helpers import PYTHON, run
+from tests.launch.helpers import BIN, run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # 13 jobs of a few seconds each (start-up dominates), then 2 scaling jobs; slower on a shared machine.
@@ -22,7 +23,7 @@ def finite_positive(value):
 def throughput_run(tmp_path_factory):
     """One real --quick run on 2 workers (the CNN; the knobs on the CNN and the many-tensor model)."""
     out = tmp_path_factory.mktemp("throughput")
-    code, stdout, stderr = run([PYTHON, "-m", "hvdtrain.bench.throughput", "--quick", "--models", "cnn",
+    code, stdout, stderr = run([str(BIN / "hvdtrain"), "bench", "throughput", "--quick", "--models", "cnn",
                                 "--knob-model", "cnn", "--workers", "2", "--timeout", "120", "--out", str(out)],
                                timeout=THROUGHPUT_TIMEOUT)
     assert code == 0, f"exit {code}\n{stdout[-3000:]}\n{stderr[-3000:]}"
@@ -75,7 +76,7 @@ def test_every_knob_is_a_ratio_against_its_variant_without_it(throughput_run):
     _, _, results = throughput_run
     rate = medians(results)
     knobs = {knob["knob"]: knob for knob in results["knobs"]}
-    assert set(knobs) == {"fusion-off", "cycle-5ms", "fp16", "accumulation-4", "timeline-armed"}
+    assert set(knobs) == {"fusion-off", "cycle-5ms", "fp16", "accumulation-4", "timeline-unarmed"}
     for key, knob in knobs.items():
         changed = rate[f"{knob['model']}/{knob['variant']}/{key}"]
         default = rate[f"{knob['model']}/{knob['variant']}"]
@@ -85,7 +86,8 @@ def test_every_knob_is_a_ratio_against_its_variant_without_it(throughput_run):
     assert jobs["many/trainer/fusion-off"]["env"]["HOROVOD_FUSION_THRESHOLD"] == "0"
     assert jobs["cnn/trainer/cycle-5ms"]["env"]["HOROVOD_CYCLE_TIME"] == "5"
     assert jobs["cnn/trainer/fp16"]["fp16"] and jobs["cnn/trainer/accumulation-4"]["accumulation"] == 4
-    assert jobs["cnn/horovod-hvdenv/timeline-armed"]["env"]["HOROVOD_TIMELINE"] == "DYNAMIC"
+    assert jobs["cnn/horovod-hvdenv"]["env"]["HOROVOD_TIMELINE"] == "DYNAMIC"  # hvdtrain's default
+    assert jobs["cnn/horovod-hvdenv/timeline-unarmed"]["env"]["HOROVOD_TIMELINE"] is None
     assert workloads.parameter_count(workloads.build_model("many", 0))[1] >= 200
 
 
@@ -121,7 +123,7 @@ def test_tables_verdicts_and_plot_are_written(throughput_run):
 
 @pytest.mark.timeout(SCALING_TIMEOUT + 30)
 def test_scaling_reports_each_worker_count_and_its_efficiency(tmp_path):
-    code, stdout, stderr = run([PYTHON, "-m", "hvdtrain.bench.scaling", "-H", "localhost:2", "--rounds", "1",
+    code, stdout, stderr = run([str(BIN / "hvdtrain"), "bench", "scaling", "-H", "localhost:2", "--rounds", "1",
                                 "--steps", "3", "--warmup", "1", "--batch", "16", "--samples", "256",
                                 "--timeout", "100", "--out", str(tmp_path)], timeout=SCALING_TIMEOUT)
     assert code == 0, f"exit {code}\n{stdout[-3000:]}\n{stderr[-3000:]}"
@@ -153,7 +155,7 @@ def test_scaling_takes_the_hosts_from_the_options_then_slurm_then_this_host():
 
 
 def test_unknown_variant_is_refused_before_any_launch(capsys):
-    assert throughput.main(["--variants", "trainer,ddp2"]) == 2
+    assert cli.main(["bench", "throughput", "--variants", "trainer,ddp2"]) == 2
     assert "unknown variant ddp2" in capsys.readouterr().err
 
 
