@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     job, args = parse_job(DigitsJob, parser, argv)
     config = job.train
 
-    world = hvdtrain.init(seed=config.seed)
+    world = hvdtrain.init(seed=config.seed, timeline=config.timeline_steps > 0)
     train_set, val_set = load_digits_datasets(job.data.val_fraction, job.data.split_seed)
     model = DigitsCNN(channels=job.model.channels, hidden=job.model.hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)

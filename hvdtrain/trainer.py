@@ -61,7 +61,7 @@ class Trainer:
     ) -> None:
         self.config = config or TrainConfig()
         self.job_config = dict(job_config) if job_config is not None else {"train": self.config.to_dict()}
-        self.world = world or dist.init(seed=self.config.seed)
+        self.world = world or dist.init(seed=self.config.seed, timeline=self.config.timeline_steps > 0)
         self.log = get_logger(self.world)
         self.loss_fn = loss_fn
         self.model = model.to(self.world.device)
@@ -102,7 +102,7 @@ class Trainer:
         self.watchdog: Optional[StallWatchdog] = None
         self._elastic: Optional[TrainerState] = None
         self.preempted = False
-        self.run: Optional[RunDirectory] = self._open_run_dir()
+        self.run_dir: Optional[RunDirectory] = self._open_run_dir()
         self._announce()
         self._started = time.time()
         self.progress = Progress("off", 0, 0, self.log)  # fit() sets the real one
@@ -175,12 +175,16 @@ class Trainer:
         steps = self.config.timeline_steps
         if not steps:
             return None
+        if not dist.timeline_armed():
+            self.log.warning(f"train.timeline_steps={steps} ignored: start Horovod with "
+                             f"hvdtrain.init(..., timeline=True) to record a timeline")
+            return None
         first = self.step + 5
         return first, first + steps
 
     def _timeline_path(self) -> str:
-        if self.run is not None:
-            return str(self.run.path / TIMELINE_FILE)
+        if self.run_dir is not None:
+            return str(self.run_dir.path / TIMELINE_FILE)
         return os.path.abspath(f"horovod-timeline-{time.strftime('%Y%m%d-%H%M%S')}.json")
 
     def _drive_timeline(self) -> None:
@@ -365,9 +369,9 @@ class Trainer:
 
     def close(self) -> None:
         """Close the run directory's files (the metrics, TensorBoard and log files)."""
-        if self.run is not None:
-            self.run.close()
-            self.run = None
+        if self.run_dir is not None:
+            self.run_dir.close()
+            self.run_dir = None
 
     def _beat(self) -> None:
         if self.watchdog is not None:
@@ -393,8 +397,8 @@ class Trainer:
                 **self.evaluate(),
             }
             history.append(record)
-            if self.run is not None:
-                self.run.record("epoch", record, self._started)
+            if self.run_dir is not None:
+                self.run_dir.record("epoch", record, self._started)
             self.progress.message(
                 f"epoch {reached:g}/{self.config.epochs} step {self.step} "
                 f"train_loss {train_loss:.4f}"
@@ -471,8 +475,8 @@ class Trainer:
         samples_per_sec, comm_fraction = throughput.read()
         lr = self.optimizer.param_groups[0]["lr"]
         self.progress.report(self.epoch + 1, self.step, loss, lr, samples_per_sec, comm_fraction)
-        if self.run is not None:
-            self.run.record("step", {
+        if self.run_dir is not None:
+            self.run_dir.record("step", {
                 "step": self.step, "epoch": self.epoch + self.epoch_position / self.dataset_size,
                 "loss": loss, "lr": lr, "samples_per_sec": samples_per_sec, "comm_fraction": comm_fraction,
             }, self._started)

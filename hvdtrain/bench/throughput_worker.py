@@ -67,16 +67,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                              "set here rather than by the launcher, so they reach every host")
     parser.add_argument("--hvdtrain-defaults", action="store_true",
                         help="horovod variant: apply hvdtrain's environment defaults first, as dist.init does")
-    parser.add_argument("--skip-default", action="append", default=[], metavar="NAME",
-                        help="with --hvdtrain-defaults: leave this one of them unset")
     args = parser.parse_args(argv)
     for item in args.set_env:
         if "=" not in item:
             parser.error(f"--set-env takes NAME=VALUE, got {item!r}")
     if args.hvdtrain_defaults and args.variant != "horovod":
         parser.error("--hvdtrain-defaults is for --variant horovod (the trainer applies them itself)")
-    if args.skip_default and not args.hvdtrain_defaults:
-        parser.error("--skip-default needs --hvdtrain-defaults")
     if min(args.batch, args.steps, args.warmup, args.accumulation, args.samples, args.segments) < 1:
         parser.error("--batch, --steps, --warmup, --accumulation, --samples and --segments must be >= 1")
     if args.segments > args.steps:
@@ -282,9 +278,7 @@ def run_horovod(args) -> None:
     if args.hvdtrain_defaults:
         from hvdtrain.dist import apply_env_defaults
 
-        for name in apply_env_defaults():
-            if name in args.skip_default:
-                del os.environ[name]
+        apply_env_defaults()
     # Initialize Horovod; one thread per rank
     hvd.init()
     torch.set_num_threads(1)
