@@ -24,8 +24,9 @@ def main(argv=None) -> int:
     config = job.train
 
     world = hvdtrain.init(seed=config.seed, timeline=config.timeline_steps > 0)
-    train_set, val_set = load_digits_datasets(job.data.val_fraction, job.data.split_seed)
-    model = DigitsCNN(channels=job.model.channels, hidden=job.model.hidden)
+    dtype = job.model.torch_dtype
+    train_set, val_set = load_digits_datasets(job.data.val_fraction, job.data.split_seed, dtype)
+    model = DigitsCNN(channels=job.model.channels, hidden=job.model.hidden).to(dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, config, world=world,
                                job_config=to_dict(job))

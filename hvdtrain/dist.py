@@ -140,7 +140,9 @@ def _split_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
     """Replace every tensor in a nested structure by a placeholder (its index, shape, dtype)."""
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
-        return ("__tensor__", len(tensors) - 1, tuple(obj.shape), obj.dtype)
+        # The device type travels too: a receiver allocates on its own device of that type
+        # (a GPU state broadcast over NCCL must arrive on each rank's GPU, a CPU one on the CPU).
+        return ("__tensor__", len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type)
     if isinstance(obj, dict):
         return {k: _split_tensors(v, tensors) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -149,7 +151,7 @@ def _split_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
 
 
 def _is_placeholder(obj: Any) -> bool:
-    return isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "__tensor__"
+    return isinstance(obj, tuple) and len(obj) == 5 and obj[0] == "__tensor__"
 
 
 def _fill_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
@@ -162,8 +164,8 @@ def _fill_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
     return obj
 
 
-def _placeholders(obj: Any) -> List[Tuple[int, Tuple[int, ...], torch.dtype]]:
-    found: List[Tuple[int, Tuple[int, ...], torch.dtype]] = []
+def _placeholders(obj: Any) -> List[Tuple[int, Tuple[int, ...], torch.dtype, str]]:
+    found: List[Tuple[int, Tuple[int, ...], torch.dtype, str]] = []
 
     def walk(o: Any) -> None:
         if _is_placeholder(o):
@@ -179,6 +181,13 @@ def _placeholders(obj: Any) -> List[Tuple[int, Tuple[int, ...], torch.dtype]]:
     return sorted(found, key=lambda p: p[0])
 
 
+def _local_device(kind: str) -> torch.device:
+    """This rank's device of the given type: its own GPU for "cuda" (pinned by init)."""
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
 def broadcast_state(state: Any, root_rank: int = 0, name: str = "state") -> Any:
     """Return rank ``root_rank``'s copy of a nested structure of tensors and plain values.
 
@@ -192,7 +201,8 @@ def broadcast_state(state: Any, root_rank: int = 0, name: str = "state") -> Any:
     if hvd.rank() == root_rank:
         received = [t.detach().contiguous() for t in tensors]
     else:
-        received = [torch.empty(shape, dtype=dtype) for _, shape, dtype in _placeholders(skeleton)]
+        received = [torch.empty(shape, dtype=dtype, device=_local_device(kind))
+                    for _, shape, dtype, kind in _placeholders(skeleton)]
     handles = [
         hvd.broadcast_async_(t, root_rank=root_rank, name=f"{name}.{i}")
         for i, t in enumerate(received)

@@ -1,21 +1,21 @@
-"""The data-parallel training loop.
+"""The training loop, the same for every strategy.
 
 The steps of Horovod data parallelism, in order, each marked where it happens:
   1. every rank starts from rank 0's parameters and optimizer state   (__init__)
   2. each rank reads its own shard, reshuffled every epoch            (_train_epoch)
   3. forward and backward on the shard                                (_train_epoch)
-  4. gradients averaged by ring all-reduce during backward            (DistributedOptimizer hooks)
-  5. every rank applies the same update                               (optimizer.step)
+  4. gradients reduced across ranks during backward                   (the strategy's hooks)
+  5. every rank applies the same update                               (strategy.step)
   6. rank 0 logs; metrics are reduced over every rank's samples       (_report, evaluate)
+
+How the model's state is spread over the ranks (replicated, or sharded as in ZeRO) is the
+strategy's (hvdtrain.strategies); checkpoints are hvdtrain.checkpointing's, failures
+hvdtrain.faults', and what a run reports hvdtrain.reporting's.
 """
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
-
-import yaml
 
 import torch
 import torch.nn.functional as F
@@ -23,17 +23,20 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
 from hvdtrain import dist, elastic, rng
-from hvdtrain.checkpoint import FORMAT_VERSION, CheckpointStore
+from hvdtrain.checkpoint import FORMAT_VERSION
+from hvdtrain.checkpointing import Checkpointing
 from hvdtrain.config import TrainConfig
 from hvdtrain.data import ShardedSampler, sharded_loader
 from hvdtrain.elastic import TrainerState, is_elastic_launch
+from hvdtrain.faults import FaultHandling
 from hvdtrain.log import get_logger
+from hvdtrain.memory import MemoryReport
 from hvdtrain.metrics import RunningLoss, Throughput, evaluation_metrics
-from hvdtrain.optim import distributed_optimizer, lr_scale, set_scaled_lr, warmup_factor
-from hvdtrain.preempt import PreemptionFlag, requeue, requeue_command
+from hvdtrain.optim import lr_scale, set_scaled_lr, warmup_factor
 from hvdtrain.progress import Progress, resolve_mode
-from hvdtrain.rundir import TIMELINE_FILE, RunDirectory, default_run_name
-from hvdtrain.watchdog import StallWatchdog, pending_allreduces
+from hvdtrain.reporting import TimelineWindow, announce, announce_settings, open_run_dir
+from hvdtrain.rundir import RunDirectory
+from hvdtrain.strategies import ELASTIC_STRATEGIES, build_strategy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -42,10 +45,10 @@ class Trainer:
     """Trains ``model`` with ``optimizer`` on ``train_dataset``, data-parallel over all ranks.
 
     Build the model and optimizer as for one process, with the learning rate of one worker:
-    the Trainer wraps the optimizer, scales the rate and broadcasts rank 0's state.
-    ``loss_fn`` takes (outputs, targets) and returns the mean loss of the batch.
-    ``job_config`` is the script's whole resolved configuration (all sections), recorded in
-    the run directory and in every checkpoint; by default only the ``train`` section.
+    the Trainer hands both to the strategy (``config.strategy``), scales the rate and
+    broadcasts rank 0's state. ``loss_fn`` takes (outputs, targets) and returns the mean loss
+    of the batch. ``job_config`` is the script's whole resolved configuration (all sections),
+    recorded in the run directory and in every checkpoint; by default only the ``train`` section.
     """
 
     def __init__(
@@ -65,30 +68,34 @@ class Trainer:
         self.log = get_logger(self.world)
         self.loss_fn = loss_fn
         self.model = model.to(self.world.device)
-        cfg, world = self.config, self.world
-
-        self.store = None
-        if cfg.checkpoint_dir:
-            self.store = CheckpointStore(cfg.checkpoint_dir, keep=cfg.keep_checkpoints, log=self.log)
-        # Read before the loaders are built: a run resumed on another worker count keeps the
-        # checkpoint's global batch, so its batch per worker follows from it.
+        cfg = self.config
         # Under Horovod elastic, set-up runs no collective: a worker that joins later runs this
         # while the others wait in the elastic sync, and mismatched collectives deadlock. The
         # elastic sync broadcasts rank 0's state (and its checkpoint, if it read one) instead.
         self.elastic_launch = is_elastic_launch()
+        if self.elastic_launch and cfg.strategy not in ELASTIC_STRATEGIES:
+            raise ValueError(
+                f"train.strategy={cfg.strategy} does not support Horovod elastic (its state is cut into "
+                f"one shard per worker, and elastic changes the worker count mid-run): use "
+                f"{' or '.join(ELASTIC_STRATEGIES)} under elastic, or launch without --min-np/--max-np")
+
+        # Read before the loaders are built: a run resumed on another worker count keeps the
+        # checkpoint's global batch, so its batch per worker follows from it.
+        self.checkpoints = Checkpointing(cfg, self.world, self.log) if cfg.checkpoint_dir else None
         resumed = None
-        if self.store is not None and cfg.resume:
-            resumed = self._read_checkpoint(broadcast=not self.elastic_launch)
-        self.batch_size = self._batch_per_worker(resumed)
+        if self.checkpoints is not None and cfg.resume:
+            resumed = self.checkpoints.read_newest(broadcast=not self.elastic_launch)
+        self.batch_size = (self.checkpoints.batch_per_worker(resumed, self.elastic_launch)
+                           if self.checkpoints is not None else cfg.batch_size)
 
         self._datasets = (train_dataset, val_dataset)
         self.dataset_size = len(train_dataset)  # type: ignore[arg-type]
         self._build_loaders()
 
-        # 4. Horovod's wrapper hooks each gradient for an all-reduce that overlaps backward.
-        self.optimizer = distributed_optimizer(
-            optimizer, self.model.named_parameters(), cfg.accumulation, cfg.fp16_allreduce
-        )
+        # 4. The strategy wraps the optimizer: for ddp, Horovod's hooks start each gradient's
+        #    all-reduce as soon as backward produces it (overlap, tensor fusion).
+        self.strategy = build_strategy(cfg.strategy, self.model, optimizer, self.world,
+                                       cfg.accumulation, cfg.fp16_allreduce)
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # one worker's rates
         self.epoch = 0
         self.step = 0
@@ -96,19 +103,25 @@ class Trainer:
         self._configure_lr()
         # 1. Rank 0's parameters and optimizer state, everywhere, before the first step.
         if not self.elastic_launch:
-            dist.broadcast_model_and_optimizer(self.model, self.optimizer, root_rank=0)
+            self.strategy.broadcast_from_root()
 
-        self.preemption = PreemptionFlag(cfg.preempt_signal)
-        self.watchdog: Optional[StallWatchdog] = None
+        self.faults = FaultHandling(cfg, self.world, self.log)
         self._elastic: Optional[TrainerState] = None
         self.preempted = False
-        self.run_dir: Optional[RunDirectory] = self._open_run_dir()
+        self.run_dir: Optional[RunDirectory] = open_run_dir(cfg, self.world, self.log, self.job_config,
+                                                            self.elastic_launch)
         self._announce()
         self._started = time.time()
         self.progress = Progress("off", 0, 0, self.log)  # fit() sets the real one
-        self._timeline_window = self._timeline_steps()
         if resumed is not None:
             self.load_state_dict(resumed)
+        self.timeline = TimelineWindow(cfg.timeline_steps, self.step, self.run_dir, self.log)
+        self.memory = MemoryReport(self.strategy, self.world, self.log)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer the strategy steps (its param_groups carry the live learning rate)."""
+        return self.strategy.optimizer
 
     def _build_loaders(self) -> None:
         """This rank's loaders for the current world (again after an elastic resize)."""
@@ -141,115 +154,36 @@ class Trainer:
         previous = self.world.size
         self.world = dist.reformed(self.world)
         self.log = get_logger(self.world)
-        if self.watchdog is not None:
-            self.watchdog.rank = self.world.rank
+        self.faults.follow(self.world, self.log)
+        self.strategy.world = self.world
         self.batch_size = self.config.batch_size  # elastic: the global batch follows the world
         self._build_loaders()
         self._configure_lr()
         self.log.info(f"world changed from {previous} to {self.world.size} workers: global batch "
                       f"{self.global_batch_size}, lr x {self.lr_scale:g}; continuing at step {self.step}")
 
-    # ---- run directory and timeline --------------------------------------------------------
-
-    def _open_run_dir(self) -> Optional[RunDirectory]:
-        """This run's directory: the same name on every rank (rank 0's start time, or SLURM's job)."""
-        cfg = self.config
-        if not cfg.run_dir:
-            return None
-        name = cfg.run_name or default_run_name(os.environ)
-        if not cfg.run_name and not self.elastic_launch:  # start times differ by rank: use rank 0's
-            name = dist.broadcast_object(name, root_rank=0, name="trainer.run_name")
-        if self.elastic_launch and not self.world.is_root and not cfg.run_name and "SLURM_JOB_ID" not in os.environ:
-            # No collective in elastic set-up, so no shared name: rank 0 alone keeps files.
-            self.log.warning("elastic run without train.run_name: only rank 0 writes the run directory")
-            return None
-        path = Path(cfg.run_dir) / name
-        path.mkdir(parents=True, exist_ok=True)
-        run = RunDirectory(path, self.world, self.log, cfg.tensorboard)
-        run.write_config(self.job_config)
-        self.log.info(f"run directory {path} (config.yaml, metrics.jsonl, tensorboard/, logs/rank-*.log)")
-        return run
-
-    def _timeline_steps(self) -> Optional[tuple]:
-        """Steps (first, last) of the Horovod timeline: after 5 warm-up steps of this start."""
-        steps = self.config.timeline_steps
-        if not steps:
-            return None
-        if not dist.timeline_armed():
-            self.log.warning(f"train.timeline_steps={steps} ignored: start Horovod with "
-                             f"hvdtrain.init(..., timeline=True) to record a timeline")
-            return None
-        first = self.step + 5
-        return first, first + steps
-
-    def _timeline_path(self) -> str:
-        if self.run_dir is not None:
-            return str(self.run_dir.path / TIMELINE_FILE)
-        return os.path.abspath(f"horovod-timeline-{time.strftime('%Y%m%d-%H%M%S')}.json")
-
-    def _drive_timeline(self) -> None:
-        """Start or stop the timeline at the window's edges (every rank, same step)."""
-        first, last = self._timeline_window
-        if self.step == first:
-            self._timeline_file = self._timeline_path()
-            dist.start_timeline(self._timeline_file)
-        elif self.step == last:
-            dist.stop_timeline()
-            self._timeline_window = None
-            self.log.info(f"Horovod timeline of steps {first + 1}-{last} written to {self._timeline_file}: "
-                          f"open it in https://ui.perfetto.dev or chrome://tracing (Load)")
-
     # ---- checkpoints ---------------------------------------------------------------------
 
-    def _read_checkpoint(self, broadcast: bool) -> Optional[Dict[str, Any]]:
-        """Rank 0 reads the newest valid checkpoint; every rank receives it by broadcast."""
-        found = None
-        if self.world.is_root:
-            newest = self.store.read_newest_valid()
-            if newest is not None:
-                path, found = newest
-                self.log.info(f"resuming from {path}")
-        return dist.broadcast_state(found, root_rank=0, name="checkpoint") if broadcast else found
-
-    def _batch_per_worker(self, resumed: Optional[Dict[str, Any]]) -> int:
-        cfg, size = self.config, self.world.size
-        # Under elastic, the global batch follows the world (and only rank 0 has read the file).
-        if resumed is None or self.elastic_launch or resumed["world_size"] == size:
-            return cfg.batch_size
-        global_batch = resumed["global_batch"]
-        if global_batch % (size * cfg.accumulation):
-            raise ValueError(
-                f"the checkpoint's global batch {global_batch} (written by {resumed['world_size']} "
-                f"workers) cannot be split over {size} workers x {cfg.accumulation} accumulation: "
-                f"resume on a worker count that divides it, or start a new run"
-            )
-        per_worker = global_batch // (size * cfg.accumulation)
-        self.log.warning(
-            f"resuming a {resumed['world_size']}-worker checkpoint on {size} workers: the global batch "
-            f"stays {global_batch}, so each worker now takes {per_worker} samples per micro-batch"
-        )
-        return per_worker
-
     def state_dict(self) -> Dict[str, Any]:
-        """Everything needed to continue exactly: every rank must call it (it gathers RNG states)."""
+        """Everything needed to continue exactly: every rank must call it (it gathers RNG states,
+        and a sharded strategy gathers the model and optimizer state)."""
         rng_states = dist.allgather_object(rng.capture(), name="checkpoint.rng")
         return {
             "format": FORMAT_VERSION,
-            "model": self.model.state_dict(),  # the plain module: Horovod wraps only the optimizer
-            "optimizer": self.optimizer.state_dict(),
+            **self.strategy.state_dict(),  # the full model and optimizer, in the plain formats
             "scheduler": self.scheduler.state_dict(),
             "epoch": self.epoch,
             "step": self.step,
             "epoch_position": self.epoch_position,
             "global_batch": self.global_batch_size,
             "world_size": self.world.size,
+            "strategy": self.config.strategy,
             "rng": rng_states,
             "config": self.job_config,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.strategy.load_state_dict(state)
         self.scheduler.load_state_dict(state["scheduler"])
         self.epoch, self.step = state["epoch"], state["step"]
         self.epoch_position = state["epoch_position"]
@@ -262,13 +196,9 @@ class Trainer:
                       f"sample {state['epoch_position']} of the epoch")
 
     def save_checkpoint(self) -> None:
-        """Rank 0 writes; the others wait at the barrier, so no rank runs ahead of a save."""
-        state = self.state_dict()
-        if self.world.is_root:
-            path = self.store.save(state, self.step)
-            self.log.info(f"checkpoint {path}")
-        dist.barrier()
-        self._beat()  # a large checkpoint may take longer than a step
+        """Every rank calls it: the state is gathered, rank 0 writes, the others wait."""
+        self.checkpoints.save(self.state_dict(), self.step)
+        self.faults.beat(self.step)  # a large checkpoint may take longer than a step
 
     @property
     def sampler(self) -> ShardedSampler:
@@ -280,24 +210,14 @@ class Trainer:
 
     def _announce(self) -> None:
         w, cfg = self.world, self.config
-        self.log.info(
-            f"{w.size} workers ({w.cross_size} hosts x {w.local_size}) started by {w.launcher}, "
-            f"{w.controller.upper()} controller, {w.threads} threads/rank, device {w.device}"
-        )
-        if not self.elastic_launch:  # no collective in elastic set-up (see __init__)
-            # Where every rank runs, in one line: a collective, so every rank calls it.
-            hosts = dist.allgather_object(w.hostname, name="trainer.hosts")
-            ranks_by_host: Dict[str, List[int]] = {}
-            for rank, host in enumerate(hosts):
-                ranks_by_host.setdefault(host, []).append(rank)
-            self.log.info("ranks per host: " + "; ".join(
-                f"{host}: {','.join(map(str, ranks))}" for host, ranks in ranks_by_host.items()))
+        announce(w, self.log, self.elastic_launch)
         self.log.info(
             f"global batch {self.global_batch_size} = {self.batch_size} x {cfg.accumulation} "
             f"accumulation x {w.size} workers; {self.steps_per_epoch} steps/epoch; "
-            f"lr {cfg.lr:g} x {self.lr_scale:g} after {self.warmup_steps} warm-up steps"
+            f"lr {cfg.lr:g} x {self.lr_scale:g} after {self.warmup_steps} warm-up steps; "
+            f"strategy {cfg.strategy}"
         )
-        self.log.info("settings:\n" + yaml.safe_dump(self.job_config, sort_keys=False).rstrip())
+        announce_settings(self.log, self.job_config)
 
     def _epoch_has_steps_left(self) -> bool:
         return self.dataset_size - self.epoch_position >= self.global_batch_size
@@ -307,21 +227,12 @@ class Trainer:
 
     def _stop_for_preemption(self) -> None:
         """Every rank agreed to stop: checkpoint now, requeue the job (rank 0), and return from fit."""
-        if self.store is None:
+        if self.checkpoints is None:
             self.log.warning("preemption signal, but no checkpoint_dir: this run cannot be resumed")
         else:
             self.save_checkpoint()
         self.preempted = True
-        if not self.world.is_root:
-            return
-        command = requeue_command(os.environ)
-        if command is None:
-            self.log.info(f"preempted after step {self.step}: not a SLURM job, start it again to resume")
-            return
-        self.log.info(f"preempted after step {self.step}: requeueing with `{' '.join(command)}`")
-        failure = requeue(command)  # SLURM may end this process during the call
-        if failure:
-            self.log.warning(failure)
+        self.faults.requeue_after_preemption(self.step)
 
     def fit(self) -> List[Dict[str, float]]:
         """Train to the configured epochs (or max_steps); returns one metrics dict per epoch.
@@ -333,9 +244,7 @@ class Trainer:
         if self.config.max_steps is not None:
             total = min(total, self.config.max_steps)
         self.progress = Progress(resolve_mode(self.config.progress, self.world.is_root), total, self.step, self.log)
-        if self.config.stall_timeout:
-            self.watchdog = StallWatchdog(self.config.stall_timeout, self.world.rank, self.world.hostname,
-                                          lambda: pending_allreduces(self.optimizer)).start()
+        self.faults.start_watchdog(self.strategy.pending_communication)
         try:
             if self.elastic_launch:
                 self._elastic = TrainerState(self, self._on_world_change)
@@ -344,10 +253,8 @@ class Trainer:
                 self._fit(history)
         finally:
             self.progress.close()
-            if self.watchdog is not None:
-                self.watchdog.stop()
-            if self._timeline_window is not None and self.step >= self._timeline_window[0]:
-                dist.stop_timeline()  # training ended inside the window: close the file
+            self.faults.stop_watchdog()
+            self.timeline.close(self.step)
         return history
 
     def run(self) -> Optional[Dict[str, float]]:
@@ -372,10 +279,6 @@ class Trainer:
         if self.run_dir is not None:
             self.run_dir.close()
             self.run_dir = None
-
-    def _beat(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.beat(self.step)
 
     def _fit(self, history: List[Dict[str, float]]) -> None:
         while self.epoch < self.config.epochs and not self._finished():
@@ -406,14 +309,14 @@ class Trainer:
                    if "val_accuracy" in record else "")
                 + f" {record['samples_per_sec']:.0f} samples/s"
             )
-            if self.store is not None:
+            if self.checkpoints is not None:
                 self.save_checkpoint()
             if self._elastic is not None:
                 self._elastic.commit()
 
     def _train_epoch(self) -> tuple:
         """One pass over this rank's shard; returns (mean train loss over all ranks, global samples)."""
-        cfg, device = self.config, self.world.device
+        cfg, device, strategy = self.config, self.world.device, self.strategy
         # 2. A new permutation each epoch, the same on every rank; each rank takes its slice
         #    (from where a resumed epoch stopped).
         self.sampler.set_epoch(self.epoch, start=self.epoch_position)
@@ -427,36 +330,35 @@ class Trainer:
                 break
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
-            # 3. Forward and backward on this rank's micro-batch; Horovod's hooks start each
-            #    gradient's all-reduce as soon as backward has produced it.
+            # 3. Forward and backward on this rank's micro-batch; the strategy's hooks start each
+            #    gradient's reduction as soon as backward has produced it.
             loss = self.loss_fn(self.model(inputs), targets)
-            (loss / cfg.accumulation if cfg.accumulation > 1 else loss).backward()
+            strategy.backward(loss / cfg.accumulation if cfg.accumulation > 1 else loss)
             window.add(loss, len(targets))
             throughput.add(len(targets))
             if (index + 1) % cfg.accumulation:
                 continue
-            # 5. Wait for the averaged gradients, then the same update on every rank. The wait
+            # 5. Wait for the reduced gradients, then the same update on every rank. The wait
             #    is timed apart from the update: it is the step's exposed communication.
             waited = time.perf_counter()
-            self.optimizer.synchronize()
+            strategy.synchronize()
             throughput.add_wait(time.perf_counter() - waited)
-            with self.optimizer.skip_synchronize():
-                self.optimizer.step()
-            self.optimizer.zero_grad()
+            strategy.step()
+            self.memory.after_first_step(self.run_dir, self.step + 1, self._started)
+            strategy.zero_grad()
             self.scheduler.step()
             self.step += 1
             self.epoch_position += self.global_batch_size
-            self._beat()
+            self.faults.beat(self.step)
             self.progress.advance()
-            if self._timeline_window is not None:
-                self._drive_timeline()
+            self.timeline.after_step(self.step)
             if self._elastic is not None and self.step % cfg.elastic_commit_every == 0:
                 self._elastic.commit()  # the point survivors roll back to; may raise to resize
             # The last step of an epoch is saved by the epoch's end, as the start of the next.
-            if (self.store is not None and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
+            if (self.checkpoints is not None and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
                     and self._epoch_has_steps_left()):
                 self.save_checkpoint()
-            if self.step % cfg.preempt_check_every == 0 and self.preemption.agreed():
+            if self.faults.preemption_agreed(self.step):
                 self._stop_for_preemption()
                 break
             if self.step % cfg.log_every == 0:
@@ -471,7 +373,7 @@ class Trainer:
 
     def _report(self, loss: float, throughput: Throughput) -> None:
         """Every log_every steps: the progress display and a metrics record (values of rank 0,
-        whose clock measures the job: every step ends in the same all-reduce on every rank)."""
+        whose clock measures the job: every step ends in the same collective on every rank)."""
         samples_per_sec, comm_fraction = throughput.read()
         lr = self.optimizer.param_groups[0]["lr"]
         self.progress.report(self.epoch + 1, self.step, loss, lr, samples_per_sec, comm_fraction)
@@ -498,5 +400,5 @@ class Trainer:
             loss_sum += self.loss_fn(outputs, targets).to(torch.float64) * targets.numel()
             correct += (outputs.argmax(dim=-1) == targets).sum()
             count += targets.numel()
-            self._beat()
+            self.faults.beat(self.step)
         return evaluation_metrics(float(loss_sum), int(correct), count, name="val.metrics")

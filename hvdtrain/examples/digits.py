@@ -15,8 +15,9 @@ from torch.utils.data import TensorDataset
 from hvdtrain.config import TrainConfig, check_fraction, check_whole_numbers
 
 
-def load_digits_datasets(val_fraction: float = 0.2, split_seed: int = 0) -> Tuple[TensorDataset, TensorDataset]:
-    """Train and validation sets of (1x8x8 image in [0, 1], label).
+def load_digits_datasets(val_fraction: float = 0.2, split_seed: int = 0,
+                         dtype: torch.dtype = torch.float32) -> Tuple[TensorDataset, TensorDataset]:
+    """Train and validation sets of (1x8x8 image in [0, 1] of ``dtype``, label).
 
     The split is fixed by ``split_seed``, so every rank (and every run) splits identically.
     """
@@ -29,12 +30,15 @@ def load_digits_datasets(val_fraction: float = 0.2, split_seed: int = 0) -> Tupl
             "the digits example needs scikit-learn: pip install 'hvdtrain[examples]'"
         ) from error
     digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    images = torch.tensor(digits.images, dtype=dtype).unsqueeze(1) / 16.0
     labels = torch.tensor(digits.target, dtype=torch.int64)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(split_seed))
     n_val = int(round(len(labels) * val_fraction))
     val, train = order[:n_val], order[n_val:]
     return TensorDataset(images[train], labels[train]), TensorDataset(images[val], labels[val])
+
+
+MODEL_DTYPES = ("float32", "float64")
 
 
 @dataclass
@@ -43,9 +47,19 @@ class DigitsModelConfig:
 
     channels: int = field(default=32, metadata={"help": "channels of the first convolution (the second has twice as many)"})
     hidden: int = field(default=128, metadata={"help": "units of the hidden dense layer"})
+    dtype: str = field(default="float32", metadata={
+        "help": "parameter and input precision; float64 makes runs that differ only in summation "
+                "order (another worker count, another CPU) agree to ~1e-12 (the tests use it)",
+        "choices": MODEL_DTYPES})
 
     def __post_init__(self) -> None:
         check_whole_numbers(self, ("channels", "hidden"))
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"DigitsModelConfig.dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
 
 
 @dataclass

@@ -33,6 +33,20 @@ def test_train_py_reaches_the_stated_accuracy(launch, tmp_path):
     assert len(re.findall(r"epoch 1/\d+ step", out)) == 1
 
 
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_train_py_reaches_the_stated_accuracy_with_sharded_optimizer_state(strategy, tmp_path):
+    """The same script, one setting away: each rank keeps 1/2 of the optimizer state (and of the
+    gradients, zero2), and the run reports what every rank holds."""
+    code, out, err = run(["mpirun", "-np", "2", "--oversubscribe", PYTHON, "train.py", f"--train.strategy={strategy}",
+                          "--require-accuracy", str(REQUIRED_ACCURACY), f"--train.run_dir={tmp_path}"])
+    assert code == 0, f"exit {code}\n{out[-3000:]}\n{err[-3000:]}"
+    accuracy, workers = final_accuracy(out)
+    assert workers == 2 and accuracy >= REQUIRED_ACCURACY
+    assert f"strategy {strategy}" in out
+    assert re.search(rf"memory held per rank \({strategy}, counted from tensor storages.*\n\s+rank 0: parameters "
+                     r"[0-9.]+ KiB, gradients [0-9.]+ KiB, optimizer_state [0-9.]+ KiB", out)
+
+
 def test_a_missed_accuracy_target_fails_every_rank_with_a_message(tmp_path):
     code, out, err = run([str(BIN / "horovodrun"), "-np", "2", PYTHON, "train.py",
                           "--epochs", "1", "--require-accuracy", "0.999", f"--train.run_dir={tmp_path}"])

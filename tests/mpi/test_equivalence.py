@@ -1,4 +1,5 @@
-"""Data parallelism is right when N workers x batch B take the same steps as one process x batch N*B."""
+"""Data parallelism is right when N workers x batch B take the same steps as one process x batch N*B,
+under every strategy (replicated, or with the optimizer state and gradients sharded)."""
 import copy
 
 import pytest
@@ -13,10 +14,19 @@ from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classificati
 
 pytestmark = pytest.mark.mpi
 
+def two_groups(params):
+    """Weights and biases with their own rates and weight decay (params: the model's, in order)."""
+    params = list(params)
+    return [{"params": [p for p in params if p.dim() > 1], "lr": 0.02, "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() == 1], "lr": 0.005, "weight_decay": 0.0}]
+
+
 OPTIMIZERS = {
     "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3),
     "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+    "adamw_two_groups": lambda params: torch.optim.AdamW(two_groups(params)),
 }
+STRATEGIES = ["ddp", "zero1", "zero2"]
 
 
 def reference_run(initial_state, make_optimizer, data, seed, global_batch, steps):
@@ -37,14 +47,15 @@ def reference_run(initial_state, make_optimizer, data, seed, global_batch, steps
     return flat_parameters(model)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("accumulation", [1, 2])
 @pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
-def test_n_workers_match_one_process_with_n_times_the_batch(world, optimizer_name, accumulation):
+def test_n_workers_match_one_process_with_n_times_the_batch(world, optimizer_name, accumulation, strategy):
     data = synthetic_classification(samples=192)
     batch, steps, seed = 4, 5, 11
     make_optimizer = OPTIMIZERS[optimizer_name]
     model = small_mlp(seed=100 + world.rank)  # different on every rank: set-up must fix that
-    config = TrainConfig(epochs=1, batch_size=batch, accumulation=accumulation, lr=1.0,
+    config = TrainConfig(epochs=1, batch_size=batch, accumulation=accumulation, lr=1.0, strategy=strategy,
                          scale_lr=False, warmup_epochs=0, max_steps=steps, seed=seed, log_every=1000)
     # lr=1.0 above is overridden by the optimizer's own rate: the Trainer scales, never sets it.
     trainer = Trainer(model, make_optimizer(model.parameters()), data, None, config, world=world)
@@ -55,8 +66,11 @@ def test_n_workers_match_one_process_with_n_times_the_batch(world, optimizer_nam
                              global_batch=batch * accumulation * world.size, steps=steps)
     difference = (flat_parameters(trainer.model) - expected).abs().max()
     moved = (flat_parameters(trainer.model) - torch.cat([v.reshape(-1) for v in initial.values()])).abs().max()
-    everywhere = dist.allgather_rows(torch.stack([difference, moved]), name=f"equiv.{optimizer_name}.{accumulation}")
+    name = f"equiv.{strategy}.{optimizer_name}.{accumulation}"
+    everywhere = dist.allgather_rows(torch.stack([difference, moved]), name=name)
+    replicas = dist.allgather_rows(flat_parameters(trainer.model), name=f"{name}.params")
 
     assert trainer.step == steps
+    assert all(torch.equal(replicas[0], row) for row in replicas), "ranks hold different parameters"
     assert (everywhere[:, 1] > 1e-3).all(), "training did not move the parameters: the test proves nothing"
     assert (everywhere[:, 0] < 1e-10).all(), f"max |distributed - single| per rank: {everywhere[:, 0].tolist()}"

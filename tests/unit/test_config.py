@@ -14,6 +14,7 @@ from hvdtrain.config_loader import (ConfigError, job_argument_parser, load_job, 
     ("epochs", 0), ("batch_size", -4), ("accumulation", 0), ("log_every", 0),
     ("lr", 0.0), ("warmup_epochs", -1.0), ("max_steps", 0), ("num_workers", -1),
     ("batch_size", 2.5), ("progress", "fancy"), ("timeline_steps", -1), ("run_name", "a/b"),
+    ("strategy", "zero4"),
 ])
 def test_invalid_settings_name_the_field_and_the_value(field_name, value):
     with pytest.raises(ValueError, match=rf"TrainConfig\.{field_name} must be .*{value!r}"):
@@ -82,6 +83,7 @@ def test_a_bad_file_names_the_key_and_what_is_accepted(tmp_path, text, message):
     (["--train.lr"], r"--train\.lr: needs a value \(a number\)"),
     (["stray"], r"unexpected argument 'stray': settings are --section\.key=value"),
     (["--model.progress=bar"], r"unknown key model\.progress"),
+    (["--train.strategy=zero"], r"section train: TrainConfig\.strategy must be one of ddp, zero1, zero2, got 'zero'"),
 ])
 def test_a_bad_override_names_it(argv, message):
     with pytest.raises(ConfigError, match=message):

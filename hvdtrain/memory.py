@@ -1,0 +1,44 @@
+"""What each rank holds: bytes in parameters, gradients and optimizer state (counted from the
+tensors' storages by the strategy) and the process's peak resident memory, once per start.
+
+Taken after the first optimizer step, before its gradients are cleared: the moment a rank
+holds the most of all three (the optimizer state exists from the first step on).
+"""
+from __future__ import annotations
+
+import logging
+import resource
+from typing import Any, Dict, List, Optional
+
+from hvdtrain import dist
+from hvdtrain.reporting import format_bytes
+from hvdtrain.rundir import RunDirectory
+from hvdtrain.strategies.base import Strategy
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class MemoryReport:
+    """Gathers every rank's counts once (a collective: every rank calls it at the same step)."""
+
+    def __init__(self, strategy: Strategy, world: dist.World, log: logging.Logger) -> None:
+        self.strategy, self.world, self.log = strategy, world, log
+        self.per_rank: Optional[List[Dict[str, Any]]] = None
+
+    def after_first_step(self, run_dir: Optional[RunDirectory], step: int, started: float) -> None:
+        if self.per_rank is not None:
+            return
+        counted = self.strategy.memory_bytes()
+        mine = {**counted, "total": sum(counted.values()), "peak_rss": peak_rss_bytes()}
+        self.per_rank = dist.allgather_object(mine, name="trainer.memory")
+        if not self.world.is_root:
+            return
+        lines = [f"rank {rank}: " + ", ".join(f"{key} {format_bytes(value)}" for key, value in held.items())
+                 for rank, held in enumerate(self.per_rank)]
+        self.log.info(f"memory held per rank ({self.strategy.name}, counted from tensor storages; "
+                      f"peak RSS of the process):\n  " + "\n  ".join(lines))
+        if run_dir is not None:
+            run_dir.record("memory", {"step": step, "strategy": self.strategy.name,
+                                      "per_rank": self.per_rank}, started)

@@ -1,0 +1,40 @@
+"""Training strategies, chosen by ``train.strategy``: how the model's state is spread over the ranks.
+
+    ddp    every rank holds everything; gradients all-reduced (Horovod's DistributedOptimizer)
+    zero1  optimizer state sharded: gradients reduce-scattered, each rank steps its 1/N, all-gather
+    zero2  as zero1, and each rank keeps only its 1/N of the gradients
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Dict, Tuple
+
+import torch
+
+from hvdtrain.config import STRATEGIES as CONFIGURED
+from hvdtrain.dist import World
+from hvdtrain.strategies.base import Strategy
+
+# name -> (module, class); imported when chosen, so a run pays only for its own strategy.
+STRATEGIES: Dict[str, Tuple[str, str]] = {
+    "ddp": ("hvdtrain.strategies.ddp", "DDPStrategy"),
+    "zero1": ("hvdtrain.strategies.zero", "Zero1Strategy"),
+    "zero2": ("hvdtrain.strategies.zero", "Zero2Strategy"),
+}
+STRATEGY_NAMES = tuple(STRATEGIES)
+if STRATEGY_NAMES != CONFIGURED:  # a developer's mistake: fail at import, not in a user's run
+    raise ImportError(f"hvdtrain.config.STRATEGIES {CONFIGURED} must list the strategies here: {STRATEGY_NAMES}")
+# Horovod elastic re-forms the world mid-run; a sharded state would have to be re-cut with it.
+ELASTIC_STRATEGIES = ("ddp",)
+
+
+def strategy_class(name: str) -> type:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}: choose one of {', '.join(STRATEGY_NAMES)}")
+    module, cls = STRATEGIES[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_strategy(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
+                   accumulation: int, fp16_allreduce: bool) -> Strategy:
+    return strategy_class(name)(model, optimizer, world, accumulation, fp16_allreduce)

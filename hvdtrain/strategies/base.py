@@ -1,0 +1,92 @@
+"""The strategy seam: how parameters, gradients and optimizer state are held across ranks.
+
+The Trainer's loop is the same for every strategy; a strategy owns what differs between them:
+how the optimizer is wrapped, how gradients are synchronized, how a step is applied, how the
+full state is gathered for a checkpoint and spread again on resume, and what each rank holds.
+
+Every method that communicates is a collective: every rank calls it, in the same order.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Dict, List
+
+import torch
+
+from hvdtrain.dist import World
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``: views of one buffer count once."""
+    seen: Dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    return [value for state in optimizer.state.values() for value in state.values()
+            if isinstance(value, torch.Tensor)]
+
+
+class Strategy(ABC):
+    """One way of spreading a model's training over the ranks.
+
+    Built from the user's model (already on the device) and optimizer (over that model's
+    parameters, one worker's learning rate). ``optimizer`` is then the torch optimizer whose
+    ``param_groups`` carry the live learning rate: the Trainer's scheduler drives it.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
+                 accumulation: int, fp16_allreduce: bool) -> None:
+        self.model = model
+        self.world = world
+        self.accumulation = accumulation
+        self.fp16_allreduce = fp16_allreduce
+        self.optimizer: torch.optim.Optimizer = optimizer
+
+    @abstractmethod
+    def broadcast_from_root(self) -> None:
+        """Every rank starts from rank 0's parameters, buffers and optimizer state."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss (already divided by the accumulation count);
+        the strategy's hooks start the gradients' communication as they become ready."""
+        loss.backward()
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait until this step's gradients are reduced (the step's exposed communication)."""
+
+    @abstractmethod
+    def step(self) -> None:
+        """Apply the update with the synchronized gradients; every rank's model ends equal."""
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Clear the gradients for the next step."""
+
+    @abstractmethod
+    def state_dict(self) -> Dict[str, Any]:
+        """{"model": the full model state_dict, "optimizer": the full optimizer state_dict in
+        the plain torch optimizer's format}: what one process training alone would hold, so
+        a checkpoint written under any strategy loads under any other. Every rank calls it."""
+
+    @abstractmethod
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Load a full {"model", "optimizer"} state (every rank holds all of it)."""
+
+    @abstractmethod
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes this rank holds in parameters, gradients and optimizer state, counted from
+        the tensors' storages: {"parameters": ..., "gradients": ..., "optimizer_state": ...}."""
+
+    def pending_communication(self) -> List[str]:
+        """Names of the collectives this rank started and that have not completed (for the
+        stall watchdog, read from another thread)."""
+        return []

@@ -1,0 +1,308 @@
+"""ZeRO stages 1 and 2 on Horovod: each rank keeps the optimizer state of 1/N of the parameters.
+
+The optimizer's parameters are packed into flat buckets (flat_buckets.py); rank r owns slice r of
+every bucket and its optimizer steps only those slices. One step:
+
+  backward     gradients land in the buckets; a bucket whose gradients are all there starts its
+               reduce-scatter (average over ranks, each rank receives its own slice) at once, so
+               the communication overlaps the rest of backward
+  synchronize  wait for every bucket's reduce-scatter (a bucket that got no gradient, a parameter
+               unused in forward, is started here with zeros, so nothing hangs)
+  step         the shard optimizer updates the own slices; an all-gather of every bucket's slice
+               writes the full parameters back on every rank
+
+Stage 1 keeps a full gradient buffer per bucket (accumulation adds up in place there and only the
+last micro-batch communicates). Stage 2 keeps only shard-sized gradients: every micro-batch
+reduce-scatters and adds its slice into a shard buffer; a bucket's full-size gradient exists only
+from its first gradient until its reduce-scatter has finished.
+
+Missing gradients count as zeros: a parameter that gets no gradient still takes its step (weight
+decay, momentum), where a plain torch optimizer would skip it.
+
+``fp16_allreduce=True``: the reduce-scatter moves fp16 (cast before, cast back after), as the
+data-parallel strategy's all-reduce does; the all-gather of parameters stays in full precision.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, ClassVar, Dict, List, Optional
+
+import torch
+
+import horovod.torch as hvd
+
+from hvdtrain import dist
+from hvdtrain.dist import World
+from hvdtrain.strategies import flat_buckets as fb
+from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
+
+# Stepping a flat slice that cuts across parameters equals stepping each parameter only when the
+# update of every element depends on that element alone.
+ELEMENTWISE_OPTIMIZERS = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
+    torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.ASGD, torch.optim.Rprop,
+    torch.optim.Adadelta,
+)
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose result would change on flat shards (a local check, no collective)."""
+    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        return
+    name = type(optimizer).__name__
+    supported = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+    raise ValueError(
+        f"ZeRO cannot shard {name}: it steps the optimizer on flat slices that cut across "
+        f"parameters, which gives the same result only for elementwise optimizers ({supported} "
+        f"and their subclasses). {name} is not one of them; optimizers such as LBFGS, Adafactor "
+        "and Muon look at whole tensors (a line search over all of them, a matrix's row and "
+        f"column statistics, its orthogonalisation). Use --train.strategy=ddp with {name}.")
+
+
+def shard_optimizer_like(optimizer: torch.optim.Optimizer,
+                         buckets: List[fb.FlatBucket]) -> torch.optim.Optimizer:
+    """A new optimizer of the user's class and hyperparameters whose parameters are the shards."""
+    groups = [{**{k: v for k, v in group.items() if k != "params"},
+               "params": [b.shard for b in buckets if b.group == g]}
+              for g, group in enumerate(optimizer.param_groups)]
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    # The groups carry every hyperparameter; defaults only serve subclasses that require some.
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(groups, **defaults)
+
+
+class ZeroStrategy(Strategy):
+    """ZeRO stage 1 (sharded optimizer state) or 2 (and sharded gradients); see the module text.
+
+    Clear gradients with ``zero_grad()``; the model's parameters' .grad are views into the
+    buckets (stage 1) or absent between steps (stage 2). Parameters not in the optimizer, or
+    frozen when the strategy is built, are left alone.
+    """
+
+    stage: ClassVar[int]
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
+                 accumulation: int, fp16_allreduce: bool, bucket_bytes: int = 25 * 2**20) -> None:
+        check_elementwise(optimizer)  # before any collective: the same verdict on every rank
+        if accumulation < 1 or bucket_bytes < 1:
+            raise ValueError(f"accumulation ({accumulation}) and bucket_bytes ({bucket_bytes}) must be >= 1")
+        super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
+        self.buckets = fb.bucket_parameters(model, optimizer, bucket_bytes, world.rank, world.size)
+        self._group_indices = fb.indices_by_group(optimizer)
+        self._attach_gradient_buffers(fp16_allreduce)
+        self.optimizer = shard_optimizer_like(optimizer, self.buckets)
+        # The user's optimizer's state goes into the shards now; rank 0's copy is what
+        # broadcast_from_root spreads, until a step or a load makes it stale.
+        self._carried_state: Optional[Dict[str, Any]] = optimizer.state_dict()
+        self._load_optimizer_state(self._carried_state)
+        self._in_flight: Dict[str, Any] = {}  # collective name -> Horovod handle
+        self._backwards = 0  # backward passes since the last synchronize
+        self._communicate = False  # whether this micro-batch's backward reduce-scatters
+        self._unreduced = False  # gradients produced since the last reduction
+        self._hooks = self._register_hooks()
+
+    # Construction: everything a step needs is laid out once, here.
+
+    def _attach_gradient_buffers(self, fp16_allreduce: bool) -> None:
+        for bucket in self.buckets:
+            bucket.fp16_wire = fp16_allreduce and bucket.dtype in (torch.float32, torch.float64)
+            if bucket.fp16_wire:
+                bucket.grad_name += ".fp16"  # another dtype on the wire: another collective
+            if self.stage == 1:
+                fb.attach_gradient_views(bucket, torch.zeros_like(bucket.flat_param))
+                bucket.shard_grad = bucket.own_slice(bucket.flat_grad)
+            else:
+                bucket.shard_grad = torch.zeros_like(bucket.shard)
+            bucket.shard.grad = bucket.shard_grad
+
+    def _register_hooks(self) -> List[Any]:
+        hooks = []
+        for bucket in self.buckets:
+            for param in bucket.params:
+                hooks.append(param.register_post_accumulate_grad_hook(
+                    lambda _, bucket=bucket: self._on_gradient_ready(bucket)))
+                if self.stage == 2:
+                    hooks.append(param.register_hook(
+                        lambda grad, bucket=bucket: self._on_gradient_arriving(bucket)))
+        return hooks
+
+    def close(self) -> None:
+        """Remove the hooks on the model's parameters (before building another strategy on it)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # Backward and the gradients' reduce-scatter.
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._begin_micro_batch()
+        loss.backward()
+
+    def _begin_micro_batch(self) -> None:
+        if self._backwards == self.accumulation:
+            raise RuntimeError(
+                f"backward() ran {self.accumulation + 1} times since the last synchronize(), with "
+                f"accumulation={self.accumulation}: call synchronize(), step() and zero_grad() "
+                f"after every {self.accumulation} backward passes")
+        if self.stage == 2 and self._unreduced:
+            self._finish_reductions()  # the previous micro-batch's, overlapped with this forward
+        elif self.stage == 1 and self._backwards == 0:
+            self._reattach_cleared_gradients()
+        self._backwards += 1
+        self._communicate = self.stage == 2 or self._backwards == self.accumulation
+        self._unreduced = True
+        for bucket in self.buckets:
+            bucket.arrived = 0
+
+    def _reattach_cleared_gradients(self) -> None:
+        """model.zero_grad() sets .grad to None, which would detach them from the buckets."""
+        for bucket in self.buckets:
+            if any(param.grad is None for param in bucket.params):
+                bucket.flat_grad.zero_()
+                fb.attach_gradient_views(bucket, bucket.flat_grad)
+
+    def _on_gradient_arriving(self, bucket: fb.FlatBucket) -> None:
+        """Stage 2: the bucket's full-size gradient exists from its first gradient on."""
+        if bucket.flat_grad is None:
+            fb.attach_gradient_views(bucket, torch.zeros_like(bucket.flat_param))
+
+    def _on_gradient_ready(self, bucket: fb.FlatBucket) -> None:
+        bucket.arrived += 1
+        if self._communicate and bucket.arrived == len(bucket.params) and not bucket.started:
+            self._start_reduction(bucket)
+            if self.stage == 2:
+                self._finish_completed_reductions()  # free full-size gradients early
+
+    def _start_reduction(self, bucket: fb.FlatBucket) -> None:
+        if bucket.flat_grad is None:  # stage 2, no gradient this micro-batch: zeros
+            fb.attach_gradient_views(bucket, torch.zeros_like(bucket.flat_param))
+        grad = bucket.flat_grad.half() if bucket.fp16_wire else bucket.flat_grad
+        self._in_flight[bucket.grad_name] = hvd.reducescatter_async(
+            grad, name=bucket.grad_name, op=hvd.Average)
+        bucket.started = True
+        self._unreduced = True
+
+    def _finish_reduction(self, bucket: fb.FlatBucket) -> None:
+        mine = self._wait(bucket.grad_name)  # this rank's slice, averaged over ranks
+        if self.stage == 1:
+            bucket.shard_grad.copy_(mine)
+        else:
+            bucket.shard_grad.add_(mine)
+            fb.release_gradients(bucket)
+        bucket.shard.grad = bucket.shard_grad  # in case optimizer.zero_grad() set it to None
+
+    def _finish_completed_reductions(self) -> None:
+        for bucket in self.buckets:
+            handle = self._in_flight.get(bucket.grad_name)
+            if handle is not None and hvd.poll(handle):
+                self._finish_reduction(bucket)
+
+    def _finish_reductions(self) -> None:
+        for bucket in self.buckets:
+            if not bucket.started:
+                self._start_reduction(bucket)  # missing gradients count as zeros
+        for bucket in self.buckets:
+            if bucket.grad_name in self._in_flight:
+                self._finish_reduction(bucket)
+            bucket.started = False
+        self._unreduced = False
+
+    def synchronize(self) -> None:
+        if self._unreduced:
+            self._finish_reductions()
+        self._backwards = 0
+        self._communicate = False
+
+    # The update, and the parameters gathered back.
+
+    def step(self) -> None:
+        self.synchronize()  # nothing left to do when the caller already synchronized
+        self.optimizer.step()
+        self._gather_parameters()
+        self._carried_state = None
+
+    def _gather_parameters(self) -> None:
+        for bucket in self.buckets:  # all started before any is waited on
+            self._start_gather(bucket.param_name, bucket.shard)
+        for bucket in self.buckets:
+            bucket.flat_param.copy_(self._wait(bucket.param_name))
+
+    def zero_grad(self) -> None:
+        self.synchronize()  # a reduction in flight must still finish on every rank
+        for bucket in self.buckets:
+            (bucket.flat_grad if self.stage == 1 else bucket.shard_grad).zero_()
+            bucket.shard.grad = bucket.shard_grad
+
+    # Collectives' bookkeeping (pending_communication is read from the watchdog's thread).
+
+    def _start_gather(self, name: str, tensor: torch.Tensor) -> None:
+        self._in_flight[name] = hvd.allgather_async(tensor.detach(), name=name)
+
+    def _wait(self, name: str) -> torch.Tensor:
+        result = hvd.synchronize(self._in_flight[name])
+        del self._in_flight[name]
+        return result
+
+    def pending_communication(self) -> List[str]:
+        return [name for name, handle in dict(self._in_flight).items() if not _finished(handle)]
+
+    # Full state: the same as one process's, whatever the strategy that reads it.
+
+    def broadcast_from_root(self) -> None:
+        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)  # in place: into the buckets
+        full = self._carried_state if self._carried_state is not None else self._gather_optimizer_state()
+        self._load_optimizer_state(dist.broadcast_state(full, root_rank=0, name="zero.optimizer"))
+        self._carried_state = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self._gather_optimizer_state()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])  # copies into the buckets in place
+        self._load_optimizer_state(state["optimizer"])
+        self._carried_state = None
+
+    def _gather_optimizer_state(self) -> Dict[str, Any]:
+        """The user's optimizer's state_dict, assembled from every rank's shards (collective)."""
+        shard_states = [self.optimizer.state.get(bucket.shard, {}) for bucket in self.buckets]
+        per_element = [[key for key, value in shard.items() if fb.is_elementwise(value)]
+                       for shard in shard_states]
+        for bucket, shard, keys in zip(self.buckets, shard_states, per_element):
+            for key in keys:  # all started before any is waited on
+                self._start_gather(bucket.name(f"state.{key}"), shard[key])
+        gathered = [{key: self._wait(bucket.name(f"state.{key}")) for key in keys}
+                    for bucket, keys in zip(self.buckets, per_element)]
+        return fb.full_state_dict(self.buckets, self._group_indices, self.optimizer.param_groups,
+                                  shard_states, gathered)
+
+    def _load_optimizer_state(self, full: Dict[str, Any]) -> None:
+        """Keep this rank's slices of a full optimizer state_dict (local: every rank has it all)."""
+        self.optimizer.load_state_dict(fb.shard_state_dict(self.buckets, self._group_indices, full))
+
+    def memory_bytes(self) -> Dict[str, int]:
+        params = list(self.model.parameters())
+        shards = [bucket.shard for bucket in self.buckets]
+        grads = [p.grad for p in params + shards] + [b.shard_grad for b in self.buckets]
+        return {"parameters": storage_bytes(params + shards), "gradients": storage_bytes(grads),
+                "optimizer_state": storage_bytes(optimizer_state_tensors(self.optimizer))}
+
+
+def _finished(handle: Any) -> bool:
+    try:
+        return hvd.poll(handle)
+    except (ValueError, RuntimeError):  # waited for and cleared by the training thread meanwhile
+        return True
+
+
+class Zero1Strategy(ZeroStrategy):
+    """ZeRO stage 1: optimizer state sharded; full gradients, reduce-scattered once per step."""
+
+    name = "zero1"
+    stage = 1
+
+
+class Zero2Strategy(ZeroStrategy):
+    """ZeRO stage 2: optimizer state and gradients sharded; every micro-batch reduce-scatters."""
+
+    name = "zero2"
+    stage = 2

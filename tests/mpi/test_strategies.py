@@ -1,0 +1,81 @@
+"""The Trainer under every strategy: checkpoints written under one resume under another, a sharded
+strategy refuses Horovod elastic before any collective, and every rank reports what it holds."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hvdtrain import dist
+from hvdtrain.config import TrainConfig
+from hvdtrain.trainer import Trainer
+from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
+
+pytestmark = pytest.mark.mpi
+
+
+def train(world, strategy, max_steps, directory=None, run_dir=None, model=None):
+    model = model or small_mlp(seed=0)
+    config = TrainConfig(epochs=3, batch_size=4, accumulation=2, lr=0.05, warmup_epochs=0.5, seed=5,
+                         strategy=strategy, max_steps=max_steps, checkpoint_dir=directory, run_dir=run_dir,
+                         run_name="run" if run_dir else None, log_every=1000, tensorboard=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01)
+    trainer = Trainer(model, optimizer, synthetic_classification(samples=192), None, config, world=world)
+    trainer.fit()
+    trainer.close()
+    return trainer
+
+
+@pytest.mark.parametrize("first,then", [("zero1", "ddp"), ("ddp", "zero2"), ("zero2", "zero1")])
+def test_a_checkpoint_written_under_one_strategy_resumes_under_another(world, tmp_path, first, then):
+    """Checkpoints hold the full model and the plain optimizer's state, whatever wrote them: the
+    run continues as if it had never changed strategy (float64: summation order differs at 1e-16)."""
+    base = dist.allgather_object(str(tmp_path), name=f"switch.dir.{first}.{then}")[0]
+    whole = train(world, then, max_steps=10)
+    train(world, first, max_steps=4, directory=f"{base}/switch")
+    resumed = train(world, then, max_steps=10, directory=f"{base}/switch", model=small_mlp(seed=77))
+
+    difference = (flat_parameters(resumed.model) - flat_parameters(whole.model)).abs().max()
+    rows = dist.allgather_rows(difference.reshape(1), name=f"switch.diff.{first}.{then}")
+    assert resumed.step == whole.step == 10
+    assert (rows < 1e-10).all(), f"max |resumed - uninterrupted| per rank: {rows.flatten().tolist()}"
+
+
+def test_a_sharded_strategy_refuses_horovod_elastic_before_any_collective(world, monkeypatch):
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    model = small_mlp(seed=0)
+    with pytest.raises(ValueError, match="train.strategy=zero1 does not support Horovod elastic"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), synthetic_classification(samples=64),
+                config=TrainConfig(strategy="zero1", checkpoint_dir=None), world=world)
+
+
+def wide_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4)).double()
+
+
+def test_every_rank_reports_its_memory_and_sharding_divides_it(world, tmp_path):
+    """Adam's state is 2 tensors per parameter: ddp holds all of it on every rank, zero2 a 1/N
+    share of it and of the gradients (plus padding of under N elements per bucket)."""
+    base = dist.allgather_object(str(tmp_path), name="memory.dir")[0]
+    held = {}
+    for strategy in ("ddp", "zero2"):
+        trainer = train(world, strategy, max_steps=1, run_dir=f"{base}/{strategy}", model=wide_mlp())
+        held[strategy] = trainer.memory.per_rank
+    records = []
+    if world.is_root:
+        lines = Path(f"{base}/zero2/run/metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines if json.loads(line)["kind"] == "memory"]
+
+    size, psi_bytes = world.size, sum(p.numel() for p in wide_mlp().parameters()) * 8
+    for rank in range(size):
+        ddp, zero2 = held["ddp"][rank], held["zero2"][rank]
+        assert ddp["parameters"] == psi_bytes and ddp["gradients"] == psi_bytes
+        assert ddp["optimizer_state"] >= 2 * psi_bytes  # exp_avg and exp_avg_sq (and the step counts)
+        assert abs(zero2["parameters"] - psi_bytes) < 0.01 * psi_bytes  # flat buckets: padding
+        assert abs(zero2["gradients"] - psi_bytes / size) < 0.01 * psi_bytes
+        assert abs(zero2["optimizer_state"] - ddp["optimizer_state"] / size) < 0.01 * ddp["optimizer_state"]
+        assert zero2["peak_rss"] > 0
+    if world.is_root:
+        assert len(records) == 1 and records[0]["strategy"] == "zero2" and len(records[0]["per_rank"]) == size
