@@ -21,10 +21,14 @@ def peak_rss_bytes() -> int:
 
 
 class MemoryReport:
-    """Gathers every rank's counts once (a collective: every rank calls it at the same step)."""
+    """Gathers every rank's counts once (a collective: every rank calls it at the same step).
 
-    def __init__(self, strategy: Strategy, world: dist.World, log: logging.Logger) -> None:
-        self.strategy, self.world, self.log = strategy, world, log
+    Under Horovod elastic a worker that joins later takes its first step when the others are
+    long past theirs: there each rank reports only its own counts, in its own log (no collective).
+    """
+
+    def __init__(self, strategy: Strategy, world: dist.World, log: logging.Logger, gather: bool = True) -> None:
+        self.strategy, self.world, self.log, self.gather = strategy, world, log, gather
         self.per_rank: Optional[List[Dict[str, Any]]] = None
 
     def after_first_step(self, run_dir: Optional[RunDirectory], step: int, started: float) -> None:
@@ -32,11 +36,12 @@ class MemoryReport:
             return
         counted = self.strategy.memory_bytes()
         mine = {**counted, "total": sum(counted.values()), "peak_rss": peak_rss_bytes()}
-        self.per_rank = dist.allgather_object(mine, name="trainer.memory")
-        if not self.world.is_root:
+        self.per_rank = dist.allgather_object(mine, name="trainer.memory") if self.gather else [mine]
+        if self.gather and not self.world.is_root:
             return
+        first = 0 if self.gather else self.world.rank
         lines = [f"rank {rank}: " + ", ".join(f"{key} {format_bytes(value)}" for key, value in held.items())
-                 for rank, held in enumerate(self.per_rank)]
+                 for rank, held in enumerate(self.per_rank, start=first)]
         self.log.info(f"memory held per rank ({self.strategy.name}, counted from tensor storages; "
                       f"peak RSS of the process):\n  " + "\n  ".join(lines))
         if run_dir is not None:

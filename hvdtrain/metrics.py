@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Dict, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 
@@ -57,6 +57,25 @@ class Throughput:
         rates = (self._samples / elapsed, min(1.0, self._waited / elapsed))
         self._start, self._samples, self._waited = now, 0, 0.0
         return rates
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, loss_fn, device: torch.device,
+             after_batch: Callable[[], None] = lambda: None) -> Dict[str, float]:
+    """Validation loss and accuracy over the whole validation set (every rank's shard; a collective)."""
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    count = 0
+    for inputs, targets in loader:
+        inputs, targets = inputs.to(device), targets.to(device)
+        outputs = model(inputs)
+        # Per target element: one per sample for a classifier, one per token for a language model.
+        loss_sum += loss_fn(outputs, targets).to(torch.float64) * targets.numel()
+        correct += (outputs.argmax(dim=-1) == targets).sum()
+        count += targets.numel()
+        after_batch()
+    return evaluation_metrics(float(loss_sum), int(correct), count, name="val.metrics")
 
 
 def evaluation_metrics(loss_sum: float, correct: int, count: int, name: str) -> Dict[str, float]:

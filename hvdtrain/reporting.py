@@ -55,6 +55,14 @@ def announce_settings(log: logging.Logger, job_config: Mapping[str, Any]) -> Non
     log.info("settings:\n" + yaml.safe_dump(dict(job_config), sort_keys=False).rstrip())
 
 
+def epoch_line(record: Mapping[str, Any], epochs: int) -> str:
+    """The line rank 0 prints at the end of an epoch (or where max_steps ended it)."""
+    line = f"epoch {record['epoch']:g}/{epochs} step {record['step']} train_loss {record['train_loss']:.4f}"
+    if "val_accuracy" in record:
+        line += f" val_loss {record['val_loss']:.4f} val_accuracy {record['val_accuracy']:.4f}"
+    return line + f" {record['samples_per_sec']:.0f} samples/s"
+
+
 def format_bytes(count: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(count) < 1024 or unit == "GiB":

@@ -31,10 +31,11 @@ from hvdtrain.elastic import TrainerState, is_elastic_launch
 from hvdtrain.faults import FaultHandling
 from hvdtrain.log import get_logger
 from hvdtrain.memory import MemoryReport
-from hvdtrain.metrics import RunningLoss, Throughput, evaluation_metrics
+from hvdtrain.metrics import RunningLoss, Throughput, evaluate
+from hvdtrain.oom import OutOfMemory, explain, is_out_of_memory
 from hvdtrain.optim import lr_scale, set_scaled_lr, warmup_factor
 from hvdtrain.progress import Progress, resolve_mode
-from hvdtrain.reporting import TimelineWindow, announce, announce_settings, open_run_dir
+from hvdtrain.reporting import TimelineWindow, announce, announce_settings, epoch_line, open_run_dir
 from hvdtrain.rundir import RunDirectory
 from hvdtrain.strategies import ELASTIC_STRATEGIES, build_strategy
 
@@ -94,8 +95,14 @@ class Trainer:
 
         # 4. The strategy wraps the optimizer: for ddp, Horovod's hooks start each gradient's
         #    all-reduce as soon as backward produces it (overlap, tensor fusion).
-        self.strategy = build_strategy(cfg.strategy, self.model, optimizer, self.world,
-                                       cfg.accumulation, cfg.fp16_allreduce)
+        self._phase = "set-up (sharding the model and optimizer)"
+        try:
+            self.strategy = build_strategy(cfg.strategy, self.model, optimizer, self.world,
+                                           cfg.accumulation, cfg.fp16_allreduce)
+        except Exception as error:
+            if is_out_of_memory(error):
+                raise OutOfMemory(self._explain_out_of_memory(error, optimizer, held={})) from error
+            raise
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # one worker's rates
         self.epoch = 0
         self.step = 0
@@ -116,7 +123,7 @@ class Trainer:
         if resumed is not None:
             self.load_state_dict(resumed)
         self.timeline = TimelineWindow(cfg.timeline_steps, self.step, self.run_dir, self.log)
-        self.memory = MemoryReport(self.strategy, self.world, self.log)
+        self.memory = MemoryReport(self.strategy, self.world, self.log, gather=not self.elastic_launch)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -251,11 +258,24 @@ class Trainer:
                 elastic.run(self._elastic, lambda: self._fit(history))
             else:
                 self._fit(history)
+        except Exception as error:
+            if is_out_of_memory(error):
+                held = self.strategy.memory_bytes()
+                raise OutOfMemory(self._explain_out_of_memory(error, self.optimizer, held)) from error
+            raise
         finally:
             self.progress.close()
             self.faults.stop_watchdog()
             self.timeline.close(self.step)
         return history
+
+    def _explain_out_of_memory(self, error: BaseException, optimizer: torch.optim.Optimizer,
+                               held: Dict[str, int]) -> str:
+        message = explain(error, rank=self.world.rank, host=self.world.hostname, phase=self._phase,
+                          strategy=self.config.strategy, workers=self.world.size, model=self.model,
+                          optimizer=optimizer, held=held, device=self.world.device)
+        self.log.error(message)  # every rank's own log says it, not only the rank that prints
+        return message
 
     def run(self) -> Optional[Dict[str, float]]:
         """fit(), then close the run directory; the final metrics (the same on every rank).
@@ -302,13 +322,7 @@ class Trainer:
             history.append(record)
             if self.run_dir is not None:
                 self.run_dir.record("epoch", record, self._started)
-            self.progress.message(
-                f"epoch {reached:g}/{self.config.epochs} step {self.step} "
-                f"train_loss {train_loss:.4f}"
-                + (f" val_loss {record['val_loss']:.4f} val_accuracy {record['val_accuracy']:.4f}"
-                   if "val_accuracy" in record else "")
-                + f" {record['samples_per_sec']:.0f} samples/s"
-            )
+            self.progress.message(epoch_line(record, self.config.epochs))
             if self.checkpoints is not None:
                 self.save_checkpoint()
             if self._elastic is not None:
@@ -332,6 +346,7 @@ class Trainer:
             targets = targets.to(device, non_blocking=True)
             # 3. Forward and backward on this rank's micro-batch; the strategy's hooks start each
             #    gradient's reduction as soon as backward has produced it.
+            self._phase = "the forward and backward pass"
             loss = self.loss_fn(self.model(inputs), targets)
             strategy.backward(loss / cfg.accumulation if cfg.accumulation > 1 else loss)
             window.add(loss, len(targets))
@@ -340,9 +355,11 @@ class Trainer:
                 continue
             # 5. Wait for the reduced gradients, then the same update on every rank. The wait
             #    is timed apart from the update: it is the step's exposed communication.
+            self._phase = "gradient synchronization"
             waited = time.perf_counter()
             strategy.synchronize()
             throughput.add_wait(time.perf_counter() - waited)
+            self._phase = "the optimizer step"
             strategy.step()
             self.memory.after_first_step(self.run_dir, self.step + 1, self._started)
             strategy.zero_grad()
@@ -383,22 +400,10 @@ class Trainer:
                 "loss": loss, "lr": lr, "samples_per_sec": samples_per_sec, "comm_fraction": comm_fraction,
             }, self._started)
 
-    @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:
         """Validation loss and accuracy over the whole validation set (every rank's shard)."""
         if self.val_loader is None:
             return {}
-        self.model.eval()
-        device = self.world.device
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        correct = torch.zeros((), dtype=torch.int64, device=device)
-        count = 0
-        for inputs, targets in self.val_loader:
-            inputs, targets = inputs.to(device), targets.to(device)
-            outputs = self.model(inputs)
-            # Per target element: one per sample for a classifier, one per token for a language model.
-            loss_sum += self.loss_fn(outputs, targets).to(torch.float64) * targets.numel()
-            correct += (outputs.argmax(dim=-1) == targets).sum()
-            count += targets.numel()
-            self.faults.beat(self.step)
-        return evaluation_metrics(float(loss_sum), int(correct), count, name="val.metrics")
+        self._phase = "evaluation"
+        return evaluate(self.model, self.val_loader, self.loss_fn, self.world.device,
+                        after_batch=lambda: self.faults.beat(self.step))

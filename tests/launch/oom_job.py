@@ -1,0 +1,62 @@
+"""A training job whose ranks may each hold only BUDGET bytes per model parameter beyond what the
+process holds before training (the runtime, the data, the model's parameters):
+
+    mpirun -np 4 python tests/launch/oom_job.py STRATEGY BUDGET
+
+The cap is RLIMIT_DATA (private memory: every tensor allocation counts), set after a warm-up,
+so it measures what training adds: gradients, optimizer state and communication buffers. With
+Adam in fp32, ddp adds 12 bytes per parameter (gradients 4, two moments 8) on every rank;
+zero2 at 4 workers adds 3 (its 1/4 of the gradients and moments) plus transient buffers.
+"""
+import resource
+import sys
+
+import horovod.torch as hvd
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import hvdtrain
+from hvdtrain.config import TrainConfig
+from hvdtrain.trainer import Trainer
+
+WIDTH, DEPTH = 2048, 6  # 25.2M parameters: 101 MB of fp32 weights
+
+
+def private_bytes() -> int:
+    """VmData: the private memory RLIMIT_DATA counts."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmData:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmData in /proc/self/status")
+
+
+def main(strategy: str, budget_per_parameter: float) -> None:
+    world = hvdtrain.init(seed=0, threads=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(DEPTH) for layer in (nn.Linear(WIDTH, WIDTH), nn.Tanh())],
+                          nn.Linear(WIDTH, 10))
+    data = TensorDataset(torch.randn(256, WIDTH), torch.randint(0, 10, (256,)))
+    # Warm-up: the runtime's own first allocations (Horovod's fusion buffer, allocator arenas,
+    # autograd) happen before the baseline, with a model of the same shape.
+    warm = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 10))
+    warm(data.tensors[0][:8]).sum().backward()
+    handles = [hvd.allreduce_async(p.grad, name=f"warm.{i}") for i, p in enumerate(warm.parameters())]
+    for handle in handles:
+        hvd.synchronize(handle)
+    del warm, handles
+    parameters = sum(p.numel() for p in model.parameters())
+    cap = private_bytes() + int(budget_per_parameter * parameters)
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, resource.RLIM_INFINITY))
+
+    config = TrainConfig(strategy=strategy, epochs=1, batch_size=8, max_steps=3, lr=1e-4, warmup_epochs=0,
+                         stall_timeout=120, progress="log", log_every=1, run_dir=None)
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=config.lr), data, None, config, world=world)
+    trainer.fit()
+    if world.is_root:
+        print(f"trained {trainer.step} steps under {strategy} within {budget_per_parameter:g} bytes "
+              f"per parameter", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]))
