@@ -155,8 +155,8 @@ def plot_throughput(steps: List[Record], out: Path, title: str) -> Path:
     if timed:
         comm = ax.twinx()
         handles += comm.plot(*_broken(timed, when, lambda r: 100 * r["comm_fraction"]), color="tab:orange",
-                             linestyle=":", label="waiting for all-reduce (%)")
-        comm.set(ylabel="time waiting for all-reduce (%)", ylim=(0, 100))
+                             linestyle=":", label="waiting for gradients (%)")
+        comm.set(ylabel="time waiting for gradients (%)", ylim=(0, 100))
     ax.legend(handles=[h for h in handles if not h.get_label().startswith("_")], loc="upper center", ncol=3)
     return save_figure(fig, out / "throughput.png")
 

@@ -64,7 +64,7 @@ class Progress:
             eta = self.eta(step)
             self._logger.info(
                 f"epoch {epoch} step {step}/{self.total} loss {loss:.4f} lr {lr:.4g} "
-                f"{samples_per_sec:.0f} samples/s, {comm_fraction:.0%} waiting for all-reduce"
+                f"{samples_per_sec:.0f} samples/s, {comm_fraction:.0%} waiting for gradients"
                 + (f", ETA {format_eta(eta)}" if eta is not None else "")
             )
 

@@ -26,7 +26,7 @@ def test_a_two_worker_run_leaves_config_metrics_events_logs_timeline_and_plots(t
     assert out.count("settings:") == 1
 
     # stdout is a pipe here, as in a SLURM job: log lines, no progress bar's carriage returns.
-    assert "\r" not in out and "waiting for all-reduce, ETA" in out
+    assert "\r" not in out and "waiting for gradients, ETA" in out
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in records if r["kind"] == "epoch"]

@@ -41,7 +41,7 @@ def test_log_mode_prints_one_plain_line_per_report_with_the_eta():
     progress.report(epoch=1, step=10, loss=1.23456, lr=0.1, samples_per_sec=512.4, comm_fraction=0.25)
     progress.close()
     line = stream.getvalue()
-    assert line.startswith("epoch 1 step 10/100 loss 1.2346 lr 0.1 512 samples/s, 25% waiting for all-reduce, ETA ")
+    assert line.startswith("epoch 1 step 10/100 loss 1.2346 lr 0.1 512 samples/s, 25% waiting for gradients, ETA ")
     assert "\r" not in line and line.count("\n") == 1
 
 
