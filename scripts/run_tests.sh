@@ -31,7 +31,7 @@ phase() {
 }
 
 phase "one process: tests/unit tests/launch" \
-  timeout -k 10 1200 $PYTEST tests/unit tests/launch --junitxml="$RESULTS/single.xml"
+  timeout -k 10 1800 $PYTEST tests/unit tests/launch --junitxml="$RESULTS/single.xml"
 # sh -c expands each rank's own rank variable into its result file name.
 phase "mpirun -np $NP: tests/mpi" \
   timeout -k 10 900 mpirun -np "$NP" --oversubscribe \
