@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional
 
 PROGRESS_MODES = ("auto", "bar", "log", "off")
 # hvdtrain.strategies implements each (kept here so reading settings never imports torch).
-STRATEGIES = ("ddp", "zero1", "zero2")
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 
 
 def check_whole_numbers(section: Any, names: tuple, minimum: int = 1) -> None:
@@ -40,7 +40,7 @@ class TrainConfig:
     scale_lr: bool = field(default=True, metadata={"help": "multiply the LR by workers x accumulation"})
     warmup_epochs: float = field(default=1.0, metadata={"help": "linear warm-up to the scaled LR, in epochs"})
     accumulation: int = field(default=1, metadata={"help": "micro-batches per optimizer step (backward_passes_per_step)"})
-    strategy: str = field(default="ddp", metadata={"help": "how model state is spread over the ranks: ddp replicates it (all-reduce); zero1 shards the optimizer state, zero2 also the gradients (reduce-scatter + all-gather); see README, Strategies", "choices": STRATEGIES})
+    strategy: str = field(default="ddp", metadata={"help": "how model state is spread over the ranks: ddp replicates it (all-reduce); zero1 shards the optimizer state, zero2 also the gradients (reduce-scatter + all-gather), fsdp also the parameters (each block gathered while it computes); see README, Strategies", "choices": STRATEGIES})
     fp16_allreduce: bool = field(default=False, metadata={"help": "compress gradients to fp16 for the all-reduce"})
     seed: int = field(default=42, metadata={"help": "one seed for the job; ranks derive theirs from it"})
     log_every: int = field(default=20, metadata={"help": "steps between log lines (rank 0)"})

@@ -61,13 +61,26 @@ class Throughput:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, loss_fn, device: torch.device,
-             after_batch: Callable[[], None] = lambda: None) -> Dict[str, float]:
-    """Validation loss and accuracy over the whole validation set (every rank's shard; a collective)."""
+             after_batch: Callable[[], None] = lambda: None, lockstep: bool = False) -> Dict[str, float]:
+    """Validation loss and accuracy over the whole validation set (every rank's shard; a collective).
+
+    ``lockstep``: the model's forward is itself a collective (fsdp), so every rank runs as many
+    forwards as the rank with the most batches; a rank with fewer repeats its last batch and
+    does not count it (validation shards are not padded: each sample counts once).
+    """
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
     count = 0
-    for inputs, targets in loader:
+    batches = list(loader) if lockstep else loader
+    if lockstep:
+        counts = dist.allgather_object(len(batches), name="val.batches")  # every rank decides alike
+        if min(counts) == 0:
+            raise ValueError(f"validation batches per rank {counts}: with a sharded model every rank "
+                             f"needs at least one; use fewer workers or a larger validation set")
+        for inputs, _ in batches[-1:] * (max(counts) - len(batches)):
+            model(inputs.to(device))
+    for inputs, targets in batches:
         inputs, targets = inputs.to(device), targets.to(device)
         outputs = model(inputs)
         # Per target element: one per sample for a classifier, one per token for a language model.

@@ -292,7 +292,9 @@ class Trainer:
             if self.world.is_root:
                 print(f"preempted at step {self.step}; run again to resume", flush=True)
             return None
-        return history[-1] if history else self.evaluate()
+        final = history[-1] if history else self.evaluate()
+        self.strategy.whole_model()  # every rank: from here on one rank may use the model alone
+        return final
 
     def close(self) -> None:
         """Close the run directory's files (the metrics, TensorBoard and log files)."""
@@ -406,4 +408,5 @@ class Trainer:
             return {}
         self._phase = "evaluation"
         return evaluate(self.model, self.val_loader, self.loss_fn, self.world.device,
-                        after_batch=lambda: self.faults.beat(self.step))
+                        after_batch=lambda: self.faults.beat(self.step),
+                        lockstep=self.strategy.collective_forward)

@@ -3,6 +3,8 @@
     ddp    every rank holds everything; gradients all-reduced (Horovod's DistributedOptimizer)
     zero1  optimizer state sharded: gradients reduce-scattered, each rank steps its 1/N, all-gather
     zero2  as zero1, and each rank keeps only its 1/N of the gradients
+    fsdp   as zero2, and each rank keeps only its 1/N of the parameters: each block's are gathered
+           for its forward and backward and freed after (ZeRO-3, fully sharded data parallel)
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ STRATEGIES: Dict[str, Tuple[str, str]] = {
     "ddp": ("hvdtrain.strategies.ddp", "DDPStrategy"),
     "zero1": ("hvdtrain.strategies.zero", "Zero1Strategy"),
     "zero2": ("hvdtrain.strategies.zero", "Zero2Strategy"),
+    "fsdp": ("hvdtrain.strategies.fsdp", "FSDPStrategy"),
 }
 STRATEGY_NAMES = tuple(STRATEGIES)
 if STRATEGY_NAMES != CONFIGURED:  # a developer's mistake: fail at import, not in a user's run

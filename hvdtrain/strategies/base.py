@@ -41,6 +41,9 @@ class Strategy(ABC):
     """
 
     name: ClassVar[str]
+    # Whether every forward is a collective (fsdp gathers each block's parameters): then every
+    # rank must run the same number of forwards, evaluation included.
+    collective_forward: ClassVar[bool] = False
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool) -> None:
@@ -85,6 +88,11 @@ class Strategy(ABC):
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds in parameters, gradients and optimizer state, counted from
         the tensors' storages: {"parameters": ..., "gradients": ..., "optimizer_state": ...}."""
+
+    def whole_model(self) -> None:
+        """After training: make ``model`` a plain, whole module on every rank (a collective), so
+        that one rank alone can use it (sample from it, export it). Nothing to do unless the
+        strategy shards the parameters."""
 
     def pending_communication(self) -> List[str]:
         """Names of the collectives this rank started and that have not completed (for the

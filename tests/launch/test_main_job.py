@@ -33,10 +33,10 @@ def test_train_py_reaches_the_stated_accuracy(launch, tmp_path):
     assert len(re.findall(r"epoch 1/\d+ step", out)) == 1
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
-def test_train_py_reaches_the_stated_accuracy_with_sharded_optimizer_state(strategy, tmp_path):
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
+def test_train_py_reaches_the_stated_accuracy_with_sharded_state(strategy, tmp_path):
     """The same script, one setting away: each rank keeps 1/2 of the optimizer state (and of the
-    gradients, zero2), and the run reports what every rank holds."""
+    gradients, zero2; and of the parameters, fsdp), and the run reports what every rank holds."""
     code, out, err = run(["mpirun", "-np", "2", "--oversubscribe", PYTHON, "train.py", f"--train.strategy={strategy}",
                           "--require-accuracy", str(REQUIRED_ACCURACY), f"--train.run_dir={tmp_path}"])
     assert code == 0, f"exit {code}\n{out[-3000:]}\n{err[-3000:]}"

@@ -26,7 +26,7 @@ OPTIMIZERS = {
     "adam": lambda params: torch.optim.Adam(params, lr=0.01),
     "adamw_two_groups": lambda params: torch.optim.AdamW(two_groups(params)),
 }
-STRATEGIES = ["ddp", "zero1", "zero2"]
+STRATEGIES = ["ddp", "zero1", "zero2", "fsdp"]
 
 
 def reference_run(initial_state, make_optimizer, data, seed, global_batch, steps):
@@ -59,8 +59,9 @@ def test_n_workers_match_one_process_with_n_times_the_batch(world, optimizer_nam
                          scale_lr=False, warmup_epochs=0, max_steps=steps, seed=seed, log_every=1000)
     # lr=1.0 above is overridden by the optimizer's own rate: the Trainer scales, never sets it.
     trainer = Trainer(model, make_optimizer(model.parameters()), data, None, config, world=world)
-    initial = copy.deepcopy(trainer.model.state_dict())
+    initial = copy.deepcopy(trainer.strategy.state_dict()["model"])  # the full model, whatever the strategy
     trainer.fit()
+    trainer.strategy.whole_model()  # fsdp: parameters hold no memory between uses until made whole
 
     expected = reference_run(initial, make_optimizer, data, seed,
                              global_batch=batch * accumulation * world.size, steps=steps)
