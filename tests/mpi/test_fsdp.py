@@ -14,12 +14,12 @@ from hvdtrain.strategies import fsdp_units as fu
 from hvdtrain.strategies.fsdp import FSDPStrategy
 from hvdtrain.strategies.zero import Zero2Strategy
 from tests.mpi.helpers import flat_parameters, synthetic_classification
-from tests.mpi.test_zero import global_batch, reference_steps, state_difference, two_groups
+from tests.mpi.test_zero import MICRO_BATCH, global_batch, reference_steps, state_difference, two_groups
+from tests.mpi.test_zero import zero_steps as fsdp_steps  # the same hand-written loop
 
 pytestmark = pytest.mark.mpi
 
 FEATURES, CLASSES = 12, 5
-MICRO_BATCH = 3  # rows per rank and micro-batch
 STEPS = 3
 
 
@@ -64,20 +64,6 @@ OPTIMIZERS = {
     "adamw": lambda model: torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
     "two_groups": lambda model: torch.optim.AdamW(two_groups(model)),
 }
-
-
-def fsdp_steps(strategy, data, steps, accumulation, world, first=0, after_step=lambda step: None):
-    """The Trainer's loop, by hand: rank r takes rows r::N of each global batch, in micro-batches."""
-    rows = MICRO_BATCH * accumulation * world.size
-    for step in range(first, first + steps):
-        inputs, labels = global_batch(data, step, rows)
-        mine = inputs[world.rank::world.size], labels[world.rank::world.size]
-        for x, y in zip(mine[0].chunk(accumulation), mine[1].chunk(accumulation)):
-            strategy.backward(F.cross_entropy(strategy.model(x), y) / accumulation)
-        strategy.synchronize()
-        strategy.step()
-        strategy.zero_grad()
-        after_step(step)
 
 
 def reference_from(initial_state, make_optimizer, make_model=lambda: Blocks(seed=0)):
