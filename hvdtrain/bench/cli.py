@@ -11,13 +11,15 @@ BENCHMARKS = {
                     "all-reduce/broadcast/allgather sweeps: Horovod MPI and Gloo, raw MPI, torch gloo"),
     "throughput": ("hvdtrain.bench.throughput",
                    "training samples/s: one process, hvdtrain, plain Horovod, PyTorch DDP; knobs"),
+    "strategies": ("hvdtrain.bench.strategies",
+                   "ddp, zero1, zero2 through the Trainer: samples/s and bytes per rank against ZeRO's formula"),
     "scaling": ("hvdtrain.bench.scaling", "the same job at 1..N workers: samples/s, efficiency, communication share"),
     "project": ("hvdtrain.bench.project", "MODELLED step time and scaling efficiency on large clusters"),
 }
 
 
 def add_bench_parser(commands) -> None:
-    bench = commands.add_parser("bench", help="benchmarks: collectives, throughput, scaling, projection",
+    bench = commands.add_parser("bench", help="benchmarks: collectives, throughput, strategies, scaling, projection",
                                 description=__doc__)
     names = bench.add_subparsers(dest="benchmark", required=True)
     for name, (module_name, help_text) in BENCHMARKS.items():

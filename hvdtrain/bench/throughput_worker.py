@@ -3,7 +3,8 @@
 Variants (the same model, data, batch per rank and one thread per rank in each):
   single       one process, no distribution at all (run it with launcher "none")
   independent  N processes under mpirun that never communicate: the ceiling for N workers
-  trainer      hvdtrain's Trainer (hvdtrain.dist.init, then Trainer.fit)
+  trainer      hvdtrain's Trainer (hvdtrain.dist.init, then Trainer.fit), with ``--strategy``
+               ddp, zero1 or zero2 and ``--optimizer`` sgd (momentum) or adam
   horovod      the plain loop of Horovod's examples/pytorch/pytorch_mnist.py
   ddp          PyTorch DistributedDataParallel over gloo, rendezvous picked by rank 0
 
@@ -16,9 +17,14 @@ For the Trainer, fit() runs once to the warm-up step count (set-up, broadcast, f
 iterations: not timed), then once per segment, timed, each time to a higher max_steps.
 
 Also reported: the time each rank spends in the optimizer's synchronize() (the all-reduce wait
-that backward did not hide: the exposed communication), the CPU time of the training thread and
+that backward did not hide: the exposed communication; for the Trainer, its strategy's
+synchronize(), also zero1/zero2's reduce-scatter wait), the CPU time of the training thread and
 of every other thread of the process over the timed steps (Horovod's background thread, gloo's
 threads: what communication costs in CPU on cores that also compute), and each rank's peak RSS.
+The Trainer also reports the time in its strategy's step() and, within it, in the optimizer's
+update (the rest of step() is zero1/zero2's all-gather of the parameters), and what each rank
+held after the first step (``memory_per_rank``: the Trainer's counted bytes and peak RSS), and
+the process's minor page faults and system CPU over the timed steps (fresh buffers first-touched).
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import os
 import resource
 import socket
@@ -44,6 +51,9 @@ from hvdtrain.bench import jobs, workloads
 VARIANTS = ("single", "independent", "trainer", "horovod", "ddp")
 LR = 0.01  # one worker's rate; every distributed variant scales it by the world size, as Horovod's examples do
 MOMENTUM = 0.9
+ADAM_LR = 1e-3  # the trainer variant with --optimizer adam (one worker's rate, scaled as above)
+OPTIMIZERS = ("sgd", "adam")
+STRATEGIES = ("ddp", "zero1", "zero2")  # hvdtrain.config.STRATEGIES (not imported: keep --help light)
 # Environment variables that change how Horovod or Open MPI move gradients: recorded with each result.
 RECORDED_ENV = ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CPU_OPERATIONS",
                 "HOROVOD_TIMELINE", "OMPI_MCA_mpi_yield_when_idle", "OMP_NUM_THREADS")
@@ -67,6 +77,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                              "set here rather than by the launcher, so they reach every host")
     parser.add_argument("--hvdtrain-defaults", action="store_true",
                         help="horovod variant: apply hvdtrain's environment defaults first, as dist.init does")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="trainer variant: train.strategy")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                        help=f"trainer variant: SGD with momentum {MOMENTUM} (lr {LR}) or Adam (lr {ADAM_LR})")
     args = parser.parse_args(argv)
     for item in args.set_env:
         if "=" not in item:
@@ -79,6 +92,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(f"--segments {args.segments} is more than the {args.steps} timed steps")
     if args.variant in ("single", "independent", "ddp") and args.fp16:
         parser.error(f"--fp16 is a Horovod compression: not for --variant {args.variant}")
+    if args.variant != "trainer" and (args.strategy != "ddp" or args.optimizer != "sgd"):
+        parser.error("--strategy and --optimizer are for --variant trainer")
     return args
 
 
@@ -108,13 +123,15 @@ class SyncTimer:
     """Wraps a Horovod DistributedOptimizer's synchronize() to add up the time spent in it.
 
     step() calls self.synchronize() (or the loop does, before step(), as the Trainer does): the
-    wrapper sees every wait without changing the loop.
+    wrapper sees every wait without changing the loop. ``method`` times another method instead
+    (a strategy's synchronize or step, an optimizer's step).
     """
 
-    def __init__(self, optimizer) -> None:
+    def __init__(self, optimizer, method: str = "synchronize") -> None:
         self.seconds = 0.0
-        original = optimizer.synchronize
+        original = getattr(optimizer, method)
 
+        @functools.wraps(original)  # keeps the marks of other wrappers (the LR scheduler's on step)
         def timed(*args, **kwargs):
             started = time.perf_counter()
             try:
@@ -122,7 +139,7 @@ class SyncTimer:
             finally:
                 self.seconds += time.perf_counter() - started
 
-        optimizer.synchronize = timed
+        setattr(optimizer, method, timed)
 
 
 def peak_rss_mb() -> float:
@@ -210,11 +227,13 @@ def rank_record(measured: Measured) -> Dict[str, Any]:
 
 
 def timed(barrier: Callable[[], None], run_steps: Callable[[int], None], args,
-          sync: Optional["SyncTimer"] = None) -> Measured:
-    """Warm up, then time ``args.steps`` steps in segments, the ranks lined up before each."""
+          sync: Optional["SyncTimer"] = None, others: tuple = ()) -> Measured:
+    """Warm up, then time ``args.steps`` steps in segments, the ranks lined up before each
+    (``sync`` and the ``others`` timers count from the first timed step)."""
     run_steps(args.warmup)
-    if sync is not None:
-        sync.seconds = 0.0
+    for timer in (sync, *others):
+        if timer is not None:
+            timer.seconds = 0.0
     segments = []
     cpu_before = thread_cpu_seconds()
     for steps in segment_steps(args.steps, args.segments):
@@ -319,28 +338,50 @@ def run_trainer(args) -> None:
     world = dist.init(seed=args.seed, threads=1)
     model = workloads.build_model(args.model, args.seed)
     dataset = workloads.synthetic_dataset(args.model, args.samples, args.seed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    if args.optimizer == "adam":
+        optimizer = torch.optim.Adam(model.parameters(), lr=ADAM_LR)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     # No progress lines in the timed steps (a user's choice, not a cost of the Trainer); the
     # other per-step work (stall watchdog beat, preemption vote, LR schedule) stays on.
     config = TrainConfig(epochs=10**6, batch_size=args.batch, lr=LR, max_steps=args.warmup,
                          log_every=10**9, accumulation=args.accumulation, fp16_allreduce=args.fp16,
-                         seed=args.seed)
+                         seed=args.seed, strategy=args.strategy)
     trainer = Trainer(model, optimizer, dataset, config=config, loss_fn=F.cross_entropy, world=world)
-    sync = SyncTimer(trainer.optimizer)
+    # The strategy's synchronize is the step's exposed gradient wait under every strategy (ddp:
+    # Horovod's all-reduce; zero: the reduce-scatter); its step is the update and, for zero, the
+    # parameters' all-gather after it.
+    sync = SyncTimer(trainer.strategy)
+    step_timer = SyncTimer(trainer.strategy, "step")
+    update_timer = SyncTimer(trainer.optimizer, "step")
+
+    usage = []  # (minor page faults, system CPU seconds) of the process, per call after the first (warm-up)
 
     def steps(n: int) -> None:
         # fit() trains until max_steps: raise it by n and continue where the last fit stopped.
         trainer.config = dataclasses.replace(trainer.config, max_steps=trainer.step + n)
+        before = resource.getrusage(resource.RUSAGE_SELF)
         trainer.fit()
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        usage.append((after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime))
 
     # The first fit() runs the warm-up steps after the Trainer's set-up (broadcast, loaders):
     # neither is timed, as for the other variants. Each timed fit() pays fit()'s own start and
     # end again (watchdog thread, loader iterator, the epoch's loss reduction): charged to it.
-    measured = timed(dist.barrier, steps, args, sync)
-    per_rank = dist.allgather_object(rank_record(measured), name="bench.result")
+    measured = timed(dist.barrier, steps, args, sync, (step_timer, update_timer))
+    mine = {**rank_record(measured), "step_s": step_timer.seconds, "update_s": update_timer.seconds,
+            "minor_faults": sum(u[0] for u in usage[1:]), "system_s": sum(u[1] for u in usage[1:])}
+    per_rank = dist.allgather_object(mine, name="bench.result")
     if world.is_root:
-        jobs.write_result(args.out, result(args, world.size, per_rank, model,
-                                           {"controller": world.controller, "steps_taken": trainer.step}))
+        jobs.write_result(args.out, result(args, world.size, per_rank, model, {
+            "controller": world.controller, "steps_taken": trainer.step,
+            "strategy": args.strategy, "optimizer": args.optimizer,
+            "memory_per_rank": trainer.memory.per_rank,
+            "step_per_rank_s": [rank["step_s"] for rank in per_rank],  # strategy.step(): update (+ all-gather)
+            "update_per_rank_s": [rank["update_s"] for rank in per_rank],  # the optimizer's own step
+            "minor_faults_per_rank": [rank["minor_faults"] for rank in per_rank],  # over the timed steps
+            "system_cpu_per_rank_s": [rank["system_s"] for rank in per_rank],
+        }))
 
 
 def free_port() -> int:
