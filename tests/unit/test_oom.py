@@ -47,5 +47,5 @@ def test_the_message_names_rank_phase_holdings_limit_and_a_strategy_that_would_f
     assert "it tried to allocate 1048576.0 GiB" in message  # the 1 PiB of torch's message
     assert "parameters 3.8 MiB, gradients 3.8 MiB, optimizer_state 0 B" in message
     assert "1.0M parameters and Adam keeps 2 state tensor(s) per parameter" in message
-    assert "ddp 15.3 MiB; zero1 9.5 MiB; zero2 6.7 MiB" in message
-    assert "Its limit is" in message and "try --train.strategy=zero2" in message
+    assert "ddp 15.3 MiB; zero1 9.5 MiB; zero2 6.7 MiB; fsdp 3.8 MiB" in message
+    assert "Its limit is" in message and "try --train.strategy=fsdp" in message
