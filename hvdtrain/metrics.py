@@ -72,15 +72,15 @@ def evaluate(model: torch.nn.Module, loader, loss_fn, device: torch.device,
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
     count = 0
-    batches = list(loader) if lockstep else loader
+    extra = 0
     if lockstep:
-        counts = dist.allgather_object(len(batches), name="val.batches")  # every rank decides alike
+        counts = dist.allgather_object(len(loader), name="val.batches")  # every rank decides alike
         if min(counts) == 0:
             raise ValueError(f"validation batches per rank {counts}: with a sharded model every rank "
                              f"needs at least one; use fewer workers or a larger validation set")
-        for inputs, _ in batches[-1:] * (max(counts) - len(batches)):
-            model(inputs.to(device))
-    for inputs, targets in batches:
+        extra = max(counts) - len(loader)
+    inputs = None
+    for inputs, targets in loader:
         inputs, targets = inputs.to(device), targets.to(device)
         outputs = model(inputs)
         # Per target element: one per sample for a classifier, one per token for a language model.
@@ -88,6 +88,8 @@ def evaluate(model: torch.nn.Module, loader, loss_fn, device: torch.device,
         correct += (outputs.argmax(dim=-1) == targets).sum()
         count += targets.numel()
         after_batch()
+    for _ in range(extra):  # lockstep: the last batch again, not counted
+        model(inputs)
     return evaluation_metrics(float(loss_sum), int(correct), count, name="val.metrics")
 
 
