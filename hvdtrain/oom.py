@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import re
 import resource
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -38,6 +39,17 @@ def is_out_of_memory(error: BaseException) -> bool:
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+
+
+@contextmanager
+def explained(describe: Callable[[BaseException], str]) -> Iterator[None]:
+    """Inside the block, torch's allocation failure becomes OutOfMemory(describe(error))."""
+    try:
+        yield
+    except Exception as error:
+        if is_out_of_memory(error):
+            raise OutOfMemory(describe(error)) from error
+        raise
 
 
 def tried_bytes(message: str) -> Optional[int]:

@@ -19,21 +19,19 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
-from hvdtrain import dist, elastic, rng
+from hvdtrain import dist, elastic, oom, rng
+from hvdtrain.batching import Batching
 from hvdtrain.checkpoint import FORMAT_VERSION
 from hvdtrain.checkpointing import Checkpointing
 from hvdtrain.config import TrainConfig
-from hvdtrain.data import ShardedSampler, sharded_loader
+from hvdtrain.data import ShardedSampler
 from hvdtrain.elastic import TrainerState, is_elastic_launch
 from hvdtrain.faults import FaultHandling
 from hvdtrain.log import get_logger
 from hvdtrain.memory import MemoryReport
 from hvdtrain.metrics import RunningLoss, Throughput, evaluate
-from hvdtrain.oom import OutOfMemory, explain, is_out_of_memory
-from hvdtrain.optim import lr_scale, set_scaled_lr, warmup_factor
 from hvdtrain.progress import Progress, resolve_mode
 from hvdtrain.reporting import TimelineWindow, announce, announce_settings, epoch_line, open_run_dir
 from hvdtrain.rundir import RunDirectory
@@ -86,23 +84,17 @@ class Trainer:
         resumed = None
         if self.checkpoints is not None and cfg.resume:
             resumed = self.checkpoints.read_newest(broadcast=not self.elastic_launch)
-        self.batch_size = (self.checkpoints.batch_per_worker(resumed, self.elastic_launch)
-                           if self.checkpoints is not None else cfg.batch_size)
-
+        batch_size = (self.checkpoints.batch_per_worker(resumed, self.elastic_launch)
+                      if self.checkpoints is not None else cfg.batch_size)
         self._datasets = (train_dataset, val_dataset)
-        self.dataset_size = len(train_dataset)  # type: ignore[arg-type]
-        self._build_loaders()
+        self.batching = Batching(cfg, self.world, batch_size, train_dataset, val_dataset)
 
         # 4. The strategy wraps the optimizer: for ddp, Horovod's hooks start each gradient's
         #    all-reduce as soon as backward produces it (overlap, tensor fusion).
         self._phase = "set-up (sharding the model and optimizer)"
-        try:
+        with oom.explained(lambda error: self._explain_out_of_memory(error, optimizer, held={})):
             self.strategy = build_strategy(cfg.strategy, self.model, optimizer, self.world,
                                            cfg.accumulation, cfg.fp16_allreduce)
-        except Exception as error:
-            if is_out_of_memory(error):
-                raise OutOfMemory(self._explain_out_of_memory(error, optimizer, held={})) from error
-            raise
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # one worker's rates
         self.epoch = 0
         self.step = 0
@@ -130,31 +122,27 @@ class Trainer:
         """The optimizer the strategy steps (its param_groups carry the live learning rate)."""
         return self.strategy.optimizer
 
-    def _build_loaders(self) -> None:
-        """This rank's loaders for the current world (again after an elastic resize)."""
-        cfg, world = self.config, self.world
-        train_dataset, val_dataset = self._datasets
-        pin = world.device.type == "cuda"
-        self.train_loader = sharded_loader(
-            train_dataset, self.batch_size, world.rank, world.size, cfg.seed,
-            global_batch=self.global_batch_size, num_workers=cfg.num_workers, pin_memory=pin,
-        )
-        self.val_loader = None
-        if val_dataset is not None:
-            self.val_loader = sharded_loader(
-                val_dataset, self.batch_size, world.rank, world.size, cfg.seed,
-                num_workers=cfg.num_workers, pin_memory=pin,
-            )
-        # Whole global batches only: every step is B x accumulation full micro-batches per rank.
-        self.steps_per_epoch = self.dataset_size // self.global_batch_size
-        self.warmup_steps = round(cfg.warmup_epochs * self.steps_per_epoch)
+    # What follows from the world and the global batch (hvdtrain.batching), read by the loop.
+
+    @property
+    def sampler(self) -> ShardedSampler:
+        return self.batching.sampler
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batching.global_batch_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.batching.steps_per_epoch
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.batching.warmup_steps
 
     def _configure_lr(self) -> None:
         """Scale one worker's rates to the global batch, warmed up, continuing at the current step."""
-        self.lr_scale = lr_scale(self.global_batch_size, self.config.batch_size, self.config.scale_lr)
-        set_scaled_lr(self.optimizer, self._base_lrs, self.lr_scale)
-        self.scheduler = LambdaLR(self.optimizer, warmup_factor(self.lr_scale, self.warmup_steps),
-                                  last_epoch=self.step - 1)
+        self.lr_scale, self.scheduler = self.batching.lr_schedule(self.optimizer, self._base_lrs, self.step)
 
     def _on_world_change(self) -> None:
         """Elastic reset: Horovod formed a new world; follow its size (sampler, batch, LR)."""
@@ -163,8 +151,8 @@ class Trainer:
         self.log = get_logger(self.world)
         self.faults.follow(self.world, self.log)
         self.strategy.world = self.world
-        self.batch_size = self.config.batch_size  # elastic: the global batch follows the world
-        self._build_loaders()
+        # Elastic: the global batch follows the world, so the batch per worker is the configured one.
+        self.batching = Batching(self.config, self.world, self.config.batch_size, *self._datasets)
         self._configure_lr()
         self.log.info(f"world changed from {previous} to {self.world.size} workers: global batch "
                       f"{self.global_batch_size}, lr x {self.lr_scale:g}; continuing at step {self.step}")
@@ -207,27 +195,13 @@ class Trainer:
         self.checkpoints.save(self.state_dict(), self.step)
         self.faults.beat(self.step)  # a large checkpoint may take longer than a step
 
-    @property
-    def sampler(self) -> ShardedSampler:
-        return self.train_loader.sampler  # type: ignore[return-value]
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.batch_size * self.config.accumulation * self.world.size
-
     def _announce(self) -> None:
-        w, cfg = self.world, self.config
-        announce(w, self.log, self.elastic_launch)
-        self.log.info(
-            f"global batch {self.global_batch_size} = {self.batch_size} x {cfg.accumulation} "
-            f"accumulation x {w.size} workers; {self.steps_per_epoch} steps/epoch; "
-            f"lr {cfg.lr:g} x {self.lr_scale:g} after {self.warmup_steps} warm-up steps; "
-            f"strategy {cfg.strategy}"
-        )
+        announce(self.world, self.log, self.elastic_launch)
+        self.log.info(self.batching.describe(self.lr_scale))
         announce_settings(self.log, self.job_config)
 
     def _epoch_has_steps_left(self) -> bool:
-        return self.dataset_size - self.epoch_position >= self.global_batch_size
+        return self.batching.has_steps_left(self.epoch_position)
 
     def _finished(self) -> bool:
         return self.preempted or (self.config.max_steps is not None and self.step >= self.config.max_steps)
@@ -252,17 +226,14 @@ class Trainer:
             total = min(total, self.config.max_steps)
         self.progress = Progress(resolve_mode(self.config.progress, self.world.is_root), total, self.step, self.log)
         self.faults.start_watchdog(self.strategy.pending_communication)
+        explain = lambda error: self._explain_out_of_memory(error, self.optimizer, self.strategy.memory_bytes())
         try:
-            if self.elastic_launch:
-                self._elastic = TrainerState(self, self._on_world_change)
-                elastic.run(self._elastic, lambda: self._fit(history))
-            else:
-                self._fit(history)
-        except Exception as error:
-            if is_out_of_memory(error):
-                held = self.strategy.memory_bytes()
-                raise OutOfMemory(self._explain_out_of_memory(error, self.optimizer, held)) from error
-            raise
+            with oom.explained(explain):
+                if self.elastic_launch:
+                    self._elastic = TrainerState(self, self._on_world_change)
+                    elastic.run(self._elastic, lambda: self._fit(history))
+                else:
+                    self._fit(history)
         finally:
             self.progress.close()
             self.faults.stop_watchdog()
@@ -271,7 +242,7 @@ class Trainer:
 
     def _explain_out_of_memory(self, error: BaseException, optimizer: torch.optim.Optimizer,
                                held: Dict[str, int]) -> str:
-        message = explain(error, rank=self.world.rank, host=self.world.hostname, phase=self._phase,
+        message = oom.explain(error, rank=self.world.rank, host=self.world.hostname, phase=self._phase,
                           strategy=self.config.strategy, workers=self.world.size, model=self.model,
                           optimizer=optimizer, held=held, device=self.world.device)
         self.log.error(message)  # every rank's own log says it, not only the rank that prints
@@ -312,7 +283,7 @@ class Trainer:
             if not self._epoch_has_steps_left():
                 self.epoch, self.epoch_position = self.epoch + 1, 0
             # max_steps can end training inside an epoch: the record says how far it got.
-            reached = self.epoch + self.epoch_position / self.dataset_size
+            reached = self.epoch + self.epoch_position / self.batching.dataset_size
             record = {
                 "epoch": reached,
                 "step": self.step,
@@ -341,7 +312,7 @@ class Trainer:
         throughput = Throughput(self.world.size)
         epoch_loss_sum = epoch_count = 0.0
 
-        for index, (inputs, targets) in enumerate(self.train_loader):
+        for index, (inputs, targets) in enumerate(self.batching.train_loader):
             if self._finished():
                 break
             inputs = inputs.to(device, non_blocking=True)
@@ -398,15 +369,15 @@ class Trainer:
         self.progress.report(self.epoch + 1, self.step, loss, lr, samples_per_sec, comm_fraction)
         if self.run_dir is not None:
             self.run_dir.record("step", {
-                "step": self.step, "epoch": self.epoch + self.epoch_position / self.dataset_size,
+                "step": self.step, "epoch": self.epoch + self.epoch_position / self.batching.dataset_size,
                 "loss": loss, "lr": lr, "samples_per_sec": samples_per_sec, "comm_fraction": comm_fraction,
             }, self._started)
 
     def evaluate(self) -> Dict[str, float]:
         """Validation loss and accuracy over the whole validation set (every rank's shard)."""
-        if self.val_loader is None:
+        if self.batching.val_loader is None:
             return {}
         self._phase = "evaluation"
-        return evaluate(self.model, self.val_loader, self.loss_fn, self.world.device,
+        return evaluate(self.model, self.batching.val_loader, self.loss_fn, self.world.device,
                         after_batch=lambda: self.faults.beat(self.step),
                         lockstep=self.strategy.collective_forward)

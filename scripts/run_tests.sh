@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The whole test suite, in four launches:
+# The whole test suite, in these launches:
 #   1. one process:               tests/unit (no MPI) and tests/launch (train.py under every launcher)
 #   2. mpirun -np $NP:            tests/mpi, every test in every rank
 #   3. horovodrun -np $NP --gloo: tests/mpi again, over Gloo instead of MPI
-#   4. one process:               tests/cluster, two test hosts and a SLURM cluster built on this
+#   4. the sharded strategies' tests ($SHARDED_TESTS) again at 1 rank (mpirun) and at 4 ranks
+#      (mpirun and horovodrun --gloo): their shards, padding and collectives change with the
+#      world size, so "the same result as ddp" is checked at 1, 2 and 4
+#   5. one process:               tests/cluster, two test hosts and a SLURM cluster built on this
 #                                 machine (as root on Linux; skipped with the reason elsewhere)
 # then one summary over all of them. Each launch has a hard time limit: nothing here can hang CI.
 set -uo pipefail
@@ -23,25 +26,39 @@ fi
 export HOROVOD_STALL_CHECK_TIME_SECONDS=10 HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=60
 
 PYTEST="python -m pytest -q --color=no -p no:cacheprovider"
+SHARDED_TESTS="tests/mpi/test_strategies.py tests/mpi/test_zero.py tests/mpi/test_fsdp.py"
+[ -f tests/mpi/test_sharded_checkpoint.py ] && SHARDED_TESTS="$SHARDED_TESTS tests/mpi/test_sharded_checkpoint.py"
 status=0
+# phase KEY RANKS TITLE COMMAND...: RANKS 0 is one process writing KEY.xml; otherwise every rank
+# writes KEY-rankR.xml. The summary reads the announced phases, so a launch that died is counted.
 phase() {
-  local title=$1; shift
+  local key=$1 ranks=$2 title=$3; shift 3
+  printf '%s\t%s\t%s\n' "$key" "$ranks" "$title" >> "$RESULTS/phases.tsv"
   printf '\n===== %s =====\n' "$title"
   "$@" || status=1
 }
-
-phase "one process: tests/unit tests/launch" \
-  timeout -k 10 1800 $PYTEST tests/unit tests/launch --junitxml="$RESULTS/single.xml"
 # sh -c expands each rank's own rank variable into its result file name.
-phase "mpirun -np $NP: tests/mpi" \
-  timeout -k 10 900 mpirun -np "$NP" --oversubscribe \
-  sh -c "exec $PYTEST --with-mpi tests/mpi --junitxml=$RESULTS/mpi-rank\$OMPI_COMM_WORLD_RANK.xml"
-phase "horovodrun -np $NP --gloo: tests/mpi" \
-  timeout -k 10 900 horovodrun -np "$NP" --gloo \
-  sh -c "exec $PYTEST --with-mpi tests/mpi --junitxml=$RESULTS/gloo-rank\$HOROVOD_RANK.xml"
-phase "two-host cluster: tests/cluster" \
+on_mpirun() {  # KEY NP LIMIT TESTS...
+  local key=$1 np=$2 limit=$3; shift 3
+  phase "$key" "$np" "mpirun -np $np: $*" timeout -k 10 "$limit" mpirun -np "$np" --oversubscribe \
+    sh -c "exec $PYTEST --with-mpi $* --junitxml=$RESULTS/$key-rank\$OMPI_COMM_WORLD_RANK.xml"
+}
+on_gloo() {  # KEY NP LIMIT TESTS...
+  local key=$1 np=$2 limit=$3; shift 3
+  phase "$key" "$np" "horovodrun -np $np --gloo: $*" timeout -k 10 "$limit" horovodrun -np "$np" --gloo \
+    sh -c "exec $PYTEST --with-mpi $* --junitxml=$RESULTS/$key-rank\$HOROVOD_RANK.xml"
+}
+
+phase single 0 "one process: tests/unit tests/launch" \
+  timeout -k 10 1800 $PYTEST tests/unit tests/launch --junitxml="$RESULTS/single.xml"
+on_mpirun mpi "$NP" 900 tests/mpi
+on_gloo gloo "$NP" 900 tests/mpi
+on_mpirun mpi-1 1 600 $SHARDED_TESTS
+on_mpirun mpi-4 4 900 $SHARDED_TESTS
+on_gloo gloo-4 4 900 $SHARDED_TESTS
+phase cluster 0 "two-host cluster: tests/cluster" \
   timeout -k 30 1800 $PYTEST -rs tests/cluster --junitxml="$RESULTS/cluster.xml"
 
 printf '\n===== summary =====\n'
-python "$ROOT/scripts/summarize_tests.py" "$RESULTS" --ranks "$NP" || status=1
+python "$ROOT/scripts/summarize_tests.py" "$RESULTS" || status=1
 exit $status

@@ -10,8 +10,19 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-PHASES = {"single": "one process", "mpi": "mpirun", "gloo": "horovodrun --gloo", "cluster": "two-host cluster"}
-ONE_PROCESS = ("single", "cluster")
+PHASES_FILE = "phases.tsv"  # one line per launch, in order: key, ranks (0: one process), title
+
+
+def read_phases(results: Path) -> List[Tuple[str, int, str]]:
+    """The launches scripts/run_tests.sh announced before starting them."""
+    phases = []
+    for number, line in enumerate((results / PHASES_FILE).read_text().splitlines(), 1):
+        fields = line.split("\t")
+        key, ranks, title = fields if len(fields) == 3 else ("", "", "")
+        if not key or not ranks.isdigit():
+            raise ValueError(f"{results / PHASES_FILE} line {number}: expected 'key<TAB>ranks<TAB>title', got {line!r}")
+        phases.append((key, int(ranks), title))
+    return phases
 
 
 def outcomes(path: Path) -> Dict[Tuple[str, str], str]:
@@ -47,23 +58,22 @@ def merge_ranks(per_rank: List[Dict[Tuple[str, str], str]]) -> Counter:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("results", type=Path)
-    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("results", type=Path, help=f"the directory of the XML files and {PHASES_FILE}")
     args = parser.parse_args(argv)
 
     total: Counter = Counter()
     ok = True
-    for phase, title in PHASES.items():
-        files = ([args.results / f"{phase}.xml"] if phase in ONE_PROCESS
-                 else [args.results / f"{phase}-rank{r}.xml" for r in range(args.ranks)])
+    for key, ranks, title in read_phases(args.results):
+        files = ([args.results / f"{key}.xml"] if ranks == 0
+                 else [args.results / f"{key}-rank{r}.xml" for r in range(ranks)])
         missing = [f.name for f in files if not f.exists()]
         if missing:
             print(f"{title}: no results from {', '.join(missing)} (crashed or timed out)")
             ok = False
             continue
         counts = merge_ranks([outcomes(f) for f in files])
-        ranks = "" if phase in ONE_PROCESS else f" (each in {args.ranks} ranks)"
-        print(f"{title}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped{ranks}")
+        each = f" (each in {ranks} ranks)" if ranks else ""
+        print(f"{title}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped{each}")
         total += counts
     print(f"total: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
     return 0 if ok and total["failed"] == 0 and total["passed"] > 0 else 1
