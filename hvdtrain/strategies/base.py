@@ -84,6 +84,28 @@ class Strategy(ABC):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Load a full {"model", "optimizer"} state (every rank holds all of it)."""
 
+    # Sharded checkpoints (train.checkpoint_format=sharded): each rank's own part, no collective.
+    # Only strategies that shard the state have them (hvdtrain.strategies.sharded_state).
+
+    def shard_state_dict(self) -> Dict[str, Any]:
+        """This rank's own slices of the parameters and optimizer state, its buffers, and the layout
+        that hvdtrain.strategies.sharded_state.consolidate needs to rebuild the full state without
+        the model's class. Local: no collective, nothing gathered."""
+        raise NotImplementedError(self._no_shards())
+
+    def check_shard_state_dict(self, state: Dict[str, Any]) -> None:
+        """ValueError unless ``state`` is this rank's part for this model, optimizer and world (local)."""
+        raise NotImplementedError(self._no_shards())
+
+    def load_shard_state_dict(self, state: Dict[str, Any]) -> None:
+        """Load this rank's part; every rank calls it, once every rank's part passed the check
+        (a strategy whose ranks hold the full parameters all-gathers them: a collective)."""
+        raise NotImplementedError(self._no_shards())
+
+    def _no_shards(self) -> str:
+        return (f"strategy {self.name} keeps the whole state on every rank: it has no sharded checkpoint "
+                "(use checkpoint_format=full, or a strategy that shards: zero1, zero2, fsdp)")
+
     @abstractmethod
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds in parameters, gradients and optimizer state, counted from

@@ -41,6 +41,7 @@ from hvdtrain import dist
 from hvdtrain.dist import World
 from hvdtrain.strategies import flat_buckets as fb
 from hvdtrain.strategies import fsdp_units as fu
+from hvdtrain.strategies import sharded_state
 from hvdtrain.strategies.fsdp_communication import UnitCommunication
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
 from hvdtrain.strategies.zero import check_elementwise, shard_optimizer_like
@@ -311,6 +312,19 @@ class FSDPStrategy(Strategy):
 
     def _load_optimizer_state(self, full: Dict[str, Any]) -> None:
         self.optimizer.load_state_dict(fb.shard_state_dict(self.buckets, self._group_indices, full))
+
+    # Sharded checkpoints: this rank's own part (hvdtrain.strategies.sharded_state), no collective.
+
+    def shard_state_dict(self) -> Dict[str, Any]:
+        return sharded_state.shard_state_dict(self.model, self.buckets, self.optimizer, self._group_indices)
+
+    def check_shard_state_dict(self, state: Dict[str, Any]) -> None:
+        sharded_state.check_shard(self.model, self.buckets, self._group_indices, state)
+
+    def load_shard_state_dict(self, state: Dict[str, Any]) -> None:
+        sharded_state.load_shard_state_dict(self.model, self.buckets, self.optimizer, self._group_indices, state)
+        self._carried_state = None
+        self._initial_params, self._initial_pending = [], False
 
     # What this rank holds.
 

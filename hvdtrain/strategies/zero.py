@@ -34,6 +34,7 @@ import horovod.torch as hvd
 from hvdtrain import dist
 from hvdtrain.dist import World
 from hvdtrain.strategies import flat_buckets as fb
+from hvdtrain.strategies import sharded_state
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
 
 # Stepping a flat slice that cuts across parameters equals stepping each parameter only when the
@@ -278,6 +279,22 @@ class ZeroStrategy(Strategy):
     def _load_optimizer_state(self, full: Dict[str, Any]) -> None:
         """Keep this rank's slices of a full optimizer state_dict (local: every rank has it all)."""
         self.optimizer.load_state_dict(fb.shard_state_dict(self.buckets, self._group_indices, full))
+
+    # Sharded checkpoints: this rank's own part (hvdtrain.strategies.sharded_state).
+
+    def shard_state_dict(self) -> Dict[str, Any]:
+        return sharded_state.shard_state_dict(self.model, self.buckets, self.optimizer, self._group_indices)
+
+    def check_shard_state_dict(self, state: Dict[str, Any]) -> None:
+        sharded_state.check_shard(self.model, self.buckets, self._group_indices, state)
+
+    def load_shard_state_dict(self, state: Dict[str, Any]) -> None:
+        """This rank's slices and state, then one all-gather: every rank holds the full parameters."""
+        sharded_state.load_shard_state_dict(self.model, self.buckets, self.optimizer, self._group_indices, state)
+        handles = [hvd.allgather_async(bucket.shard.detach(), name=bucket.name("load")) for bucket in self.buckets]
+        for bucket, handle in zip(self.buckets, handles):
+            bucket.flat_param.copy_(hvd.synchronize(handle))
+        self._carried_state = None
 
     def memory_bytes(self) -> Dict[str, int]:
         params = list(self.model.parameters())
