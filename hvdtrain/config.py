@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional
 PROGRESS_MODES = ("auto", "bar", "log", "off")
 # hvdtrain.strategies implements each (kept here so reading settings never imports torch).
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+CHECKPOINT_FORMATS = ("full", "sharded")
 
 
 def check_whole_numbers(section: Any, names: tuple, minimum: int = 1) -> None:
@@ -49,6 +50,7 @@ class TrainConfig:
     checkpoint_dir: Optional[str] = field(default=None, metadata={"help": "where rank 0 writes checkpoints (none: no checkpoints)"})
     checkpoint_every: int = field(default=0, metadata={"help": "steps between checkpoints (0: at the end of each epoch only)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "checkpoints kept; older ones are deleted"})
+    checkpoint_format: str = field(default="full", metadata={"help": "full: rank 0 gathers and writes the whole model and optimizer state in one file, which resumes under any strategy and worker count; sharded (zero1, zero2, fsdp): every rank writes its own slices, nothing is gathered, and it resumes on the same worker count and strategy (hvdtrain checkpoint consolidate makes it a full one); see README, Checkpoints", "choices": CHECKPOINT_FORMATS})
     resume: bool = field(default=True, metadata={"help": "continue from the newest valid checkpoint in checkpoint_dir"})
     preempt_signal: str = field(default="USR1", metadata={"help": "signal that asks for checkpoint + requeue ('' disables)"})
     stall_timeout: float = field(default=600.0, metadata={"help": "seconds without a finished step before a rank ends the job, naming where it is stuck (0: never)"})
@@ -74,6 +76,15 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"TrainConfig.strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"TrainConfig.checkpoint_format must be one of {', '.join(CHECKPOINT_FORMATS)}, "
+                             f"got {self.checkpoint_format!r}")
+        if self.checkpoint_format == "sharded" and self.strategy == "ddp":
+            raise ValueError(
+                "TrainConfig.checkpoint_format=sharded needs a strategy that shards the state (zero1, zero2 "
+                "or fsdp), got strategy=ddp: under ddp every rank holds the whole model and optimizer "
+                "state, so there is nothing to shard and rank 0 writes it alone. Use checkpoint_format=full "
+                "with ddp, or a sharded strategy with checkpoint_format=sharded")
         if self.progress not in PROGRESS_MODES:
             raise ValueError(f"TrainConfig.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
         if self.run_name is not None and (not self.run_name or "/" in self.run_name or self.run_name.startswith(".")):

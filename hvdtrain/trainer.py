@@ -35,6 +35,7 @@ from hvdtrain.metrics import RunningLoss, Throughput, evaluate
 from hvdtrain.progress import Progress, resolve_mode
 from hvdtrain.reporting import TimelineWindow, announce, announce_settings, epoch_line, open_run_dir
 from hvdtrain.rundir import RunDirectory
+from hvdtrain.sharded_checkpoint import is_sharded
 from hvdtrain.strategies import ELASTIC_STRATEGIES, build_strategy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -166,6 +167,13 @@ class Trainer:
         return {
             "format": FORMAT_VERSION,
             **self.strategy.state_dict(),  # the full model and optimizer, in the plain formats
+            **self.run_state(),
+            "rng": rng_states,
+        }
+
+    def run_state(self) -> Dict[str, Any]:
+        """What every rank holds alike: where the run is, its batch, its settings (no collective)."""
+        return {
             "scheduler": self.scheduler.state_dict(),
             "epoch": self.epoch,
             "step": self.step,
@@ -173,17 +181,24 @@ class Trainer:
             "global_batch": self.global_batch_size,
             "world_size": self.world.size,
             "strategy": self.config.strategy,
-            "rng": rng_states,
             "config": self.job_config,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.strategy.load_state_dict(state)
+        """A full checkpoint (every rank holds it all), or a sharded one's manifest (every rank
+        then reads its own file: its slices and its RNG states)."""
+        own_rng = None
+        if is_sharded(state):
+            own_rng = self.checkpoints.load_own_shard(state, self.strategy)
+        else:
+            self.strategy.load_state_dict(state)
+            if state["world_size"] == self.world.size:
+                own_rng = state["rng"][self.world.rank]
         self.scheduler.load_state_dict(state["scheduler"])
         self.epoch, self.step = state["epoch"], state["step"]
         self.epoch_position = state["epoch_position"]
-        if state["world_size"] == self.world.size:
-            rng.restore(state["rng"][self.world.rank])
+        if own_rng is not None:
+            rng.restore(own_rng)
         else:
             # Rank r of the new world is not rank r of the old one: derive fresh per-rank seeds.
             rng.seed_everything(rng.rank_seed(self.config.seed + self.step, self.world.rank))
@@ -191,8 +206,13 @@ class Trainer:
                       f"sample {state['epoch_position']} of the epoch")
 
     def save_checkpoint(self) -> None:
-        """Every rank calls it: the state is gathered, rank 0 writes, the others wait."""
-        self.checkpoints.save(self.state_dict(), self.step)
+        """Every rank calls it. Full: the state is gathered, rank 0 writes, the others wait.
+        Sharded: every rank writes its own part, nothing is gathered; rank 0 adds the manifest."""
+        if self.config.checkpoint_format == "sharded":
+            own = {"strategy": self.strategy.shard_state_dict(), "rng": rng.capture()}
+            self.checkpoints.save_sharded(own, self.run_state(), self.step)
+        else:
+            self.checkpoints.save(self.state_dict(), self.step)
         self.faults.beat(self.step)  # a large checkpoint may take longer than a step
 
     def _announce(self) -> None:
