@@ -7,6 +7,7 @@ import platform
 import sys
 from typing import List, Optional
 
+from hvdtrain import consolidate as consolidate_command
 from hvdtrain import plot as plot_command
 from hvdtrain.bench.cli import add_bench_parser
 from hvdtrain.launch import doctor as launch_doctor
@@ -79,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     plot_command.add_arguments(plot)
     plot.set_defaults(run=plot_command.run)
+    checkpoint = commands.add_parser("checkpoint", help="checkpoints: consolidate a sharded one into a full one")
+    checkpoint_commands = checkpoint.add_subparsers(dest="checkpoint_command", required=True)
+    consolidate = checkpoint_commands.add_parser(
+        "consolidate", help="a sharded checkpoint as one full file, which any strategy and worker count resumes",
+        description=consolidate_command.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    consolidate_command.add_arguments(consolidate)
+    consolidate.set_defaults(run=consolidate_command.run)
     add_bench_parser(commands)
     return parser
 
