@@ -1,0 +1,247 @@
+"""Sharded checkpoints (train.checkpoint_format=sharded) under zero1, zero2 and fsdp: each rank
+writes its own part, a resume on the same worker count and strategy continues bitwise, the parts
+consolidate into exactly the full state the strategy gathers, and a checkpoint written by another
+worker count or strategy stops every rank with the same error, saying what to do."""
+import copy
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hvdtrain import dist, rng
+from hvdtrain import sharded_checkpoint as sharded
+from hvdtrain.config import TrainConfig
+from hvdtrain.strategies import build_strategy
+from hvdtrain.strategies.sharded_state import consolidate
+from hvdtrain.trainer import Trainer
+from tests.mpi.helpers import flat_parameters, synthetic_classification
+from tests.mpi.test_fsdp import FEATURES, Blocks, flat
+from tests.mpi.test_zero import MICRO_BATCH, state_difference, two_groups
+from tests.mpi.test_zero import zero_steps as train_steps  # the Trainer's loop, by hand
+
+pytestmark = pytest.mark.mpi
+
+SHARDED = ("zero1", "zero2", "fsdp")
+
+
+class WithExtras(Blocks):
+    """Blocks (three units, odd sizes, so every world size > 1 pads), with what a rank keeps whole
+    besides its slices: a buffer and a frozen parameter, both used in forward."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed=seed)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, FEATURES, dtype=torch.float64))
+        self.frozen = nn.Parameter(torch.full((FEATURES,), 0.1, dtype=torch.float64), requires_grad=False)
+
+    def forward(self, x):
+        return super().forward(x * self.scale + self.frozen)
+
+
+def adamw(model):
+    return torch.optim.AdamW(two_groups(model))  # two groups: own lr and weight decay each
+
+
+def strategy_for(name, world, seed):
+    model = WithExtras(seed)
+    return build_strategy(name, model, adamw(model), world, 1, False)
+
+
+def full_model(strategy):
+    """A copy of the full model state (a collective under fsdp; under zero, views of live buffers)."""
+    return copy.deepcopy(strategy.state_dict()["model"])
+
+
+def same_model(ours, theirs) -> bool:
+    return list(ours) == list(theirs) and all(
+        ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def through_a_file(state):
+    """What torch.save writes and torch.load(weights_only=True) reads back."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_a_strategy_resumes_bitwise_from_its_own_part_and_the_parts_consolidate_exactly(world, name):
+    data = synthetic_classification(samples=192, features=FEATURES, classes=5)
+    original = strategy_for(name, world, seed=0)
+    original.broadcast_from_root()
+    train_steps(original, data, 2, 1, world)
+    own = through_a_file(original.shard_state_dict())
+    every_part = dist.allgather_object(own, name=f"sharded.test.parts.{name}")
+    gathered = copy.deepcopy(original.state_dict())  # the full format (zero's model: views of live buffers)
+
+    resumed = strategy_for(name, world, seed=7)  # another initialisation, a fresh optimizer
+    resumed.broadcast_from_root()
+    resumed.check_shard_state_dict(own)
+    resumed.load_shard_state_dict(own)
+    after_load = full_model(resumed)
+    train_steps(original, data, 2, 1, world, first=2)
+    train_steps(resumed, data, 2, 1, world, first=2)
+    continued, resumed_state = copy.deepcopy(original.state_dict()), resumed.state_dict()
+
+    rebuilt = consolidate(every_part)
+    local = torch.tensor([
+        float(same_model(after_load, gathered["model"])),
+        float(same_model(resumed_state["model"], continued["model"])),
+        state_difference(resumed_state["optimizer"], continued["optimizer"]),
+        float(same_model(rebuilt["model"], gathered["model"])),
+        state_difference(rebuilt["optimizer"], gathered["optimizer"]),
+        (flat(continued["model"]) - flat(gathered["model"])).abs().max().item(),
+    ], dtype=torch.float64)
+    everywhere = dist.allgather_rows(local, name=f"sharded.test.result.{name}")
+
+    slices = sum(part.numel() for part in own["params"])
+    assert slices == sum(b.padded_numel for b in original.buckets) // world.size, "a rank must hold only its slices"
+    assert (everywhere[:, 5] > 1e-3).all(), "training did not move the parameters: the test proves nothing"
+    assert (everywhere[:, 0] == 1).all(), "the loaded model differs from the saved one"
+    assert (everywhere[:, 1] == 1).all(), "the resumed run's model differs from the uninterrupted one"
+    assert (everywhere[:, 2] == 0).all(), f"resumed optimizer state: max |difference| {everywhere[:, 2].tolist()}"
+    assert (everywhere[:, 3] == 1).all(), "the consolidated model differs from the gathered state_dict()"
+    assert (everywhere[:, 4] == 0).all(), f"consolidated optimizer state: max |difference| {everywhere[:, 4].tolist()}"
+
+
+def trainer(world, strategy, directory, max_steps, model_seed=0, checkpoint_format="sharded"):
+    model = WithExtras(model_seed)
+    config = TrainConfig(epochs=5, batch_size=MICRO_BATCH, accumulation=2, lr=0.01, warmup_epochs=0.5, seed=9,
+                         strategy=strategy, max_steps=max_steps, checkpoint_dir=directory, log_every=1000,
+                         checkpoint_format=checkpoint_format, progress="off")
+    optimizer = torch.optim.AdamW(two_groups(model))
+    return Trainer(model, optimizer, synthetic_classification(samples=192, features=FEATURES, classes=5), None,
+                   config, world=world)
+
+
+def fit(world, strategy, directory, max_steps, **kwargs):
+    run = trainer(world, strategy, directory, max_steps, **kwargs)
+    run.fit()
+    return run
+
+
+def shared_directory(world, tmp_path, name):
+    return dist.allgather_object(str(tmp_path), name=f"sharded.test.dir.{name}")[0]  # rank 0's
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_a_stopped_trainer_resumes_from_its_sharded_checkpoint_bitwise(world, tmp_path, name):
+    base = shared_directory(world, tmp_path, f"resume.{name}")
+    rng.seed_everything(rng.rank_seed(1, world.rank))
+    whole = fit(world, name, f"{base}/whole", max_steps=10)
+    gathered = copy.deepcopy(whole.state_dict())  # every rank, before any assertion
+    newest = Path(f"{base}/whole/{sharded.directory_name(10)}")
+    rebuilt = sharded.consolidate(newest)  # in this process, from the files and the manifest
+
+    fit(world, name, f"{base}/stopped", max_steps=3)
+    rng.seed_everything(12345 + world.rank)  # the resumed run must not depend on the RNG it starts with
+    resumed = fit(world, name, f"{base}/stopped", max_steps=10, model_seed=99)
+    whole.strategy.whole_model()
+    resumed.strategy.whole_model()
+    difference = (flat_parameters(resumed.model) - flat_parameters(whole.model)).abs().max().reshape(1)
+    rows = dist.allgather_rows(difference, name=f"sharded.test.resume.{name}")
+    checks = dist.allgather_object([same_model(rebuilt["model"], gathered["model"]),
+                                    state_difference(rebuilt["optimizer"], gathered["optimizer"])],
+                                   name=f"sharded.test.consolidated.{name}")
+
+    manifest = json.loads((newest / sharded.MANIFEST).read_text())
+    assert sorted(p.name for p in newest.iterdir()) == \
+        [sharded.MANIFEST] + [sharded.shard_name(r, world.size) for r in range(world.size)]
+    assert (manifest["strategy"], manifest["world_size"], manifest["step"]) == (name, world.size, 10)
+    assert resumed.step == whole.step == 10
+    assert (rows == 0).all(), f"max |resumed - uninterrupted| per rank: {rows.flatten().tolist()}"
+    assert all(model for model, _ in checks), "the consolidated model differs from the gathered state_dict()"
+    assert all(difference == 0 for _, difference in checks), f"consolidated optimizer state: {checks}"
+    assert rebuilt["step"] == 10 and rebuilt["world_size"] == world.size and len(rebuilt["rng"]) == world.size
+
+
+def test_a_consolidated_checkpoint_resumes_under_another_strategy(world, tmp_path):
+    """zero2 writes sharded, consolidate makes the full file beside it, ddp resumes from it."""
+    base = shared_directory(world, tmp_path, "consolidated")
+    whole = fit(world, "ddp", None, max_steps=8, checkpoint_format="full")
+    fit(world, "zero2", f"{base}/ckpt", max_steps=4)
+    newest = Path(f"{base}/ckpt/{sharded.directory_name(4)}")
+    on_root(world, lambda: torch.save(sharded.consolidate(newest), f"{base}/ckpt/{newest.name}.pt"))
+    resumed = fit(world, "ddp", f"{base}/ckpt", max_steps=8, model_seed=5, checkpoint_format="full")
+    difference = (flat_parameters(resumed.model) - flat_parameters(whole.model)).abs().max().reshape(1)
+    rows = dist.allgather_rows(difference, name="sharded.test.consolidated")
+
+    assert resumed.step == 8
+    # float64: ZeRO sums the gradients in another order than ddp's all-reduce (1e-16 per step).
+    assert (rows < 1e-10).all(), f"max |resumed - uninterrupted| per rank: {rows.flatten().tolist()}"
+
+
+def on_root(world, action) -> None:
+    """Rank 0 does ``action``; its failure fails every rank here, not later in mismatched collectives."""
+    problem = None
+    if world.is_root:
+        try:
+            action()
+        except Exception as error:  # noqa: BLE001 - reported on every rank below
+            problem = repr(error)
+    problem = dist.broadcast_object(problem, root_rank=0, name="sharded.test.on_root")
+    assert problem is None, f"rank 0 failed: {problem}"
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def claim_another_world(directory: Path, world_size: int) -> None:
+    """Make the checkpoint look written by ``world_size`` workers: one consistent file per rank."""
+    manifest = json.loads((directory / sharded.MANIFEST).read_text())
+    content = (directory / manifest["files"][0]["name"]).read_bytes()
+    for entry in manifest["files"]:
+        (directory / entry["name"]).unlink()
+    files = []
+    for rank in range(world_size):
+        target = directory / sharded.shard_name(rank, world_size)
+        target.write_bytes(content)
+        files.append({**manifest["files"][0], "name": target.name, "rank": rank})
+    manifest.update(world_size=world_size, files=files)
+    (directory / sharded.MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("claim", ["another worker count", "another strategy"])
+def test_a_sharded_checkpoint_of_another_world_or_strategy_stops_every_rank_with_what_to_do(world, tmp_path, claim):
+    base = shared_directory(world, tmp_path, f"mismatch.{claim}")
+    fit(world, "zero2", f"{base}/ckpt", max_steps=2)
+    written_by, strategy = (world.size + 1, "zero2") if claim == "another worker count" else (world.size, "fsdp")
+    newest = Path(f"{base}/ckpt/{sharded.directory_name(2)}")
+    on_root(world, lambda: claim_another_world(newest, written_by) if written_by != world.size else None)
+    try:
+        trainer(world, strategy, f"{base}/ckpt", max_steps=4)
+        outcome = "no error"
+    except sharded.ShardedCheckpointMismatch as error:
+        outcome = str(error)
+    outcomes = dist.allgather_object(outcome, name=f"sharded.test.mismatch.{claim}")
+
+    workers = f"{written_by} worker{'s' if written_by > 1 else ''}"
+    assert len(set(outcomes)) == 1, f"the ranks did not agree: {outcomes}"
+    assert f"was written by {workers} under strategy zero2" in outcomes[0], outcomes[0]
+    assert f"run again with {workers} and --train.strategy=zero2" in outcomes[0]
+    assert f"hvdtrain checkpoint consolidate {newest}" in outcomes[0]
+
+
+def test_a_corrupt_shard_stops_every_rank_naming_the_file(world, tmp_path):
+    """A bit flipped in the last rank's file (its size unchanged): that rank finds it when it
+    reads its own file; every rank raises, naming it, instead of the others training on."""
+    base = shared_directory(world, tmp_path, "corrupt")
+    fit(world, "fsdp", f"{base}/ckpt", max_steps=2)
+    newest = Path(f"{base}/ckpt/{sharded.directory_name(2)}")
+    victim = newest / sharded.shard_name(world.size - 1, world.size)
+    on_root(world, lambda: flip_a_byte(victim))
+    try:
+        trainer(world, "fsdp", f"{base}/ckpt", max_steps=4)
+        outcome = "no error"
+    except sharded.CheckpointError as error:
+        outcome = str(error)
+    outcomes = dist.allgather_object(outcome, name="sharded.test.corrupt")
+
+    assert len(set(outcomes)) == 1, f"the ranks did not agree: {outcomes}"
+    assert f"rank {world.size - 1}: {victim} does not match" in outcomes[0], outcomes[0]
