@@ -10,6 +10,7 @@ PROGRESS_MODES = ("auto", "bar", "log", "off")
 # hvdtrain.strategies implements each (kept here so reading settings never imports torch).
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 CHECKPOINT_FORMATS = ("full", "sharded")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def check_whole_numbers(section: Any, names: tuple, minimum: int = 1) -> None:
@@ -43,6 +44,9 @@ class TrainConfig:
     accumulation: int = field(default=1, metadata={"help": "micro-batches per optimizer step (backward_passes_per_step)"})
     strategy: str = field(default="ddp", metadata={"help": "how model state is spread over the ranks: ddp replicates it (all-reduce); zero1 shards the optimizer state, zero2 also the gradients (reduce-scatter + all-gather), fsdp also the parameters (each block gathered while it computes); see README, Strategies", "choices": STRATEGIES})
     fp16_allreduce: bool = field(default=False, metadata={"help": "compress gradients to fp16 for the all-reduce"})
+    precision: str = field(default="fp32", metadata={"help": "the forward's precision: fp32; bf16 (autocast, no loss scaling; runs on CPUs too); fp16 (autocast and a dynamic loss scale, steps with inf/nan skipped on every rank alike); see README, Mixed precision", "choices": PRECISIONS})
+    max_grad_norm: Optional[float] = field(default=None, metadata={"help": "clip the averaged gradients to this global L2 norm, across shards under sharded strategies (null: no clipping)"})
+    sync_batchnorm: bool = field(default=False, metadata={"help": "compute BatchNorm statistics over the global batch (every rank's samples) instead of each rank's own"})
     seed: int = field(default=42, metadata={"help": "one seed for the job; ranks derive theirs from it"})
     log_every: int = field(default=20, metadata={"help": "steps between log lines (rank 0)"})
     max_steps: Optional[int] = field(default=None, metadata={"help": "stop after this many optimizer steps"})
@@ -85,6 +89,10 @@ class TrainConfig:
                 "or fsdp), got strategy=ddp: under ddp every rank holds the whole model and optimizer "
                 "state, so there is nothing to shard and rank 0 writes it alone. Use checkpoint_format=full "
                 "with ddp, or a sharded strategy with checkpoint_format=sharded")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"TrainConfig.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"TrainConfig.max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm!r}")
         if self.progress not in PROGRESS_MODES:
             raise ValueError(f"TrainConfig.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
         if self.run_name is not None and (not self.run_name or "/" in self.run_name or self.run_name.startswith(".")):

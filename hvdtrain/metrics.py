@@ -1,33 +1,71 @@
 """Training statistics kept on each rank without synchronising, and reduced across ranks on demand."""
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Callable, Dict, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Tuple
 
 import torch
 
 from hvdtrain import dist
+from hvdtrain.steps import StepFn, batch_size, to_device
 
 
-class RunningLoss:
-    """Sum of per-sample losses and the sample count since the last reset.
-
-    Kept as a tensor on the training device: no .item() in the step, which would force a
-    device sync on every step on a GPU.
-    """
+class RunningMeans:
+    """Sums of sample-weighted values (the loss, then the step's metrics) and the sample count
+    since the last reduction, kept as one tensor on the training device: no .item() in the step,
+    which would force a device sync on every step on a GPU."""
 
     def __init__(self, device: torch.device) -> None:
-        self._totals = torch.zeros(2, dtype=torch.float64, device=device)
+        self.device = device
+        self.names: List[str] = []  # known from the first batch on: "loss", then the metrics sorted
+        self._totals = torch.zeros(1, dtype=torch.float64, device=device)  # count, then the sums
 
-    def add(self, mean_loss: torch.Tensor, samples: int) -> None:
-        self._totals[0] += mean_loss.detach().to(torch.float64) * samples
-        self._totals[1] += samples
+    def add(self, loss: torch.Tensor, metrics: Mapping[str, Any], samples: int) -> None:
+        names = ["loss", *sorted(metrics)]
+        if not self.names:
+            self.names = names
+            self._totals = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)
+        elif names != self.names:
+            raise ValueError(f"the step returned metrics {names[1:]} after {self.names[1:]}: it must "
+                             "return the same metric names for every batch")
+        values = [loss.detach()] + [torch.as_tensor(metrics[name]).detach() for name in names[1:]]
+        self._totals[0] += samples
+        self._totals[1:] += torch.stack([v.to(self.device, torch.float64).reshape(()) for v in values]) * samples
 
-    def reduce(self, name: str) -> Tuple[float, float]:
-        """(loss sum, sample count) over every rank since the last reset; a collective."""
-        totals = dist.allreduce_sum(self._totals.cpu(), name=name)
+    def reduce(self, name: str, agree_on_names: bool = False) -> "Totals":
+        """The sums and the sample count over every rank since the last reduction; a collective.
+
+        ``agree_on_names``: a rank may have seen no batch (a short validation shard), so the
+        ranks first tell each other the names (another collective)."""
+        names = self.names
+        if agree_on_names:
+            every = dist.allgather_object(names, name=f"{name}.names")
+            names = next((n for n in every if n), [])
+            if any(n and n != names for n in every):
+                raise ValueError(f"the ranks' steps returned different metrics: {every}")
+        totals = self._totals if self.names else torch.zeros(len(names) + 1, dtype=torch.float64)
+        reduced = dist.allreduce_sum(totals.cpu(), name=name).tolist()
         self._totals.zero_()
-        return float(totals[0]), float(totals[1])
+        return Totals(dict(zip(names, reduced[1:])), reduced[0])
+
+
+@dataclass
+class Totals:
+    """Sample-weighted sums over every rank's samples, and the sample count."""
+
+    sums: Dict[str, float] = field(default_factory=dict)
+    count: float = 0.0
+
+    def __iadd__(self, other: "Totals") -> "Totals":
+        for key, value in other.sums.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+        self.count += other.count
+        return self
+
+    def means(self) -> Dict[str, float]:
+        return {key: value / self.count if self.count else float("nan") for key, value in self.sums.items()}
 
 
 class Throughput:
@@ -60,18 +98,18 @@ class Throughput:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, loss_fn, device: torch.device,
+def evaluate(model: torch.nn.Module, loader, step: StepFn, device: torch.device,
+             autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
              after_batch: Callable[[], None] = lambda: None, lockstep: bool = False) -> Dict[str, float]:
-    """Validation loss and accuracy over the whole validation set (every rank's shard; a collective).
+    """The step's loss and metrics over the whole validation set, as ``val_<name>`` (every rank's
+    shard, weighted by samples; a collective), and ``val_samples``.
 
     ``lockstep``: the model's forward is itself a collective (fsdp), so every rank runs as many
     forwards as the rank with the most batches; a rank with fewer repeats its last batch and
     does not count it (validation shards are not padded: each sample counts once).
     """
     model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    count = 0
+    means = RunningMeans(device)
     extra = 0
     if lockstep:
         counts = dist.allgather_object(len(loader), name="val.batches")  # every rank decides alike
@@ -79,30 +117,17 @@ def evaluate(model: torch.nn.Module, loader, loss_fn, device: torch.device,
             raise ValueError(f"validation batches per rank {counts}: with a sharded model every rank "
                              f"needs at least one; use fewer workers or a larger validation set")
         extra = max(counts) - len(loader)
-    inputs = None
-    for inputs, targets in loader:
-        inputs, targets = inputs.to(device), targets.to(device)
-        outputs = model(inputs)
-        # Per target element: one per sample for a classifier, one per token for a language model.
-        loss_sum += loss_fn(outputs, targets).to(torch.float64) * targets.numel()
-        correct += (outputs.argmax(dim=-1) == targets).sum()
-        count += targets.numel()
+    batch = None
+    for batch in loader:
+        batch = to_device(batch, device)
+        with autocast():
+            loss, metrics = step(model, batch)
+        means.add(loss, metrics, batch_size(batch))
         after_batch()
     for _ in range(extra):  # lockstep: the last batch again, not counted
-        model(inputs)
-    return evaluation_metrics(float(loss_sum), int(correct), count, name="val.metrics")
-
-
-def evaluation_metrics(loss_sum: float, correct: int, count: int, name: str) -> Dict[str, float]:
-    """Loss and accuracy over the union of every rank's shard (summed, not an average of averages)."""
-    totals = dist.allreduce_sum(
-        torch.tensor([loss_sum, float(correct), float(count)], dtype=torch.float64), name=name
-    )
-    total_count = float(totals[2])
-    if total_count == 0:
+        with autocast():
+            step(model, batch)
+    totals = means.reduce("val.metrics", agree_on_names=True)
+    if totals.count == 0:
         raise ValueError("the validation set is empty on every rank")
-    return {
-        "val_loss": float(totals[0]) / total_count,
-        "val_accuracy": float(totals[1]) / total_count,
-        "val_samples": total_count,
-    }
+    return {**{f"val_{name}": value for name, value in totals.means().items()}, "val_samples": totals.count}

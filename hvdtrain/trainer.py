@@ -28,15 +28,19 @@ from hvdtrain.checkpointing import Checkpointing
 from hvdtrain.config import TrainConfig
 from hvdtrain.data import ShardedSampler
 from hvdtrain.elastic import TrainerState, is_elastic_launch
+from hvdtrain.export import export_model
 from hvdtrain.faults import FaultHandling
 from hvdtrain.log import get_logger
 from hvdtrain.memory import MemoryReport
-from hvdtrain.metrics import RunningLoss, Throughput, evaluate
+from hvdtrain.metrics import RunningMeans, Throughput, Totals, evaluate
+from hvdtrain.precision import Precision
 from hvdtrain.progress import Progress, resolve_mode
 from hvdtrain.reporting import TimelineWindow, announce, announce_settings, epoch_line, open_run_dir
 from hvdtrain.rundir import RunDirectory
 from hvdtrain.sharded_checkpoint import is_sharded
+from hvdtrain.steps import StepFn, batch_size, supervised_step, to_device
 from hvdtrain.strategies import ELASTIC_STRATEGIES, build_strategy
+from hvdtrain.sync_batchnorm import convert_sync_batchnorm
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -47,7 +51,9 @@ class Trainer:
     Build the model and optimizer as for one process, with the learning rate of one worker:
     the Trainer hands both to the strategy (``config.strategy``), scales the rate and
     broadcasts rank 0's state. ``loss_fn`` takes (outputs, targets) and returns the mean loss
-    of the batch. ``job_config`` is the script's whole resolved configuration (all sections),
+    of the batch; or ``step_fn(model, batch) -> (loss, metrics)`` computes both from a batch of
+    any structure (a dict, say; see hvdtrain.steps), and every metric is reported as a mean over
+    every rank's samples, for training and validation. ``job_config`` is the script's whole resolved configuration (all sections),
     recorded in the run directory and in every checkpoint; by default only the ``train`` section.
     """
 
@@ -61,14 +67,19 @@ class Trainer:
         loss_fn: LossFn = F.cross_entropy,
         world: Optional[dist.World] = None,
         job_config: Optional[Mapping[str, Any]] = None,
+        step_fn: Optional[StepFn] = None,
     ) -> None:
         self.config = config or TrainConfig()
         self.job_config = dict(job_config) if job_config is not None else {"train": self.config.to_dict()}
         self.world = world or dist.init(seed=self.config.seed, timeline=self.config.timeline_steps > 0)
         self.log = get_logger(self.world)
         self.loss_fn = loss_fn
-        self.model = model.to(self.world.device)
+        self.step_fn = step_fn or supervised_step(loss_fn)
         cfg = self.config
+        # Before the strategy wraps it: the converted layers keep the same parameter objects.
+        self.model = convert_sync_batchnorm(model) if cfg.sync_batchnorm else model
+        self.model = self.model.to(self.world.device)
+        self.precision = Precision(cfg.precision, self.world.device)
         # Under Horovod elastic, set-up runs no collective: a worker that joins later runs this
         # while the others wait in the elastic sync, and mismatched collectives deadlock. The
         # elastic sync broadcasts rank 0's state (and its checkpoint, if it read one) instead.
@@ -108,6 +119,7 @@ class Trainer:
         self.faults = FaultHandling(cfg, self.world, self.log)
         self._elastic: Optional[TrainerState] = None
         self.preempted = False
+        self.grad_norm = float("nan")  # before clipping, at the last step (train.max_grad_norm)
         self.run_dir: Optional[RunDirectory] = open_run_dir(cfg, self.world, self.log, self.job_config,
                                                             self.elastic_launch)
         self._announce()
@@ -181,6 +193,7 @@ class Trainer:
             "global_batch": self.global_batch_size,
             "world_size": self.world.size,
             "strategy": self.config.strategy,
+            "precision": self.precision.state_dict(),  # fp16's loss scale continues on resume
             "config": self.job_config,
         }
 
@@ -195,6 +208,7 @@ class Trainer:
             if state["world_size"] == self.world.size:
                 own_rng = state["rng"][self.world.rank]
         self.scheduler.load_state_dict(state["scheduler"])
+        self.precision.load_state_dict(state.get("precision", {}))  # absent before hvdtrain had it
         self.epoch, self.step = state["epoch"], state["step"]
         self.epoch_position = state["epoch_position"]
         if own_rng is not None:
@@ -275,6 +289,7 @@ class Trainer:
         next start resumes. A run resumed from its own last checkpoint has nothing left to
         train: its model is evaluated instead.
         """
+        run_dir = self.run_dir.path if self.run_dir is not None else None
         try:
             history = self.fit()
         finally:
@@ -285,6 +300,10 @@ class Trainer:
             return None
         final = history[-1] if history else self.evaluate()
         self.strategy.whole_model()  # every rank: from here on one rank may use the model alone
+        if run_dir is not None and self.world.is_root:
+            path = export_model(self.model.state_dict(), run_dir,
+                                metadata={"step": self.step, "strategy": self.config.strategy})
+            self.log.info(f"trained model written to {path} (safetensors, with config.yaml beside it)")
         return final
 
     def close(self) -> None:
@@ -296,7 +315,7 @@ class Trainer:
     def _fit(self, history: List[Dict[str, float]]) -> None:
         while self.epoch < self.config.epochs and not self._finished():
             started = time.perf_counter()
-            train_loss, samples = self._train_epoch()
+            train, samples = self._train_epoch()
             elapsed = time.perf_counter() - started
             if self.preempted:
                 break
@@ -307,7 +326,7 @@ class Trainer:
             record = {
                 "epoch": reached,
                 "step": self.step,
-                "train_loss": train_loss,
+                **{f"train_{name}": value for name, value in train.items()},
                 "samples_per_sec": samples / elapsed,
                 "lr": self.optimizer.param_groups[0]["lr"],
                 **self.evaluate(),
@@ -328,22 +347,24 @@ class Trainer:
         #    (from where a resumed epoch stopped).
         self.sampler.set_epoch(self.epoch, start=self.epoch_position)
         self.model.train()
-        window = RunningLoss(device)
+        window = RunningMeans(device)
         throughput = Throughput(self.world.size)
-        epoch_loss_sum = epoch_count = 0.0
+        epoch_totals = Totals()
 
-        for index, (inputs, targets) in enumerate(self.batching.train_loader):
+        for index, batch in enumerate(self.batching.train_loader):
             if self._finished():
                 break
-            inputs = inputs.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
+            batch = to_device(batch, device)
+            samples = batch_size(batch)
             # 3. Forward and backward on this rank's micro-batch; the strategy's hooks start each
             #    gradient's reduction as soon as backward has produced it.
             self._phase = "the forward and backward pass"
-            loss = self.loss_fn(self.model(inputs), targets)
-            strategy.backward(loss / cfg.accumulation if cfg.accumulation > 1 else loss)
-            window.add(loss, len(targets))
-            throughput.add(len(targets))
+            with self.precision.autocast():
+                loss, metrics = self.step_fn(self.model, batch)
+            scaled = self.precision.scale_loss(loss)
+            strategy.backward(scaled / cfg.accumulation if cfg.accumulation > 1 else scaled)
+            window.add(loss, metrics, samples)
+            throughput.add(samples)
             if (index + 1) % cfg.accumulation:
                 continue
             # 5. Wait for the reduced gradients, then the same update on every rank. The wait
@@ -353,7 +374,7 @@ class Trainer:
             strategy.synchronize()
             throughput.add_wait(time.perf_counter() - waited)
             self._phase = "the optimizer step"
-            strategy.step()
+            self._update()
             self.memory.after_first_step(self.run_dir, self.step + 1, self._started)
             strategy.zero_grad()
             self.scheduler.step()
@@ -372,32 +393,47 @@ class Trainer:
                 self._stop_for_preemption()
                 break
             if self.step % cfg.log_every == 0:
-                loss_sum, count = window.reduce(name="train.window_loss")
-                epoch_loss_sum, epoch_count = epoch_loss_sum + loss_sum, epoch_count + count
-                self._report(loss_sum / count, throughput)
+                totals = window.reduce(name="train.window")
+                epoch_totals += totals
+                self._report(totals.means(), throughput)
 
-        loss_sum, count = window.reduce(name="train.epoch_loss")
-        epoch_loss_sum, epoch_count = epoch_loss_sum + loss_sum, epoch_count + count
-        mean = epoch_loss_sum / epoch_count if epoch_count else float("nan")
-        return mean, epoch_count
+        epoch_totals += window.reduce(name="train.epoch")
+        return epoch_totals.means(), epoch_totals.count
 
-    def _report(self, loss: float, throughput: Throughput) -> None:
+    def _update(self) -> None:
+        """The synchronized gradients unscaled and checked (fp16: a step with inf/nan on any rank is
+        skipped on every rank), clipped, then the strategy's step."""
+        strategy = self.strategy
+        if self.precision.scaled and not self.precision.unscale_and_check(
+                strategy.owned_gradients(), strategy.shards_gradients, name="fp16.nonfinite"):
+            self.log.warning(f"step {self.step + 1}: inf/nan in the fp16 gradients, step skipped on every "
+                             f"rank; loss scale now {self.precision.scale:g}")
+            return
+        if self.config.max_grad_norm is not None:
+            self.grad_norm = strategy.clip_grad_norm_(self.config.max_grad_norm)
+        strategy.step()
+
+    def _report(self, means: Dict[str, float], throughput: Throughput) -> None:
         """Every log_every steps: the progress display and a metrics record (values of rank 0,
         whose clock measures the job: every step ends in the same collective on every rank)."""
         samples_per_sec, comm_fraction = throughput.read()
         lr = self.optimizer.param_groups[0]["lr"]
-        self.progress.report(self.epoch + 1, self.step, loss, lr, samples_per_sec, comm_fraction)
+        self.progress.report(self.epoch + 1, self.step, means["loss"], lr, samples_per_sec, comm_fraction)
         if self.run_dir is not None:
+            extra = {"grad_norm": self.grad_norm} if self.config.max_grad_norm is not None else {}
+            if self.precision.scaled:
+                extra.update(loss_scale=self.precision.scale, skipped_steps=self.precision.skipped_steps)
             self.run_dir.record("step", {
                 "step": self.step, "epoch": self.epoch + self.epoch_position / self.batching.dataset_size,
-                "loss": loss, "lr": lr, "samples_per_sec": samples_per_sec, "comm_fraction": comm_fraction,
+                **means, "lr": lr, "samples_per_sec": samples_per_sec, "comm_fraction": comm_fraction, **extra,
             }, self._started)
 
     def evaluate(self) -> Dict[str, float]:
-        """Validation loss and accuracy over the whole validation set (every rank's shard)."""
+        """The step's loss and metrics over the whole validation set (every rank's shard), as
+        val_loss, val_<metric>."""
         if self.batching.val_loader is None:
             return {}
         self._phase = "evaluation"
-        return evaluate(self.model, self.batching.val_loader, self.loss_fn, self.world.device,
-                        after_batch=lambda: self.faults.beat(self.step),
+        return evaluate(self.model, self.batching.val_loader, self.step_fn, self.world.device,
+                        self.precision.autocast, after_batch=lambda: self.faults.beat(self.step),
                         lockstep=self.strategy.collective_forward)

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Dict, List
 
 import torch
 
+from hvdtrain import clipping
 from hvdtrain.dist import World
 
 
@@ -73,6 +74,24 @@ class Strategy(ABC):
     @abstractmethod
     def zero_grad(self) -> None:
         """Clear the gradients for the next step."""
+
+    # Between synchronize and step, the loop may unscale (fp16) and clip the averaged gradients.
+
+    # Whether each rank holds only its slice of the gradients: a norm or an inf check is then a collective.
+    shards_gradients: ClassVar[bool] = False
+
+    def owned_gradients(self) -> List[torch.Tensor]:
+        """This rank's averaged gradients after synchronize(): every parameter's whole gradient,
+        or, when ``shards_gradients``, this rank's slices of them."""
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale the averaged gradients so that the whole model's gradient norm is at most
+        ``max_norm``; returns the norm before clipping, the same on every rank (a collective
+        when the gradients are sharded)."""
+        if self.shards_gradients:
+            return clipping.clip_sharded(self.owned_gradients(), max_norm, name=f"{self.name}.grad_norm")
+        return clipping.clip_replicated(self.owned_gradients(), max_norm)
 
     @abstractmethod
     def state_dict(self) -> Dict[str, Any]:

@@ -328,6 +328,11 @@ class FSDPStrategy(Strategy):
 
     # What this rank holds.
 
+    shards_gradients = True
+
+    def owned_gradients(self) -> List[torch.Tensor]:
+        return [bucket.shard_grad for bucket in self.buckets]
+
     def memory_bytes(self) -> Dict[str, int]:
         """Counted from storages: a freed full buffer counts 0 bytes, a gathered one its full size."""
         params = list(self.model.parameters()) + [bucket.shard for bucket in self.buckets]

@@ -296,6 +296,11 @@ class ZeroStrategy(Strategy):
             bucket.flat_param.copy_(hvd.synchronize(handle))
         self._carried_state = None
 
+    shards_gradients = True
+
+    def owned_gradients(self) -> List[torch.Tensor]:
+        return [bucket.shard_grad for bucket in self.buckets]
+
     def memory_bytes(self) -> Dict[str, int]:
         params = list(self.model.parameters())
         shards = [bucket.shard for bucket in self.buckets]

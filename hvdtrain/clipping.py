@@ -1,0 +1,48 @@
+"""Gradient clipping by the global norm, applied to the averaged gradients (after synchronize).
+
+Replicated gradients (ddp): every rank holds the same averaged gradients, so torch's own
+clip_grad_norm_ gives every rank the same norm and the same scaled gradients.
+
+Sharded gradients (zero1, zero2, fsdp): each rank holds the averaged gradient of its slice only;
+the squares of its slices are summed, the sums all-reduced (one scalar) and the norm taken from
+the total, so every rank scales its slice by the same factor: the norm of the whole model's
+gradient, as one process would compute it (zero padding adds nothing). The squares are summed in
+float64, so the sharded sum differs from one process's only in its last bits.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+import horovod.torch as hvd
+
+# torch.nn.utils.clip_grad_norm_'s guard against dividing by a zero norm.
+EPSILON = 1e-6
+
+
+def clip_replicated(gradients: Sequence[torch.Tensor], max_norm: float) -> float:
+    """torch's clip_grad_norm_ arithmetic on gradients every rank holds whole (no collective);
+    returns the norm before clipping."""
+    if not gradients:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm(gradients)
+    factor = torch.clamp(max_norm / (norm + EPSILON), max=1.0)
+    for gradient in gradients:
+        gradient.mul_(factor.to(gradient.device))
+    return float(norm)
+
+
+def clip_sharded(slices: Sequence[torch.Tensor], max_norm: float, name: str) -> float:
+    """Clip gradients of which each rank holds ``slices`` (a collective: every rank calls it, with
+    the same ``name``); returns the global norm before clipping, the same on every rank."""
+    device = slices[0].device if slices else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for piece in slices:
+        squares += piece.detach().double().square().sum()
+    total = hvd.allreduce(squares, op=hvd.Sum, name=name)
+    norm = total.sqrt()
+    factor = torch.clamp(max_norm / (norm + EPSILON), max=1.0)
+    for piece in slices:
+        piece.detach().mul_(factor.to(piece.dtype))
+    return float(norm)

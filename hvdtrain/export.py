@@ -1,0 +1,76 @@
+"""The trained model as files any program can load without hvdtrain: ``model.safetensors`` and the
+resolved settings beside it.
+
+safetensors holds named tensors and a string table, nothing executable, and loads with
+``safetensors.torch.load_file`` (or in numpy, JAX, Rust...). The weights are the unwrapped model's
+``state_dict()``: the same names as the user's own ``nn.Module``, so
+``model.load_state_dict(load_file("model.safetensors"))`` restores it. Tensors that share memory
+(tied embeddings, views of ZeRO's flat buffers) are written as separate copies, as safetensors asks.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+import yaml
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.yaml"
+
+
+def _plain_tensors(state: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
+    """Contiguous CPU copies that own their memory; anything that is not a tensor is refused."""
+    tensors = {}
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"model state entry {name!r} is a {type(value).__name__}, not a tensor: "
+                            "only tensors can be exported")
+        tensors[name] = value.detach().to("cpu", copy=True).contiguous()
+    return tensors
+
+
+def _replace(path: Path, write) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def export_model(model_state: Mapping[str, Any], directory: os.PathLike, config: Optional[Mapping[str, Any]] = None,
+                 metadata: Optional[Mapping[str, Any]] = None) -> Path:
+    """Write ``directory/model.safetensors`` (and ``config.yaml`` when ``config`` is given); each
+    file appears whole or not at all. ``metadata`` (step, strategy...) goes into the file's string
+    table. Returns the weights' path."""
+    from safetensors.torch import save_file  # only an export pays for the import
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = directory / WEIGHTS_FILE
+    strings = {"format": "pt", **{key: json.dumps(value) for key, value in (metadata or {}).items()}}
+    tensors = _plain_tensors(model_state)
+    _replace(weights, lambda path: save_file(tensors, str(path), metadata=strings))
+    if config is not None:
+        _replace(directory / CONFIG_FILE,
+                 lambda path: path.write_text(yaml.safe_dump(dict(config), sort_keys=False)))
+    return weights
+
+
+def export_checkpoint(checkpoint: Mapping[str, Any], directory: os.PathLike) -> Path:
+    """A full checkpoint's model and settings as ``model.safetensors`` + ``config.yaml``."""
+    metadata = {"step": checkpoint.get("step"), "strategy": checkpoint.get("strategy", "ddp"),
+                "world_size": checkpoint.get("world_size")}
+    return export_model(checkpoint["model"], directory, checkpoint.get("config"), metadata)
+
+
+def read_metadata(path: os.PathLike) -> Dict[str, Any]:
+    """The string table of an exported file, decoded (``format`` stays a string)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        table = handle.metadata() or {}
+    return {key: value if key == "format" else json.loads(value) for key, value in table.items()}

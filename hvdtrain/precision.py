@@ -1,0 +1,90 @@
+"""Mixed precision: the forward under autocast, and for fp16 a dynamic loss scale.
+
+    fp32  nothing changes
+    bf16  forward under torch.autocast(bfloat16): bf16 has fp32's exponent range, so gradients
+          neither underflow nor overflow and need no scaling (runs on CPUs too)
+    fp16  forward under torch.autocast(float16), the loss multiplied by a scale before backward so
+          that small gradients survive fp16, in Horovod's order: synchronize (the scaled gradients
+          averaged), unscale, check for inf/nan, step (the strategy's, already synchronized)
+
+The check is the ranks' common decision: under a sharded strategy each rank holds only its slice
+of the gradients, so one scalar (inf/nan found anywhere) is all-reduced and every rank skips the
+same steps. That is why this is not torch's GradScaler, which decides per process. The scale and
+its growth counter go into checkpoints, so a resumed fp16 run continues with the same scale.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager, Dict, Sequence
+
+import torch
+
+import horovod.torch as hvd
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    """Autocast for the forward and, under fp16, the loss scale (torch GradScaler's defaults)."""
+
+    def __init__(self, name: str, device: torch.device, init_scale: float = 2.0 ** 16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
+        if name not in AUTOCAST_DTYPES:
+            raise ValueError(f"unknown precision {name!r}: choose one of {', '.join(AUTOCAST_DTYPES)}")
+        self.name, self.device = name, device
+        self.scaled = name == "fp16"
+        self.scale = init_scale if self.scaled else 1.0
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.good_steps = 0  # steps without inf/nan since the scale last changed
+        self.skipped_steps = 0
+
+    def autocast(self) -> ContextManager[Any]:
+        dtype = AUTOCAST_DTYPES[self.name]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.scaled else loss
+
+    def unscale_and_check(self, gradients: Sequence[torch.Tensor], sharded: bool, name: str) -> bool:
+        """After synchronize: divide the gradients by the scale; True when the step may be taken.
+
+        ``gradients`` are this rank's averaged gradients (its slices when ``sharded``). With inf or
+        nan anywhere, on any rank, every rank returns False and the scale backs off; after
+        ``growth_interval`` good steps in a row it grows. A collective under sharded strategies."""
+        if not self.scaled:
+            return True
+        found = torch.zeros((), dtype=torch.float32, device=gradients[0].device if gradients else self.device)
+        for gradient in gradients:
+            found = torch.maximum(found, (~torch.isfinite(gradient)).any().float())
+        if sharded:
+            found = hvd.allreduce(found, op=hvd.Max, name=name)
+        finite = not bool(found)
+        if finite:
+            inverse = 1.0 / self.scale
+            for gradient in gradients:
+                gradient.mul_(inverse)
+        self._update(finite)
+        return finite
+
+    def _update(self, finite: bool) -> None:
+        if not finite:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            self.skipped_steps += 1
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"name": self.name, "scale": self.scale, "good_steps": self.good_steps,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """A checkpoint's scale continues only under the same precision (fp32 and bf16 keep none)."""
+        if state.get("name") == self.name and self.scaled:
+            self.scale, self.good_steps = state["scale"], state["good_steps"]
+            self.skipped_steps = state["skipped_steps"]

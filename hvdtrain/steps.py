@@ -1,0 +1,62 @@
+"""What one training or evaluation step computes: a loss to train on and metrics to report.
+
+A step function takes the model and one batch as the loader gives it (a tuple, a dict as Hugging
+Face datasets give, any nesting of them) and returns ``(loss, metrics)``: the batch's mean loss
+and a dict of per-batch means (tensors or numbers). The Trainer moves the batch to the device,
+weights every value by the batch's size (its leading dimension) and reduces the sums across ranks,
+so a reported metric is the mean over every rank's samples.
+
+Without one, ``supervised_step(loss_fn)`` serves ``(inputs, targets)`` batches:
+``loss_fn(model(inputs), targets)``, and accuracy when it means something (integer class targets
+and one score per class).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+
+Metrics = Dict[str, Any]
+StepFn = Callable[[torch.nn.Module, Any], Tuple[torch.Tensor, Metrics]]
+
+
+def supervised_step(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> StepFn:
+    def step(model: torch.nn.Module, batch: Any) -> Tuple[torch.Tensor, Metrics]:
+        inputs, targets = batch
+        outputs = model(inputs)
+        metrics: Metrics = {}
+        # Class scores in the last dimension, one integer label per position: a classifier (or a
+        # language model's next-token prediction). A regression's targets are floats: no accuracy.
+        if not targets.is_floating_point() and outputs.dim() == targets.dim() + 1:
+            metrics["accuracy"] = (outputs.detach().argmax(dim=-1) == targets).double().mean()
+        return loss_fn(outputs, targets), metrics
+
+    return step
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """The batch with every tensor in it moved to ``device`` (tuples, lists and dicts kept)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):  # a dict, or a mapping such as transformers' BatchEncoding
+        moved = {key: to_device(value, device) for key, value in batch.items()}
+        return moved if type(batch) is dict else type(batch)(moved)
+    if isinstance(batch, (tuple, list)):
+        moved = [to_device(item, device) for item in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
+
+
+def batch_size(batch: Any) -> int:
+    """The leading dimension of the first tensor in the batch: its number of samples."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else ()
+    for value in values:
+        try:
+            return batch_size(value)
+        except TypeError:
+            continue
+    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}: a batch must hold a tensor "
+                    "whose first dimension counts its samples")

@@ -1,0 +1,254 @@
+"""The loop's features do what one process with the global batch does, under every strategy:
+gradient clipping by the global norm, a step function of the user's own over dict batches,
+BatchNorm statistics over the global batch, fp16's skipped steps, and the exported model.
+
+Bounds: float64 throughout. N workers and one process add the same numbers in another order (the
+all-reduce, the reduce-scatter, a sharded norm summed across ranks), ~1e-16 relative per
+operation; over a few steps that stays below 1e-13, so 1e-10 is far above rounding and far below
+what a missing feature changes (clipping, a wrong statistic or a lost metric move values by 1e-3
+or more, checked in each test so that it proves something).
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from hvdtrain import dist
+from hvdtrain.config import TrainConfig
+from hvdtrain.data import ShardedSampler
+from hvdtrain.trainer import Trainer
+from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
+
+pytestmark = pytest.mark.mpi
+
+STRATEGIES = ["ddp", "zero1", "zero2", "fsdp"]
+BOUND = 1e-10  # see the module's docstring
+BATCH, STEPS, SEED = 4, 4, 11
+
+
+def global_batches(samples, world_size, steps=STEPS):
+    """The samples one process takes at each step: the sampler's order, a global batch at a time."""
+    sampler = ShardedSampler(samples, rank=0, world_size=1, seed=SEED)
+    sampler.set_epoch(0)
+    order, size = list(sampler), BATCH * world_size
+    return [order[step * size:(step + 1) * size] for step in range(steps)]
+
+
+def config(strategy, **overrides):
+    return TrainConfig(epochs=1, batch_size=BATCH, strategy=strategy, scale_lr=False, warmup_epochs=0,
+                       max_steps=STEPS, seed=SEED, log_every=1000, **overrides)
+
+
+def agreed(values, name):
+    """Every rank's row of values (a collective: call it before asserting)."""
+    return dist.allgather_rows(torch.as_tensor(values, dtype=torch.float64).reshape(1, -1), name=name)
+
+
+# ---- gradient clipping -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_clipping_by_the_global_norm_matches_one_process(world, strategy):
+    data = synthetic_classification(samples=96)
+    max_norm = 0.05
+    model = small_mlp(seed=100 + world.rank)
+    make = lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    trainer = Trainer(model, make(model.parameters()), data, None, config(strategy, max_grad_norm=max_norm),
+                      world=world)
+    initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
+    trainer.fit()
+    trainer.strategy.whole_model()
+
+    reference = small_mlp(seed=0)
+    reference.load_state_dict(initial)
+    optimizer = make(reference.parameters())
+    unclipped, norms = copy.deepcopy(reference), []
+    unclipped_optimizer = make(unclipped.parameters())
+    inputs, labels = data.tensors
+    for batch in global_batches(len(data), world.size):
+        for net, opt, clip in ((reference, optimizer, True), (unclipped, unclipped_optimizer, False)):
+            opt.zero_grad()
+            F.cross_entropy(net(inputs[batch]), labels[batch]).backward()
+            if clip:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm)))
+            opt.step()
+    ours = flat_parameters(trainer.model)
+    rows = agreed([(ours - flat_parameters(reference)).abs().max(), (ours - flat_parameters(unclipped)).abs().max(),
+                   trainer.grad_norm], name=f"clip.{strategy}")
+
+    assert min(norms) > 2 * max_norm, f"the gradient norms {norms} never needed clipping: the test proves nothing"
+    assert (rows[:, 0] < BOUND).all(), f"max |clipped run - one process clipping| per rank: {rows[:, 0].tolist()}"
+    assert (rows[:, 1] > 1e-3).all(), "clipping changed nothing"
+    # The last step's norm before clipping, the same on every rank, is the one process's.
+    assert (rows[:, 2] - norms[-1]).abs().max() < BOUND * norms[-1]
+
+
+# ---- a step of the user's own, over dict batches (a regression) ---------------------------------
+
+class DictRegression(Dataset):
+    """Hugging Face style samples: {"features": x, "target": y} with a real-valued target."""
+
+    def __init__(self, samples: int) -> None:
+        generator = torch.Generator().manual_seed(7)
+        self.x = torch.randn(samples, 6, generator=generator, dtype=torch.float64)
+        self.y = self.x @ torch.randn(6, generator=generator, dtype=torch.float64) + 0.1
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        return {"features": self.x[index], "target": self.y[index]}
+
+
+def regression_step(model, batch):
+    prediction = model(batch["features"]).squeeze(-1)
+    error = prediction - batch["target"]
+    return error.square().mean(), {"mae": error.abs().mean()}
+
+
+def regressor(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_users_step_over_dict_batches_trains_and_reports_its_metrics(world, strategy):
+    train, val = DictRegression(96), DictRegression(37)  # 37: uneven validation shards
+    model = regressor(seed=200 + world.rank)
+    make = lambda params: torch.optim.Adam(params, lr=0.01)
+    trainer = Trainer(model, make(model.parameters()), train, val, config(strategy), world=world,
+                      step_fn=regression_step)
+    initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
+    history = trainer.fit()
+    trainer.strategy.whole_model()
+
+    reference = regressor(seed=0)
+    reference.load_state_dict(initial)
+    optimizer = make(reference.parameters())
+    for batch in global_batches(len(train), world.size):
+        optimizer.zero_grad()
+        regression_step(reference, train[batch])[0].backward()
+        optimizer.step()
+    with torch.no_grad():
+        val_loss, val_metrics = regression_step(reference, val[list(range(len(val)))])
+    record = history[-1]
+    rows = agreed([(flat_parameters(trainer.model) - flat_parameters(reference)).abs().max(),
+                   record["val_loss"] - float(val_loss), record["val_mae"] - float(val_metrics["mae"]),
+                   record["val_samples"]], name=f"step_fn.{strategy}")
+
+    assert set(record) >= {"train_loss", "train_mae", "val_loss", "val_mae"}
+    assert "val_accuracy" not in record and "train_accuracy" not in record, "accuracy means nothing here"
+    assert (rows[:, 0] < BOUND).all(), f"parameters differ from one process: {rows[:, 0].tolist()}"
+    assert (rows[:, 1:3].abs() < BOUND).all(), f"validation loss and mae differ: {rows[:, 1:3].tolist()}"
+    assert (rows[:, 3] == len(val)).all()
+
+
+# ---- SyncBatchNorm through the Trainer ----------------------------------------------------------
+
+def bn_model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4)).double()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_sync_batchnorm_matches_one_process_where_plain_batchnorm_does_not(world, strategy):
+    data = synthetic_classification(samples=96)
+    make = lambda params: torch.optim.SGD(params, lr=0.1)
+    results = {}
+    for sync in (True, False):
+        model = bn_model(seed=300 + world.rank)
+        trainer = Trainer(model, make(model.parameters()), data, None, config(strategy, sync_batchnorm=sync),
+                          world=world)
+        initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
+        trainer.fit()
+        trainer.strategy.whole_model()
+        results[sync] = torch.cat([t.detach().double().reshape(-1) for t in trainer.model.state_dict().values()])
+    reference = bn_model(seed=0)
+    reference.load_state_dict(initial)
+    optimizer = make(reference.parameters())
+    inputs, labels = data.tensors
+    for batch in global_batches(len(data), world.size):
+        optimizer.zero_grad()
+        F.cross_entropy(reference(inputs[batch]), labels[batch]).backward()
+        optimizer.step()
+    expected = torch.cat([t.detach().double().reshape(-1) for t in reference.state_dict().values()])
+    rows = agreed([(results[True] - expected).abs().max(), (results[False] - expected).abs().max()],
+                  name=f"syncbn.{strategy}")
+
+    # Parameters, running mean and variance and the batch counter, all of them.
+    assert (rows[:, 0] < BOUND).all(), f"sync BatchNorm differs from one process: {rows[:, 0].tolist()}"
+    if world.size > 1:
+        assert (rows[:, 1] > 1e-3).all(), "plain BatchNorm matched too: the test proves nothing"
+
+
+# ---- fp16: a step with inf/nan on one rank's slice is skipped on every rank ---------------------
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_fp16_skips_a_step_with_inf_on_every_rank_alike(world, strategy):
+    data = synthetic_classification(samples=96, dtype=torch.float32)
+    model = small_mlp(seed=400 + world.rank, dtype=torch.float32)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, None,
+                      config(strategy, precision="fp16"), world=world)
+    poisoned_step = 2
+    first_weight = next(trainer.model.parameters())
+
+    def poison(grad):
+        # One element on the last rank only: under a sharded strategy it lands in one rank's
+        # slice, so the other ranks' own gradients are finite and only a common decision keeps
+        # them from stepping.
+        if trainer.step == poisoned_step and world.rank == world.size - 1:
+            grad = grad.clone()
+            grad.view(-1)[0] = float("inf")
+        return grad
+
+    first_weight.register_hook(poison)
+    # What this rank holds of the parameters (its shards under zero and fsdp: fsdp's full
+    # parameters hold no memory between steps).
+    held = lambda: torch.cat([b.shard.detach().reshape(-1) for b in trainer.strategy.buckets]) \
+        if hasattr(trainer.strategy, "buckets") else flat_parameters(trainer.model)
+    seen = {}
+    original_update = trainer._update
+
+    def watched_update():
+        before = held().clone()
+        original_update()
+        if trainer.step == poisoned_step:
+            seen["unchanged"] = torch.equal(before, held())
+
+    trainer._update = watched_update
+    trainer.fit()
+    trainer.strategy.whole_model()
+    ours = flat_parameters(trainer.model)
+    rows = agreed([trainer.precision.skipped_steps, trainer.precision.scale, float(seen.get("unchanged", False))],
+                  name=f"fp16.{strategy}")
+    replicas = dist.allgather_rows(ours.double().reshape(1, -1), name=f"fp16.{strategy}.params")
+
+    assert (rows[:, 0] == 1).all(), f"skipped steps per rank: {rows[:, 0].tolist()}"
+    assert (rows[:, 1] == 2.0 ** 15).all(), f"the loss scale backs off once, on every rank: {rows[:, 1].tolist()}"
+    assert (rows[:, 2] == 1).all(), "the skipped step moved the parameters"
+    assert all(torch.equal(replicas[0], row) for row in replicas), "ranks hold different parameters"
+    assert torch.isfinite(ours).all()
+
+
+# ---- the exported model -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_run_exports_the_trained_model_as_safetensors(world, strategy, mpi_tmp_path):
+    from safetensors.torch import load_file
+
+    data = synthetic_classification(samples=96)
+    model = small_mlp(seed=500 + world.rank)
+    cfg = config(strategy, run_dir=str(mpi_tmp_path), run_name=f"export-{strategy}", tensorboard=False)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, data, cfg, world=world)
+    trainer.run()
+    exported = mpi_tmp_path / f"export-{strategy}" / "model.safetensors"
+    dist.barrier()
+    loaded = small_mlp(seed=1)
+    loaded.load_state_dict(load_file(str(exported)))
+    difference = (flat_parameters(loaded) - flat_parameters(trainer.model)).abs().max()
+    rows = agreed([difference], name=f"export.{strategy}")
+
+    assert (rows[:, 0] == 0).all(), "the exported weights are not the trained model's"
+    assert (mpi_tmp_path / f"export-{strategy}" / "config.yaml").exists()

@@ -1,0 +1,75 @@
+"""An exported model loads without hvdtrain, into the user's own module, and computes the same."""
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from torch import nn
+
+from hvdtrain import export
+
+
+class TiedLM(nn.Module):
+    """An embedding tied to the output layer: two names, one storage (safetensors refuses that as is)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(11, 6)
+        self.mix = nn.Linear(6, 6)
+        self.norm = nn.BatchNorm1d(6)  # buffers (running statistics) are part of the state too
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(self.norm(torch.tanh(self.mix(self.embed(tokens)))))
+
+
+def test_exported_weights_load_into_the_users_module_and_compute_the_same(tmp_path):
+    trained = TiedLM(seed=0)
+    trained.train()
+    trained(torch.arange(11))  # moves the BatchNorm statistics away from their initial values
+    trained.eval()
+    weights = export.export_model(trained.state_dict(), tmp_path / "out", config={"train": {"lr": 0.1}},
+                                  metadata={"step": 7, "strategy": "fsdp"})
+
+    fresh = TiedLM(seed=1).eval()
+    tokens = torch.tensor([3, 1, 4, 1, 5])
+    assert not torch.equal(fresh(tokens), trained(tokens))
+    fresh.load_state_dict(load_file(str(weights)))
+    assert torch.equal(fresh(tokens), trained(tokens))
+    assert export.read_metadata(weights) == {"format": "pt", "step": 7, "strategy": "fsdp"}
+    assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text()) == {"train": {"lr": 0.1}}
+
+
+def test_a_checkpoint_exports_its_model_and_settings(tmp_path):
+    model = TiedLM(seed=2)
+    checkpoint = {"model": model.state_dict(), "step": 42, "strategy": "zero2", "world_size": 4,
+                  "config": {"train": {"strategy": "zero2"}, "model": {"width": 6}}}
+    weights = export.export_checkpoint(checkpoint, tmp_path)
+    loaded = load_file(str(weights))
+    assert set(loaded) == set(model.state_dict())
+    assert all(torch.equal(loaded[name], value) for name, value in model.state_dict().items())
+    assert export.read_metadata(weights)["step"] == 42
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["model"] == {"width": 6}
+
+
+def test_a_failed_export_leaves_the_previous_file_whole(tmp_path, monkeypatch):
+    first = export.export_model(TiedLM(seed=0).state_dict(), tmp_path)
+    before = first.read_bytes()
+
+    def half_written(tensors, path, metadata=None):
+        with open(path, "wb") as handle:
+            handle.write(b"\x00" * 10)
+        raise OSError("disk full")
+
+    import safetensors.torch
+    monkeypatch.setattr(safetensors.torch, "save_file", half_written)
+    with pytest.raises(OSError, match="disk full"):
+        export.export_model(TiedLM(seed=3).state_dict(), tmp_path)
+    assert first.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no temporary left
+
+
+def test_a_state_entry_that_is_not_a_tensor_is_named(tmp_path):
+    with pytest.raises(TypeError, match="'extra'"):
+        export.export_model({"weight": torch.ones(2), "extra": 3}, tmp_path)
