@@ -2,15 +2,17 @@
 
 The steps of Horovod data parallelism, in order, each marked where it happens:
   1. every rank starts from rank 0's parameters and optimizer state   (__init__)
-  2. each rank reads its own shard, reshuffled every epoch            (_train_epoch)
-  3. forward and backward on the shard                                (_train_epoch)
+  2. each rank reads its own shard, reshuffled every epoch            (loop._train_epoch)
+  3. forward and backward on the shard                                (loop._train_epoch)
   4. gradients reduced across ranks during backward                   (the strategy's hooks)
-  5. every rank applies the same update                               (strategy.step)
-  6. rank 0 logs; metrics are reduced over every rank's samples       (_report, evaluate)
+  5. every rank applies the same update                               (loop._update, strategy.step)
+  6. rank 0 logs; metrics are reduced over every rank's samples       (loop._report, evaluate)
 
 How the model's state is spread over the ranks (replicated, or sharded as in ZeRO) is the
-strategy's (hvdtrain.strategies); checkpoints are hvdtrain.checkpointing's, failures
-hvdtrain.faults', and what a run reports hvdtrain.reporting's.
+strategy's (hvdtrain.strategies). The Trainer is set-up and the public calls (fit, run,
+evaluate); the loop is hvdtrain.loop's, the state a checkpoint holds hvdtrain.resumable's,
+checkpoint files hvdtrain.checkpointing's, failures hvdtrain.faults', and what a run reports
+hvdtrain.reporting's.
 """
 from __future__ import annotations
 
@@ -21,9 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from hvdtrain import dist, elastic, oom, rng
+from hvdtrain import dist, elastic, oom
 from hvdtrain.batching import Batching
-from hvdtrain.checkpoint import FORMAT_VERSION
 from hvdtrain.checkpointing import Checkpointing
 from hvdtrain.config import TrainConfig
 from hvdtrain.data import ShardedSampler
@@ -32,20 +33,21 @@ from hvdtrain.export import export_model
 from hvdtrain.faults import FaultHandling
 from hvdtrain.log import get_logger
 from hvdtrain.memory import MemoryReport
-from hvdtrain.metrics import RunningMeans, Throughput, Totals, evaluate
+from hvdtrain.loop import TrainingLoop
+from hvdtrain.metrics import evaluate
 from hvdtrain.precision import Precision
 from hvdtrain.progress import Progress, resolve_mode
-from hvdtrain.reporting import TimelineWindow, announce, announce_settings, epoch_line, open_run_dir
+from hvdtrain.reporting import TimelineWindow, announce, announce_settings, open_run_dir
+from hvdtrain.resumable import Resumable
 from hvdtrain.rundir import RunDirectory
-from hvdtrain.sharded_checkpoint import is_sharded
-from hvdtrain.steps import StepFn, batch_size, supervised_step, to_device
+from hvdtrain.steps import StepFn, supervised_step
 from hvdtrain.strategies import ELASTIC_STRATEGIES, build_strategy
 from hvdtrain.sync_batchnorm import convert_sync_batchnorm
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class Trainer:
+class Trainer(Resumable, TrainingLoop):
     """Trains ``model`` with ``optimizer`` on ``train_dataset``, data-parallel over all ranks.
 
     Build the model and optimizer as for one process, with the learning rate of one worker:
@@ -53,8 +55,11 @@ class Trainer:
     broadcasts rank 0's state. ``loss_fn`` takes (outputs, targets) and returns the mean loss
     of the batch; or ``step_fn(model, batch) -> (loss, metrics)`` computes both from a batch of
     any structure (a dict, say; see hvdtrain.steps), and every metric is reported as a mean over
-    every rank's samples, for training and validation. ``job_config`` is the script's whole resolved configuration (all sections),
-    recorded in the run directory and in every checkpoint; by default only the ``train`` section.
+    every rank's samples, for training and validation. ``job_config`` is the script's whole
+    resolved configuration (all sections), recorded in the run directory and in every checkpoint;
+    by default only the ``train`` section.
+
+    The loop itself is hvdtrain.loop's, the checkpointed state hvdtrain.resumable's (base classes).
     """
 
     def __init__(
@@ -170,65 +175,6 @@ class Trainer:
         self.log.info(f"world changed from {previous} to {self.world.size} workers: global batch "
                       f"{self.global_batch_size}, lr x {self.lr_scale:g}; continuing at step {self.step}")
 
-    # ---- checkpoints ---------------------------------------------------------------------
-
-    def state_dict(self) -> Dict[str, Any]:
-        """Everything needed to continue exactly: every rank must call it (it gathers RNG states,
-        and a sharded strategy gathers the model and optimizer state)."""
-        rng_states = dist.allgather_object(rng.capture(), name="checkpoint.rng")
-        return {
-            "format": FORMAT_VERSION,
-            **self.strategy.state_dict(),  # the full model and optimizer, in the plain formats
-            **self.run_state(),
-            "rng": rng_states,
-        }
-
-    def run_state(self) -> Dict[str, Any]:
-        """What every rank holds alike: where the run is, its batch, its settings (no collective)."""
-        return {
-            "scheduler": self.scheduler.state_dict(),
-            "epoch": self.epoch,
-            "step": self.step,
-            "epoch_position": self.epoch_position,
-            "global_batch": self.global_batch_size,
-            "world_size": self.world.size,
-            "strategy": self.config.strategy,
-            "precision": self.precision.state_dict(),  # fp16's loss scale continues on resume
-            "config": self.job_config,
-        }
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """A full checkpoint (every rank holds it all), or a sharded one's manifest (every rank
-        then reads its own file: its slices and its RNG states)."""
-        own_rng = None
-        if is_sharded(state):
-            own_rng = self.checkpoints.load_own_shard(state, self.strategy)
-        else:
-            self.strategy.load_state_dict(state)
-            if state["world_size"] == self.world.size:
-                own_rng = state["rng"][self.world.rank]
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.precision.load_state_dict(state.get("precision", {}))  # absent before hvdtrain had it
-        self.epoch, self.step = state["epoch"], state["step"]
-        self.epoch_position = state["epoch_position"]
-        if own_rng is not None:
-            rng.restore(own_rng)
-        else:
-            # Rank r of the new world is not rank r of the old one: derive fresh per-rank seeds.
-            rng.seed_everything(rng.rank_seed(self.config.seed + self.step, self.world.rank))
-        self.log.info(f"resumed at epoch {self.epoch + 1}, step {self.step}, "
-                      f"sample {state['epoch_position']} of the epoch")
-
-    def save_checkpoint(self) -> None:
-        """Every rank calls it. Full: the state is gathered, rank 0 writes, the others wait.
-        Sharded: every rank writes its own part, nothing is gathered; rank 0 adds the manifest."""
-        if self.config.checkpoint_format == "sharded":
-            own = {"strategy": self.strategy.shard_state_dict(), "rng": rng.capture()}
-            self.checkpoints.save_sharded(own, self.run_state(), self.step)
-        else:
-            self.checkpoints.save(self.state_dict(), self.step)
-        self.faults.beat(self.step)  # a large checkpoint may take longer than a step
-
     def _announce(self) -> None:
         announce(self.world, self.log, self.elastic_launch)
         self.log.info(self.batching.describe(self.lr_scale))
@@ -239,15 +185,6 @@ class Trainer:
 
     def _finished(self) -> bool:
         return self.preempted or (self.config.max_steps is not None and self.step >= self.config.max_steps)
-
-    def _stop_for_preemption(self) -> None:
-        """Every rank agreed to stop: checkpoint now, requeue the job (rank 0), and return from fit."""
-        if self.checkpoints is None:
-            self.log.warning("preemption signal, but no checkpoint_dir: this run cannot be resumed")
-        else:
-            self.save_checkpoint()
-        self.preempted = True
-        self.faults.requeue_after_preemption(self.step)
 
     def fit(self) -> List[Dict[str, float]]:
         """Train to the configured epochs (or max_steps); returns one metrics dict per epoch.
@@ -311,122 +248,6 @@ class Trainer:
         if self.run_dir is not None:
             self.run_dir.close()
             self.run_dir = None
-
-    def _fit(self, history: List[Dict[str, float]]) -> None:
-        while self.epoch < self.config.epochs and not self._finished():
-            started = time.perf_counter()
-            train, samples = self._train_epoch()
-            elapsed = time.perf_counter() - started
-            if self.preempted:
-                break
-            if not self._epoch_has_steps_left():
-                self.epoch, self.epoch_position = self.epoch + 1, 0
-            # max_steps can end training inside an epoch: the record says how far it got.
-            reached = self.epoch + self.epoch_position / self.batching.dataset_size
-            record = {
-                "epoch": reached,
-                "step": self.step,
-                **{f"train_{name}": value for name, value in train.items()},
-                "samples_per_sec": samples / elapsed,
-                "lr": self.optimizer.param_groups[0]["lr"],
-                **self.evaluate(),
-            }
-            history.append(record)
-            if self.run_dir is not None:
-                self.run_dir.record("epoch", record, self._started)
-            self.progress.message(epoch_line(record, self.config.epochs))
-            if self.checkpoints is not None:
-                self.save_checkpoint()
-            if self._elastic is not None:
-                self._elastic.commit()
-
-    def _train_epoch(self) -> tuple:
-        """One pass over this rank's shard; returns (mean train loss over all ranks, global samples)."""
-        cfg, device, strategy = self.config, self.world.device, self.strategy
-        # 2. A new permutation each epoch, the same on every rank; each rank takes its slice
-        #    (from where a resumed epoch stopped).
-        self.sampler.set_epoch(self.epoch, start=self.epoch_position)
-        self.model.train()
-        window = RunningMeans(device)
-        throughput = Throughput(self.world.size)
-        epoch_totals = Totals()
-
-        for index, batch in enumerate(self.batching.train_loader):
-            if self._finished():
-                break
-            batch = to_device(batch, device)
-            samples = batch_size(batch)
-            # 3. Forward and backward on this rank's micro-batch; the strategy's hooks start each
-            #    gradient's reduction as soon as backward has produced it.
-            self._phase = "the forward and backward pass"
-            with self.precision.autocast():
-                loss, metrics = self.step_fn(self.model, batch)
-            scaled = self.precision.scale_loss(loss)
-            strategy.backward(scaled / cfg.accumulation if cfg.accumulation > 1 else scaled)
-            window.add(loss, metrics, samples)
-            throughput.add(samples)
-            if (index + 1) % cfg.accumulation:
-                continue
-            # 5. Wait for the reduced gradients, then the same update on every rank. The wait
-            #    is timed apart from the update: it is the step's exposed communication.
-            self._phase = "gradient synchronization"
-            waited = time.perf_counter()
-            strategy.synchronize()
-            throughput.add_wait(time.perf_counter() - waited)
-            self._phase = "the optimizer step"
-            self._update()
-            self.memory.after_first_step(self.run_dir, self.step + 1, self._started)
-            strategy.zero_grad()
-            self.scheduler.step()
-            self.step += 1
-            self.epoch_position += self.global_batch_size
-            self.faults.beat(self.step)
-            self.progress.advance()
-            self.timeline.after_step(self.step)
-            if self._elastic is not None and self.step % cfg.elastic_commit_every == 0:
-                self._elastic.commit()  # the point survivors roll back to; may raise to resize
-            # The last step of an epoch is saved by the epoch's end, as the start of the next.
-            if (self.checkpoints is not None and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
-                    and self._epoch_has_steps_left()):
-                self.save_checkpoint()
-            if self.faults.preemption_agreed(self.step):
-                self._stop_for_preemption()
-                break
-            if self.step % cfg.log_every == 0:
-                totals = window.reduce(name="train.window")
-                epoch_totals += totals
-                self._report(totals.means(), throughput)
-
-        epoch_totals += window.reduce(name="train.epoch")
-        return epoch_totals.means(), epoch_totals.count
-
-    def _update(self) -> None:
-        """The synchronized gradients unscaled and checked (fp16: a step with inf/nan on any rank is
-        skipped on every rank), clipped, then the strategy's step."""
-        strategy = self.strategy
-        if self.precision.scaled and not self.precision.unscale_and_check(
-                strategy.owned_gradients(), strategy.shards_gradients, name="fp16.nonfinite"):
-            self.log.warning(f"step {self.step + 1}: inf/nan in the fp16 gradients, step skipped on every "
-                             f"rank; loss scale now {self.precision.scale:g}")
-            return
-        if self.config.max_grad_norm is not None:
-            self.grad_norm = strategy.clip_grad_norm_(self.config.max_grad_norm)
-        strategy.step()
-
-    def _report(self, means: Dict[str, float], throughput: Throughput) -> None:
-        """Every log_every steps: the progress display and a metrics record (values of rank 0,
-        whose clock measures the job: every step ends in the same collective on every rank)."""
-        samples_per_sec, comm_fraction = throughput.read()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.progress.report(self.epoch + 1, self.step, means["loss"], lr, samples_per_sec, comm_fraction)
-        if self.run_dir is not None:
-            extra = {"grad_norm": self.grad_norm} if self.config.max_grad_norm is not None else {}
-            if self.precision.scaled:
-                extra.update(loss_scale=self.precision.scale, skipped_steps=self.precision.skipped_steps)
-            self.run_dir.record("step", {
-                "step": self.step, "epoch": self.epoch + self.epoch_position / self.batching.dataset_size,
-                **means, "lr": lr, "samples_per_sec": samples_per_sec, "comm_fraction": comm_fraction, **extra,
-            }, self._started)
 
     def evaluate(self) -> Dict[str, float]:
         """The step's loss and metrics over the whole validation set (every rank's shard), as
