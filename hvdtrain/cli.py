@@ -8,6 +8,7 @@ import sys
 from typing import List, Optional
 
 from hvdtrain import consolidate as consolidate_command
+from hvdtrain import export_command
 from hvdtrain import plot as plot_command
 from hvdtrain.bench.cli import add_bench_parser
 from hvdtrain.launch import doctor as launch_doctor
@@ -87,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=consolidate_command.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     consolidate_command.add_arguments(consolidate)
     consolidate.set_defaults(run=consolidate_command.run)
+    export = commands.add_parser(
+        "export", help="a checkpoint's model as model.safetensors + config.yaml, loadable without hvdtrain",
+        description=export_command.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    export_command.add_arguments(export)
+    export.set_defaults(run=export_command.run)
     add_bench_parser(commands)
     return parser
 

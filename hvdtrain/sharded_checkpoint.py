@@ -32,7 +32,7 @@ KIND = "sharded"
 MANIFEST = "manifest.json"
 DIRECTORY = re.compile(r"^ckpt-(\d{9})$")
 LEFTOVER = re.compile(r"^\.ckpt-(\d{9})\.(tmp|old)$")  # an interrupted save, or a deletion
-RUN_KEYS = ("scheduler", "epoch", "step", "epoch_position", "global_batch", "config")
+RUN_KEYS = ("scheduler", "epoch", "step", "epoch_position", "global_batch", "precision", "config")
 _MANIFEST_KEYS = ("format", "kind", "strategy", "world_size", "step", "files") + RUN_KEYS
 
 

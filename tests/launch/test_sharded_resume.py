@@ -5,6 +5,7 @@ uninterrupted run ends; the checkpoint refuses another worker count, saying what
 import re
 
 import torch
+from safetensors.torch import load_file
 
 from hvdtrain import sharded_checkpoint as sharded
 from tests.launch.helpers import BIN, PYTHON, run
@@ -64,3 +65,16 @@ def test_killed_resumed_refused_elsewhere_consolidated_and_resumed_by_another_st
     assert f"resuming from {killed / final}.pt" in out
     assert "resuming a 2-worker checkpoint on 1 workers" in out
     assert accuracy(out) == expected_accuracy
+
+    # `hvdtrain export` of the sharded checkpoint writes the consolidated model as safetensors;
+    # every run that finished exported the same final model into its run directory.
+    code, out, err = run([str(BIN / "hvdtrain"), "export", str(whole / final)])
+    assert code == 0, err
+    at_end = sorted((tmp_path / "runs").glob("*/model.safetensors"))
+    assert at_end, "no run exported its model"
+    for path in [whole / f"{final}-export" / "model.safetensors", *at_end]:
+        exported = load_file(str(path))
+        assert set(exported) == set(expected["model"]), path
+        assert all(torch.equal(exported[key], tensor) for key, tensor in expected["model"].items()), path
+    code, out, err = run([str(BIN / "hvdtrain"), "export", str(whole / final)])
+    assert code == 1 and "exists: choose another --out, or --force" in err

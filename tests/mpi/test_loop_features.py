@@ -252,3 +252,22 @@ def test_run_exports_the_trained_model_as_safetensors(world, strategy, mpi_tmp_p
 
     assert (rows[:, 0] == 0).all(), "the exported weights are not the trained model's"
     assert (mpi_tmp_path / f"export-{strategy}" / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("strategy,checkpoint_format", [("ddp", "full"), ("zero2", "sharded")])
+def test_fp16_loss_scale_resumes_from_a_checkpoint(world, strategy, checkpoint_format, mpi_tmp_path):
+    data = synthetic_classification(samples=96, dtype=torch.float32)
+    directory = mpi_tmp_path / f"fp16-{strategy}-{checkpoint_format}"
+    cfg = config(strategy, precision="fp16", checkpoint_dir=str(directory), checkpoint_format=checkpoint_format)
+    model = small_mlp(seed=600, dtype=torch.float32)
+    first = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, None, cfg, world=world)
+    first.precision.scale, first.precision.good_steps = 512.0, 3  # as if it had backed off and counted
+    first.fit()  # ends with a checkpoint (the end of max_steps' epoch record)
+    saved = first.precision.state_dict()
+    model = small_mlp(seed=601, dtype=torch.float32)
+    resumed = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, None, cfg, world=world)
+    rows = agreed([resumed.step, resumed.precision.scale, resumed.precision.good_steps], name=f"fp16.resume.{strategy}")
+
+    assert (rows[:, 0] == STEPS).all(), "the second run did not resume from the first's checkpoint"
+    assert (rows[:, 1] == saved["scale"]).all() and (rows[:, 2] == saved["good_steps"]).all(), rows.tolist()
+    assert saved["scale"] == 512.0 and saved["good_steps"] == 3 + STEPS

@@ -73,3 +73,31 @@ def test_a_failed_export_leaves_the_previous_file_whole(tmp_path, monkeypatch):
 def test_a_state_entry_that_is_not_a_tensor_is_named(tmp_path):
     with pytest.raises(TypeError, match="'extra'"):
         export.export_model({"weight": torch.ones(2), "extra": 3}, tmp_path)
+
+
+def test_the_export_command_takes_a_checkpoint_file_or_the_newest_in_a_directory(tmp_path, capsys):
+    from hvdtrain.checkpoint import FORMAT_VERSION, CheckpointStore
+    from hvdtrain.cli import main
+
+    store = CheckpointStore(tmp_path / "ckpt")
+    models = {step: TiedLM(seed=step).state_dict() for step in (5, 10)}
+    for step, state in models.items():
+        store.save({"format": FORMAT_VERSION, "model": state, "optimizer": {}, "scheduler": {}, "epoch": 0,
+                    "step": step, "epoch_position": 0, "global_batch": 8, "world_size": 2,
+                    "config": {"train": {"seed": step}}}, step)
+
+    assert main(["export", str(tmp_path / "ckpt")]) == 0  # the newest: step 10
+    written = tmp_path / "ckpt" / "ckpt-000000010-export"
+    loaded = load_file(str(written / "model.safetensors"))
+    assert all(torch.equal(loaded[k], v) for k, v in models[10].items())
+    assert yaml.safe_load((written / "config.yaml").read_text()) == {"train": {"seed": 10}}
+
+    assert main(["export", str(tmp_path / "ckpt" / "ckpt-000000005.pt"), "--out", str(tmp_path / "five")]) == 0
+    assert torch.equal(load_file(str(tmp_path / "five" / "model.safetensors"))["mix.weight"], models[5]["mix.weight"])
+    assert main(["export", str(tmp_path / "ckpt")]) == 1
+    assert "exists: choose another --out, or --force" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "nothing")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["export", str(tmp_path / "empty")]) == 1
+    assert "holds no valid checkpoint" in capsys.readouterr().err
