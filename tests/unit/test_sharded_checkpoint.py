@@ -65,7 +65,8 @@ def parts_of(full, size=WORLD_SIZE):
 
 def run_state(step):
     return {"scheduler": {"last_epoch": step, "base_lrs": [0.1, 0.025]}, "epoch": 1, "step": step,
-            "epoch_position": 64, "global_batch": 32, "config": {"train": {"strategy": "zero2"}}}
+            "epoch_position": 64, "global_batch": 32, "config": {"train": {"strategy": "zero2"}},
+            "precision": {"name": "fp16", "scale": 512.0, "good_steps": 3, "skipped_steps": 1}}
 
 
 def save_sharded(directory, step, parts, store=None, publish=True):
@@ -106,6 +107,7 @@ def test_the_parts_of_every_rank_consolidate_into_exactly_the_full_state(tmp_pat
     assert full["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.95)  # a tuple still, as torch wrote it
     assert (full["step"], full["world_size"], full["strategy"], full["format"]) == (30, 2, "zero2", FORMAT_VERSION)
     assert full["scheduler"] == run_state(30)["scheduler"] and len(full["rng"]) == 2
+    assert full["precision"] == run_state(30)["precision"]  # fp16's loss scale survives consolidation
     # Each rank's file holds its slices only (torch.save writes a view's whole storage: a ZeRO
     # shard is a view of its full bucket, so it must be saved as a copy of its own).
     assert sum(len(part["params"][0]) for part in parts) == parts[0]["layout"]["buckets"][0]["padded_numel"]
