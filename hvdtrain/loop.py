@@ -113,8 +113,10 @@ class TrainingLoop:
         strategy = self.strategy
         if self.precision.scaled and not self.precision.unscale_and_check(
                 strategy.owned_gradients(), strategy.shards_gradients, name="fp16.nonfinite"):
-            self.log.warning(f"step {self.step + 1}: inf/nan in the fp16 gradients, step skipped on every "
-                             f"rank; loss scale now {self.precision.scale:g}")
+            # Every rank decided alike: rank 0 says it once, the others into their own logs.
+            say = self.log.warning if self.world.is_root else self.log.info
+            say(f"step {self.step + 1}: inf/nan in the fp16 gradients, step skipped on every rank; "
+                f"loss scale now {self.precision.scale:g}")
             return
         if self.config.max_grad_norm is not None:
             self.grad_norm = strategy.clip_grad_norm_(self.config.max_grad_norm)
