@@ -27,7 +27,8 @@ def main(argv=None) -> int:
     job, args = parse_job(TextLMJob, parser, argv)
     config = job.train
 
-    world = hvdtrain.init(seed=config.seed, timeline=config.timeline_steps > 0)
+    world = hvdtrain.init(seed=config.seed, timeline=config.timeline_steps > 0,
+                          hierarchical_allreduce=config.hierarchical_allreduce)
     train_set, val_set, vocab = load_text_datasets(job.model.seq_len, job.data.train_stride,
                                                    job.data.val_fraction)
     model = TinyTransformerLM(len(vocab), **dataclasses.asdict(job.model))

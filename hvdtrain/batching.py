@@ -12,10 +12,11 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset
 
+from hvdtrain import dist
 from hvdtrain.config import TrainConfig
 from hvdtrain.data import ShardedSampler, sharded_loader
 from hvdtrain.dist import World
-from hvdtrain.optim import lr_scale, set_scaled_lr, warmup_factor
+from hvdtrain.optim import adasum_lr_factor, lr_scale, set_scaled_lr, warmup_factor
 
 
 class Batching:
@@ -55,13 +56,29 @@ class Batching:
         return (f"global batch {self.global_batch_size} = {self.batch_size} x {cfg.accumulation} "
                 f"accumulation x {self.world.size} workers; {self.steps_per_epoch} steps/epoch; "
                 f"lr {cfg.lr:g} x {lr_scale:g} after {self.warmup_steps} warm-up steps; "
-                f"strategy {cfg.strategy}")
+                f"strategy {cfg.strategy}; reduction {cfg.reduction}{self._adasum_rule()}")
+
+    def _adasum_factor(self) -> int:
+        return adasum_lr_factor(self.world.device.type, dist.nccl_built(), self.world.local_size)
+
+    def _adasum_rule(self) -> str:
+        """The LR rule under Adasum, for the start line."""
+        if self.config.reduction != "adasum" or not self.config.scale_lr:
+            return ""
+        factor = self._adasum_factor()
+        how = (f" x {factor} GPUs per host: Horovod's rule for Adasum with NCCL, which averages within a host"
+               if factor > 1 else ": Horovod's rule for Adasum over MPI")
+        return (f" (the lr is not scaled by the {self.world.size} workers, only by one worker's batch x "
+                f"accumulation{how})")
 
     def lr_schedule(self, optimizer: torch.optim.Optimizer, base_lrs: Sequence[float],
                     step: int) -> Tuple[float, LambdaLR]:
         """(scale, scheduler): one worker's rates times how many one-worker batches a step sees
-        (linear scaling), reached by a linear warm-up from the one-worker rate; the scheduler
-        continues at ``step``."""
-        scale = lr_scale(self.global_batch_size, self.config.batch_size, self.config.scale_lr)
+        (linear scaling; under Adasum, only this worker's own, see hvdtrain.optim), reached by a
+        linear warm-up from the one-worker rate; the scheduler continues at ``step``."""
+        cfg = self.config
+        adasum_factor = self._adasum_factor() if cfg.reduction == "adasum" else 1
+        scale = lr_scale(self.global_batch_size, cfg.batch_size, cfg.scale_lr, cfg.reduction, self.world.size,
+                         adasum_factor)
         set_scaled_lr(optimizer, base_lrs, scale)
         return scale, LambdaLR(optimizer, warmup_factor(scale, self.warmup_steps), last_epoch=step - 1)

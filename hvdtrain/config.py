@@ -11,6 +11,10 @@ PROGRESS_MODES = ("auto", "bar", "log", "off")
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 CHECKPOINT_FORMATS = ("full", "sharded")
 PRECISIONS = ("fp32", "bf16", "fp16")
+REDUCTIONS = ("average", "adasum")
+# Adasum combines whole gradients pairwise (scaled by dot products over each tensor): it has no
+# reduce-scatter form, which the sharded strategies need (hvdtrain.strategies checks the same list).
+ADASUM_STRATEGIES = ("ddp",)
 
 
 def check_whole_numbers(section: Any, names: tuple, minimum: int = 1) -> None:
@@ -44,6 +48,8 @@ class TrainConfig:
     accumulation: int = field(default=1, metadata={"help": "micro-batches per optimizer step (backward_passes_per_step)"})
     strategy: str = field(default="ddp", metadata={"help": "how model state is spread over the ranks: ddp replicates it (all-reduce); zero1 shards the optimizer state, zero2 also the gradients (reduce-scatter + all-gather), fsdp also the parameters (each block gathered while it computes); see README, Strategies", "choices": STRATEGIES})
     fp16_allreduce: bool = field(default=False, metadata={"help": "compress gradients to fp16 for the all-reduce"})
+    reduction: str = field(default="average", metadata={"help": "how ddp combines the ranks' gradients: average (Horovod's all-reduce; the LR is scaled by workers x accumulation); adasum (Horovod's Adasum: each rank steps with its own gradient and the updates are combined pairwise, summed where orthogonal, averaged where parallel; the LR is not scaled by the workers; ddp only, over MPI, on a power-of-two number of workers); see README, Reduction", "choices": REDUCTIONS})
+    hierarchical_allreduce: bool = field(default=False, metadata={"help": "set HOROVOD_HIERARCHICAL_ALLREDUCE=1 before hvd.init(): all-reduce within each host, then across hosts; Horovod applies it only with NCCL on GPUs across several hosts (false: Horovod's default, off unless the launch sets it); see README, Reduction"})
     precision: str = field(default="fp32", metadata={"help": "the forward's precision: fp32; bf16 (autocast, no loss scaling; runs on CPUs too); fp16 (autocast and a dynamic loss scale, steps with inf/nan skipped on every rank alike); see README, Mixed precision", "choices": PRECISIONS})
     max_grad_norm: Optional[float] = field(default=None, metadata={"help": "clip the averaged gradients to this global L2 norm, across shards under sharded strategies (null: no clipping)"})
     sync_batchnorm: bool = field(default=False, metadata={"help": "compute BatchNorm statistics over the global batch (every rank's samples) instead of each rank's own"})
@@ -91,12 +97,38 @@ class TrainConfig:
                 "with ddp, or a sharded strategy with checkpoint_format=sharded")
         if self.precision not in PRECISIONS:
             raise ValueError(f"TrainConfig.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"TrainConfig.reduction must be one of {', '.join(REDUCTIONS)}, got {self.reduction!r}")
+        if self.reduction == "adasum":
+            self._check_adasum()
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"TrainConfig.max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm!r}")
         if self.progress not in PROGRESS_MODES:
             raise ValueError(f"TrainConfig.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
         if self.run_name is not None and (not self.run_name or "/" in self.run_name or self.run_name.startswith(".")):
             raise ValueError(f"TrainConfig.run_name must be a plain directory name, got {self.run_name!r}")
+
+    def _check_adasum(self) -> None:
+        """What Horovod's Adasum cannot be combined with, each refused with the reason and a way out."""
+        if self.strategy not in ADASUM_STRATEGIES:
+            raise ValueError(
+                f"TrainConfig.reduction=adasum works only with strategy={' or '.join(ADASUM_STRATEGIES)}, got "
+                f"strategy={self.strategy}: zero1, zero2 and fsdp reduce-scatter the gradients so that each rank "
+                f"receives only its slice, and Adasum has no reduce-scatter form (it combines whole gradients "
+                f"pairwise, scaled by dot products over each whole tensor). Use strategy=ddp with "
+                f"reduction=adasum, or reduction=average with strategy={self.strategy}")
+        if self.precision == "fp16":
+            raise ValueError(
+                "TrainConfig.reduction=adasum does not work with precision=fp16: Horovod's Adasum optimizer "
+                "steps each parameter with this rank's own gradient inside backward, before the loop can "
+                "unscale the loss scale and check for inf/nan. Use precision=bf16 (no loss scale) or fp32 "
+                "with adasum, or reduction=average with fp16")
+        if self.max_grad_norm is not None:
+            raise ValueError(
+                "TrainConfig.reduction=adasum does not work with max_grad_norm: no rank ever holds the "
+                "combined gradient to clip (each rank steps with its own gradient inside backward and "
+                "Adasum combines the updates). Set max_grad_norm to null with adasum, or use "
+                "reduction=average to clip")
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, MutableMapping, Optional, Tuple
 
@@ -37,6 +39,10 @@ ENV_DEFAULTS = {
 # Only when asked: armed, it costs 12-19% of a step here even while recording nothing
 # (`hvdtrain bench throughput`, the timeline knob).
 TIMELINE_ARMED = ("HOROVOD_TIMELINE", "DYNAMIC")
+# Hierarchical all-reduce (train.hierarchical_allreduce): Horovod reads it once, when hvd.init()
+# starts its background thread, as an integer (> 0: on); it takes effect only with NCCL, on GPU
+# tensors, across more than one host (horovod/common/operations.cc).
+HIERARCHICAL_ALLREDUCE = "HOROVOD_HIERARCHICAL_ALLREDUCE"
 
 
 def apply_env_defaults(environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
@@ -47,6 +53,34 @@ def apply_env_defaults(environ: MutableMapping[str, str] = os.environ) -> Dict[s
     applied = {key: value for key, value in ENV_DEFAULTS.items() if key not in environ}
     environ.update(applied)
     return applied
+
+
+def hierarchical_requested(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Whether ``environ`` asks Horovod for hierarchical all-reduce, read as Horovod reads it
+    (strtol: a leading integer, > 0 is on)."""
+    match = re.match(r"\s*([+-]?\d+)", environ.get(HIERARCHICAL_ALLREDUCE, ""))
+    return bool(match) and int(match.group(1)) > 0
+
+
+def hierarchical_conflict() -> str:
+    """What to do when hierarchical all-reduce is asked for after Horovod started without it."""
+    return (f"train.hierarchical_allreduce=true, but Horovod was started without {HIERARCHICAL_ALLREDUCE}=1: "
+            f"it reads the setting once, in hvd.init(), which already ran (hvdtrain.init() or hvd.init() "
+            f"before the Trainer). Set it before hvd.init(): hvdtrain.init(..., hierarchical_allreduce=True), "
+            f"or in the launch (horovodrun --hierarchical-allreduce, mpirun -x {HIERARCHICAL_ALLREDUCE}=1)")
+
+
+def hierarchical_effect(requested: bool, nccl_built: bool, device_type: str, cross_size: int) -> str:
+    """Whether Horovod applies a hierarchical all-reduce in this job, and if not, why (for the start line)."""
+    if not requested:
+        return "hierarchical all-reduce off"
+    missing = [why for why, absent in (("Horovod built without NCCL", not nccl_built),
+                                       ("CPU tensors", device_type != "cuda"),
+                                       ("one host", cross_size < 2)) if absent]
+    if missing:
+        return (f"hierarchical all-reduce requested ({HIERARCHICAL_ALLREDUCE}=1) but not applied by Horovod "
+                f"here ({', '.join(missing)}): it needs NCCL, GPU tensors and several hosts")
+    return f"hierarchical all-reduce on ({HIERARCHICAL_ALLREDUCE}=1: NCCL within each host, then across hosts)"
 
 
 @dataclass(frozen=True)
@@ -64,6 +98,8 @@ class World:
     launcher: str  # which launcher's variables were found, e.g. "SLURM srun"
     threads: int
     device: torch.device
+    # HOROVOD_HIERARCHICAL_ALLREDUCE asked for (> 0) when Horovod started (hierarchical_effect: applied or not).
+    hierarchical_allreduce: bool = False
 
     @property
     def is_root(self) -> bool:
@@ -81,14 +117,24 @@ def threads_per_rank(local_size: int, cpus_visible: int, cpus_on_host: int) -> i
     return max(1, cpus_on_host // max(1, local_size))
 
 
-def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False) -> World:
+def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
+         hierarchical_allreduce: bool = False) -> World:
     """Start Horovod, pin this rank to its device and threads, and seed it.
 
     ``timeline``: arm Horovod's timeline so that the Trainer can record a few steps of it
     (train.timeline_steps); it slows every step, so it is off unless asked for.
+    ``hierarchical_allreduce``: set HOROVOD_HIERARCHICAL_ALLREDUCE=1 before hvd.init()
+    (train.hierarchical_allreduce); False leaves the launch's setting. Refused when Horovod
+    already started without it: it reads the setting only once.
     Safe to call more than once: Horovod's init is idempotent. Fails, naming both values and
     the likely fix, when the launcher's variables disagree with the world Horovod formed.
     """
+    if hierarchical_allreduce and not hierarchical_requested():
+        if hvd.is_initialized():
+            raise ValueError(hierarchical_conflict())
+        os.environ[HIERARCHICAL_ALLREDUCE] = "1"
+        logging.getLogger(__name__).info("%s=1 set before hvd.init() (train.hierarchical_allreduce)",
+                                          HIERARCHICAL_ALLREDUCE)
     applied = apply_env_defaults()
     if timeline:
         os.environ.setdefault(*TIMELINE_ARMED)
@@ -118,6 +164,7 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False) -
         launcher=launcher.name,
         threads=threads,
         device=device,
+        hierarchical_allreduce=hierarchical_requested(),
     )
 
 
@@ -236,6 +283,30 @@ def allgather_rows(tensor: torch.Tensor, name: str) -> torch.Tensor:
 def allgather_object(obj: Any, name: str) -> List[Any]:
     """Every rank's ``obj``, in rank order (pickled: for small values, not for tensors)."""
     return hvd.allgather_object(obj, name=name)
+
+
+def mpi_enabled() -> bool:
+    """Whether Horovod runs its MPI operations (its MPI controller, or MPI for CPU collectives)."""
+    return bool(hvd.mpi_enabled())
+
+
+def nccl_built() -> bool:
+    return bool(hvd.nccl_built())
+
+
+def homogeneous() -> bool:
+    """Whether every host runs the same number of ranks."""
+    from horovod.torch.mpi_ops import is_homogeneous  # not re-exported by horovod.torch
+
+    return bool(is_homogeneous())
+
+
+def wait(handles: List[Any], interval: float = 1e-4) -> None:
+    """Block until the collectives behind Horovod ``handles`` have completed, leaving their results
+    for hvd.synchronize to collect (hvd.poll, which does not consume a handle)."""
+    for handle in handles:
+        while handle is not None and not hvd.poll(handle):
+            time.sleep(interval)
 
 
 def barrier() -> None:

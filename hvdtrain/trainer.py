@@ -35,6 +35,7 @@ from hvdtrain.log import get_logger
 from hvdtrain.memory import MemoryReport
 from hvdtrain.loop import TrainingLoop
 from hvdtrain.metrics import evaluate
+from hvdtrain.optim import adasum_refusal
 from hvdtrain.precision import Precision
 from hvdtrain.progress import Progress, resolve_mode
 from hvdtrain.reporting import TimelineWindow, announce, announce_settings, open_run_dir
@@ -76,11 +77,13 @@ class Trainer(Resumable, TrainingLoop):
     ) -> None:
         self.config = config or TrainConfig()
         self.job_config = dict(job_config) if job_config is not None else {"train": self.config.to_dict()}
-        self.world = world or dist.init(seed=self.config.seed, timeline=self.config.timeline_steps > 0)
+        cfg = self.config
+        self.world = world or dist.init(seed=cfg.seed, timeline=cfg.timeline_steps > 0,
+                                        hierarchical_allreduce=cfg.hierarchical_allreduce)
         self.log = get_logger(self.world)
+        self._check_reduction()
         self.loss_fn = loss_fn
         self.step_fn = step_fn or supervised_step(loss_fn)
-        cfg = self.config
         # Before the strategy wraps it: the converted layers keep the same parameter objects.
         self.model = convert_sync_batchnorm(model) if cfg.sync_batchnorm else model
         self.model = self.model.to(self.world.device)
@@ -111,7 +114,7 @@ class Trainer(Resumable, TrainingLoop):
         self._phase = "set-up (sharding the model and optimizer)"
         with oom.explained(lambda error: self._explain_out_of_memory(error, optimizer, held={})):
             self.strategy = build_strategy(cfg.strategy, self.model, optimizer, self.world,
-                                           cfg.accumulation, cfg.fp16_allreduce)
+                                           cfg.accumulation, cfg.fp16_allreduce, cfg.reduction)
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # one worker's rates
         self.epoch = 0
         self.step = 0
@@ -134,6 +137,18 @@ class Trainer(Resumable, TrainingLoop):
             self.load_state_dict(resumed)
         self.timeline = TimelineWindow(cfg.timeline_steps, self.step, self.run_dir, self.log)
         self.memory = MemoryReport(self.strategy, self.world, self.log, gather=not self.elastic_launch)
+
+    def _check_reduction(self) -> None:
+        """Refuse what Horovod cannot do in this world (train.reduction, train.hierarchical_allreduce):
+        on every rank alike, before any collective, instead of failing or hanging in the first step."""
+        cfg, world = self.config, self.world
+        if cfg.hierarchical_allreduce and not world.hierarchical_allreduce:
+            raise ValueError(dist.hierarchical_conflict())
+        if cfg.reduction == "adasum":
+            refusal = adasum_refusal(world.size, world.local_size, world.cross_size, dist.mpi_enabled(),
+                                     world.device.type == "cuda" and dist.nccl_built(), dist.homogeneous())
+            if refusal:
+                raise ValueError(refusal)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -178,6 +193,9 @@ class Trainer(Resumable, TrainingLoop):
     def _announce(self) -> None:
         announce(self.world, self.log, self.elastic_launch)
         self.log.info(self.batching.describe(self.lr_scale))
+        if self.world.hierarchical_allreduce:
+            self.log.info(dist.hierarchical_effect(True, dist.nccl_built(), self.world.device.type,
+                                                   self.world.cross_size))
         announce_settings(self.log, self.job_config)
 
     def _epoch_has_steps_left(self) -> bool:

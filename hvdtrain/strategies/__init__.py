@@ -13,6 +13,7 @@ from typing import Dict, Tuple
 
 import torch
 
+from hvdtrain.config import ADASUM_STRATEGIES
 from hvdtrain.config import STRATEGIES as CONFIGURED
 from hvdtrain.dist import World
 from hvdtrain.strategies.base import Strategy
@@ -39,5 +40,13 @@ def strategy_class(name: str) -> type:
 
 
 def build_strategy(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
-                   accumulation: int, fp16_allreduce: bool) -> Strategy:
-    return strategy_class(name)(model, optimizer, world, accumulation, fp16_allreduce)
+                   accumulation: int, fp16_allreduce: bool, reduction: str = "average") -> Strategy:
+    """``reduction``: how ddp combines the gradients (average, adasum); the sharded strategies
+    reduce-scatter an average, which Adasum has no form of (TrainConfig refuses it with the reason)."""
+    cls = strategy_class(name)
+    if reduction == "average":
+        return cls(model, optimizer, world, accumulation, fp16_allreduce)
+    if name not in ADASUM_STRATEGIES:
+        raise ValueError(f"reduction={reduction} works only with strategy {' or '.join(ADASUM_STRATEGIES)}, "
+                         f"not {name}")
+    return cls(model, optimizer, world, accumulation, fp16_allreduce, reduction=reduction)

@@ -1,5 +1,7 @@
 """Replicated data parallelism: every rank holds the whole model, its gradients and the optimizer
-state; Horovod's ring all-reduce averages the gradients during backward (tensor fusion, overlap)."""
+state; Horovod's ring all-reduce averages the gradients during backward (tensor fusion, overlap).
+With train.reduction=adasum, Horovod's Adasum optimizer instead: each rank steps with its own
+gradient during backward and the ranks' updates are combined by Adasum."""
 from __future__ import annotations
 
 from typing import Any, Dict, List
@@ -7,29 +9,43 @@ from typing import Any, Dict, List
 import torch
 
 from hvdtrain import dist
-from hvdtrain.optim import distributed_optimizer
+from hvdtrain.optim import combines_updates, distributed_optimizer
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
 from hvdtrain.watchdog import pending_allreduces
 
 
 class DDPStrategy(Strategy):
     """Horovod's DistributedOptimizer: hooks on every gradient start its all-reduce as soon as
-    backward produces it; ``synchronize`` waits; the step runs under ``skip_synchronize``."""
+    backward produces it; ``synchronize`` waits; the step runs under ``skip_synchronize``.
+
+    Under Adasum (more than one rank), the hooks first step the parameter with this rank's own
+    gradient, then start the Adasum all-reduce of its update; ``synchronize`` waits for those, and
+    the step applies the combined updates (Horovod's Adasum optimizer has no skip_synchronize)."""
 
     name = "ddp"
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: dist.World,
-                 accumulation: int, fp16_allreduce: bool) -> None:
+                 accumulation: int, fp16_allreduce: bool, reduction: str = "average") -> None:
         super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
-        self.optimizer = distributed_optimizer(optimizer, model.named_parameters(), accumulation, fp16_allreduce)
+        self.reduction = reduction
+        self.combines_updates = combines_updates(reduction, world.size)
+        self.optimizer = distributed_optimizer(optimizer, model.named_parameters(), accumulation, fp16_allreduce,
+                                               reduction)
 
     def broadcast_from_root(self) -> None:
         dist.broadcast_model_and_optimizer(self.model, self.optimizer, root_rank=0)
 
     def synchronize(self) -> None:
-        self.optimizer.synchronize()
+        if self.combines_updates:
+            # Horovod's Adasum synchronize() does nothing: wait here, so the wait is timed as communication.
+            dist.wait([handle for handle, _ in list(self.optimizer._handles.values())])
+        else:
+            self.optimizer.synchronize()
 
     def step(self) -> None:
+        if self.combines_updates:
+            self.optimizer.step()  # collects the Adasum-combined updates and applies them
+            return
         with self.optimizer.skip_synchronize():
             self.optimizer.step()
 
