@@ -3,9 +3,9 @@
 #   1. one process:               tests/unit (no MPI) and tests/launch (train.py under every launcher)
 #   2. mpirun -np $NP:            tests/mpi, every test in every rank
 #   3. horovodrun -np $NP --gloo: tests/mpi again, over Gloo instead of MPI
-#   4. the sharded strategies' tests ($SHARDED_TESTS) again at 1 rank (mpirun) and at 4 ranks
-#      (mpirun and horovodrun --gloo): their shards, padding and collectives change with the
-#      world size, so "the same result as ddp" is checked at 1, 2 and 4
+#   4. the sharded strategies' tests ($SHARDED_TESTS) and Adasum's ($RESIZED_TESTS) again at 1 rank
+#      (mpirun) and at 4 ranks (mpirun and horovodrun --gloo): shards, padding, collectives and
+#      Adasum's tree of ranks change with the world size, so each is checked at 1, 2 and 4
 #   5. one process:               tests/cluster, two test hosts and a SLURM cluster built on this
 #                                 machine (as root on Linux; skipped with the reason elsewhere)
 # then one summary over all of them. Each launch has a hard time limit: nothing here can hang CI.
@@ -28,6 +28,7 @@ export HOROVOD_STALL_CHECK_TIME_SECONDS=10 HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=6
 PYTEST="python -m pytest -q --color=no -p no:cacheprovider"
 SHARDED_TESTS="tests/mpi/test_strategies.py tests/mpi/test_zero.py tests/mpi/test_fsdp.py"
 [ -f tests/mpi/test_sharded_checkpoint.py ] && SHARDED_TESTS="$SHARDED_TESTS tests/mpi/test_sharded_checkpoint.py"
+RESIZED_TESTS="$SHARDED_TESTS tests/mpi/test_reduction.py"
 status=0
 # phase KEY RANKS TITLE COMMAND...: RANKS 0 is one process writing KEY.xml; otherwise every rank
 # writes KEY-rankR.xml. The summary reads the announced phases, so a launch that died is counted.
@@ -53,9 +54,9 @@ phase single 0 "one process: tests/unit tests/launch" \
   timeout -k 10 1800 $PYTEST tests/unit tests/launch --junitxml="$RESULTS/single.xml"
 on_mpirun mpi "$NP" 900 tests/mpi
 on_gloo gloo "$NP" 900 tests/mpi
-on_mpirun mpi-1 1 600 $SHARDED_TESTS
-on_mpirun mpi-4 4 900 $SHARDED_TESTS
-on_gloo gloo-4 4 900 $SHARDED_TESTS
+on_mpirun mpi-1 1 600 $RESIZED_TESTS
+on_mpirun mpi-4 4 900 $RESIZED_TESTS
+on_gloo gloo-4 4 900 $RESIZED_TESTS
 phase cluster 0 "two-host cluster: tests/cluster" \
   timeout -k 30 1800 $PYTEST -rs tests/cluster --junitxml="$RESULTS/cluster.xml"
 
