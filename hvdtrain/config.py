@@ -11,6 +11,8 @@ PROGRESS_MODES = ("auto", "bar", "log", "off")
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 CHECKPOINT_FORMATS = ("full", "sharded")
 PRECISIONS = ("fp32", "bf16", "fp16")
+# torch.compile works with these; fsdp's gathering hooks inside the forward do not compile (see __post_init__).
+COMPILE_STRATEGIES = ("ddp", "zero1", "zero2")
 REDUCTIONS = ("average", "adasum")
 # Adasum combines whole gradients pairwise (scaled by dot products over each tensor): it has no
 # reduce-scatter form, which the sharded strategies need (hvdtrain.strategies checks the same list).
@@ -53,6 +55,7 @@ class TrainConfig:
     precision: str = field(default="fp32", metadata={"help": "the forward's precision: fp32; bf16 (autocast, no loss scaling; runs on CPUs too); fp16 (autocast and a dynamic loss scale, steps with inf/nan skipped on every rank alike); see README, Mixed precision", "choices": PRECISIONS})
     max_grad_norm: Optional[float] = field(default=None, metadata={"help": "clip the averaged gradients to this global L2 norm, across shards under sharded strategies (null: no clipping)"})
     sync_batchnorm: bool = field(default=False, metadata={"help": "compute BatchNorm statistics over the global batch (every rank's samples) instead of each rank's own"})
+    compile: bool = field(default=False, metadata={"help": "run the model's forward (and its backward) through torch.compile; the model, its state_dict keys and checkpoints stay as they are; the first step and the first evaluation compile; not with strategy=fsdp; see README, Compiling the model"})
     seed: int = field(default=42, metadata={"help": "one seed for the job; ranks derive theirs from it"})
     log_every: int = field(default=20, metadata={"help": "steps between log lines (rank 0)"})
     max_steps: Optional[int] = field(default=None, metadata={"help": "stop after this many optimizer steps"})
@@ -95,6 +98,14 @@ class TrainConfig:
                 "or fsdp), got strategy=ddp: under ddp every rank holds the whole model and optimizer "
                 "state, so there is nothing to shard and rank 0 writes it alone. Use checkpoint_format=full "
                 "with ddp, or a sharded strategy with checkpoint_format=sharded")
+        if self.compile and self.strategy not in COMPILE_STRATEGIES:
+            raise ValueError(
+                f"TrainConfig.compile=true works with strategy={', '.join(COMPILE_STRATEGIES)}, not "
+                f"strategy={self.strategy}: fsdp gathers each unit's parameters in hooks that run inside the "
+                f"forward, and torch.compile cannot compile them: Dynamo cannot trace Horovod's collectives (a "
+                f"graph break at every unit), and Inductor fails on the gathered buffer's storage resize "
+                f"(LoweringException: TODO: dynamic shapes, torch 2.13). Use compile with ddp, zero1 or zero2, "
+                f"or fsdp without compile")
         if self.precision not in PRECISIONS:
             raise ValueError(f"TrainConfig.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.reduction not in REDUCTIONS:
