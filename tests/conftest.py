@@ -2,9 +2,11 @@ import os
 
 import pytest
 
-# Set by libraries when first imported or used, not by tests: torch's compile cache,
+# Set by libraries when first imported or used, not by tests: torch's compile cache and the
+# pointer Inductor hands its compiled kernels (set again before every load: removing it is harmless),
 # and the OpenMP switches scikit-learn sets on import.
-_SET_BY_LIBRARIES = {"TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
+_SET_BY_LIBRARIES = {"TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "KMP_DUPLICATE_LIB_OK",
+                     "KMP_INIT_AT_FORK"}
 
 
 @pytest.fixture(autouse=True)
