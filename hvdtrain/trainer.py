@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 from hvdtrain import dist, elastic, oom
 from hvdtrain.batching import Batching
 from hvdtrain.checkpointing import Checkpointing
-from hvdtrain.compiling import check_compiler, compile_forward
+from hvdtrain.compiling import compile_forward
 from hvdtrain.config import TrainConfig
 from hvdtrain.data import ShardedSampler
 from hvdtrain.elastic import TrainerState, is_elastic_launch
@@ -117,8 +117,7 @@ class Trainer(Resumable, TrainingLoop):
             self.strategy = build_strategy(cfg.strategy, self.model, optimizer, self.world,
                                            cfg.accumulation, cfg.fp16_allreduce, cfg.reduction)
         if cfg.compile:  # the forward only, in place: hooks, state_dict keys, checkpoints unchanged
-            check_compiler(self.world.device)
-            compile_forward(self.model)
+            compile_forward(self.model, self.world.device)
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # one worker's rates
         self.epoch = 0
         self.step = 0
