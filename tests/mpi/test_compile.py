@@ -1,23 +1,29 @@
 """train.compile: the model's forward through torch.compile (Inductor, C++ kernels on CPU) trains
 what the same run without it trains, under every strategy that accepts it, and keeps the plain
-state_dict keys in what it exports; fsdp is refused on every rank, with the reason.
+state_dict keys in what it exports; fsdp is refused on every rank, with the reason. The models:
+a small MLP, and a CNN of the digits CNN's shape, whose convolutions get zero gradients from
+torch 2.13's Inductor on CPU unless hvdtrain turns its layout optimization off (hvdtrain.compiling).
 
 Bound: float64. Compiled kernels fuse operations (the bias add with tanh, log-softmax with the
 loss, their backward) and may sum in another order than eager's kernels (a bias's gradient over the
-batch), so each value differs by a few units in the last place, ~1e-16 relative; measured here over
-4 steps: at most 1.1e-16. 1e-10 is far above that and far below what a gradient reduced wrongly or
-not at all changes (1e-3 and more, as in test_loop_features.py).
+batch), so each value differs by a few units in the last place, ~1e-16 relative; measured: 5.6e-17
+here (4 steps, every strategy), 1.1e-16 with Adam over 6 steps. 1e-10 is far above that and far
+below what a gradient reduced wrongly or not at all changes (1e-3 and more, as in
+test_loop_features.py).
 
-Time: the first test compiles for real (~10-25 s on 2 busy cores, two graphs: training, and
-evaluation without autograd); the later ones trace the same graphs, which Inductor's on-disk cache
-serves, so they take a few seconds each.
+Time: the first test compiles for real, two graphs (training; evaluation without autograd): 85 s
+with Inductor's on-disk cache empty, on 2 cores shared with other jobs; the later tests compile the
+same graphs again, which that cache serves: 5-13 s each, so all three strategies are kept. With the
+cache warm the whole file takes ~40 s at 2 ranks, ~10 s at 1.
 """
 from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo
+from torch import nn
 from torch._dynamo.utils import counters
+from torch.utils.data import TensorDataset
 
 from hvdtrain import dist
 from hvdtrain.config import TrainConfig
@@ -29,8 +35,8 @@ BOUND = 1e-10  # see the module's docstring
 BATCH, STEPS, SEED = 4, 4, 11
 
 
-def config(strategy, **overrides):
-    return TrainConfig(epochs=1, batch_size=BATCH, strategy=strategy, scale_lr=False, warmup_epochs=0,
+def config(strategy, batch_size=BATCH, **overrides):
+    return TrainConfig(epochs=1, batch_size=batch_size, strategy=strategy, scale_lr=False, warmup_epochs=0,
                        max_steps=STEPS, seed=SEED, log_every=1000, progress="off", tensorboard=False, **overrides)
 
 
@@ -39,35 +45,54 @@ def agreed(values, name):
     return dist.allgather_rows(torch.as_tensor(values, dtype=torch.float64).reshape(1, -1), name=name)
 
 
-def train(world, strategy, compile, run_dir):
+def small_cnn(seed):
+    """The digits CNN's shape (1 -> 32 -> 64 channels, max-pool, two dense layers), in float64: with
+    Inductor's layout optimization on, torch 2.13 computes zero gradients for its convolutions at
+    batch 16 (not at 4, 8 or 64: which shapes it hits looks arbitrary)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64 * 16, 32), nn.ReLU(), nn.Linear(32, 4)).double()
+
+
+def images(samples):
+    inputs, labels = synthetic_classification(samples=samples, features=64).tensors
+    return TensorDataset(inputs.reshape(-1, 1, 8, 8), labels)
+
+
+# model, data, batch per worker, training samples (4 steps at up to 4 workers)
+MODELS = {"mlp": (small_mlp, synthetic_classification, BATCH, 96), "cnn": (small_cnn, images, 16, 256)}
+
+
+def train(world, strategy, kind, compile, run_dir):
     """A run through the Trainer; the trained model, its final metrics, and how many graphs Dynamo compiled."""
     from hvdtrain.trainer import Trainer
 
-    data = synthetic_classification(samples=96)
-    model = small_mlp(seed=600 + world.rank)  # an nn.Sequential: torch 2.13's model.compile() skips it
+    build, dataset, batch, samples = MODELS[kind]
+    model = build(seed=600 + world.rank)  # nn.Sequential: torch 2.13's model.compile() would skip it
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     torch._dynamo.reset()  # or the previous test's compiled forward (same class, same shapes) is reused
     graphs = counters["stats"]["unique_graphs"]
-    name = f"{strategy}-{'compiled' if compile else 'eager'}"
-    trainer = Trainer(model, optimizer, data, synthetic_classification(samples=40), world=world,
-                      config=config(strategy, compile=compile, run_dir=str(run_dir), run_name=name))
+    name = f"{strategy}-{kind}-{'compiled' if compile else 'eager'}"
+    trainer = Trainer(model, optimizer, dataset(samples), dataset(40), world=world,
+                      config=config(strategy, batch, compile=compile, run_dir=str(run_dir), run_name=name))
     final = trainer.run()
     assert trainer.model is model, "the Trainer trains the module it was given, not a wrapper"  # local
     return trainer.model, final, counters["stats"]["unique_graphs"] - graphs, run_dir / name / "model.safetensors"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
-def test_compiled_run_trains_what_the_eager_run_trains(world, strategy, tmp_path):
+# The CNN under ddp only: what it checks is in the compiled kernels, which the strategy does not change.
+@pytest.mark.parametrize("strategy,kind", [("ddp", "mlp"), ("zero1", "mlp"), ("zero2", "mlp"), ("ddp", "cnn")])
+def test_compiled_run_trains_what_the_eager_run_trains(world, strategy, kind, tmp_path):
     from safetensors.torch import load_file
 
     # Rank 0's directory, which every rank reads (pytest-mpi's mpi_tmp_path is per rank under Gloo).
-    shared = Path(dist.allgather_object(str(tmp_path), name=f"compile.{strategy}.dir")[0])
-    eager, eager_final, _, _ = train(world, strategy, False, shared)
-    compiled, compiled_final, graphs, exported = train(world, strategy, True, shared)
+    shared = Path(dist.allgather_object(str(tmp_path), name=f"compile.{strategy}.{kind}.dir")[0])
+    eager, eager_final, _, _ = train(world, strategy, kind, False, shared)
+    compiled, compiled_final, graphs, exported = train(world, strategy, kind, True, shared)
     ours, theirs = flat_parameters(compiled), flat_parameters(eager)
-    rows = agreed([(ours - theirs).abs().max(), (ours - flat_parameters(small_mlp(seed=0))).abs().max(),
-                   abs(compiled_final["val_loss"] - eager_final["val_loss"]), graphs], name=f"compile.{strategy}")
-    replicas = dist.allgather_rows(ours.reshape(1, -1), name=f"compile.{strategy}.params")
+    rows = agreed([(ours - theirs).abs().max(), (ours - flat_parameters(MODELS[kind][0](seed=0))).abs().max(),
+                   abs(compiled_final["val_loss"] - eager_final["val_loss"]), graphs], name=f"compile.{strategy}.{kind}")
+    replicas = dist.allgather_rows(ours.reshape(1, -1), name=f"compile.{strategy}.{kind}.params")
     dist.barrier()  # rank 0 wrote the export before its run() returned
     exported_state = load_file(str(exported))
 

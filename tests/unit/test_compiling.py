@@ -20,10 +20,10 @@ def test_a_missing_cpp_compiler_is_named_before_training(monkeypatch):
     from torch._inductor import config, cpp_builder
 
     monkeypatch.delenv("TORCH_INDUCTOR_INSTALL_GXX", raising=False)
-    monkeypatch.setattr(config.cpp, "cxx", (None, "/nonexistent/g++"))
     cpp_builder.cpp_compiler_search.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler.*apt-get install g\\+\\+"):
+        with config.patch({"cpp.cxx": (None, "/nonexistent/g++")}), \
+                pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler.*apt-get install g\\+\\+"):
             check_compiler(torch.device("cpu"))
     finally:
         cpp_builder.cpp_compiler_search.cache_clear()
@@ -33,10 +33,10 @@ def test_a_missing_cpp_compiler_is_named_before_training(monkeypatch):
 def test_the_model_keeps_its_keys_and_a_copy_is_bound_to_itself():
     model = nn.Sequential(nn.Linear(3, 2))
     keys = list(model.state_dict())
-    compile_forward(model)  # lazy: nothing is compiled before a call
+    compile_forward(model, torch.device("cpu"))  # lazy: nothing is compiled before a call
     copied = copy.deepcopy(model)
 
     assert list(model.state_dict()) == keys
     assert copied.forward.__self__ is copied and model.forward.__self__ is model
     with pytest.raises(ValueError, match="already compiled, or patched"):
-        compile_forward(model)
+        compile_forward(model, torch.device("cpu"))
