@@ -6,15 +6,15 @@ torch 2.13's Inductor on CPU unless hvdtrain turns its layout optimization off (
 
 Bound: float64. Compiled kernels fuse operations (the bias add with tanh, log-softmax with the
 loss, their backward) and may sum in another order than eager's kernels (a bias's gradient over the
-batch), so each value differs by a few units in the last place, ~1e-16 relative; measured: 5.6e-17
-here (4 steps, every strategy), 1.1e-16 with Adam over 6 steps. 1e-10 is far above that and far
-below what a gradient reduced wrongly or not at all changes (1e-3 and more, as in
-test_loop_features.py).
+batch), so each value differs by a few units in the last place, ~1e-16 relative; measured over 4
+steps: 5.6e-17 (the MLP, every strategy), 2.8e-17 (the CNN); 1.1e-16 with Adam over 6 steps. 1e-10
+is far above that and far below what a gradient reduced wrongly or not at all changes (1e-3 and
+more, as in test_loop_features.py; the CNN's zero convolution gradients: 5.5e-3).
 
-Time: the first test compiles for real, two graphs (training; evaluation without autograd): 85 s
-with Inductor's on-disk cache empty, on 2 cores shared with other jobs; the later tests compile the
-same graphs again, which that cache serves: 5-13 s each, so all three strategies are kept. With the
-cache warm the whole file takes ~40 s at 2 ranks, ~10 s at 1.
+Time, with Inductor's on-disk cache empty, on 2 cores shared with other jobs (load 9): the MLP
+compiles for real, 67 s (two graphs: training; evaluation without autograd); the CNN 47 s; zero1
+and zero2 compile the MLP's graphs again, which that cache serves: 3-5 s each, so all three
+strategies are kept. With the cache warm the whole file takes ~45 s at 2 ranks, ~10 s at 1.
 """
 from pathlib import Path
 
