@@ -15,3 +15,14 @@ def world():
     from hvdtrain import dist
 
     return dist.init(seed=1234, threads=1)
+
+
+@pytest.fixture
+def shared_tmp_path(world, tmp_path, request):
+    """Rank 0's tmp_path, the same directory on every rank (one host). pytest-mpi's mpi_tmp_path
+    is per rank under horovodrun --gloo, where mpi4py sees each process as a world of its own."""
+    from pathlib import Path
+
+    from hvdtrain import dist
+
+    return Path(dist.allgather_object(str(tmp_path), name=f"shared_tmp_path.{request.node.nodeid}")[0])

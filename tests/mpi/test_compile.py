@@ -16,7 +16,6 @@ compiles for real, 67 s (two graphs: training; evaluation without autograd); the
 and zero2 compile the MLP's graphs again, which that cache serves: 3-5 s each, so all three
 strategies are kept. With the cache warm the whole file takes ~45 s at 2 ranks, ~10 s at 1.
 """
-from pathlib import Path
 
 import pytest
 import torch
@@ -82,11 +81,10 @@ def train(world, strategy, kind, compile, run_dir):
 
 # The CNN under ddp only: what it checks is in the compiled kernels, which the strategy does not change.
 @pytest.mark.parametrize("strategy,kind", [("ddp", "mlp"), ("zero1", "mlp"), ("zero2", "mlp"), ("ddp", "cnn")])
-def test_compiled_run_trains_what_the_eager_run_trains(world, strategy, kind, tmp_path):
+def test_compiled_run_trains_what_the_eager_run_trains(world, strategy, kind, shared_tmp_path):
     from safetensors.torch import load_file
 
-    # Rank 0's directory, which every rank reads (pytest-mpi's mpi_tmp_path is per rank under Gloo).
-    shared = Path(dist.allgather_object(str(tmp_path), name=f"compile.{strategy}.{kind}.dir")[0])
+    shared = shared_tmp_path
     eager, eager_final, _, _ = train(world, strategy, kind, False, shared)
     compiled, compiled_final, graphs, exported = train(world, strategy, kind, True, shared)
     ours, theirs = flat_parameters(compiled), flat_parameters(eager)

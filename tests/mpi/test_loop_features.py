@@ -235,15 +235,15 @@ def test_fp16_skips_a_step_with_inf_on_every_rank_alike(world, strategy):
 # ---- the exported model -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_run_exports_the_trained_model_as_safetensors(world, strategy, mpi_tmp_path):
+def test_run_exports_the_trained_model_as_safetensors(world, strategy, shared_tmp_path):
     from safetensors.torch import load_file
 
     data = synthetic_classification(samples=96)
     model = small_mlp(seed=500 + world.rank)
-    cfg = config(strategy, run_dir=str(mpi_tmp_path), run_name=f"export-{strategy}", tensorboard=False)
+    cfg = config(strategy, run_dir=str(shared_tmp_path), run_name=f"export-{strategy}", tensorboard=False)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, data, cfg, world=world)
     trainer.run()
-    exported = mpi_tmp_path / f"export-{strategy}" / "model.safetensors"
+    exported = shared_tmp_path / f"export-{strategy}" / "model.safetensors"
     dist.barrier()
     loaded = small_mlp(seed=1)
     loaded.load_state_dict(load_file(str(exported)))
@@ -251,13 +251,13 @@ def test_run_exports_the_trained_model_as_safetensors(world, strategy, mpi_tmp_p
     rows = agreed([difference], name=f"export.{strategy}")
 
     assert (rows[:, 0] == 0).all(), "the exported weights are not the trained model's"
-    assert (mpi_tmp_path / f"export-{strategy}" / "config.yaml").exists()
+    assert (shared_tmp_path / f"export-{strategy}" / "config.yaml").exists()
 
 
 @pytest.mark.parametrize("strategy,checkpoint_format", [("ddp", "full"), ("zero2", "sharded")])
-def test_fp16_loss_scale_resumes_from_a_checkpoint(world, strategy, checkpoint_format, mpi_tmp_path):
+def test_fp16_loss_scale_resumes_from_a_checkpoint(world, strategy, checkpoint_format, shared_tmp_path):
     data = synthetic_classification(samples=96, dtype=torch.float32)
-    directory = mpi_tmp_path / f"fp16-{strategy}-{checkpoint_format}"
+    directory = shared_tmp_path / f"fp16-{strategy}-{checkpoint_format}"
     cfg = config(strategy, precision="fp16", checkpoint_dir=str(directory), checkpoint_format=checkpoint_format)
     model = small_mlp(seed=600, dtype=torch.float32)
     first = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, None, cfg, world=world)
