@@ -1,19 +1,23 @@
-"""``hvdtrain bench strategies``: samples/s and bytes per rank of ddp, zero1 and zero2, side by side.
+"""``hvdtrain bench strategies``: samples/s and bytes per rank of ddp, zero1, zero2 and fsdp, side by side.
 
 Every strategy trains the same model on the same synthetic data with the same batch per worker
 and one thread per rank, through hvdtrain's Trainer (``throughput_worker --variant trainer``),
 each run its own mpirun job. Speed: rounds interleave the strategies with a rotating start
-(ddp zero1 zero2, then zero1 zero2 ddp, ...); figures are medians over the rounds with their
+(ddp zero1 zero2 fsdp, then zero1 zero2 fsdp ddp, ...); figures are medians over the rounds with their
 spread, and each strategy's ratio to ddp is the ratio of medians in this run and also per round
 (paired within a round) with its range. Each step is split into the gradient wait (the
-strategy's synchronize: ddp's all-reduce, zero's reduce-scatter), the strategy's step (the
-optimizer's update and, for zero, the parameters' all-gather) and the rest (forward, backward).
+strategy's synchronize: ddp's all-reduce, zero's and fsdp's reduce-scatter), the strategy's step
+(the optimizer's update and, for zero, the parameters' all-gather), fsdp's waits for its units'
+parameters (gathered in forward and again in backward) and the rest (forward, backward).
 
 Memory is counted, not timed: the Trainer counts the bytes of parameters, gradients and
 optimizer state each rank holds after its first step (from the tensors' storages). One short
 Adam job per strategy and worker count (``--memory-workers``) fills the memory table, next to
 ZeRO's formula for fp32 Adam (Psi parameters, N ranks): ddp 16 Psi, zero1 8 Psi + 8 Psi/N,
-zero2 4 Psi + 12 Psi/N bytes (4 parameters + 4 gradients + 8 Adam's exp_avg and exp_avg_sq).
+zero2 4 Psi + 12 Psi/N, fsdp 16 Psi/N bytes (4 parameters + 4 gradients + 8 Adam's exp_avg and
+exp_avg_sq). The Trainer counts between steps, when an fsdp rank holds its shards only; while a
+step runs it also holds gathered units (and, in backward, their full gradients): for fsdp the table
+also gives the most a rank held during a step, counted, next to 16 Psi/N + the largest unit.
 
 On CPU, communication runs on the cores that compute: overlapping it with backward hides nothing
 here, unlike on GPUs, and what zero saves in the optimizer's update (1/N of it per rank) counts.
@@ -29,8 +33,10 @@ from hvdtrain.bench import jobs, report, throughput
 from hvdtrain.bench.throughput import Job, _finite_or_none, _median, _paired, _ratio
 from hvdtrain.launch.hostfile import Host
 
-STRATEGIES = ("ddp", "zero1", "zero2")
-TARGET = 0.95  # zero1 and zero2 samples/s against ddp's, at --workers (2 on this machine)
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+# samples/s against ddp's, at --workers (2 on this machine): fsdp gathers every parameter twice a step
+TARGETS = {"zero1": 0.95, "zero2": 0.95, "fsdp": 0.80}
+FORMULAS = {"ddp": "16 Psi", "zero1": "8 Psi + 8 Psi/N", "zero2": "4 Psi + 12 Psi/N", "fsdp": "16 Psi/N"}
 MIN_PARAMETERS = 25_000_000  # the real run's model: large enough that bytes and communication matter
 COMPONENTS = ("parameters", "gradients", "optimizer_state")
 MIB = 2 ** 20
@@ -109,7 +115,7 @@ def measure_memory(memory: List[Job], timeout: float) -> None:
 
 
 def _per_step_ms(run: Dict[str, Any], key: str) -> float:
-    values = run[key]
+    values = run.get(key) or [0.0]  # gather_per_rank_s: fsdp's only
     return 1000 * sum(values) / len(values) / run["steps"]
 
 
@@ -122,13 +128,19 @@ def speed_rows(speed: List[Job]) -> List[Dict[str, Any]]:
         sync = [_per_step_ms(r, "sync_per_rank_s") for r in job.runs]
         stepped = [_per_step_ms(r, "step_per_rank_s") for r in job.runs]
         update = [_per_step_ms(r, "update_per_rank_s") for r in job.runs]
+        # zero: the all-gather after the update, inside step(); fsdp: the waits for its units'
+        # gathers, inside forward and backward
+        gather = [a - b if job.label != "fsdp" else _per_step_ms(r, "gather_per_rank_s")
+                  for a, b, r in zip(stepped, update, job.runs)]
+        inside_step = [g if job.label != "fsdp" else 0.0 for g in gather]
         rows.append({
             "strategy": job.label, "workers": job.np, "samples_per_sec": s.to_dict() if s else None,
             "ratio_to_ddp": _ratio(job, ddp), "paired_ratio_to_ddp": pairs.to_dict() if pairs else None,
             "step_ms": _median(wall), "gradient_wait_ms": _median(sync), "strategy_step_ms": _median(stepped),
-            "update_ms": _median(update), "all_gather_ms": _median([a - b for a, b in zip(stepped, update)]),
-            "exposed_comm_ms": _median([w + a - b for w, a, b in zip(sync, stepped, update)]),
-            "forward_backward_rest_ms": _median([t - w - a for t, w, a in zip(wall, sync, stepped)]),
+            "update_ms": _median(update), "all_gather_ms": _median(gather),
+            "exposed_comm_ms": _median([w + g for w, g in zip(sync, gather)]),
+            "forward_backward_rest_ms": _median([t - w - a - (g - i) for t, w, a, g, i
+                                                 in zip(wall, sync, stepped, gather, inside_step)]),
             "minor_faults_per_step": _median([sum(r["minor_faults_per_rank"]) / r["world_size"] / r["steps"]
                                               for r in job.runs]),
             "system_cpu_ms": _median([_per_step_ms(r, "system_cpu_per_rank_s") for r in job.runs]),
@@ -140,8 +152,10 @@ def speed_rows(speed: List[Job]) -> List[Dict[str, Any]]:
 
 
 def formula(strategy: str, psi: int, n: int) -> Dict[str, float]:
-    """ZeRO's bytes per rank for fp32 Adam (Rajbhandari et al. 2020), by component and in total."""
-    parts = {"parameters": 4 * psi, "gradients": 4 * psi / (n if strategy == "zero2" else 1),
+    """ZeRO's bytes per rank for fp32 Adam (Rajbhandari et al. 2020), by component and in total
+    (fsdp: between steps, its shards only)."""
+    parts = {"parameters": 4 * psi / (n if strategy == "fsdp" else 1),
+             "gradients": 4 * psi / (n if strategy in ("zero2", "fsdp") else 1),
              "optimizer_state": 8 * psi / (1 if strategy == "ddp" else n)}
     return {**parts, "total": sum(parts.values())}
 
@@ -162,23 +176,30 @@ def memory_rows(memory: List[Job]) -> List[Dict[str, Any]]:
             "peak_rss_max": max(r["peak_rss"] for r in per_rank), "formula": expected,
             "counted_over_formula": {k: per_rank[0][k] / expected[k] for k in keys},
             "max_over_formula": max(r["total"] for r in per_rank) / expected["total"], "errors": job.errors})
+        if job.label == "fsdp":  # during a step, against 16 Psi/N + the largest unit
+            peaks = run["step_peak_per_rank"]
+            during = expected["total"] + run["largest_unit_bytes"]
+            rows[-1].update({"units": run["fsdp_units"], "largest_unit_bytes": run["largest_unit_bytes"],
+                             "step_peak_rank0": peaks[0], "step_peak_max": max(p["total"] for p in peaks),
+                             "step_formula": during, "step_peak_over_formula": peaks[0]["total"] / during})
     return rows
 
 
 def verdicts(rows: List[Dict[str, Any]], args) -> List[Dict[str, Any]]:
     by = {row["strategy"]: row for row in rows}
     lines = []
-    for name in STRATEGIES[1:]:
+    for name, target in TARGETS.items():
         row, value = by[name], by[name]["ratio_to_ddp"]
-        met = value >= TARGET if value == value else None
-        line = {"target": f"{name} samples/s vs ddp, {args.model}, {args.workers} workers", "threshold": TARGET,
+        met = value >= target if value == value else None
+        line = {"target": f"{name} samples/s vs ddp, {args.model}, {args.workers} workers", "threshold": target,
                 "measured": value, "per_round": row["paired_ratio_to_ddp"], "met": met}
         if met is False:
             d = by["ddp"]
             line["why"] = (
                 f"{name} takes {row['step_ms'] - d['step_ms']:+.1f} ms per step against ddp's {d['step_ms']:.1f}: "
                 f"exposed communication {row['exposed_comm_ms']:.1f} ms (gradient wait {row['gradient_wait_ms']:.1f}"
-                f" + all-gather {row['all_gather_ms']:.1f}) against ddp's {d['exposed_comm_ms']:.1f}; optimizer "
+                f" + all-gather {row['all_gather_ms']:.1f}{' in forward and backward' if name == 'fsdp' else ''}) "
+                f"against ddp's {d['exposed_comm_ms']:.1f}; optimizer "
                 f"update {row['update_ms']:.1f} against {d['update_ms']:.1f}; forward/backward/rest "
                 f"{row['forward_backward_rest_ms']:.1f} against {d['forward_backward_rest_ms']:.1f}; helper-thread "
                 f"CPU {row['cpu_other_cores']:.2f} against {d['cpu_other_cores']:.2f} cores per rank; page faults "
@@ -213,18 +234,31 @@ def text_report(rows, mem, verdict_lines, args, psi: Optional[int]) -> List[str]
         [[r["strategy"], r["step_ms"], r["gradient_wait_ms"], r["strategy_step_ms"], r["update_ms"],
           r["all_gather_ms"], r["exposed_comm_ms"], r["forward_backward_rest_ms"], r["system_cpu_ms"],
           r["minor_faults_per_step"]] for r in rows],
-        title="ms per optimizer step (medians over rounds; step = slowest rank, parts = mean over ranks); "
+        title="ms per optimizer step (medians over rounds; step = slowest rank, parts = mean over ranks; "
+              "all-gather: zero's after the update, fsdp's waits for its units in forward and backward); "
               "minor page faults per step and rank")]
     measured = [m for m in mem if "rank0" in m]
     out += ["", report.format_table(
         ["strategy", "N", "parameters", "gradients", "optimizer state", "total", "peak RSS (max)", "ZeRO formula",
          "formula MiB", "counted/formula"],
         [[m["strategy"], m["workers"], pair(m, "parameters"), pair(m, "gradients"), pair(m, "optimizer_state"),
-          pair(m, "total"), _mib(m["peak_rss_max"]), {"ddp": "16 Psi", "zero1": "8 Psi + 8 Psi/N",
-                                                      "zero2": "4 Psi + 12 Psi/N"}[m["strategy"]],
+          pair(m, "total"), _mib(m["peak_rss_max"]), FORMULAS[m["strategy"]],
           _mib(m["formula"]["total"]), m["counted_over_formula"]["total"]] for m in measured],
         title=f"MiB held per rank after the first step, fp32 Adam, Psi = {psi or 0:,} parameters: counted from "
               "tensor storages, rank 0 / max over ranks; formula in bytes = the ZeRO column x Psi")]
+    during = [m for m in measured if "step_peak_rank0" in m]
+    out += ["", report.format_table(
+        ["strategy", "N", "parameters", "gradients", "optimizer state", "total", "max over ranks", "largest unit",
+         "16 Psi/N + largest unit", "counted/formula"],
+        [[m["strategy"], m["workers"], *(_mib(m["step_peak_rank0"][k]) for k in (*COMPONENTS, "total")),
+          _mib(m["step_peak_max"]), _mib(m["largest_unit_bytes"]), _mib(m["step_formula"]),
+          m["step_peak_over_formula"]] for m in during],
+        title="fsdp during a step: the most MiB a rank held (rank 0, by component at that moment), counted after "
+              "each unit's gather and before each reduce-scatter; the units prefetch one ahead and backward "
+              "holds a unit's full gradients too")] if during else []
+    for m in during[:1]:
+        units = ", ".join(f"{u['path']} {_mib(u['full_bytes']):.1f}" for u in m["units"] if u["full_bytes"])
+        out.append(f"fsdp units (MiB at full size; the root unit holds the parameters outside them): {units}")
     out += [f"memory job failed: {m['strategy']} at {m['workers']} workers" for m in mem if "rank0" not in m]
     out.append("")
     for line in verdict_lines:
@@ -237,7 +271,8 @@ def text_report(rows, mem, verdict_lines, args, psi: Optional[int]) -> List[str]
             out.append(f"  why: {line['why']}")
     out += ["notes: one host, 2 shared cores: differences under ~15% are within noise here. Communication runs on",
             "the cores that compute, so overlap hides nothing (unlike GPUs); zero steps the optimizer on 1/N of the",
-            "parameters per rank. gradient wait = the strategy's synchronize(); exposed comm = it + zero's all-gather;",
+            "parameters per rank. gradient wait = the strategy's synchronize(); exposed comm = it + the all-gather",
+            "(zero's after the update; fsdp's waits for its units' parameters in forward and backward);",
             "helper CPU = cores' worth of CPU per rank in threads other than the training thread; page faults and",
             "system CPU mostly come from first touches of freshly allocated buffers (an out-of-place collective's",
             "output, a gradient buffer made each step). Memory is exact (counted), so one job per row; padding to a",
@@ -269,6 +304,10 @@ def plot(rows, mem, path) -> None:
         bottom = [b + h for b, h in zip(bottom, heights)]
     mem_ax.scatter(labels, [_mib(m["formula"]["total"]) for m in measured], marker="_", s=400, color="black",
                    label="ZeRO formula", zorder=3)
+    during = [(label, m) for label, m in zip(labels, measured) if "step_peak_rank0" in m]
+    if during:
+        mem_ax.scatter([label for label, _ in during], [_mib(m["step_peak_rank0"]["total"]) for _, m in during],
+                       marker="o", facecolors="none", edgecolors="tab:red", label="fsdp during a step", zorder=3)
     mem_ax.set_ylabel("MiB per rank (rank 0, counted)")
     mem_ax.set_title("bytes per rank, fp32 Adam")
     mem_ax.legend(fontsize=8)

@@ -4,7 +4,7 @@ Variants (the same model, data, batch per rank and one thread per rank in each):
   single       one process, no distribution at all (run it with launcher "none")
   independent  N processes under mpirun that never communicate: the ceiling for N workers
   trainer      hvdtrain's Trainer (hvdtrain.dist.init, then Trainer.fit), with ``--strategy``
-               ddp, zero1 or zero2 and ``--optimizer`` sgd (momentum) or adam
+               ddp, zero1, zero2 or fsdp and ``--optimizer`` sgd (momentum) or adam
   horovod      the plain loop of Horovod's examples/pytorch/pytorch_mnist.py
   ddp          PyTorch DistributedDataParallel over gloo, rendezvous picked by rank 0
 
@@ -25,6 +25,11 @@ The Trainer also reports the time in its strategy's step() and, within it, in th
 update (the rest of step() is zero1/zero2's all-gather of the parameters), and what each rank
 held after the first step (``memory_per_rank``: the Trainer's counted bytes and peak RSS), and
 the process's minor page faults and system CPU over the timed steps (fresh buffers first-touched).
+Under fsdp, whose parameters are gathered unit by unit inside forward and backward, also the time
+spent waiting for those gathers (``gather_per_rank_s``), the units (``fsdp_units``: path and full
+bytes), and the most bytes a rank held at any moment of a step (``step_peak_per_rank``: counted
+from the storages each time a unit has been gathered and before each reduce-scatter starts), since
+between steps, when the Trainer counts, an fsdp rank holds its shards only.
 """
 from __future__ import annotations
 
@@ -53,7 +58,7 @@ LR = 0.01  # one worker's rate; every distributed variant scales it by the world
 MOMENTUM = 0.9
 ADAM_LR = 1e-3  # the trainer variant with --optimizer adam (one worker's rate, scaled as above)
 OPTIMIZERS = ("sgd", "adam")
-STRATEGIES = ("ddp", "zero1", "zero2")  # hvdtrain.config.STRATEGIES (not imported: keep --help light)
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")  # hvdtrain.config.STRATEGIES (not imported: keep --help light)
 # Environment variables that change how Horovod or Open MPI move gradients: recorded with each result.
 RECORDED_ENV = ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CPU_OPERATIONS",
                 "HOROVOD_TIMELINE", "OMPI_MCA_mpi_yield_when_idle", "OMP_NUM_THREADS")
@@ -354,6 +359,10 @@ def run_trainer(args) -> None:
     sync = SyncTimer(trainer.strategy)
     step_timer = SyncTimer(trainer.strategy, "step")
     update_timer = SyncTimer(trainer.optimizer, "step")
+    # fsdp gathers parameters in forward and backward (prefetched): the waits for them, and what a
+    # rank holds while a unit is gathered or its full gradients exist.
+    gather_timer = SyncTimer(trainer.strategy.comm, "ensure_gathered") if args.strategy == "fsdp" else None
+    step_peak = watch_step_peak(trainer.strategy) if args.strategy == "fsdp" else None
 
     usage = []  # (minor page faults, system CPU seconds) of the process, per call after the first (warm-up)
 
@@ -368,8 +377,9 @@ def run_trainer(args) -> None:
     # The first fit() runs the warm-up steps after the Trainer's set-up (broadcast, loaders):
     # neither is timed, as for the other variants. Each timed fit() pays fit()'s own start and
     # end again (watchdog thread, loader iterator, the epoch's loss reduction): charged to it.
-    measured = timed(dist.barrier, steps, args, sync, (step_timer, update_timer))
+    measured = timed(dist.barrier, steps, args, sync, (step_timer, update_timer, gather_timer))
     mine = {**rank_record(measured), "step_s": step_timer.seconds, "update_s": update_timer.seconds,
+            "gather_s": gather_timer.seconds if gather_timer else 0.0, "step_peak": step_peak,
             "minor_faults": sum(u[0] for u in usage[1:]), "system_s": sum(u[1] for u in usage[1:])}
     per_rank = dist.allgather_object(mine, name="bench.result")
     if world.is_root:
@@ -381,7 +391,39 @@ def run_trainer(args) -> None:
             "update_per_rank_s": [rank["update_s"] for rank in per_rank],  # the optimizer's own step
             "minor_faults_per_rank": [rank["minor_faults"] for rank in per_rank],  # over the timed steps
             "system_cpu_per_rank_s": [rank["system_s"] for rank in per_rank],
+            **({"gather_per_rank_s": [rank["gather_s"] for rank in per_rank],  # fsdp: waits for unit gathers
+                "step_peak_per_rank": [rank["step_peak"] for rank in per_rank],
+                "largest_unit_bytes": trainer.strategy.largest_unit_bytes(),
+                "fsdp_units": [{"path": unit.path or "(root)", "full_bytes": unit.full_bytes}
+                               for unit in trainer.strategy.all_units]} if args.strategy == "fsdp" else {}),
         }))
+
+
+def watch_step_peak(strategy) -> Dict[str, int]:
+    """The largest counted bytes of an fsdp rank during its steps, by component at that moment:
+    sampled after each unit's gather and before each reduce-scatter (its full gradient still held).
+    The dict fills in as the run goes (read it at the end)."""
+    peak: Dict[str, int] = {}
+
+    def sample() -> None:
+        held = strategy.memory_bytes()
+        total = sum(held.values())
+        if total > peak.get("total", -1):
+            peak.update(held, total=total)
+
+    comm = strategy.comm
+    gather, reduce = comm.ensure_gathered, comm.start_reduction
+
+    def ensure_gathered(unit) -> None:
+        gather(unit)
+        sample()
+
+    def start_reduction(bucket) -> None:
+        sample()
+        reduce(bucket)
+
+    comm.ensure_gathered, comm.start_reduction = ensure_gathered, start_reduction
+    return peak
 
 
 def free_port() -> int:

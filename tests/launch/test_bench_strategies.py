@@ -13,8 +13,9 @@ from hvdtrain.bench import strategies
 from tests.launch.helpers import BIN, run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-# 6 jobs (3 speed, 3 memory) of a few seconds each: start-up dominates; slower on a shared machine.
-TIMEOUT = 180
+# 8 jobs (4 speed, 4 memory) of a few seconds each: start-up dominates (about 2 minutes in all
+# while other tests ran beside it).
+TIMEOUT = 300
 
 
 def finite_positive(value):
@@ -60,10 +61,12 @@ def test_ratios_to_ddp_are_those_of_the_medians_and_the_targets_are_judged(strat
         assert row["ratio_to_ddp"] == pytest.approx(rate[row["strategy"]] / rate["ddp"])
         assert row["paired_ratio_to_ddp"]["median"] == pytest.approx(row["ratio_to_ddp"])  # one round
     verdicts = {v["target"]: v for v in results["verdicts"]}
-    assert set(verdicts) == {"zero1 samples/s vs ddp, cnn, 2 workers", "zero2 samples/s vs ddp, cnn, 2 workers"}
-    for verdict in verdicts.values():
-        assert verdict["met"] == (verdict["measured"] >= 0.95)
-        assert f"target: {verdict['target']} >= 0.95: measured {verdict['measured']:.3f}" in stdout
+    assert set(verdicts) == {f"{name} samples/s vs ddp, cnn, 2 workers" for name in ("zero1", "zero2", "fsdp")}
+    for target, verdict in verdicts.items():
+        name = target.split()[0]
+        assert verdict["threshold"] == {"zero1": 0.95, "zero2": 0.95, "fsdp": 0.80}[name]
+        assert verdict["met"] == (verdict["measured"] >= verdict["threshold"])
+        assert f"target: {verdict['target']} >= {verdict['threshold']:g}: measured {verdict['measured']:.3f}" in stdout
         assert ("why" in verdict) == (not verdict["met"])
 
 
@@ -73,7 +76,7 @@ def test_counted_bytes_follow_what_each_strategy_shards(strategies_run):
     rows = {row["strategy"]: row for row in results["memory"] if row["workers"] == 2}
     assert set(rows) == set(strategies.STRATEGIES)
     psi = results["parameters"]
-    ddp, zero1, zero2 = (rows[name]["rank0"] for name in strategies.STRATEGIES)
+    ddp, zero1, zero2, fsdp = (rows[name]["rank0"] for name in ("ddp", "zero1", "zero2", "fsdp"))
     for name, row in rows.items():
         assert row["parameters_counted"] == psi and row["max"]["total"] >= row["rank0"]["total"]
         assert row["rank0"]["total"] == sum(row["rank0"][k] for k in strategies.COMPONENTS)
@@ -86,10 +89,21 @@ def test_counted_bytes_follow_what_each_strategy_shards(strategies_run):
     assert zero2["parameters"] == pytest.approx(ddp["parameters"], rel=1e-3)
     assert zero1["gradients"] == pytest.approx(ddp["gradients"], rel=1e-3)
     assert zero2["gradients"] == pytest.approx(ddp["gradients"] / 2, rel=1e-3)
-    for zero in (zero1, zero2):
+    for zero in (zero1, zero2, fsdp):
         assert zero["optimizer_state"] == pytest.approx(ddp["optimizer_state"] / 2, rel=1e-3)
-    assert ddp["total"] > zero1["total"] > zero2["total"]
-    assert "4 Psi + 12 Psi/N" in stdout and "counted/formula" in stdout
+    # fsdp, counted between steps: half of everything at 2 ranks
+    assert fsdp["parameters"] == pytest.approx(ddp["parameters"] / 2, rel=1e-3)
+    assert fsdp["gradients"] == pytest.approx(ddp["gradients"] / 2, rel=1e-3)
+    assert ddp["total"] > zero1["total"] > zero2["total"] > fsdp["total"]
+    # fsdp during a step: its shards plus at least the largest unit, gathered
+    during = rows["fsdp"]
+    assert during["largest_unit_bytes"] == max(unit["full_bytes"] for unit in during["units"]) > 0
+    assert during["step_formula"] == pytest.approx(during["formula"]["total"] + during["largest_unit_bytes"])
+    assert during["step_peak_rank0"]["total"] >= during["step_formula"] * 0.99
+    assert during["step_peak_max"] >= during["step_peak_rank0"]["total"]
+    assert during["step_peak_over_formula"] == pytest.approx(during["step_peak_rank0"]["total"] / during["step_formula"])
+    for text in ("4 Psi + 12 Psi/N", "16 Psi/N", "counted/formula", "fsdp during a step", "fsdp units"):
+        assert text in stdout
 
 
 def test_the_real_run_refuses_a_model_under_25m_parameters(capsys):
@@ -101,3 +115,4 @@ def test_formula_is_zero_for_fp32_adam():
     assert strategies.formula("ddp", 10, 4)["total"] == 160
     assert strategies.formula("zero1", 10, 4)["total"] == 80 + 20
     assert strategies.formula("zero2", 10, 4)["total"] == 40 + 30
+    assert strategies.formula("fsdp", 10, 4)["total"] == 40
