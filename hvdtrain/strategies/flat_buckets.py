@@ -64,8 +64,11 @@ class FlatBucket:
         return f"zero.{what}.{self.index}.{self.padded_numel}"
 
     def own_slice(self, flat: torch.Tensor) -> torch.Tensor:
-        start, stop = self.own_range
-        return flat[start:stop]
+        return self.slice_of(flat, self.rank)
+
+    def slice_of(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s slice of a full-size flat buffer (a view)."""
+        return flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]
 
     def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """``flat`` cut into tensors shaped like the bucket's parameters (views, no copy)."""

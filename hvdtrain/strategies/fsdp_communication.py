@@ -1,8 +1,9 @@
 """FSDP's collectives: a unit's parameters all-gathered into its full buffers, its gradients
 reduce-scattered into the shard gradients, and the bookkeeping of what is in flight.
 
-Every collective is named after its buffer ("fsdp.param.3.1024"): the same on every rank, and
-unique while in flight, since a buffer has at most one all-gather and one reduce-scatter started.
+Every collective is named after its buffer ("fsdp.grad.3.1024"; a gather is one broadcast per
+slice, "fsdp.param.3.1024.R" from rank R): the same on every rank, and unique while in flight,
+since a buffer has at most one gather and one reduce-scatter started.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import horovod.torch as hvd
 
 from hvdtrain.strategies import flat_buckets as fb
 from hvdtrain.strategies import fsdp_units as fu
+from hvdtrain.strategies.zero import gather_in_place
 
 
 class UnitCommunication:
@@ -21,34 +23,41 @@ class UnitCommunication:
         self.buckets = list(buckets)
         self.in_flight: Dict[str, Any] = {}  # collective name -> Horovod handle
 
-    # A unit's full parameters: FREE -> GATHERING (all-gathers started) -> GATHERED -> FREE.
+    # A unit's full parameters: FREE -> GATHERING (gathers started) -> GATHERED -> FREE.
 
     def start_gather(self, unit: fu.FSDPUnit) -> None:
+        """The full buffers get their storage now, the own slice copied in, and the other slices
+        arrive in place (zero.gather_in_place: no full-size temporary, no copy after)."""
         if unit.state != fu.FREE:
             return
-        for bucket in unit.buckets:
-            self.start(bucket.param_name, hvd.allgather_async(bucket.shard.detach(), name=bucket.param_name))
+        with torch.no_grad():  # into the one storage the parameters and autograd's tensors view
+            for bucket in unit.buckets:
+                fu.allocate_storage(bucket.flat_param)
+                bucket.own_slice(bucket.flat_param).copy_(bucket.shard)
+                for name, handle in gather_in_place(bucket, bucket.flat_param).items():
+                    self.start(name, handle)
         unit.state = fu.GATHERING
 
     def ensure_gathered(self, unit: fu.FSDPUnit) -> None:
         self.start_gather(unit)
         if unit.state != fu.GATHERING:
             return
-        with torch.no_grad():  # into the one storage the parameters and autograd's tensors view
-            for bucket in unit.buckets:
-                full = self.wait(bucket.param_name)
-                fu.allocate_storage(bucket.flat_param)
-                bucket.flat_param.copy_(full)
+        self._wait_gathers(unit)
         unit.state = fu.GATHERED
 
     def free(self, unit: fu.FSDPUnit) -> None:
         if unit.state == fu.FREE:
             return
+        if unit.state == fu.GATHERING:
+            self._wait_gathers(unit)  # started on every rank: it must finish on every rank
         for bucket in unit.buckets:
-            if unit.state == fu.GATHERING:
-                self.wait(bucket.param_name)  # started on every rank: it must finish on every rank
             fu.release_storage(bucket.flat_param)
         unit.state = fu.FREE
+
+    def _wait_gathers(self, unit: fu.FSDPUnit) -> None:
+        for bucket in unit.buckets:
+            for owner in range(bucket.world_size):
+                self.wait(f"{bucket.param_name}.{owner}")
 
     def gathered_parameter_values(self, units: Sequence[fu.FSDPUnit]) -> Dict[int, torch.Tensor]:
         """id(parameter) -> a copy of its full value, gathered unit by unit (the next unit's

@@ -223,10 +223,14 @@ class ZeroStrategy(Strategy):
         self._carried_state = None
 
     def _gather_parameters(self) -> None:
+        """Every rank's updated slices into every rank's buckets, in place (see gather_in_place)."""
+        started = []
         for bucket in self.buckets:  # all started before any is waited on
-            self._start_gather(bucket.param_name, bucket.shard)
-        for bucket in self.buckets:
-            bucket.flat_param.copy_(self._wait(bucket.param_name))
+            handles = gather_in_place(bucket, bucket.flat_param)
+            self._in_flight.update(handles)
+            started += handles
+        for name in started:
+            self._wait(name)
 
     def zero_grad(self) -> None:
         self.synchronize()  # a reduction in flight must still finish on every rank
@@ -307,6 +311,22 @@ class ZeroStrategy(Strategy):
         grads = [p.grad for p in params + shards] + [b.shard_grad for b in self.buckets]
         return {"parameters": storage_bytes(params + shards), "gradients": storage_bytes(grads),
                 "optimizer_state": storage_bytes(optimizer_state_tensors(self.optimizer))}
+
+
+def gather_in_place(bucket: fb.FlatBucket, flat: torch.Tensor) -> Dict[str, Any]:
+    """Start an all-gather of ``flat``'s slices into ``flat`` itself: one in-place broadcast per
+    slice, from the rank that owns it (which must already hold its slice there). Returns the
+    handles by collective name (``bucket.param_name`` + "." + the owner's rank).
+
+    Horovod's allgather has no output argument: it returns a new full-size tensor, first-touched
+    page by page, then copied into the buffer, every step (glibc maps blocks this large afresh each
+    time). The broadcasts move the same bytes (each rank receives the N - 1 other slices) with
+    neither: `hvdtrain bench strategies` measured the difference (README, Strategies)."""
+    handles = {}
+    for owner in range(bucket.world_size):
+        name = f"{bucket.param_name}.{owner}"
+        handles[name] = hvd.broadcast_async_(bucket.slice_of(flat, owner), root_rank=owner, name=name)
+    return handles
 
 
 def _finished(handle: Any) -> bool:
