@@ -6,6 +6,7 @@
       tensorboard/          event files for `tensorboard --logdir runs` (rank 0)
       logs/rank-<r>.log     everything rank r logged, INFO and up, with time, rank and host
       horovod-timeline.json when train.timeline_steps > 0 (rank 0)
+      model.safetensors     the trained model, written by Trainer.run() at the end (rank 0)
 
 A run started again with the same name (a SLURM requeue, or an explicit train.run_name)
 appends to the same files; ``hvdtrain plot`` lets the later record of a step win.

@@ -16,9 +16,9 @@ def test_a_two_worker_run_leaves_config_metrics_events_logs_timeline_and_plots(t
     assert code == 0, out[-3000:] + err[-3000:]
     run_dir = tmp_path / "demo"
     names = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
-    assert names[:5] == ["config.yaml", "horovod-timeline.json", "logs/rank-0.log", "logs/rank-1.log",
-                         "metrics.jsonl"], names
-    assert len(names) == 6 and names[5].startswith("tensorboard/events.out.tfevents.")
+    assert names[:6] == ["config.yaml", "horovod-timeline.json", "logs/rank-0.log", "logs/rank-1.log",
+                         "metrics.jsonl", "model.safetensors"], names
+    assert len(names) == 7 and names[6].startswith("tensorboard/events.out.tfevents.")
 
     # The resolved settings, including the overrides, printed once and saved.
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
