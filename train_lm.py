@@ -3,6 +3,7 @@
     horovodrun -np 2 python train_lm.py
     mpirun -np 2 --hostfile hostfiles/localhost python train_lm.py
     python train_lm.py --train.epochs=1 --model.layers=1      # one process, no launcher
+    horovodrun -np 4 python train_lm.py --train.tensor_parallel=2 --train.pipeline_parallel=2
 
 The text is the standard library's pydoc_data.topics (no download); its last 10% is held out.
 Same structure as train.py: only the data, the model, the loss and the optimizer differ.
@@ -14,6 +15,7 @@ import torch
 
 import hvdtrain
 from hvdtrain.config_loader import job_argument_parser, parse_job, to_dict
+from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
 from hvdtrain.examples.textlm import (TextLMJob, TinyTransformerLM, bits_per_char, generate, lm_loss,
                                       load_text_datasets, unigram_bits_per_char)
 
@@ -28,13 +30,16 @@ def main(argv=None) -> int:
     config = job.train
 
     world = hvdtrain.init(seed=config.seed, timeline=config.timeline_steps > 0,
-                          hierarchical_allreduce=config.hierarchical_allreduce)
+                          hierarchical_allreduce=config.hierarchical_allreduce,
+                          dynamic_process_sets=config.model_parallel)
     train_set, val_set, vocab = load_text_datasets(job.model.seq_len, job.data.train_stride,
                                                    job.data.val_fraction)
     model = TinyTransformerLM(len(vocab), **dataclasses.asdict(job.model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    # How the transformer splits under --train.tensor_parallel / --train.pipeline_parallel.
     trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, config, loss_fn=lm_loss,
-                               world=world, job_config=to_dict(job))
+                               world=world, job_config=to_dict(job), tensor_plan=tensor_plan(model),
+                               pipeline_layers=pipeline_layers)
     final = trainer.run()  # None: preempted, checkpointed (and requeued under SLURM); a restart resumes
     if final is None:
         return 0
@@ -45,10 +50,14 @@ def main(argv=None) -> int:
     if world.is_root:
         baseline = unigram_bits_per_char(train_set.ids, val_set.scored_ids(), len(vocab))
         print(f"final validation loss {final['val_loss']:.4f} nats/char = {bpc:.3f} bits/char on "
-              f"{int(final['val_samples'])} held-out characters, {world.size} "
+              f"{int(final['val_samples']) * job.model.seq_len} held-out characters, {world.size} "
               f"worker{'s' if world.size > 1 else ''} (unigram baseline: {baseline:.3f} bits/char)",
               flush=True)
-        print(f"sample: {PROMPT + generate(trainer.model, vocab, PROMPT, 160)!r}", flush=True)
+        model = trainer.model
+        if config.model_parallel:  # each rank held a part: sample from the whole trained model
+            model = TinyTransformerLM(len(vocab), **dataclasses.asdict(job.model))
+            model.load_state_dict(trainer.final_model_state)
+        print(f"sample: {PROMPT + generate(model, vocab, PROMPT, 160)!r}", flush=True)
     if args.require_bpc is not None and not bpc <= args.require_bpc:
         if world.is_root:
             print(f"error: {bpc:.3f} bits/char is above the required {args.require_bpc}",

@@ -23,8 +23,12 @@ from hvdtrain.strategies.base import Strategy
 class Checkpointing:
     """The checkpoints of one run, as seen by every rank of it."""
 
-    def __init__(self, config: TrainConfig, world: dist.World, log: logging.Logger) -> None:
+    def __init__(self, config: TrainConfig, world: dist.World, log: logging.Logger,
+                 data_world: Optional[dist.World] = None) -> None:
+        """``data_world``: the data-parallel view (one worker per model replica) when a replica
+        spans several ranks; the global batch is split over its workers."""
         self.config, self.world, self.log = config, world, log
+        self.data_world = data_world or world
         self.store = CheckpointStore(config.checkpoint_dir, keep=config.keep_checkpoints, log=log)
 
     def read_newest(self, broadcast: bool) -> Optional[Dict[str, Any]]:
@@ -48,20 +52,22 @@ class Checkpointing:
     def batch_per_worker(self, resumed: Optional[Dict[str, Any]], elastic: bool) -> int:
         """A run resumed on another worker count keeps the checkpoint's global batch, so each
         worker's batch follows from it (under elastic, the global batch follows the world)."""
-        cfg, size = self.config, self.world.size
-        if resumed is None or elastic or resumed["world_size"] == size:
+        cfg, size = self.config, self.data_world.size
+        # Checkpoints before model parallelism had one data-parallel worker per rank.
+        if resumed is None or elastic or resumed.get("data_parallel", resumed["world_size"]) == size:
             return cfg.batch_size
         global_batch = resumed["global_batch"]
         if global_batch % (size * cfg.accumulation):
             raise ValueError(
                 f"the checkpoint's global batch {global_batch} (written by {resumed['world_size']} "
-                f"workers) cannot be split over {size} workers x {cfg.accumulation} accumulation: "
+                f"workers) cannot be split over {size} data-parallel workers x {cfg.accumulation} accumulation: "
                 f"resume on a worker count that divides it, or start a new run"
             )
         per_worker = global_batch // (size * cfg.accumulation)
         self.log.warning(
-            f"resuming a {resumed['world_size']}-worker checkpoint on {size} workers: the global batch "
-            f"stays {global_batch}, so each worker now takes {per_worker} samples per micro-batch"
+            f"resuming a checkpoint of {resumed.get('data_parallel', resumed['world_size'])} data-parallel "
+            f"workers ({resumed['world_size']} ranks) on {size}: the global batch stays {global_batch}, so "
+            f"each data-parallel worker now takes {per_worker} samples per micro-batch"
         )
         return per_worker
 

@@ -9,6 +9,7 @@ from typing import List, Optional
 
 from hvdtrain import consolidate as consolidate_command
 from hvdtrain import export_command
+from hvdtrain import plan_command
 from hvdtrain import plot as plot_command
 from hvdtrain.bench.cli import add_bench_parser
 from hvdtrain.launch import doctor as launch_doctor
@@ -93,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=export_command.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     export_command.add_arguments(export)
     export.set_defaults(run=export_command.run)
+    plan = commands.add_parser(
+        "plan", help="which strategy and mesh fit this model on this cluster, and the fastest (modelled)",
+        description=plan_command.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan_command.add_arguments(plan)
+    plan.set_defaults(run=plan_command.run)
     add_bench_parser(commands)
     return parser
 

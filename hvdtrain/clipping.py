@@ -8,10 +8,14 @@ the squares of its slices are summed, the sums all-reduced (one scalar) and the 
 the total, so every rank scales its slice by the same factor: the norm of the whole model's
 gradient, as one process would compute it (zero padding adds nothing). The squares are summed in
 float64, so the sharded sum differs from one process's only in its last bits.
+
+A model split over a mesh (tensor and pipeline parallel) is sharded too, with some gradients held
+alike by several ranks (replicated parameters, a tied weight, every data replica): one rank counts
+each, every rank scales all of its own.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -33,12 +37,15 @@ def clip_replicated(gradients: Sequence[torch.Tensor], max_norm: float) -> float
     return float(norm)
 
 
-def clip_sharded(slices: Sequence[torch.Tensor], max_norm: float, name: str) -> float:
+def clip_sharded(slices: Sequence[torch.Tensor], max_norm: float, name: str,
+                 counted: Optional[Sequence[torch.Tensor]] = None) -> float:
     """Clip gradients of which each rank holds ``slices`` (a collective: every rank calls it, with
-    the same ``name``); returns the global norm before clipping, the same on every rank."""
+    the same ``name``); returns the global norm before clipping, the same on every rank.
+    ``counted``: the slices whose squares this rank adds to the norm, when ranks hold some of them
+    alike (a model-parallel replica's replicated parameters: one rank counts each); default all."""
     device = slices[0].device if slices else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float64, device=device)
-    for piece in slices:
+    for piece in slices if counted is None else counted:
         squares += piece.detach().double().square().sum()
     total = hvd.allreduce(squares, op=hvd.Sum, name=name)
     norm = total.sqrt()

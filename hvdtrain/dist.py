@@ -43,6 +43,9 @@ TIMELINE_ARMED = ("HOROVOD_TIMELINE", "DYNAMIC")
 # starts its background thread, as an integer (> 0: on); it takes effect only with NCCL, on GPU
 # tensors, across more than one host (horovod/common/operations.cc).
 HIERARCHICAL_ALLREDUCE = "HOROVOD_HIERARCHICAL_ALLREDUCE"
+# Process sets made after start (hvd.add_process_set: the model-parallel mesh's groups, which
+# depend on the world size and the layout) need this when hvd.init() runs; Horovod reads it once.
+DYNAMIC_PROCESS_SETS = "HOROVOD_DYNAMIC_PROCESS_SETS"
 
 
 def apply_env_defaults(environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
@@ -117,8 +120,20 @@ def threads_per_rank(local_size: int, cpus_visible: int, cpus_on_host: int) -> i
     return max(1, cpus_on_host // max(1, local_size))
 
 
+def dynamic_process_sets_conflict() -> str:
+    """What to do when process sets are needed after Horovod started without dynamic process sets."""
+    return (f"tensor or pipeline parallelism makes Horovod process sets after start, which needs "
+            f"{DYNAMIC_PROCESS_SETS}=1 when hvd.init() runs, and hvd.init() already ran without it "
+            f"(hvdtrain.init() or hvd.init() before the Trainer). Call hvdtrain.init(..., "
+            f"dynamic_process_sets=True) first, or set {DYNAMIC_PROCESS_SETS}=1 in the launch")
+
+
+def dynamic_process_sets_enabled() -> bool:
+    return os.environ.get(DYNAMIC_PROCESS_SETS, "0").strip() not in ("", "0")
+
+
 def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
-         hierarchical_allreduce: bool = False) -> World:
+         hierarchical_allreduce: bool = False, dynamic_process_sets: bool = False) -> World:
     """Start Horovod, pin this rank to its device and threads, and seed it.
 
     ``timeline``: arm Horovod's timeline so that the Trainer can record a few steps of it
@@ -126,6 +141,8 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
     ``hierarchical_allreduce``: set HOROVOD_HIERARCHICAL_ALLREDUCE=1 before hvd.init()
     (train.hierarchical_allreduce); False leaves the launch's setting. Refused when Horovod
     already started without it: it reads the setting only once.
+    ``dynamic_process_sets``: set HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init(), so that process
+    sets can be added later (hvdtrain.parallel.mesh); refused when Horovod already started without it.
     Safe to call more than once: Horovod's init is idempotent. Fails, naming both values and
     the likely fix, when the launcher's variables disagree with the world Horovod formed.
     """
@@ -135,6 +152,10 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
         os.environ[HIERARCHICAL_ALLREDUCE] = "1"
         logging.getLogger(__name__).info("%s=1 set before hvd.init() (train.hierarchical_allreduce)",
                                           HIERARCHICAL_ALLREDUCE)
+    if dynamic_process_sets and not dynamic_process_sets_enabled():
+        if hvd.is_initialized():
+            raise ValueError(dynamic_process_sets_conflict())
+        os.environ[DYNAMIC_PROCESS_SETS] = "1"
     applied = apply_env_defaults()
     if timeline:
         os.environ.setdefault(*TIMELINE_ARMED)

@@ -55,7 +55,7 @@ class TrainingLoop:
         self.sampler.set_epoch(self.epoch, start=self.epoch_position)
         self.model.train()
         window = RunningMeans(device)
-        throughput = Throughput(self.world.size)
+        throughput = Throughput(self.batching.world.size)  # data-parallel width: distinct samples
         epoch_totals = Totals()
 
         for index, batch in enumerate(self.batching.train_loader):
@@ -66,11 +66,9 @@ class TrainingLoop:
             # 3. Forward and backward on this rank's micro-batch; the strategy's hooks start each
             #    gradient's reduction as soon as backward has produced it.
             self._phase = "the forward and backward pass"
-            with self.precision.autocast():
-                loss, metrics = self.step_fn(self.model, batch)
-            scaled = self.precision.scale_loss(loss)
-            strategy.backward(scaled / cfg.accumulation if cfg.accumulation > 1 else scaled)
-            window.add(loss, metrics, samples)
+            loss, metrics = strategy.forward_backward(self.step_fn, batch, self.precision.autocast,
+                                                      self.precision.scale_loss, cfg.accumulation)
+            window.add(loss, metrics, samples if strategy.counts_samples else 0)
             throughput.add(samples)
             if (index + 1) % cfg.accumulation:
                 continue

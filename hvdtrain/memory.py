@@ -11,7 +11,7 @@ import resource
 from typing import Any, Dict, List, Optional
 
 from hvdtrain import dist
-from hvdtrain.reporting import format_bytes
+from hvdtrain.units import format_bytes
 from hvdtrain.rundir import RunDirectory
 from hvdtrain.strategies.base import Strategy
 

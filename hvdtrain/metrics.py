@@ -100,13 +100,16 @@ class Throughput:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, step: StepFn, device: torch.device,
              autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-             after_batch: Callable[[], None] = lambda: None, lockstep: bool = False) -> Dict[str, float]:
+             after_batch: Callable[[], None] = lambda: None, lockstep: bool = False,
+             counts_samples: bool = True) -> Dict[str, float]:
     """The step's loss and metrics over the whole validation set, as ``val_<name>`` (every rank's
     shard, weighted by samples; a collective), and ``val_samples``.
 
     ``lockstep``: the model's forward is itself a collective (fsdp), so every rank runs as many
     forwards as the rank with the most batches; a rank with fewer repeats its last batch and
     does not count it (validation shards are not padded: each sample counts once).
+    ``counts_samples``: False on the ranks of a model replica that do not report for it (they
+    hold the same loss as the one that does).
     """
     model.eval()
     means = RunningMeans(device)
@@ -122,7 +125,7 @@ def evaluate(model: torch.nn.Module, loader, step: StepFn, device: torch.device,
         batch = to_device(batch, device)
         with autocast():
             loss, metrics = step(model, batch)
-        means.add(loss, metrics, batch_size(batch))
+        means.add(loss, metrics, batch_size(batch) if counts_samples else 0)
         after_batch()
     for _ in range(extra):  # lockstep: the last batch again, not counted
         with autocast():

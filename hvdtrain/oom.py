@@ -19,7 +19,8 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 import torch
 
 from hvdtrain.config import STRATEGIES
-from hvdtrain.reporting import format_bytes
+from hvdtrain.plan import sharded_state_bytes
+from hvdtrain.units import format_bytes
 
 # Optimizer state, in parameter-sized tensors, of the usual optimizers (exp_avg and exp_avg_sq...).
 STATE_TENSORS_PER_PARAMETER = {
@@ -75,12 +76,9 @@ def state_tensors_per_parameter(optimizer: torch.optim.Optimizer) -> int:
 
 
 def bytes_per_rank(strategy: str, parameters: int, element_size: int, state_tensors: int, workers: int) -> int:
-    """The ZeRO arithmetic: what a rank holds in parameters, gradients and optimizer state."""
-    p = g = parameters * element_size
-    k = state_tensors * parameters * element_size
-    shares = {"ddp": (p, g, k), "zero1": (p, g, k / workers), "zero2": (p, g / workers, k / workers),
-              "fsdp": (p / workers, g / workers, k / workers)}[strategy]
-    return int(sum(shares))
+    """The ZeRO arithmetic (hvdtrain.plan's): what a rank holds in parameters, gradients and optimizer state."""
+    held = sharded_state_bytes(strategy, parameters, element_size, element_size, state_tensors * element_size, workers)
+    return int(sum(held.values()))
 
 
 def memory_limit(device: torch.device) -> Optional[Tuple[int, str]]:

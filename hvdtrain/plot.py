@@ -18,7 +18,8 @@ from hvdtrain.bench.report import new_figure, save_figure
 from hvdtrain.rundir import METRICS_FILE
 
 RESTART = "_restart"  # set by load_metrics on the first step record after a restart
-REQUIRED = {"step": ("step", "time", "loss", "samples_per_sec"), "epoch": ("step", "epoch", "train_loss")}
+# An epoch record may lack train_loss: under Horovod elastic an epoch can end with no step of its own.
+REQUIRED = {"step": ("step", "time", "loss", "samples_per_sec"), "epoch": ("step", "epoch")}
 FINITE = ("step", "time", "epoch")  # the axes; a null loss (the trainer writes NaN as null) plots as a gap
 
 Record = Dict[str, object]
@@ -109,8 +110,9 @@ def plot_loss(steps: List[Record], epochs: List[Record], out: Path, title: str) 
     if steps:
         ax.plot(*_broken(steps, lambda r: r["step"], lambda r: r["loss"]), linewidth=1, alpha=0.6,
                 label="train (per log record)")
-    if epochs:
-        ax.plot([r["step"] for r in epochs], [r["train_loss"] for r in epochs], "o-", label="train (epoch)")
+    trained = [r for r in epochs if _has(r, "train_loss")]
+    if trained:
+        ax.plot([r["step"] for r in trained], [r["train_loss"] for r in trained], "o-", label="train (epoch)")
     validated = [r for r in epochs if _has(r, "val_loss")]
     if validated:
         ax.plot([r["step"] for r in validated], [r["val_loss"] for r in validated], "s-", label="validation")

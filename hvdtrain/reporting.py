@@ -12,6 +12,8 @@ import yaml
 
 from hvdtrain import dist
 from hvdtrain.config import TrainConfig
+from hvdtrain.parallel.mesh import Mesh, layout_lines
+from hvdtrain.units import format_bytes  # noqa: F401  (re-exported: hvdtrain.reporting.format_bytes)
 from hvdtrain.rundir import TIMELINE_FILE, RunDirectory, default_run_name
 
 
@@ -35,7 +37,7 @@ def open_run_dir(config: TrainConfig, world: dist.World, log: logging.Logger,
     return run
 
 
-def announce(world: dist.World, log: logging.Logger, elastic: bool) -> None:
+def announce(world: dist.World, log: logging.Logger, elastic: bool, mesh: Optional[Mesh] = None) -> None:
     """Who runs where: the world, and (a collective, so every rank calls it) the ranks per host."""
     log.info(
         f"{world.size} workers ({world.cross_size} hosts x {world.local_size}) started by {world.launcher}, "
@@ -49,6 +51,12 @@ def announce(world: dist.World, log: logging.Logger, elastic: bool) -> None:
         ranks_by_host.setdefault(host, []).append(rank)
     log.info("ranks per host: " + "; ".join(
         f"{host}: {','.join(map(str, ranks))}" for host, ranks in ranks_by_host.items()))
+    if mesh is not None:
+        shape = mesh.shape
+        log.info(f"mesh: data {shape.data} x pipeline {shape.pipeline} x tensor {shape.tensor} "
+                 f"(tensor innermost, then stages, then data replicas)")
+        for line in layout_lines(shape, hosts):
+            log.info(line)
 
 
 def announce_settings(log: logging.Logger, job_config: Mapping[str, Any]) -> None:
@@ -56,19 +64,17 @@ def announce_settings(log: logging.Logger, job_config: Mapping[str, Any]) -> Non
 
 
 def epoch_line(record: Mapping[str, Any], epochs: int) -> str:
-    """The line rank 0 prints at the end of an epoch (or where max_steps ended it)."""
-    line = f"epoch {record['epoch']:g}/{epochs} step {record['step']} train_loss {record['train_loss']:.4f}"
+    """The line rank 0 prints at the end of an epoch (or where max_steps ended it).
+
+    An epoch can end without a step of its own: Horovod elastic rolls back to a commit made at the
+    epoch's last step, and the epoch's end is then recorded without a train loss (its steps' losses
+    went with the rollback)."""
+    line = f"epoch {record['epoch']:g}/{epochs} step {record['step']}"
+    if "train_loss" in record:
+        line += f" train_loss {record['train_loss']:.4f}"
     if "val_accuracy" in record:
         line += f" val_loss {record['val_loss']:.4f} val_accuracy {record['val_accuracy']:.4f}"
     return line + f" {record['samples_per_sec']:.0f} samples/s"
-
-
-def format_bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(count) < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} TiB"
 
 
 class TimelineWindow:

@@ -37,6 +37,8 @@ class Resumable:
             "epoch_position": self.epoch_position,
             "global_batch": self.global_batch_size,
             "world_size": self.world.size,
+            "data_parallel": self.data_world.size,  # the global batch's workers (model replicas)
+            "mesh": list(self.mesh_shape),  # data, pipeline, tensor: whose RNG is whose
             "strategy": self.config.strategy,
             "precision": self.precision.state_dict(),  # fp16's loss scale continues on resume
             "config": self.job_config,
@@ -50,7 +52,8 @@ class Resumable:
             own_rng = self.checkpoints.load_own_shard(state, self.strategy)
         else:
             self.strategy.load_state_dict(state)
-            if state["world_size"] == self.world.size:
+            saved_mesh = state.get("mesh", [state["world_size"], 1, 1])  # before meshes: data parallel only
+            if state["world_size"] == self.world.size and list(saved_mesh) == list(self.mesh_shape):
                 own_rng = state["rng"][self.world.rank]
         self.scheduler.load_state_dict(state["scheduler"])
         self.precision.load_state_dict(state.get("precision", {}))  # absent before hvdtrain had it
@@ -60,7 +63,7 @@ class Resumable:
             rng.restore(own_rng)
         else:
             # Rank r of the new world is not rank r of the old one: derive fresh per-rank seeds.
-            rng.seed_everything(rng.rank_seed(self.config.seed + self.step, self.world.rank))
+            rng.seed_everything(rng.rank_seed(self.config.seed + self.step, self.rng_rank))
         self.log.info(f"resumed at epoch {self.epoch + 1}, step {self.step}, "
                       f"sample {state['epoch_position']} of the epoch")
 

@@ -17,13 +17,14 @@ hvdtrain.reporting's.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from dataclasses import replace
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from hvdtrain import dist, elastic, oom
+from hvdtrain import dist, elastic, oom, rng
 from hvdtrain.batching import Batching
 from hvdtrain.checkpointing import Checkpointing
 from hvdtrain.compiling import compile_forward
@@ -43,7 +44,9 @@ from hvdtrain.reporting import TimelineWindow, announce, announce_settings, open
 from hvdtrain.resumable import Resumable
 from hvdtrain.rundir import RunDirectory
 from hvdtrain.steps import StepFn, supervised_step
+from hvdtrain.parallel.mesh import Mesh
 from hvdtrain.strategies import ELASTIC_STRATEGIES, build_strategy
+from hvdtrain.strategies.model_parallel import ModelLayout, ModelParallelStrategy, PipelineLayers, TensorPlan
 from hvdtrain.sync_batchnorm import convert_sync_batchnorm
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -75,15 +78,23 @@ class Trainer(Resumable, TrainingLoop):
         world: Optional[dist.World] = None,
         job_config: Optional[Mapping[str, Any]] = None,
         step_fn: Optional[StepFn] = None,
+        tensor_plan: Optional[TensorPlan] = None,
+        pipeline_layers: Optional[PipelineLayers] = None,
+        stage_layers: Optional[Sequence[int]] = None,
     ) -> None:
         self.config = config or TrainConfig()
         self.job_config = dict(job_config) if job_config is not None else {"train": self.config.to_dict()}
         cfg = self.config
         self.world = world or dist.init(seed=cfg.seed, timeline=cfg.timeline_steps > 0,
-                                        hierarchical_allreduce=cfg.hierarchical_allreduce)
+                                        hierarchical_allreduce=cfg.hierarchical_allreduce,
+                                        dynamic_process_sets=cfg.model_parallel)
         self.log = get_logger(self.world)
         self._check_reduction()
         self.loss_fn = loss_fn
+        if step_fn is not None and cfg.pipeline_parallel > 1:
+            raise ValueError("train.pipeline_parallel > 1 computes the loss on the last stage with loss_fn(outputs, "
+                             "targets) and cannot run a step_fn, which needs the whole model: pass loss_fn "
+                             "(and (inputs, targets) batches), or use tensor_parallel instead of a pipeline")
         self.step_fn = step_fn or supervised_step(loss_fn)
         # Before the strategy wraps it: the converted layers keep the same parameter objects.
         self.model = convert_sync_batchnorm(model) if cfg.sync_batchnorm else model
@@ -93,29 +104,58 @@ class Trainer(Resumable, TrainingLoop):
         # while the others wait in the elastic sync, and mismatched collectives deadlock. The
         # elastic sync broadcasts rank 0's state (and its checkpoint, if it read one) instead.
         self.elastic_launch = is_elastic_launch()
+        if self.elastic_launch and cfg.model_parallel:
+            raise ValueError("train.tensor_parallel / pipeline_parallel do not support Horovod elastic (a lost "
+                             "worker takes a part of a model replica with it, and the mesh is fixed at start): "
+                             "launch without --min-np/--max-np")
         if self.elastic_launch and cfg.strategy not in ELASTIC_STRATEGIES:
             raise ValueError(
                 f"train.strategy={cfg.strategy} does not support Horovod elastic (its state is cut into "
                 f"one shard per worker, and elastic changes the worker count mid-run): use "
                 f"{' or '.join(ELASTIC_STRATEGIES)} under elastic, or launch without --min-np/--max-np")
 
+        # The model-parallel mesh (a collective; refused on every rank alike when it does not divide
+        # the world); without one, every rank is a data-parallel worker.
+        self.mesh = (Mesh.build(self.world.size, self.world.rank, cfg.tensor_parallel, cfg.pipeline_parallel)
+                     if cfg.model_parallel else None)
+        # What the data sees: one worker per model replica (the data-parallel group's width).
+        self.data_world = (replace(self.world, rank=self.mesh.coordinates.data, size=self.mesh.shape.data)
+                           if self.mesh is not None else self.world)
+        # A tensor group computes replicated activations alike on every rank: its dropout masks must
+        # agree, so its ranks share the random stream of the group's first rank.
+        self.rng_rank = self.mesh.tensor.ranks[0] if self.mesh is not None else self.world.rank
+        self.mesh_shape = ((self.mesh.shape.data, self.mesh.shape.pipeline, self.mesh.shape.tensor)
+                           if self.mesh is not None else (self.world.size, 1, 1))
+        if self.mesh is not None:  # every rank, so that a group's first rank starts its stream anew too
+            rng.seed_everything(rng.rank_seed(cfg.seed, self.rng_rank))
+        self._layout = ModelLayout(tensor_plan, pipeline_layers, stage_layers, cfg.micro_batches,
+                                   cfg.pipeline_schedule)
+
         # Read before the loaders are built: a run resumed on another worker count keeps the
         # checkpoint's global batch, so its batch per worker follows from it.
-        self.checkpoints = Checkpointing(cfg, self.world, self.log) if cfg.checkpoint_dir else None
+        self.checkpoints = Checkpointing(cfg, self.world, self.log, self.data_world) if cfg.checkpoint_dir else None
         resumed = None
         if self.checkpoints is not None and cfg.resume:
             resumed = self.checkpoints.read_newest(broadcast=not self.elastic_launch)
         batch_size = (self.checkpoints.batch_per_worker(resumed, self.elastic_launch)
                       if self.checkpoints is not None else cfg.batch_size)
         self._datasets = (train_dataset, val_dataset)
-        self.batching = Batching(cfg, self.world, batch_size, train_dataset, val_dataset)
+        if self.mesh is not None and batch_size % cfg.micro_batches:
+            raise ValueError(f"each worker's batch of {batch_size} (from the checkpoint's global batch) cannot be "
+                             f"cut into train.micro_batches={cfg.micro_batches}: choose a divisor of {batch_size}")
+        self.batching = Batching(cfg, self.data_world, batch_size, train_dataset, val_dataset)
 
         # 4. The strategy wraps the optimizer: for ddp, Horovod's hooks start each gradient's
         #    all-reduce as soon as backward produces it (overlap, tensor fusion).
         self._phase = "set-up (sharding the model and optimizer)"
         with oom.explained(lambda error: self._explain_out_of_memory(error, optimizer, held={})):
-            self.strategy = build_strategy(cfg.strategy, self.model, optimizer, self.world,
-                                           cfg.accumulation, cfg.fp16_allreduce, cfg.reduction)
+            if self.mesh is not None:
+                self.strategy = ModelParallelStrategy(self.model, optimizer, self.world, cfg.accumulation,
+                                                      cfg.fp16_allreduce, self.mesh, self._layout, loss_fn)
+            else:
+                self.strategy = build_strategy(cfg.strategy, self.model, optimizer, self.world,
+                                               cfg.accumulation, cfg.fp16_allreduce, cfg.reduction,
+                                               ps_servers=cfg.ps_servers)
         if cfg.compile:  # the forward only, in place: hooks, state_dict keys, checkpoints unchanged
             compile_forward(self.model, self.world.device)
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # one worker's rates
@@ -184,6 +224,8 @@ class Trainer(Resumable, TrainingLoop):
         """Elastic reset: Horovod formed a new world; follow its size (sampler, batch, LR)."""
         previous = self.world.size
         self.world = dist.reformed(self.world)
+        self.data_world = self.world  # elastic runs are data-parallel only
+        self.rng_rank, self.mesh_shape = self.world.rank, (self.world.size, 1, 1)
         self.log = get_logger(self.world)
         self.faults.follow(self.world, self.log)
         self.strategy.world = self.world
@@ -194,7 +236,7 @@ class Trainer(Resumable, TrainingLoop):
                       f"{self.global_batch_size}, lr x {self.lr_scale:g}; continuing at step {self.step}")
 
     def _announce(self) -> None:
-        announce(self.world, self.log, self.elastic_launch)
+        announce(self.world, self.log, self.elastic_launch, self.mesh)
         self.log.info(self.batching.describe(self.lr_scale))
         if self.world.hierarchical_allreduce:
             self.log.info(dist.hierarchical_effect(True, dist.nccl_built(), self.world.device.type,
@@ -257,9 +299,10 @@ class Trainer(Resumable, TrainingLoop):
                 print(f"preempted at step {self.step}; run again to resume", flush=True)
             return None
         final = history[-1] if history else self.evaluate()
-        self.strategy.whole_model()  # every rank: from here on one rank may use the model alone
+        exported = self.strategy.exported_model_state()  # every rank: a collective
+        self.final_model_state = exported  # the whole trained model, on every rank (model parallel: gathered)
         if run_dir is not None and self.world.is_root:
-            path = export_model(self.model.state_dict(), run_dir,
+            path = export_model(exported, run_dir,
                                 metadata={"step": self.step, "strategy": self.config.strategy})
             self.log.info(f"trained model written to {path} (safetensors, with config.yaml beside it)")
         return final
@@ -270,12 +313,24 @@ class Trainer(Resumable, TrainingLoop):
             self.run_dir.close()
             self.run_dir = None
 
+    def close_mesh(self) -> None:
+        """Remove the model-parallel mesh's Horovod process sets (a collective: every rank calls it).
+
+        Horovod negotiates every live process set on every cycle of its background thread, so
+        each set left behind slows every later collective (measured at 4 ranks under Gloo on 2
+        cores: a small all-reduce took ~30 ms with no extra set, 70-160 ms with two). A process that goes on
+        after training (a sweep of Trainers, a test suite) closes them; the Trainer cannot step,
+        gather or checkpoint afterwards."""
+        if self.mesh is not None:
+            self.mesh.close()
+
     def evaluate(self) -> Dict[str, float]:
         """The step's loss and metrics over the whole validation set (every rank's shard), as
         val_loss, val_<metric>."""
         if self.batching.val_loader is None:
             return {}
         self._phase = "evaluation"
-        return evaluate(self.model, self.batching.val_loader, self.step_fn, self.world.device,
-                        self.precision.autocast, after_batch=lambda: self.faults.beat(self.step),
-                        lockstep=self.strategy.collective_forward)
+        strategy = self.strategy
+        return evaluate(self.model, self.batching.val_loader, lambda _, batch: strategy.forward_only(self.step_fn, batch),
+                        self.world.device, self.precision.autocast, after_batch=lambda: self.faults.beat(self.step),
+                        lockstep=strategy.collective_forward, counts_samples=strategy.counts_samples)

@@ -15,11 +15,14 @@ BENCHMARKS = {
                    "ddp, zero1, zero2 through the Trainer: samples/s and bytes per rank against ZeRO's formula"),
     "scaling": ("hvdtrain.bench.scaling", "the same job at 1..N workers: samples/s, efficiency, communication share"),
     "project": ("hvdtrain.bench.project", "MODELLED step time and scaling efficiency on large clusters"),
+    "model-parallel": ("hvdtrain.bench.model_parallel", "pipeline bubble against (P-1)/(M+P-1), tensor-parallel all-reduce share, parameter bytes per rank against model/(TxP)"),
+    "plan": ("hvdtrain.bench.plan_check", "hvdtrain plan's modelled step times against measured ones, every layout, at N ranks on this host"),
+    "ps": ("hvdtrain.bench.ps_traffic", "parameter server against ddp: bytes per rank per step, counted, and samples/s"),
 }
 
 
 def add_bench_parser(commands) -> None:
-    bench = commands.add_parser("bench", help="benchmarks: collectives, throughput, strategies, scaling, projection",
+    bench = commands.add_parser("bench", help="benchmarks: collectives, throughput, strategies, scaling, projection, model-parallel, ps, plan",
                                 description=__doc__)
     names = bench.add_subparsers(dest="benchmark", required=True)
     for name, (module_name, help_text) in BENCHMARKS.items():

@@ -9,7 +9,10 @@ of medians from the same run, also given per round (paired within a round) with 
 Variants: one process; N independent processes (no communication: the ceiling for N workers);
 hvdtrain's Trainer; the same Trainer without hvdtrain's Open MPI default (yield when idle);
 Horovod's plain example loop with Horovod's defaults and with hvdtrain's; PyTorch DDP (gloo);
-optionally Horovod's plain loop over Gloo (horovodrun --gloo).
+single-process ``torch.nn.DataParallel`` over N GPUs at the same global batch (per-worker batch x N),
+a baseline to compare with, not a strategy hvdtrain offers: on a machine with fewer GPUs than it
+needs it is skipped, its reason in the table and in results.json; optionally Horovod's plain loop
+over Gloo (horovodrun --gloo).
 Knobs, each a ratio in the same run, on the Trainer: tensor fusion off (many small tensors),
 cycle time 5 ms vs 1 ms, fp16 gradient compression, 4 accumulated micro-batches per step; and on
 the plain loop with hvdtrain's defaults, the same with Horovod's timeline armed (HOROVOD_TIMELINE=DYNAMIC).
@@ -24,13 +27,32 @@ import argparse
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hvdtrain.bench import jobs, report, stats
 
 WORKER = "hvdtrain.bench.throughput_worker"
 MODELS = ("cnn", "mlp")
 YIELD = "OMPI_MCA_mpi_yield_when_idle"
+
+
+def gpu_count() -> int:
+    """GPUs this process sees (the jobs of launcher "none" run on this host, with this environment)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def dataparallel_skip_reason(workers: int) -> Optional[str]:
+    """Why DataParallel over ``workers`` GPUs cannot run here (None: it can)."""
+    gpus = gpu_count()
+    if gpus < 2:
+        return f"DataParallel needs 2 or more GPUs, this machine has {gpus}"
+    if workers < 2:
+        return f"DataParallel over {workers} GPU is the one-process run: use --workers 2 or more"
+    if gpus < workers:
+        return f"DataParallel over {workers} GPUs (--workers {workers}) needs {workers} GPUs, this machine has {gpus}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -40,7 +62,13 @@ class Variant:
     worker_variant: str
     launcher: str = "mpirun"
     args: Tuple[str, ...] = ()
-    distributed: bool = True
+    distributed: bool = True  # stands for N workers (False: one worker)
+    one_process: bool = False  # N workers in one process (DataParallel's GPUs): launched once, without mpirun
+    # Given the worker count: why this variant cannot run on this machine (None: it can).
+    skip_reason: Optional[Callable[[int], Optional[str]]] = None
+
+    def worker_args(self, workers: int) -> Tuple[str, ...]:
+        return (*self.args, "--devices", str(workers)) if self.one_process else self.args
 
 
 VARIANTS: Dict[str, Variant] = {v.key: v for v in (
@@ -53,10 +81,14 @@ VARIANTS: Dict[str, Variant] = {v.key: v for v in (
     Variant("horovod-hvdenv", "plain Horovod loop, hvdtrain's env defaults", "horovod",
             args=("--hvdtrain-defaults",)),
     Variant("ddp", "PyTorch DDP (gloo)", "ddp"),
+    # A baseline from the seed texts (one process funnelling through GPU 0), not an hvdtrain strategy.
+    Variant("dataparallel", "torch.nn.DataParallel, one process over N GPUs", "dataparallel", launcher="none",
+            one_process=True, skip_reason=dataparallel_skip_reason),
     Variant("horovod-gloo", "plain Horovod loop over Gloo (horovodrun --gloo)", "horovod",
             launcher="horovodrun"),
 )}
-DEFAULT_VARIANTS = ("single", "independent", "trainer", "trainer-noyield", "horovod", "horovod-hvdenv", "ddp")
+DEFAULT_VARIANTS = ("single", "independent", "trainer", "trainer-noyield", "horovod", "horovod-hvdenv", "ddp",
+                    "dataparallel")
 
 
 @dataclass(frozen=True)
@@ -94,11 +126,16 @@ class Job:
     label: str
     model: str
     variant: Variant
-    np: int
+    np: int  # processes launched
     args: Tuple[str, ...]
     in_table: bool  # a row of its model's table (else only a knob's measurement)
+    workers: int = 0  # workers it stands for (DataParallel: N GPUs in one process); 0: np
+    skipped: Optional[str] = None  # why it cannot run on this machine: never launched
     runs: List[Dict[str, Any]] = field(default_factory=list)
     errors: List[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.workers = self.workers or self.np
 
     def rates(self) -> List[float]:
         return [run["samples_per_sec"] for run in self.runs]
@@ -111,7 +148,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated, from cnn, mlp, many (default: {','.join(MODELS)})")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help=f"comma-separated, from {', '.join(VARIANTS)} (default: all but horovod-gloo)")
+                        help=f"comma-separated, from {', '.join(VARIANTS)} (default: all but horovod-gloo; "
+                             "dataparallel is skipped, with the reason, on a machine with too few GPUs)")
     parser.add_argument("--workers", type=int, default=2, help="workers of the distributed variants (default: 2)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved repeats of every job (default: 5)")
     parser.add_argument("--batch", type=int, default=64, help="samples per worker per micro-batch (default: 64)")
@@ -157,10 +195,12 @@ def plan(args: argparse.Namespace) -> Tuple[List[Job], List[Tuple[Knob, Job, Job
             steps = max(1, args.steps // divisor)
             timing = ("--steps", str(steps), "--warmup", str(max(1, args.warmup // divisor)),
                       "--segments", str(min(args.segments, steps)))
+            workers = args.workers if variant.distributed else 1
             jobs_by_key[key] = Job(key, label or variant.label, model, variant,
-                                   args.workers if variant.distributed else 1,
+                                   1 if variant.one_process else workers,
                                    ("--variant", variant.worker_variant, "--model", model, *common, *timing,
-                                    *variant.args, *extra), in_table)
+                                    *variant.worker_args(workers), *extra), in_table, workers=workers,
+                                   skipped=variant.skip_reason(workers) if variant.skip_reason else None)
         return jobs_by_key[key]
 
     for model in models:
@@ -181,8 +221,9 @@ def plan(args: argparse.Namespace) -> Tuple[List[Job], List[Tuple[Knob, Job, Job
 
 def measure(all_jobs: List[Job], rounds: int, timeout: float) -> None:
     """Run every job once per round (A B C, then B C A, ...: the start rotates, so a slow drift of
-    the machine favours no job); a failed run is kept as an error, not fatal."""
-    for round_index in range(rounds):
+    the machine favours no job); a failed run is kept as an error, not fatal. Skipped jobs never run."""
+    all_jobs = [job for job in all_jobs if not job.skipped]
+    for round_index in range(rounds if all_jobs else 0):
         shift = round_index % len(all_jobs)
         for job in all_jobs[shift:] + all_jobs[:shift]:
             try:
@@ -234,10 +275,11 @@ def analyse(all_jobs: List[Job], comparisons, workers: int) -> Dict[str, Any]:
             s = job.summary()
             rate = s.median if s else float("nan")
             rows.append({
-                "key": job.key, "variant": job.variant.key, "label": job.label, "workers": job.np,
+                "key": job.key, "variant": job.variant.key, "label": job.label, "workers": job.workers,
+                "processes": job.np, "skipped": job.skipped,
                 "samples_per_sec": s.to_dict() if s else None,
-                "vs_ceiling": _ratio(job, ceiling) if job.np == workers else float("nan"),
-                "efficiency": (rate / (job.np * single.summary().median)
+                "vs_ceiling": _ratio(job, ceiling) if job.workers == workers else float("nan"),
+                "efficiency": (rate / (job.workers * single.summary().median)
                                if single is not None and single.runs and s else float("nan")),
                 "best_segment": _median([run["best_segment_samples_per_sec"] for run in job.runs]),
                 "comm_share": _median([run.get("comm_share") for run in job.runs]),
@@ -276,6 +318,7 @@ RATIOS = (
     ("horovod-hvdenv", "ddp"),       # Horovod with hvdtrain's env defaults against DDP
     ("horovod-gloo", "ddp"),
     ("horovod-gloo", "horovod"),
+    ("trainer", "dataparallel"),     # hvdtrain against one process over the same GPUs, the same global batch
 )
 
 TARGETS = (
@@ -306,17 +349,21 @@ def verdicts(analysis: Dict[str, Any], workers: int) -> List[Dict[str, Any]]:
 def text_report(analysis: Dict[str, Any], verdict_lines, args) -> List[str]:
     out: List[str] = []
     for model, table in analysis["models"].items():
-        rows = []
-        for row in table["rows"]:
+        rows, skipped = [], {}
+        for index, row in enumerate(table["rows"]):
             s = row["samples_per_sec"]
+            if row.get("skipped"):
+                skipped[index] = f"skipped: {row['skipped']}"
             rows.append([row["label"], row["workers"], s["median"] if s else float("nan"),
-                         f"+-{s['spread']:.0%}" if s else "failed", s["repeats"] if s else 0, row["best_segment"],
+                         f"+-{s['spread']:.0%}" if s else "-" if row.get("skipped") else "failed",
+                         s["repeats"] if s else 0, row["best_segment"],
                          row["vs_ceiling"], row["efficiency"], row["comm_share"], row["cpu_other_cores"],
                          row["peak_rss_mb"]])
-        out += ["", report.format_table(
+        out += ["", _span(report.format_table(
             ["variant", "workers", "samples/s", "spread", "n", "best segment", "/ceiling", "efficiency",
              "comm share", "helper CPU", "peak RSS MB"],
-            rows, title=f"{model}: global samples/s, batch {args.batch}/worker, medians of {args.rounds} rounds")]
+            rows, title=f"{model}: global samples/s, batch {args.batch}/worker, medians of {args.rounds} rounds"),
+            skipped, keep=2)]
         ratio_rows = [[k, v, *((p["median"], f"{p['min']:.2f}-{p['max']:.2f}") if p else (float("nan"), "-"))]
                       for k, v in table["ratios"].items() for p in [table["paired_ratios"].get(k)]]
         out += ["", report.format_table(["ratio", "of medians", "per round: median", "min-max"], ratio_rows,
@@ -341,7 +388,24 @@ def text_report(analysis: Dict[str, Any], verdict_lines, args) -> List[str]:
             "comm share = exposed wait in synchronize(); helper CPU = cores' worth of CPU used per rank by",
             "threads other than the training thread (Horovod's background thread, gloo's) over the timed steps;",
             "best segment = the fastest timed part of a job (the least disturbed by other work on the machine)."]
+    if any(row["variant"] == "dataparallel" and row["samples_per_sec"]
+           for table in analysis["models"].values() for row in table["rows"]):
+        out += ["DataParallel computes on GPUs 0..N-1 at the global batch (batch/worker x N); of the others only",
+                "the Trainer uses GPUs (one per rank): compare it with trainer/dataparallel, not with the CPU rows."]
     return out
+
+
+def _span(table: str, texts: Dict[int, str], keep: int) -> str:
+    """The table with row ``i``'s cells after its first ``keep`` columns replaced by ``texts[i]``
+    (a skipped variant's reason, across the columns it has no figures for)."""
+    lines = table.split("\n")
+    first = next(i for i, line in enumerate(lines) if line.startswith("-"))  # under the header
+    widths = [len(dashes) for dashes in lines[first].split("  ")]
+    start = sum(widths[:keep]) + 2 * keep
+    for index, text in texts.items():
+        line = lines[first + 1 + index]
+        lines[first + 1 + index] = line[:start].ljust(start) + text
+    return "\n".join(lines)
 
 
 def plot(analysis: Dict[str, Any], path) -> None:
@@ -393,6 +457,9 @@ def run(args: argparse.Namespace) -> int:
     out_dir = report.output_dir(args.out, "throughput")
     print(f"{len(all_jobs)} jobs x {args.rounds} rounds, interleaved; {args.workers} workers; results in {out_dir}",
           flush=True)
+    for job in all_jobs:
+        if job.skipped:
+            print(f"{job.key}: skipped: {job.skipped}", flush=True)
     measure(all_jobs, args.rounds, args.timeout)
     analysis = analyse(all_jobs, comparisons, args.workers)
     verdict_lines = verdicts(analysis, args.workers)
@@ -402,8 +469,9 @@ def run(args: argparse.Namespace) -> int:
                                               "warmup", "segments", "samples", "knob_model", "knobs", "quick")}
     report.write_json(out_dir / "results.json", _finite_or_none({
         "benchmark": "throughput", "settings": settings,
-        "jobs": [{"key": j.key, "label": j.label, "model": j.model, "variant": j.variant.key, "workers": j.np,
-                  "launcher": j.variant.launcher, "worker_args": list(j.args), "runs": j.runs, "errors": j.errors,
+        "jobs": [{"key": j.key, "label": j.label, "model": j.model, "variant": j.variant.key, "workers": j.workers,
+                  "processes": j.np, "launcher": j.variant.launcher, "worker_args": list(j.args),
+                  "skipped": j.skipped, "runs": j.runs, "errors": j.errors,
                   "samples_per_sec": j.summary().to_dict() if j.runs else None} for j in all_jobs],
         **analysis, "verdicts": verdict_lines,
     }))
@@ -413,4 +481,4 @@ def run(args: argparse.Namespace) -> int:
     failed = [job.key for job in all_jobs if job.errors]
     if failed:
         print(f"some runs failed: {', '.join(failed)}")
-    return 1 if any(not job.runs for job in all_jobs) else 0
+    return 1 if any(not job.runs for job in all_jobs if not job.skipped) else 0

@@ -7,6 +7,9 @@ Variants (the same model, data, batch per rank and one thread per rank in each):
                ddp, zero1, zero2 or fsdp and ``--optimizer`` sgd (momentum) or adam
   horovod      the plain loop of Horovod's examples/pytorch/pytorch_mnist.py
   ddp          PyTorch DistributedDataParallel over gloo, rendezvous picked by rank 0
+  dataparallel one process, ``torch.nn.DataParallel`` over ``--devices`` N GPUs (launcher "none"):
+               a batch of ``--batch`` x N (the global batch of N workers) scattered from GPU 0 to
+               device_ids 0..N-1 and gathered back on GPU 0 every step; a baseline, not a strategy
 
 Timing: ``--warmup`` optimizer steps first (first-touch allocations, Horovod's response cache,
 DDP's bucket rebuild), then ``--steps`` steps on the clock in ``--segments`` parts, each started
@@ -53,7 +56,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from hvdtrain.bench import jobs, workloads
 
-VARIANTS = ("single", "independent", "trainer", "horovod", "ddp")
+VARIANTS = ("single", "independent", "trainer", "horovod", "ddp", "dataparallel")
 LR = 0.01  # one worker's rate; every distributed variant scales it by the world size, as Horovod's examples do
 MOMENTUM = 0.9
 ADAM_LR = 1e-3  # the trainer variant with --optimizer adam (one worker's rate, scaled as above)
@@ -85,6 +88,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="trainer variant: train.strategy")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help=f"trainer variant: SGD with momentum {MOMENTUM} (lr {LR}) or Adam (lr {ADAM_LR})")
+    parser.add_argument("--devices", type=int,
+                        help="dataparallel variant: GPUs (device_ids 0..N-1), each taking --batch samples of a step")
     args = parser.parse_args(argv)
     for item in args.set_env:
         if "=" not in item:
@@ -95,7 +100,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error("--batch, --steps, --warmup, --accumulation, --samples and --segments must be >= 1")
     if args.segments > args.steps:
         parser.error(f"--segments {args.segments} is more than the {args.steps} timed steps")
-    if args.variant in ("single", "independent", "ddp") and args.fp16:
+    if (args.devices is None) != (args.variant != "dataparallel"):
+        parser.error("--devices is for --variant dataparallel, and that variant needs it")
+    if args.devices is not None and args.devices < 2:
+        parser.error(f"--devices {args.devices}: DataParallel needs 2 or more GPUs")
+    if args.variant in ("single", "independent", "ddp", "dataparallel") and args.fp16:
         parser.error(f"--fp16 is a Horovod compression: not for --variant {args.variant}")
     if args.variant != "trainer" and (args.strategy != "ddp" or args.optimizer != "sgd"):
         parser.error("--strategy and --optimizer are for --variant trainer")
@@ -475,8 +484,55 @@ def run_ddp(args) -> None:
         tdist.destroy_process_group()
 
 
+def dataparallel_layout(batch: int, devices: int) -> Dict[str, Any]:
+    """What one DataParallel process runs to stand for ``devices`` workers of ``batch`` samples each:
+    the global batch, the GPUs it is scattered over, and the GPU that holds the model and the outputs."""
+    device_ids = list(range(devices))
+    return {"global_batch": batch * devices, "device_ids": device_ids, "output_device": device_ids[0]}
+
+
+def run_dataparallel(args) -> None:
+    """One process, torch.nn.DataParallel over GPUs 0..N-1, at the global batch of N workers.
+
+    Not exercised by hvdtrain's tests (their machines have no GPU): the bench skips this variant
+    on a machine with fewer than 2 GPUs before launching it; tests check the command it is given,
+    dataparallel_layout(), and that this function refuses to start without the GPUs.
+    """
+    layout = dataparallel_layout(args.batch, args.devices)
+    available = torch.cuda.device_count()
+    if available < args.devices:
+        raise SystemExit(f"dataparallel: --devices {args.devices} but this machine has {available} GPUs")
+    first = torch.device("cuda", layout["output_device"])
+    torch.cuda.set_device(first)
+    model = workloads.build_model(args.model, args.seed).to(first)  # DataParallel wants it on device_ids[0]
+    dataset = workloads.synthetic_dataset(args.model, args.samples, args.seed)
+    loader = DataLoader(dataset, batch_size=layout["global_batch"], shuffle=True, drop_last=True,
+                        pin_memory=True, generator=torch.Generator().manual_seed(args.seed))
+    parallel = torch.nn.DataParallel(model, device_ids=layout["device_ids"],
+                                     output_device=layout["output_device"])
+    # The global batch of N workers: the learning rate scaled by N, as the distributed variants do
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR * args.devices, momentum=MOMENTUM)
+    micro = ((inputs.to(first, non_blocking=True), targets.to(first, non_blocking=True))
+             for inputs, targets in batches(loader))
+
+    def synchronize() -> None:
+        for device in layout["device_ids"]:
+            torch.cuda.synchronize(device)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            # each step: scatter the batch from GPU 0, replicate the model, parallel forward,
+            # gather the outputs on GPU 0, backward reduces the gradients onto GPU 0's model
+            local_step(parallel, optimizer, micro, args.accumulation)
+        synchronize()  # the clock stops on finished work, not on queued kernels
+
+    measured = timed(synchronize, steps, args)
+    jobs.write_result(args.out, result(args, args.devices, [rank_record(measured)], model, {
+        "processes": 1, **layout, "gpus": [torch.cuda.get_device_name(d) for d in layout["device_ids"]]}))
+
+
 RUNNERS = {"single": run_single, "independent": run_independent, "trainer": run_trainer,
-           "horovod": run_horovod, "ddp": run_ddp}
+           "horovod": run_horovod, "ddp": run_ddp, "dataparallel": run_dataparallel}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -5,6 +5,8 @@
     zero2  as zero1, and each rank keeps only its 1/N of the gradients
     fsdp   as zero2, and each rank keeps only its 1/N of the parameters: each block's are gathered
            for its forward and backward and freed after (ZeRO-3, fully sharded data parallel)
+    ps     a parameter server: ranks 0..K-1 each hold a slice's optimizer state; every rank sends
+           them its gradients and receives the stepped weights (hvd.alltoall with splits)
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ STRATEGIES: Dict[str, Tuple[str, str]] = {
     "zero1": ("hvdtrain.strategies.zero", "Zero1Strategy"),
     "zero2": ("hvdtrain.strategies.zero", "Zero2Strategy"),
     "fsdp": ("hvdtrain.strategies.fsdp", "FSDPStrategy"),
+    "ps": ("hvdtrain.strategies.ps", "PSStrategy"),
 }
 STRATEGY_NAMES = tuple(STRATEGIES)
 if STRATEGY_NAMES != CONFIGURED:  # a developer's mistake: fail at import, not in a user's run
@@ -40,10 +43,13 @@ def strategy_class(name: str) -> type:
 
 
 def build_strategy(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
-                   accumulation: int, fp16_allreduce: bool, reduction: str = "average") -> Strategy:
+                   accumulation: int, fp16_allreduce: bool, reduction: str = "average",
+                   ps_servers: int = 1) -> Strategy:
     """``reduction``: how ddp combines the gradients (average, adasum); the sharded strategies
     reduce-scatter an average, which Adasum has no form of (TrainConfig refuses it with the reason)."""
     cls = strategy_class(name)
+    if name == "ps" and reduction == "average":  # ps_servers: the parameter server's ranks 0..ps_servers-1
+        return cls(model, optimizer, world, accumulation, fp16_allreduce, servers=ps_servers)
     if reduction == "average":
         return cls(model, optimizer, world, accumulation, fp16_allreduce)
     if name not in ADASUM_STRATEGIES:

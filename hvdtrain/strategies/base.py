@@ -9,7 +9,7 @@ Every method that communicates is a collective: every rank calls it, in the same
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Dict, List
+from typing import Any, ClassVar, Dict, List, Tuple
 
 import torch
 
@@ -57,6 +57,24 @@ class Strategy(ABC):
     @abstractmethod
     def broadcast_from_root(self) -> None:
         """Every rank starts from rank 0's parameters, buffers and optimizer state."""
+
+    def forward_backward(self, step_fn, batch: Any, autocast, scale_loss, divisor: int) -> Tuple[torch.Tensor, Dict]:
+        """One micro-batch: ``step_fn(model, batch)`` under ``autocast``, then backward of
+        ``scale_loss(loss) / divisor`` (the accumulation count); returns (loss, metrics). A pipeline
+        runs its schedule over the batch's micro-batches here instead."""
+        with autocast():
+            loss, metrics = step_fn(self.model, batch)
+        scaled = scale_loss(loss)
+        self.backward(scaled / divisor if divisor > 1 else scaled)
+        return loss, metrics
+
+    def forward_only(self, step_fn, batch: Any) -> Tuple[torch.Tensor, Dict]:
+        """Evaluation of one batch (no gradient): (loss, metrics)."""
+        return step_fn(self.model, batch)
+
+    # Whether this rank's losses and samples count in the reported means: a model replica spread
+    # over several ranks reports through one of them (they all hold the same loss).
+    counts_samples: bool = True
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss (already divided by the accumulation count);
@@ -134,6 +152,12 @@ class Strategy(ABC):
         """After training: make ``model`` a plain, whole module on every rank (a collective), so
         that one rank alone can use it (sample from it, export it). Nothing to do unless the
         strategy shards the parameters."""
+
+    def exported_model_state(self) -> Dict[str, torch.Tensor]:
+        """The whole model's state_dict for export, on every rank (a collective): ``whole_model()``,
+        then the model's own state_dict."""
+        self.whole_model()
+        return self.model.state_dict()
 
     def pending_communication(self) -> List[str]:
         """Names of the collectives this rank started and that have not completed (for the

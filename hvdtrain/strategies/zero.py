@@ -31,11 +31,11 @@ import torch
 
 import horovod.torch as hvd
 
-from hvdtrain import dist
 from hvdtrain.dist import World
 from hvdtrain.strategies import flat_buckets as fb
 from hvdtrain.strategies import sharded_state
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
+from hvdtrain.strategies.sliced_state import SlicedOptimizerFullState
 
 # Stepping a flat slice that cuts across parameters equals stepping each parameter only when the
 # update of every element depends on that element alone.
@@ -72,7 +72,7 @@ def shard_optimizer_like(optimizer: torch.optim.Optimizer,
     return type(optimizer)(groups, **defaults)
 
 
-class ZeroStrategy(Strategy):
+class ZeroStrategy(SlicedOptimizerFullState, Strategy):
     """ZeRO stage 1 (sharded optimizer state) or 2 (and sharded gradients); see the module text.
 
     Clear gradients with ``zero_grad()``; the model's parameters' .grad are views into the
@@ -251,21 +251,7 @@ class ZeroStrategy(Strategy):
     def pending_communication(self) -> List[str]:
         return [name for name, handle in dict(self._in_flight).items() if not _finished(handle)]
 
-    # Full state: the same as one process's, whatever the strategy that reads it.
-
-    def broadcast_from_root(self) -> None:
-        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)  # in place: into the buckets
-        full = self._carried_state if self._carried_state is not None else self._gather_optimizer_state()
-        self._load_optimizer_state(dist.broadcast_state(full, root_rank=0, name="zero.optimizer"))
-        self._carried_state = None
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self._gather_optimizer_state()}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])  # copies into the buckets in place
-        self._load_optimizer_state(state["optimizer"])
-        self._carried_state = None
+    # Full state (broadcast_from_root, state_dict, load_state_dict): sliced_state.py.
 
     def _gather_optimizer_state(self) -> Dict[str, Any]:
         """The user's optimizer's state_dict, assembled from every rank's shards (collective)."""

@@ -93,7 +93,7 @@ def test_a_2_worker_checkpoint_resumes_on_another_worker_count(runs, tmp_path, n
     shutil.copytree(snapshot, moved)
     code, out, err = run(train_argv(np, moved))
     assert code == 0, err[-3000:]
-    assert f"resuming a 2-worker checkpoint on {np} workers: the global batch stays 64" in out
+    assert f"resuming a checkpoint of 2 data-parallel workers (2 ranks) on {np}: the global batch stays 64" in out
     expected, resumed = final_state(whole), final_state(moved)
     assert resumed["global_batch"] == 64 and resumed["world_size"] == np
     assert expected["model"]["features.0.weight"].dtype == torch.float64

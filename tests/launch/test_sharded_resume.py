@@ -52,7 +52,7 @@ def test_killed_resumed_refused_elsewhere_consolidated_and_resumed_by_another_st
     assert code != 0
     assert (f"the sharded checkpoint {killed / final} was written by 2 workers under strategy zero2; this run "
             f"has 1 worker under strategy zero2") in err
-    assert f"run again with 2 workers and --train.strategy=zero2, or" in err
+    assert "run again with 2 workers and --train.strategy=zero2, or" in err
     assert f"hvdtrain checkpoint consolidate {killed / final}" in err
 
     code, out, err = run([str(BIN / "hvdtrain"), "checkpoint", "consolidate", str(killed / final)])
@@ -63,7 +63,7 @@ def test_killed_resumed_refused_elsewhere_consolidated_and_resumed_by_another_st
     code, out, err = run(train_argv(1, killed, strategy="fsdp", checkpoint_format="full"))
     assert code == 0, err[-3000:]
     assert f"resuming from {killed / final}.pt" in out
-    assert "resuming a 2-worker checkpoint on 1 workers" in out
+    assert "resuming a checkpoint of 2 data-parallel workers (2 ranks) on 1: the global batch stays" in out
     assert accuracy(out) == expected_accuracy
 
     # `hvdtrain export` of the sharded checkpoint writes the consolidated model as safetensors;

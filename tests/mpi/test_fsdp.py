@@ -14,7 +14,7 @@ from hvdtrain.strategies import fsdp_units as fu
 from hvdtrain.strategies.fsdp import FSDPStrategy
 from hvdtrain.strategies.zero import Zero2Strategy
 from tests.mpi.helpers import flat_parameters, synthetic_classification
-from tests.mpi.test_zero import MICRO_BATCH, global_batch, reference_steps, state_difference, two_groups
+from tests.mpi.test_zero import MICRO_BATCH, reference_steps, state_difference, two_groups
 from tests.mpi.test_zero import zero_steps as fsdp_steps  # the same hand-written loop
 
 pytestmark = pytest.mark.mpi

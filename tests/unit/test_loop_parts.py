@@ -73,3 +73,15 @@ def test_replicated_clipping_is_torchs_clip_grad_norm():
     norm = clipping.clip_replicated([p.grad for p in model.parameters()], 0.01)
     assert norm == float(expected) and norm > 0.01
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), twin.parameters()))
+
+
+def test_the_epoch_line_without_a_train_loss_when_the_epoch_had_no_step_of_its_own():
+    """Horovod elastic can roll back to a commit at an epoch's last step: the epoch then ends with
+    no step, and no train loss, of its own (it used to raise KeyError on every rank)."""
+    from hvdtrain.reporting import epoch_line
+
+    full = {"epoch": 3.0, "step": 30, "train_loss": 0.25, "samples_per_sec": 100.0, "val_loss": 0.5,
+            "val_accuracy": 0.9}
+    assert epoch_line(full, 5) == "epoch 3/5 step 30 train_loss 0.2500 val_loss 0.5000 val_accuracy 0.9000 100 samples/s"
+    empty = {key: value for key, value in full.items() if key != "train_loss"}
+    assert epoch_line(empty, 5) == "epoch 3/5 step 30 val_loss 0.5000 val_accuracy 0.9000 100 samples/s"

@@ -103,6 +103,19 @@ def test_null_values_are_kept_as_gaps_not_reported(tmp_path, capsys):
     assert_png(run_dir / "plots" / "accuracy.png")
 
 
+def test_an_epoch_without_a_train_loss_is_kept_and_plots(tmp_path, capsys):
+    # Horovod elastic can roll back to a commit at an epoch's last step: that epoch ends with no
+    # step, and no train loss, of its own.
+    records = run_records()
+    del records[21]["train_loss"]  # the second epoch record
+    run_dir = write_run(tmp_path, records)
+    _, epochs = plot.load_metrics(run_dir)
+    assert [r["step"] for r in epochs] == [100, 200, 300]
+    assert plot.run(plot_args(run_dir)) == 0
+    assert capsys.readouterr().err == ""
+    assert_png(run_dir / "plots" / "loss.png")
+
+
 def test_unknown_keys_and_kinds_are_ignored(tmp_path):
     records = [step(10, elapsed=5, grad_norm=1.5), {"kind": "profile", "step": 10, "whatever": [1, 2]},
                epoch(10, elapsed=6)]

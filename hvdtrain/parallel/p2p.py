@@ -1,0 +1,132 @@
+"""Point-to-point between neighbouring pipeline stages, through Horovod collectives.
+
+Horovod has no send or receive. In the 2-rank process set of two neighbouring stages, an
+``hvd.alltoall`` with int32 splits ``[0, n]`` on one side and ``[n, 0]`` on the other moves ``n``
+rows to the peer, and both ways at once when both sides send. So one call is an *exchange*: each
+side says what it sends (or nothing) and gets what the peer sent (or nothing).
+
+The receiver cannot know the shape and dtype in advance (the last micro-batch may be smaller, a
+stage may change dtype), so every tensor travels as one row of bytes led by its own header
+(``[dtype code, ndim, *shape]``, int64): one collective per exchange, any shape, any dtype, and
+an empty row for "nothing". The copy into bytes is small beside the wait for a neighbour.
+
+An exchange is a rendezvous: it returns when both sides made it. A schedule must therefore issue
+the same exchanges, in the same order, on both sides of a pair; 1F1B does that by pairing "send
+my activation" with "receive the gradient of an earlier one" in one exchange (as Megatron-LM's
+send_forward_recv_backward). Every collective is named by the step, the pair's ranks and what
+moves (``f3``: micro-batch 3's activation forward, ``b1``: micro-batch 1's gradient backward), so
+the two sides agree on the name without talking.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional, Tuple
+
+import horovod.torch as hvd
+import torch
+
+from hvdtrain.parallel.mesh import Group, Mesh
+
+# The dtypes an activation or its gradient may have, by code (the header carries the code).
+DTYPES: Tuple[torch.dtype, ...] = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)
+_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}
+HEADER_ITEM = 8  # bytes of one header value (int64)
+
+
+def pack(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as one uint8 row: the header ``[dtype code, ndim, *shape]`` (int64), then its bytes."""
+    if tensor.dtype not in _CODE:
+        raise TypeError(f"a pipeline stage cannot send a {tensor.dtype} tensor; supported: {list(DTYPES)}")
+    header = torch.tensor([_CODE[tensor.dtype], tensor.dim(), *tensor.shape], dtype=torch.int64)
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return torch.cat([header.view(torch.uint8), data])
+
+
+def unpack(row: torch.Tensor) -> Optional[torch.Tensor]:
+    """The tensor ``pack`` made of ``row``; None for an empty row (nothing was sent)."""
+    if row.numel() == 0:
+        return None
+    code, ndim = row[: 2 * HEADER_ITEM].clone().view(torch.int64).tolist()
+    end = (2 + ndim) * HEADER_ITEM
+    shape = row[2 * HEADER_ITEM : end].clone().view(torch.int64).tolist()
+    # clone: a fresh, aligned buffer (and a leaf the next stage may set requires_grad on).
+    return row[end:].clone().view(DTYPES[code]).reshape(shape)
+
+
+def exchange(group: Group, send: Optional[torch.Tensor], name: str) -> Optional[torch.Tensor]:
+    """Send ``send`` (or nothing) to the other rank of the 2-rank ``group`` and return what it
+    sent (or None). Both ranks call it with the same ``name``; it returns when both did.
+
+    One alltoall of bytes: each side's tensor travels with its own header (dtype code, ndim,
+    shape), so the receiver needs to know nothing in advance, and both ways share the call
+    whatever their dtypes."""
+    if group.size != 2 or group.process_set is None:
+        raise ValueError(f"point-to-point needs a pair of ranks with a process set, got {group!r}")
+    row = torch.empty(0, dtype=torch.uint8) if send is None else pack(send)
+    splits = [0, 0]
+    splits[1 - group.index] = row.numel()  # everything to the peer, nothing to this rank
+    received, _ = hvd.alltoall(row, splits=torch.tensor(splits, dtype=torch.int32), name=name,
+                               process_set=group.process_set)
+    return unpack(received)
+
+
+class StageLinks:
+    """This stage's links to its neighbours in the pipeline, with the time spent waiting in them.
+
+    ``forward`` is the direction of activations (stage s -> s + 1), ``backward`` of their
+    gradients (s + 1 -> s). Each method is one exchange on one pair; its name says which
+    micro-batches move, so that both sides of the pair name it alike.
+    """
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.next_pair, self.prev_pair = mesh.next_pair, mesh.prev_pair
+        self.step = 0
+        self.wait_s = 0.0
+
+    def _name(self, pair: Group, forward: Optional[int], backward: Optional[int]) -> str:
+        moves = ".".join(part for part in (
+            None if forward is None else f"f{forward}", None if backward is None else f"b{backward}") if part)
+        return f"pp.{self.step}.{pair.ranks[0]}-{pair.ranks[1]}.{moves}"
+
+    def _exchange(self, pair: Group, send: Optional[torch.Tensor], forward: Optional[int],
+                  backward: Optional[int]) -> Optional[torch.Tensor]:
+        start = time.perf_counter()
+        try:
+            return exchange(pair, send, self._name(pair, forward, backward))
+        finally:
+            self.wait_s += time.perf_counter() - start
+
+    # Towards the next stage (nothing on the last).
+    def send_forward(self, activation: torch.Tensor, micro_batch: int) -> None:
+        if self.next_pair is not None:
+            self._exchange(self.next_pair, activation, micro_batch, None)
+
+    def recv_backward(self, micro_batch: int) -> Optional[torch.Tensor]:
+        if self.next_pair is None:
+            return None
+        return self._exchange(self.next_pair, None, None, micro_batch)
+
+    def send_forward_recv_backward(self, activation: torch.Tensor, forward_mb: int,
+                                   backward_mb: int) -> Optional[torch.Tensor]:
+        if self.next_pair is None:
+            return None
+        return self._exchange(self.next_pair, activation, forward_mb, backward_mb)
+
+    # Towards the previous stage (nothing on the first).
+    def recv_forward(self, micro_batch: int) -> Optional[torch.Tensor]:
+        if self.prev_pair is None:
+            return None
+        return self._exchange(self.prev_pair, None, micro_batch, None)
+
+    def send_backward(self, gradient: Optional[torch.Tensor], micro_batch: int) -> None:
+        if self.prev_pair is not None:
+            self._exchange(self.prev_pair, gradient, None, micro_batch)
+
+    def send_backward_recv_forward(self, gradient: Optional[torch.Tensor], backward_mb: int,
+                                   forward_mb: int) -> Optional[torch.Tensor]:
+        if self.prev_pair is None:
+            return None
+        return self._exchange(self.prev_pair, gradient, forward_mb, backward_mb)

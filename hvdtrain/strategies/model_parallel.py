@@ -1,0 +1,308 @@
+"""Data parallelism over a mesh of model replicas that each span several ranks: tensor parallelism
+(each layer split over the tensor group), pipeline parallelism (each stage a run of layers), or both.
+
+Set-up, on every rank alike (a collective):
+  1. rank 0's whole model and optimizer state are broadcast while every rank still holds the whole
+     model (ranks seed differently, so their initial weights differ until then);
+  2. the tensor plan splits the layers over the tensor group (hvdtrain.parallel.tensor);
+  3. the layers are cut into stages; this rank keeps its stage's and frees the rest (their
+     parameters become empty tensors, so the rank holds the model / (tensor x pipeline));
+  4. a new optimizer of the user's class and groups steps this rank's own parameters.
+
+A step: forward and backward (the pipeline's schedule over micro-batches, or one pass), then the
+gradients are averaged over the data-parallel group: one grouped all-reduce in its process set.
+The tensor-parallel layers' all-reduces run inside forward and backward; replicated parameters
+(norms, the tied embedding) get the same gradient on every tensor rank without communication.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+import horovod.torch as hvd
+
+from hvdtrain import clipping, dist
+from hvdtrain.parallel import full_state
+from hvdtrain.parallel.full_state import Placement
+from hvdtrain.parallel.mesh import Mesh
+from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
+from hvdtrain.strategies.zero import ELEMENTWISE_OPTIMIZERS
+
+TensorPlan = Dict[str, str]
+PipelineLayers = Callable[[nn.Module], List[nn.Module]]
+
+
+@dataclass
+class ModelLayout:
+    """How one model replica is cut: the tensor plan (hvdtrain.parallel.tensor.parallelize), the
+    model as a sequence of layers for the pipeline (default: an nn.Sequential's children), the
+    layers per stage (default: balanced by parameter count), micro-batches and schedule."""
+
+    tensor_plan: Optional[TensorPlan] = None
+    pipeline_layers: Optional[PipelineLayers] = None
+    stage_layers: Optional[Sequence[int]] = None
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, groups: List[List[nn.Parameter]]) -> torch.optim.Optimizer:
+    """The user's optimizer class and hyperparameters, over ``groups[g]`` in place of group g's parameters."""
+    param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": params}
+                    for group, params in zip(optimizer.param_groups, groups)]
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(param_groups, **defaults)
+
+
+def check_sliceable(optimizer: torch.optim.Optimizer) -> None:
+    """A tensor-parallel rank steps slices of matrices: the same as stepping the whole matrix only
+    for an optimizer whose update of an element depends on that element alone."""
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        name = type(optimizer).__name__
+        raise ValueError(f"tensor parallelism steps {name} on slices of each split matrix, which gives the "
+                         f"result of the whole matrix only for elementwise optimizers "
+                         f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); use one of them, or "
+                         f"train.tensor_parallel=1 (pipeline stages hold whole parameters)")
+
+
+class ModelParallelStrategy(Strategy):
+    """ddp over the data-parallel groups of a mesh whose model replicas span tensor x pipeline ranks."""
+
+    name = "ddp"
+    collective_forward = True  # tensor-parallel layers all-reduce in forward; stages exchange activations
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: dist.World,
+                 accumulation: int, fp16_allreduce: bool, mesh: Mesh, layout: ModelLayout,
+                 loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> None:
+        super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
+        self.mesh, self.layout, self.loss_fn = mesh, layout, loss_fn
+        shape = mesh.shape
+        # What the memory report and its record say (the data-parallel part is ddp's).
+        self.name = f"ddp x tensor {shape.tensor} x pipeline {shape.pipeline}"
+        if shape.tensor > 1:
+            if layout.tensor_plan is None:
+                raise ValueError(f"train.tensor_parallel={shape.tensor} needs a tensor plan: which layers split by "
+                                 f"columns, by rows, by heads (Trainer(..., tensor_plan=...); the example "
+                                 f"transformer's is hvdtrain.examples.textlm_parallel.tensor_plan)")
+            check_sliceable(optimizer)
+        # 1. While every rank holds the whole model: rank 0's state everywhere.
+        dist.broadcast_model_and_optimizer(model, optimizer, root_rank=0)
+        full_sd = model.state_dict()
+        self._full_shapes = {name: (t.shape, t.dtype) for name, t in full_sd.items()}
+        names_of = self._names_by_tensor(model)
+        # The full optimizer's parameter order, by name: a full checkpoint's optimizer indices.
+        self._optimizer_names = [[names_of[id(p)][0] for p in group["params"]] for group in optimizer.param_groups]
+        # 2. Tensor parallelism replaces layers in place; the state_dict names stay the full model's.
+        if shape.tensor > 1:
+            from hvdtrain.parallel.tensor import parallelize
+            parallelize(model, layout.tensor_plan, mesh.tensor)
+        # 3. Pipeline stages.
+        self.pipeline = None
+        if shape.pipeline > 1:
+            from hvdtrain.parallel.pipelined_model import build_stage
+            self.pipeline = build_stage(model, layout, mesh, loss_fn)
+            held = {id(t) for t in self.pipeline.module.parameters()} | {id(b) for b in self.pipeline.module.buffers()}
+        else:
+            held = {id(t) for t in model.parameters()} | {id(b) for b in model.buffers()}
+        self._held = held
+        self._stages_of = self._stages_by_name(model, held)
+        live = dict(model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for name, parameter in live.items():
+                if id(parameter) not in held and parameter.numel():
+                    parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+        # 4. This rank's parameters, in the user's groups.
+        self._local_names = [[n for n in names if id(live[n]) in held] for names in self._optimizer_names]
+        self.optimizer = rebuild_optimizer(optimizer, [[live[n] for n in names] for names in self._local_names])
+        self._live = live
+        self._model_placements = self._placements_of(model)
+
+    # --- who holds what -------------------------------------------------------------------
+
+    @staticmethod
+    def _names_by_tensor(model: nn.Module) -> Dict[int, List[str]]:
+        names: Dict[int, List[str]] = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            names.setdefault(id(tensor), []).append(name)
+        for name, parameter in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(parameter), []).append(name)
+        return names
+
+    def _stages_by_name(self, model: nn.Module, held: set) -> Dict[str, int]:
+        """For each full state_dict name, the first stage that holds it (the stage that writes it
+        into a gathered checkpoint); every rank learns every stage's by one small all-gather."""
+        mine = sorted(name for name, t in model.state_dict(keep_vars=True).items() if id(t) in held)
+        stages: Dict[str, int] = {}
+        every = dist.allgather_object((self.mesh.stage, mine), name="model_parallel.held_names")
+        for stage, names in every:
+            for name in names:
+                stages[name] = min(stage, stages.get(name, stage))
+        missing = sorted(set(self._full_shapes) - set(stages))
+        if missing:
+            raise ValueError(f"the pipeline's layers leave out {', '.join(missing[:5])}: every parameter and "
+                             f"buffer must be in exactly one layer of pipeline_layers(model) (tied ones in several)")
+        return stages
+
+    def _writes(self, name: str, split: bool) -> bool:
+        d, stage, t = self.mesh.coordinates
+        return d == 0 and stage == self._stages_of[name] and (split or t == 0)
+
+    def _placements_of(self, model: nn.Module) -> List[Placement]:
+        current = model.state_dict(keep_vars=True)
+        placements = []
+        for name, (shape, dtype) in self._full_shapes.items():
+            tensor = current[name]
+            shard = getattr(tensor, "tensor_shard", None)
+            local = tensor.data if id(tensor) in self._held else None
+            placements.append(Placement(name, shape, dtype, local, shard,
+                                        local is not None and self._writes(name, shard is not None)))
+        return placements
+
+    # --- the step ---------------------------------------------------------------------------
+
+    @property
+    def counts_samples(self) -> bool:
+        """One rank reports for each model replica (its first stage's tensor rank 0): every rank of
+        the replica holds the same loss (the last stage broadcasts it over the pipeline)."""
+        return self.mesh.coordinates.stage == 0 and self.mesh.coordinates.tensor == 0
+
+    def broadcast_from_root(self) -> None:
+        """Done in set-up, before the model was cut (step 1 above): nothing left to send."""
+
+    def forward_backward(self, step_fn, batch: Any, autocast, scale_loss, divisor: int) -> Tuple[torch.Tensor, Dict]:
+        if self.pipeline is None:
+            return super().forward_backward(step_fn, batch, autocast, scale_loss, divisor)
+        return self.pipeline.train_batch(batch, autocast, divisor)
+
+    def forward_only(self, step_fn, batch: Any) -> Tuple[torch.Tensor, Dict]:
+        if self.pipeline is None:
+            return step_fn(self.model, batch)
+        return self.pipeline.evaluate_batch(batch)
+
+    def synchronize(self) -> None:
+        # (The pipeline's schedule already summed the tied parameters' gradients over its two ends.)
+        gradients = [p.grad for p in self._local_parameters() if p.grad is not None]
+        if self.mesh.data.process_set is not None and gradients:
+            hvd.grouped_allreduce_(gradients, op=hvd.Average, name="model_parallel.gradients",
+                                   process_set=self.mesh.data.process_set)
+
+    # Each rank holds a part of the gradient (a stage's, a tensor slice): the norm is a collective.
+    shards_gradients = True
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """The whole model's gradient norm, each element counted once (by the rank that would write
+        it into a gathered checkpoint), all-reduced; every rank scales its own gradients."""
+        owned = [(name, p.grad) for names, group in zip(self._local_names, self.optimizer.param_groups)
+                 for name, p in zip(names, group["params"]) if p.grad is not None]
+        counted = [grad for name, grad in owned
+                   if self._writes(name, getattr(self._live[name], "tensor_shard", None) is not None)]
+        return clipping.clip_sharded([grad for _, grad in owned], max_norm, "model_parallel.grad_norm", counted)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _local_parameters(self) -> List[nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    # --- the full state ---------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"model": self._gather_model(), "optimizer": self._gather_optimizer(self.world.device)}
+
+    def _gather_model(self) -> Dict[str, torch.Tensor]:
+        gathered = full_state.gather(self._model_placements, self.world.device, "model_parallel.model")
+        return dict(zip((p.name for p in self._model_placements), gathered))
+
+    def _optimizer_placements(self) -> Tuple[List[Placement], List[Tuple[int, str]], List[Tuple[int, str, Any]]]:
+        """Placements of the full optimizer's state tensors, in its index order, and its other
+        entries. A state tensor shaped like its parameter (Adam's moments) is cut like it; any
+        other (a step count) is the same on every rank that holds the parameter. Ranks learn the
+        state's keys from the ranks that hold each parameter by one small all-gather."""
+        mine: Dict[str, Dict[str, Any]] = {}
+        for names, group in zip(self._local_names, self.optimizer.param_groups):
+            for name, parameter in zip(names, group["params"]):
+                mine[name] = self.optimizer.state.get(parameter, {})
+        described = {name: {key: ("tensor", tuple(v.shape) == tuple(self._live[name].shape), tuple(v.shape), v.dtype)
+                            if isinstance(v, torch.Tensor) else ("value", v) for key, v in state.items()}
+                     for name, state in mine.items()}
+        known: Dict[str, Dict[str, Any]] = {}
+        for rank_described in dist.allgather_object(described, name="model_parallel.optimizer_keys"):
+            for name, keys in rank_described.items():
+                if keys:
+                    known.setdefault(name, keys)
+        placements, order, plain = [], [], []
+        flat_names = [name for names in self._optimizer_names for name in names]
+        for index, name in enumerate(flat_names):
+            for key, entry in sorted(known.get(name, {}).items()):
+                if entry[0] == "value":
+                    plain.append((index, key, entry[1]))
+                    continue
+                _, param_like, shape, dtype = entry
+                shard = getattr(self._live[name], "tensor_shard", None) if param_like else None
+                full_shape = self._full_shapes[name][0] if param_like else torch.Size(shape)
+                local = mine.get(name, {}).get(key)
+                placements.append(Placement(f"{index}.{key}", full_shape, dtype, local, shard,
+                                            local is not None and self._writes(name, shard is not None)))
+                order.append((index, key))
+        return placements, order, plain
+
+    def _gather_optimizer(self, device: torch.device) -> Dict[str, Any]:
+        placements, order, plain = self._optimizer_placements()
+        gathered = full_state.gather(placements, device, "model_parallel.optimizer")
+        state: Dict[int, Dict[str, Any]] = {}
+        for (index, key), tensor in zip(order, gathered):
+            state.setdefault(index, {})[key] = tensor
+        for index, key, value in plain:
+            state.setdefault(index, {})[key] = value
+        groups, index = [], 0
+        for names, group in zip(self._optimizer_names, self.optimizer.param_groups):
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": list(range(index, index + len(names)))})
+            index += len(names)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        full_state.scatter_into(self._model_placements, state["model"])
+        saved = state["optimizer"]
+        flat_names = [name for names in self._optimizer_names for name in names]
+        if len(flat_names) != sum(len(g["params"]) for g in saved["param_groups"]):
+            raise ValueError("the checkpoint's optimizer has another number of parameters than this model's")
+        index_of = {name: i for i, name in enumerate(flat_names)}
+        local_state: Dict[int, Dict[str, Any]] = {}
+        position = 0
+        for names in self._local_names:
+            for name in names:
+                shard = getattr(self._live[name], "tensor_shard", None)
+                full_shape = self._full_shapes[name][0]
+                entry = {}
+                for key, value in saved["state"].get(index_of[name], {}).items():
+                    if isinstance(value, torch.Tensor) and shard is not None and tuple(value.shape) == tuple(full_shape):
+                        value = shard.take(value)
+                    entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                if entry:
+                    local_state[position] = entry
+                position += 1
+        groups, position = [], 0
+        for names, saved_group in zip(self._local_names, saved["param_groups"]):
+            groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
+                           "params": list(range(position, position + len(names)))})
+            position += len(names)
+        self.optimizer.load_state_dict({"state": local_state, "param_groups": groups})
+
+    def exported_model_state(self) -> Dict[str, torch.Tensor]:
+        return self._gather_model()
+
+    def memory_bytes(self) -> Dict[str, int]:
+        parameters = self._local_parameters()
+        return {
+            "parameters": storage_bytes(parameters),
+            "gradients": storage_bytes(p.grad for p in parameters),
+            "optimizer_state": storage_bytes(optimizer_state_tensors(self.optimizer)),
+        }

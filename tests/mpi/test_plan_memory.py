@@ -1,0 +1,76 @@
+"""hvdtrain plan's memory model against hvdtrain's own counts: for the example transformer (small,
+float32, Adam) under every layout that runs at this world size, the busiest rank's parameter +
+gradient + optimizer-state bytes counted from the tensors' storages after the first step (the
+Trainer's MemoryReport, gathered from every rank) are within 10% of what plan predicts. Activations
+are not counted by the strategies, so they are not compared.
+
+    mpirun -np 4 python -m pytest --with-mpi -p no:cacheprovider -s tests/mpi/test_plan_memory.py
+"""
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from hvdtrain import plan
+from hvdtrain.config import TrainConfig
+from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
+from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
+from hvdtrain.reporting import format_bytes
+from hvdtrain.trainer import Trainer
+
+pytestmark = [pytest.mark.mpi, pytest.mark.process_sets]
+
+SHAPE = plan.ModelShape(layers=2, d_model=32, seq_len=8, vocab=11, heads=4)
+BATCH, MICRO = 4, 2  # per data replica; micro-batches when pipelined
+# (strategy, tensor, pipeline): each runs where tensor x pipeline divides the world.
+LAYOUTS = [("ddp", 1, 1), ("zero1", 1, 1), ("zero2", 1, 1), ("fsdp", 1, 1), ("ps", 1, 1), ("ddp", 2, 1),
+           ("ddp", 1, 2), ("ddp", 2, 2), ("ddp", 4, 1), ("ddp", 1, 4)]
+ROWS = []  # (layout, predicted, counted), filled by the runs, printed by the last test
+
+
+def token_data(samples: int = 64) -> TensorDataset:
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, SHAPE.vocab, (samples, SHAPE.seq_len + 1), generator=generator)
+    return TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+def layout_id(layout):
+    strategy, tensor, pipeline = layout
+    return f"{strategy}-T{tensor}-P{pipeline}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
+def test_predicted_memory_within_ten_percent_of_counted(world, layout):
+    strategy, tensor, pipeline = layout
+    if world.size % (tensor * pipeline):
+        pytest.skip(f"T={tensor} x P={pipeline} does not divide {world.size} ranks")
+    data = world.size // (tensor * pipeline)
+    micro = MICRO if pipeline > 1 else 1
+    torch.manual_seed(0)
+    model = TinyTransformerLM(SHAPE.vocab, seq_len=SHAPE.seq_len, d_model=SHAPE.d_model, layers=SHAPE.layers,
+                              heads=SHAPE.heads)
+    config = TrainConfig(epochs=1, batch_size=BATCH, lr=0.01, scale_lr=False, warmup_epochs=0, max_steps=1,
+                         seed=7, log_every=1000, strategy=strategy, tensor_parallel=tensor,
+                         pipeline_parallel=pipeline, micro_batches=micro)
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01), token_data(), None, config,
+                      world=world, loss_fn=lm_loss, tensor_plan=tensor_plan(model), pipeline_layers=pipeline_layers)
+    trainer.fit()  # the MemoryReport gathers every rank's counts after the first step (a collective)
+    counted = max(r["parameters"] + r["gradients"] + r["optimizer_state"] for r in trainer.memory.per_rank)
+    trainer.close_mesh()
+    setup = plan.Setup(SHAPE, batch=BATCH * data, memory=2 ** 40, workers=world.size)
+    predicted = plan.memory(setup, plan.Layout(strategy, tensor, pipeline, data, micro)).states
+    ROWS.append((plan.Layout(strategy, tensor, pipeline, data, micro).name, predicted, counted))
+
+    assert trainer.step == 1
+    assert abs(predicted - counted) <= 0.10 * counted, (
+        f"{layout_id(layout)}: predicted {predicted:.0f} bytes, counted {counted} (max over ranks)")
+
+
+def test_print_predicted_against_counted(world):
+    if world.is_root and ROWS:
+        print(f"\nplan memory per rank at {world.size} ranks (parameters + gradients + optimizer state; "
+              f"predicted = MODELLED, counted = max over ranks of strategy.memory_bytes())")
+        print(f"{'layout':<24} {'predicted':>12} {'counted':>12} {'error':>8}")
+        for name, predicted, counted in ROWS:
+            print(f"{name:<24} {format_bytes(predicted):>12} {format_bytes(counted):>12} "
+                  f"{100 * (predicted - counted) / counted:>+7.2f}%")
