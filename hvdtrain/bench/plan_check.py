@@ -305,8 +305,9 @@ def run(args: argparse.Namespace) -> int:
     lines = calibration_lines(cal, args, cpus) + [""] + table_lines(rows, title)
     verdicts, verdict_json = verdict_lines(plans, rows)
     load = (f"load average (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load_before)}, after "
-            f"{', '.join(f'{x:.2f}' for x in load_after)} on {cpus} cores: above {args.workers} means other work "
-            f"shared the cores with this run")
+            f"{', '.join(f'{x:.2f}' for x in load_after)} on {cpus} cores: a 1-minute figure before above "
+            f"{cpus / 2:g} means other work was running when this run started; the figure after counts this "
+            f"run's own ranks and their Horovod threads")
     lines += [""] + verdicts + [load]
     payload = {"label": "predicted: MODELLED (plan, calibrated on this host); measured: MEASURED",
                "model": {"layers": args.layers, "d_model": args.d_model, "seq_len": args.seq_len,
