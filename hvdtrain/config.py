@@ -149,8 +149,11 @@ class TrainConfig:
                              f"{self.batch_size}: every micro-batch must hold the same number of samples, so "
                              f"that the pipeline's mean loss is the batch's; choose a divisor of {self.batch_size}")
         refused = [
-            (self.strategy != "ddp", f"strategy={self.strategy}: the sharded strategies shard over every rank, "
-             f"and the model-parallel layout averages gradients over each data-parallel group; use strategy=ddp"),
+            (self.strategy not in ("ddp", "zero1"), f"strategy={self.strategy}: zero2, fsdp and ps cut the "
+             f"state over every rank, and the model-parallel layout averages gradients over each data-parallel "
+             f"group; use strategy=ddp, or zero1 (ZeRO-1 over each data-parallel group)"),
+            (self.checkpoint_format == "sharded", "checkpoint_format=sharded: a model-parallel run writes "
+             "its checkpoint gathered (the whole model, resumable under any layout); use checkpoint_format=full"),
             (self.precision == "fp16", "precision=fp16: the loss scale's inf/nan check and unscale cover one "
              "rank's whole model today, not its stage's or its tensor slice's; use precision=bf16 (no loss scale)"),
             (self.reduction != "average", f"reduction={self.reduction}: Adasum combines over the whole world, "

@@ -1,7 +1,7 @@
 """``hvdtrain plan``: which strategy and mesh for this model on this cluster. MODELLED, NOT MEASURED.
 
-A layout is a strategy (ddp, zero1, zero2, fsdp, ps) over all workers, or ddp over D data groups of
-a model split T-way by tensor (Megatron) and P-way by pipeline (world = D x P x T, as
+A layout is a strategy (ddp, zero1, zero2, fsdp, ps) over all workers, or ddp or zero1 over D data
+groups of a model split T-way by tensor (Megatron) and P-way by pipeline (world = D x P x T, as
 hvdtrain.parallel.mesh lays it out). For every layout that runs at this worker count:
 
 Memory per rank, the largest over the ranks:
@@ -25,7 +25,8 @@ the update reads and writes per element (parameter, gradient and state: 28 for A
 with momentum) / the device's update bandwidth; plus the
 straggler and the communication of ``bench project`` (its presets, ring terms, latency and
 calibration): ring all-reduce 2(D-1)/D of the gradients for ddp, reduce-scatter + all-gather (the
-same bytes, the all-gather after the step) for zero1/zero2, 1.5x that for fsdp (parameters gathered
+same bytes, the all-gather after the step) for zero1/zero2 (zero1 over a mesh: ddp's all-reduce,
+then the parameters from their owners, an all-gather's bytes after the step), 1.5x that for fsdp (parameters gathered
 again for backward), 2 N x slice through the busiest server for ps; per micro-batch 4 all-reduces
 per block of micro-batch x seq x d_model in the tensor group and two point-to-point sends between
 neighbouring stages. Gradient communication is hidden behind backward as ``bench project``
@@ -254,7 +255,10 @@ def layouts(setup: Setup, workers: Optional[int] = None) -> List[Layout]:
             micro = setup.micro_batches or default_micro_batches(replica, pipeline)
             if pipeline > 1 and replica % micro:
                 continue
-            strategies = STRATEGIES if tensor * pipeline == 1 and n > 1 else ("ddp",)
+            if tensor * pipeline == 1:
+                strategies = STRATEGIES if n > 1 else ("ddp",)
+            else:  # over a mesh: plain replicas, or ZeRO-1 over each data group when there are several
+                strategies = ("ddp", "zero1") if data > 1 else ("ddp",)
             found += [Layout(s, tensor, pipeline, data, micro if pipeline > 1 else 1) for s in strategies]
     return found
 
@@ -351,6 +355,8 @@ def _gradient_comm_s(setup: Setup, layout: Layout, elements: float) -> Tuple[flo
     ring = allreduce_s(setup, grads, layout.data, layout.tensor * layout.pipeline)
     if layout.strategy == "ddp":
         return ring, 0.0
+    if layout.strategy == "zero1" and layout.tensor * layout.pipeline > 1:
+        return ring, ring / 2  # the gradients all-reduced whole, then each parameter from its owner
     if layout.strategy in ("zero1", "zero2"):  # reduce-scatter in backward, all-gather after the step
         return ring / 2, ring / 2
     if layout.strategy == "fsdp":  # per unit: all-gather forward, all-gather backward, reduce-scatter

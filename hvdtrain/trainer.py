@@ -151,7 +151,8 @@ class Trainer(Resumable, TrainingLoop):
         with oom.explained(lambda error: self._explain_out_of_memory(error, optimizer, held={})):
             if self.mesh is not None:
                 self.strategy = ModelParallelStrategy(self.model, optimizer, self.world, cfg.accumulation,
-                                                      cfg.fp16_allreduce, self.mesh, self._layout, loss_fn)
+                                                      cfg.fp16_allreduce, self.mesh, self._layout, loss_fn,
+                                                      data_parallel=cfg.strategy)
             else:
                 self.strategy = build_strategy(cfg.strategy, self.model, optimizer, self.world,
                                                cfg.accumulation, cfg.fp16_allreduce, cfg.reduction,

@@ -13,6 +13,12 @@ A step: forward and backward (the pipeline's schedule over micro-batches, or one
 gradients are averaged over the data-parallel group: one grouped all-reduce in its process set.
 The tensor-parallel layers' all-reduces run inside forward and backward; replicated parameters
 (norms, the tied embedding) get the same gradient on every tensor rank without communication.
+
+Under zero1 (ZeRO stage 1 over each data-parallel group) a rank's parameters are dealt out among
+the D ranks of its data group, whole tensors, largest first to the least loaded (as PyTorch's
+ZeroRedundancyOptimizer does): each rank's optimizer steps and keeps state for its own share only
+(the optimizer state per rank / D), then every parameter is broadcast from its owner within the
+group. Gradients are still all-reduced whole, as in ZeRO-1.
 """
 from __future__ import annotations
 
@@ -33,6 +39,8 @@ from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_
 from hvdtrain.strategies.zero import ELEMENTWISE_OPTIMIZERS
 
 TensorPlan = Dict[str, str]
+# The data-parallel strategies a mesh's data groups can run: plain replicas, or ZeRO-1 over each group.
+DATA_PARALLEL = ("ddp", "zero1")
 PipelineLayers = Callable[[nn.Module], List[nn.Module]]
 
 
@@ -69,6 +77,19 @@ def check_sliceable(optimizer: torch.optim.Optimizer) -> None:
                          f"train.tensor_parallel=1 (pipeline stages hold whole parameters)")
 
 
+def deal_out(sizes: Sequence[Tuple[str, int]], ranks: int) -> Dict[str, int]:
+    """Each name to one of ``ranks`` owners: largest first (equal sizes by name), each to the least
+    loaded so far (ties to the lower rank), so that every rank holds about 1 / ranks of the elements. The same on every
+    rank of a data group, which holds the same names and shapes."""
+    load = [0] * ranks
+    owner: Dict[str, int] = {}
+    for name, size in sorted(sizes, key=lambda item: (-item[1], item[0])):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        owner[name] = rank
+        load[rank] += size
+    return owner
+
+
 class ModelParallelStrategy(Strategy):
     """ddp over the data-parallel groups of a mesh whose model replicas span tensor x pipeline ranks."""
 
@@ -77,12 +98,22 @@ class ModelParallelStrategy(Strategy):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: dist.World,
                  accumulation: int, fp16_allreduce: bool, mesh: Mesh, layout: ModelLayout,
-                 loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> None:
+                 loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+                 data_parallel: str = "ddp") -> None:
         super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
+        if data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"over a model-parallel mesh the data-parallel strategy is one of "
+                             f"{', '.join(DATA_PARALLEL)}, got {data_parallel!r}")
         self.mesh, self.layout, self.loss_fn = mesh, layout, loss_fn
         shape = mesh.shape
-        # What the memory report and its record say (the data-parallel part is ddp's).
-        self.name = f"ddp x tensor {shape.tensor} x pipeline {shape.pipeline}"
+        # What the memory report and its record say.
+        self.name = f"{data_parallel} x tensor {shape.tensor} x pipeline {shape.pipeline}"
+        if data_parallel == "zero1" and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+            # Checked as the flat ZeRO strategies check it: the same optimizers everywhere.
+            raise ValueError(f"strategy=zero1 over a model-parallel mesh steps each parameter on one rank of its "
+                             f"data group, which hvdtrain supports for "
+                             f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}; "
+                             f"{type(optimizer).__name__} is not one of them: use strategy=ddp")
         if shape.tensor > 1:
             if layout.tensor_plan is None:
                 raise ValueError(f"train.tensor_parallel={shape.tensor} needs a tensor plan: which layers split by "
@@ -115,10 +146,16 @@ class ModelParallelStrategy(Strategy):
             for name, parameter in live.items():
                 if id(parameter) not in held and parameter.numel():
                     parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
-        # 4. This rank's parameters, in the user's groups.
+        # 4. This rank's parameters, in the user's groups; the optimizer steps its own share of them.
         self._local_names = [[n for n in names if id(live[n]) in held] for names in self._optimizer_names]
-        self.optimizer = rebuild_optimizer(optimizer, [[live[n] for n in names] for names in self._local_names])
         self._live = live
+        self._local = [live[n] for names in self._local_names for n in names]
+        self._owner = deal_out([(n, live[n].numel()) for names in self._local_names for n in names],
+                               shape.data if data_parallel == "zero1" else 1)
+        # Under ddp every data rank steps all of its parameters (and data rank 0's state is written).
+        stepping_as = mesh.coordinates.data if data_parallel == "zero1" else 0
+        self._owned_names = [[n for n in names if self._owner[n] == stepping_as] for names in self._local_names]
+        self.optimizer = rebuild_optimizer(optimizer, [[live[n] for n in names] for names in self._owned_names])
         self._model_placements = self._placements_of(model)
 
     # --- who holds what -------------------------------------------------------------------
@@ -147,9 +184,12 @@ class ModelParallelStrategy(Strategy):
                              f"buffer must be in exactly one layer of pipeline_layers(model) (tied ones in several)")
         return stages
 
-    def _writes(self, name: str, split: bool) -> bool:
+    def _writes(self, name: str, split: bool, data: int = 0) -> bool:
+        """Whether this rank writes ``name`` into a gathered checkpoint: the first data replica's copy
+        (or, for optimizer state under zero1, the owner's: ``data``), its first stage, every tensor
+        rank's slice of a split tensor and tensor rank 0's copy of a replicated one."""
         d, stage, t = self.mesh.coordinates
-        return d == 0 and stage == self._stages_of[name] and (split or t == 0)
+        return d == data and stage == self._stages_of[name] and (split or t == 0)
 
     def _placements_of(self, model: nn.Module) -> List[Placement]:
         current = model.state_dict(keep_vars=True)
@@ -185,7 +225,7 @@ class ModelParallelStrategy(Strategy):
 
     def synchronize(self) -> None:
         # (The pipeline's schedule already summed the tied parameters' gradients over its two ends.)
-        gradients = [p.grad for p in self._local_parameters() if p.grad is not None]
+        gradients = [p.grad for p in self._local if p.grad is not None]
         if self.mesh.data.process_set is not None and gradients:
             hvd.grouped_allreduce_(gradients, op=hvd.Average, name="model_parallel.gradients",
                                    process_set=self.mesh.data.process_set)
@@ -196,20 +236,30 @@ class ModelParallelStrategy(Strategy):
     def clip_grad_norm_(self, max_norm: float) -> float:
         """The whole model's gradient norm, each element counted once (by the rank that would write
         it into a gathered checkpoint), all-reduced; every rank scales its own gradients."""
-        owned = [(name, p.grad) for names, group in zip(self._local_names, self.optimizer.param_groups)
-                 for name, p in zip(names, group["params"]) if p.grad is not None]
+        owned = [(name, self._live[name].grad) for names in self._local_names for name in names
+                 if self._live[name].grad is not None]
         counted = [grad for name, grad in owned
                    if self._writes(name, getattr(self._live[name], "tensor_shard", None) is not None)]
         return clipping.clip_sharded([grad for _, grad in owned], max_norm, "model_parallel.grad_norm", counted)
 
     def step(self) -> None:
         self.optimizer.step()
+        if self.mesh.data.process_set is not None and len(set(self._owner.values())) > 1:
+            self._broadcast_from_owners()
+
+    def _broadcast_from_owners(self) -> None:
+        """zero1: every parameter from the data rank that stepped it to the others of its group."""
+        group = self.mesh.data
+        with torch.no_grad():
+            handles = [hvd.broadcast_async_(self._live[name].data, root_rank=group.ranks[self._owner[name]],
+                                            name=f"model_parallel.zero1.{name}", process_set=group.process_set)
+                       for names in self._local_names for name in names]
+            for handle in handles:
+                hvd.synchronize(handle)
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def _local_parameters(self) -> List[nn.Parameter]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
+        for parameter in self._local:
+            parameter.grad = None
 
     # --- the full state ---------------------------------------------------------------------
 
@@ -226,7 +276,7 @@ class ModelParallelStrategy(Strategy):
         other (a step count) is the same on every rank that holds the parameter. Ranks learn the
         state's keys from the ranks that hold each parameter by one small all-gather."""
         mine: Dict[str, Dict[str, Any]] = {}
-        for names, group in zip(self._local_names, self.optimizer.param_groups):
+        for names, group in zip(self._owned_names, self.optimizer.param_groups):
             for name, parameter in zip(names, group["params"]):
                 mine[name] = self.optimizer.state.get(parameter, {})
         described = {name: {key: ("tensor", tuple(v.shape) == tuple(self._live[name].shape), tuple(v.shape), v.dtype)
@@ -248,8 +298,8 @@ class ModelParallelStrategy(Strategy):
                 shard = getattr(self._live[name], "tensor_shard", None) if param_like else None
                 full_shape = self._full_shapes[name][0] if param_like else torch.Size(shape)
                 local = mine.get(name, {}).get(key)
-                placements.append(Placement(f"{index}.{key}", full_shape, dtype, local, shard,
-                                            local is not None and self._writes(name, shard is not None)))
+                writes = local is not None and self._writes(name, shard is not None, self._owner[name])
+                placements.append(Placement(f"{index}.{key}", full_shape, dtype, local, shard, writes))
                 order.append((index, key))
         return placements, order, plain
 
@@ -277,7 +327,7 @@ class ModelParallelStrategy(Strategy):
         index_of = {name: i for i, name in enumerate(flat_names)}
         local_state: Dict[int, Dict[str, Any]] = {}
         position = 0
-        for names in self._local_names:
+        for names in self._owned_names:
             for name in names:
                 shard = getattr(self._live[name], "tensor_shard", None)
                 full_shape = self._full_shapes[name][0]
@@ -290,7 +340,7 @@ class ModelParallelStrategy(Strategy):
                     local_state[position] = entry
                 position += 1
         groups, position = [], 0
-        for names, saved_group in zip(self._local_names, saved["param_groups"]):
+        for names, saved_group in zip(self._owned_names, saved["param_groups"]):
             groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
                            "params": list(range(position, position + len(names)))})
             position += len(names)
@@ -300,9 +350,8 @@ class ModelParallelStrategy(Strategy):
         return self._gather_model()
 
     def memory_bytes(self) -> Dict[str, int]:
-        parameters = self._local_parameters()
         return {
-            "parameters": storage_bytes(parameters),
-            "gradients": storage_bytes(p.grad for p in parameters),
+            "parameters": storage_bytes(self._local),
+            "gradients": storage_bytes(p.grad for p in self._local),
             "optimizer_state": storage_bytes(optimizer_state_tensors(self.optimizer)),
         }

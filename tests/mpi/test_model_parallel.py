@@ -87,7 +87,18 @@ def test_clipping_counts_every_element_once(world, layout):
     check_layout(world, layout, max_grad_norm=0.05)
 
 
-def check_layout(world, layout, max_grad_norm=None):
+# ZeRO-1 over each data-parallel group: at 4 ranks D=2, each data rank steps about half of its
+# replica's parameters and broadcasts them; at 2 ranks D=1 and it is ddp's step.
+ZERO1_LAYOUTS = [(2, 1, "1f1b", 1), (1, 2, "1f1b", 2)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", ZERO1_LAYOUTS, ids=layout_id)
+def test_zero1_over_the_data_groups_matches_one_process(world, layout):
+    check_layout(world, layout, strategy="zero1")
+
+
+def check_layout(world, layout, max_grad_norm=None, strategy="ddp"):
     tensor, pipeline, schedule, micro = layout
     if world.size % (tensor * pipeline):
         pytest.skip(f"T={tensor} x P={pipeline} does not divide {world.size} ranks")
@@ -97,7 +108,8 @@ def check_layout(world, layout, max_grad_norm=None):
     model = make_model(100 + world.rank)  # different on every rank: set-up must broadcast rank 0's
     config = TrainConfig(epochs=1, batch_size=BATCH, lr=1.0, scale_lr=False, warmup_epochs=0, max_steps=STEPS,
                          seed=SEED, log_every=1000, tensor_parallel=tensor, pipeline_parallel=pipeline,
-                         pipeline_schedule=schedule, micro_batches=micro, max_grad_norm=max_grad_norm)
+                         pipeline_schedule=schedule, micro_batches=micro, max_grad_norm=max_grad_norm,
+                         strategy=strategy)
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, None, config, world=world,
                       loss_fn=lm_loss, tensor_plan=tensor_plan(model), pipeline_layers=pipeline_layers)
     initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
@@ -116,8 +128,7 @@ def check_layout(world, layout, max_grad_norm=None):
     # Each data replica's loss; the global batch's loss is their mean (every rank of a replica holds it).
     # Every replica's T x P ranks hold its loss: the world's sum / world size is the mean over replicas.
     step_losses = dist.allreduce_sum(torch.stack(losses), name=f"mp.{layout_id(layout)}.losses") / world.size
-    memory = trainer.strategy.memory_bytes()["parameters"]
-    memories = dist.allgather_object(memory, name=f"mp.{layout_id(layout)}.memory")
+    memories = dist.allgather_object(trainer.strategy.memory_bytes(), name=f"mp.{layout_id(layout)}.memory")
 
     final_optimizer = trainer.strategy.state_dict()["optimizer"]
     expected, expected_optimizer, expected_losses = reference(initial, data, BATCH * data_width, max_grad_norm)
@@ -149,7 +160,17 @@ def check_layout(world, layout, max_grad_norm=None):
     full_bytes = sum(t.numel() * t.element_size() for t in initial.values()) - initial["head.weight"].numel() * 8
     # The model divided by T x P, plus what every tensor rank keeps whole (norms, embeddings, biases of
     # row-parallel layers) and the tied matrix held by both ends of a pipeline.
-    assert max(memories) < full_bytes, f"a rank holds {max(memories)} parameter bytes of {full_bytes}"
+    held = max(memory["parameters"] for memory in memories)
+    assert held < full_bytes, f"a rank holds {held} parameter bytes of {full_bytes}"
+    if strategy == "zero1" and data_width > 1:
+        # Each data group's ranks hold its replica-part's optimizer state once between them, dealt
+        # out by whole tensors: about 1/D each. 0.7 of the group's total allows for the tensors'
+        # granularity (the largest is under a third of a rank's parameters here); ddp would hold all of it.
+        state = [memory["optimizer_state"] for memory in memories]
+        per_part = world.size // data_width
+        for part in range(per_part):
+            group = state[part::per_part]  # the same stage and tensor rank in every data replica
+            assert max(group) < 0.7 * sum(group), f"zero1 did not shard the optimizer state: {group}"
 
 
 @pytest.mark.timeout(120)

@@ -23,7 +23,7 @@ SHAPE = plan.ModelShape(layers=2, d_model=32, seq_len=8, vocab=11, heads=4)
 BATCH, MICRO = 4, 2  # per data replica; micro-batches when pipelined
 # (strategy, tensor, pipeline): each runs where tensor x pipeline divides the world.
 LAYOUTS = [("ddp", 1, 1), ("zero1", 1, 1), ("zero2", 1, 1), ("fsdp", 1, 1), ("ps", 1, 1), ("ddp", 2, 1),
-           ("ddp", 1, 2), ("ddp", 2, 2), ("ddp", 4, 1), ("ddp", 1, 4)]
+           ("ddp", 1, 2), ("ddp", 2, 2), ("ddp", 4, 1), ("ddp", 1, 4), ("zero1", 2, 1), ("zero1", 1, 2)]
 ROWS = []  # (layout, predicted, counted), filled by the runs, printed by the last test
 
 

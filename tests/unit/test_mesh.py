@@ -3,6 +3,7 @@ choose a layout, each refused with a message that says what to change."""
 import pytest
 
 from hvdtrain.config import TrainConfig
+from hvdtrain.strategies.model_parallel import deal_out
 from hvdtrain.parallel.mesh import MeshShape, layout_lines
 
 
@@ -52,7 +53,10 @@ def test_the_start_lines_say_where_every_rank_is():
 @pytest.mark.parametrize("settings, message", [
     (dict(micro_batches=2), "micro_batches=2 cuts the batch for a pipeline, but pipeline_parallel=1"),
     (dict(pipeline_parallel=2, micro_batches=3, batch_size=16), "micro_batches=3 does not divide batch_size=16"),
-    (dict(tensor_parallel=2, strategy="zero2"), "does not work with strategy=zero2"),
+    (dict(tensor_parallel=2, strategy="zero2"), "does not work with strategy=zero2.*or zero1"),
+    (dict(pipeline_parallel=2, strategy="fsdp"), "does not work with strategy=fsdp"),
+    (dict(tensor_parallel=2, strategy="zero1", checkpoint_format="sharded"),
+     "does not work with checkpoint_format=sharded"),
     (dict(pipeline_parallel=2, precision="fp16"), "does not work with precision=fp16"),
     (dict(tensor_parallel=2, compile=True), "does not work with compile"),
     (dict(tensor_parallel=2, sync_batchnorm=True), "does not work with sync_batchnorm"),
@@ -66,4 +70,16 @@ def test_model_parallel_settings_refused_with_the_reason(settings, message):
 
 def test_a_valid_layout_is_model_parallel():
     assert TrainConfig(tensor_parallel=2, pipeline_parallel=2, micro_batches=4, precision="bf16").model_parallel
+    assert TrainConfig(pipeline_parallel=2, strategy="zero1").model_parallel
     assert not TrainConfig().model_parallel
+
+
+def test_zero1_deals_out_whole_parameters_evenly_and_alike_on_every_rank():
+    sizes = [("a", 10), ("b", 40), ("c", 30), ("d", 20), ("e", 5), ("f", 5)]
+    owner = deal_out(sizes, 2)
+    loads = [sum(n for name, n in sizes if owner[name] == r) for r in range(2)]
+    # b (40) to rank 0, c (30) to 1, d (20) to 1, a (10) to 0, e (5) to 0, f (5) to 1
+    assert loads == [55, 55]
+    assert deal_out(list(reversed(sizes)), 2) == owner  # the order they are listed in does not matter
+    assert set(deal_out(sizes, 1).values()) == {0}  # ddp: one owner, every rank steps everything
+    assert sorted(deal_out(sizes, 4).values()).count(3) >= 1  # every rank gets a share when there are enough

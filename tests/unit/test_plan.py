@@ -83,8 +83,10 @@ def test_layouts_respect_heads_layers_and_batch():
     found = plan.layouts(setup)
     assert {(l.tensor, l.pipeline) for l in found} == {(1, 1), (1, 2), (1, 4)}  # heads 3: no T=2 or 4
     assert {l.strategy for l in found if l.tensor * l.pipeline == 1} == set(plan.STRATEGIES)
-    assert all(l.strategy == "ddp" for l in found if l.pipeline > 1)
-    assert [l.micro_batches for l in found if l.pipeline == 2] == [4]  # replica batch 4: at most 4
+    # Over a mesh: ddp, and zero1 where there are data groups to shard over (not at D=1).
+    assert sorted(l.strategy for l in found if l.pipeline == 2) == ["ddp", "zero1"]
+    assert [l.strategy for l in found if l.pipeline == 4] == ["ddp"]
+    assert {l.micro_batches for l in found if l.pipeline == 2} == {4}  # replica batch 4: at most 4
     uneven = plan.layouts(plan.Setup(SMALL, batch=6, memory=1e9, workers=4))  # 4 replicas cannot share 6
     assert uneven and all(6 % l.data == 0 for l in uneven) and all(l.data < 4 for l in uneven)
 
@@ -160,3 +162,12 @@ def test_time_model_terms():
     for e in estimates.values():
         assert e.step_s >= e.compute_s + e.bubble_s + e.update_s + e.comm_s  # plus the straggler
     assert plan.estimate(setup, plan.Layout("ddp", 2, 1, 2)).comm_s > 0  # tensor all-reduces, every block
+
+
+def test_zero1_over_a_mesh_shards_the_state_and_pays_the_parameters_broadcast():
+    setup = plan.Setup(plan.textlm_shape(), batch=16, memory=2 ** 40, workers=4)
+    ddp, zero1 = (plan.estimate(setup, plan.Layout(s, 2, 1, 2, 1)) for s in ("ddp", "zero1"))
+    assert zero1.optimizer_state == ddp.optimizer_state / 2  # over D = 2 data groups
+    assert (zero1.parameters, zero1.gradients) == (ddp.parameters, ddp.gradients)
+    assert zero1.update_s == ddp.update_s / 2
+    assert zero1.comm_s > ddp.comm_s  # the same all-reduce, then each parameter from its owner
