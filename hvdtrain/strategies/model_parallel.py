@@ -79,8 +79,8 @@ def check_sliceable(optimizer: torch.optim.Optimizer) -> None:
 
 def deal_out(sizes: Sequence[Tuple[str, int]], ranks: int) -> Dict[str, int]:
     """Each name to one of ``ranks`` owners: largest first (equal sizes by name), each to the least
-    loaded so far (ties to the lower rank), so that every rank holds about 1 / ranks of the elements. The same on every
-    rank of a data group, which holds the same names and shapes."""
+    loaded so far (ties to the lower rank), so that every rank holds about 1 / ranks of the
+    elements. The same on every rank of a data group, which holds the same names and shapes."""
     load = [0] * ranks
     owner: Dict[str, int] = {}
     for name, size in sorted(sizes, key=lambda item: (-item[1], item[0])):
@@ -91,7 +91,8 @@ def deal_out(sizes: Sequence[Tuple[str, int]], ranks: int) -> Dict[str, int]:
 
 
 class ModelParallelStrategy(Strategy):
-    """ddp over the data-parallel groups of a mesh whose model replicas span tensor x pipeline ranks."""
+    """ddp, or zero1, over the data-parallel groups of a mesh whose model replicas span tensor x
+    pipeline ranks."""
 
     name = "ddp"
     collective_forward = True  # tensor-parallel layers all-reduce in forward; stages exchange activations
