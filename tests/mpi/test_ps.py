@@ -1,6 +1,6 @@
 """The parameter server (strategy=ps): the same steps as one process on the global batch (so as
 ddp), with 1 or 2 servers, SGD with momentum and Adam, clipped or not; the full optimizer state as
-one process holds it, so checkpoints switch between ps and ddp; the bytes each rank moves, counted
+one process holds it, so checkpoints switch between ps and ddp (tested in test_strategies.py); the bytes each rank moves, counted
 by the strategy, equal the formula; a server holds the optimizer state of its slice only."""
 import copy
 
@@ -9,10 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from hvdtrain import dist
-from hvdtrain.config import TrainConfig
 from hvdtrain.strategies import build_strategy
-from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
+from tests.mpi.test_strategies import train
 
 pytestmark = pytest.mark.mpi
 
@@ -127,18 +126,6 @@ def test_ps_resumes_one_process_state_and_continues_as_it_would(world, servers):
     assert (rows < 1e-10).all(), f"max |resumed ps - one process| per rank: {rows.flatten().tolist()}"
 
 
-def train(world, strategy, max_steps, directory=None, model=None, max_grad_norm=None):
-    model = model or small_mlp(seed=0)
-    config = TrainConfig(epochs=3, batch_size=4, accumulation=2, lr=0.05, warmup_epochs=0.5, seed=5,
-                         strategy=strategy, max_steps=max_steps, checkpoint_dir=directory, log_every=1000,
-                         tensorboard=False, max_grad_norm=max_grad_norm)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01)
-    trainer = Trainer(model, optimizer, synthetic_classification(samples=192), None, config, world=world)
-    trainer.fit()
-    trainer.close()
-    return trainer
-
-
 @pytest.mark.parametrize("max_grad_norm", [None, 0.1])
 def test_the_trainer_under_ps_matches_ddp(world, max_grad_norm):
     """The Trainer's loop (accumulation 2, warm-up, clipping) under ps and under ddp."""
@@ -148,18 +135,6 @@ def test_the_trainer_under_ps_matches_ddp(world, max_grad_norm):
     rows = dist.allgather_rows(difference.reshape(1), name=f"ps.trainer.{max_grad_norm}")
     assert ps.step == ddp.step == 6
     assert (rows < 1e-10).all(), f"max |ps - ddp| per rank: {rows.flatten().tolist()}"
-
-
-@pytest.mark.parametrize("first,then", [("ps", "ddp"), ("ddp", "ps")])
-def test_a_checkpoint_switches_between_ps_and_ddp(world, tmp_path, first, then):
-    base = dist.allgather_object(str(tmp_path), name=f"ps.switch.dir.{first}")[0]
-    whole = train(world, then, max_steps=10)
-    train(world, first, max_steps=4, directory=f"{base}/switch")
-    resumed = train(world, then, max_steps=10, directory=f"{base}/switch", model=small_mlp(seed=77))
-    difference = (flat_parameters(resumed.model) - flat_parameters(whole.model)).abs().max()
-    rows = dist.allgather_rows(difference.reshape(1), name=f"ps.switch.diff.{first}")
-    assert resumed.step == whole.step == 10
-    assert (rows < 1e-10).all(), f"max |resumed - uninterrupted| per rank: {rows.flatten().tolist()}"
 
 
 @pytest.mark.parametrize("fp16_allreduce", [False, True])

@@ -15,11 +15,12 @@ from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classificati
 pytestmark = pytest.mark.mpi
 
 
-def train(world, strategy, max_steps, directory=None, run_dir=None, model=None):
+def train(world, strategy, max_steps, directory=None, run_dir=None, model=None, max_grad_norm=None):
     model = model or small_mlp(seed=0)
     config = TrainConfig(epochs=3, batch_size=4, accumulation=2, lr=0.05, warmup_epochs=0.5, seed=5,
                          strategy=strategy, max_steps=max_steps, checkpoint_dir=directory, run_dir=run_dir,
-                         run_name="run" if run_dir else None, log_every=1000, tensorboard=False)
+                         run_name="run" if run_dir else None, log_every=1000, tensorboard=False,
+                         max_grad_norm=max_grad_norm)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01)
     trainer = Trainer(model, optimizer, synthetic_classification(samples=192), None, config, world=world)
     trainer.fit()
@@ -28,7 +29,8 @@ def train(world, strategy, max_steps, directory=None, run_dir=None, model=None):
     return trainer
 
 
-@pytest.mark.parametrize("first,then", [("zero1", "ddp"), ("ddp", "zero2"), ("zero2", "fsdp"), ("fsdp", "zero1")])
+@pytest.mark.parametrize("first,then", [("zero1", "ddp"), ("ddp", "zero2"), ("zero2", "fsdp"), ("fsdp", "zero1"),
+                                        ("ps", "ddp"), ("ddp", "ps")])
 def test_a_checkpoint_written_under_one_strategy_resumes_under_another(world, tmp_path, first, then):
     """Checkpoints hold the full model and the plain optimizer's state, whatever wrote them: the
     run continues as if it had never changed strategy (float64: summation order differs at 1e-16)."""
