@@ -8,15 +8,21 @@ neighbours without starting torch.
 from __future__ import annotations
 
 import argparse
-from typing import Dict
+from typing import Dict, List
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, d_model: int, layers: int) -> None:
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--d-model", type=int, default=d_model)
-    parser.add_argument("--layers", type=int, default=layers)
-    parser.add_argument("--heads", type=int, default=4)
+    """The model's shape, the same options in a bench's driver and in its worker."""
+    parser.add_argument("--vocab", type=int, default=256, help="vocabulary size (default: 256)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default: 64)")
+    parser.add_argument("--d-model", type=int, default=d_model, help=f"model width (default: {d_model})")
+    parser.add_argument("--layers", type=int, default=layers, help=f"transformer blocks (default: {layers})")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default: 4)")
+
+
+def model_argv(args: argparse.Namespace) -> List[str]:
+    """``args``'s model shape as the worker's command-line options (``add_model_arguments``'s)."""
+    return [item for key, value in dims(args).items() for item in (f"--{key.replace('_', '-')}", str(value))]
 
 
 def dims(args: argparse.Namespace) -> Dict[str, int]:

@@ -38,7 +38,7 @@ import statistics
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-from hvdtrain.bench import jobs, report
+from hvdtrain.bench import jobs, lm_workload, report
 from hvdtrain.launch.hostfile import Host
 
 WORKER = "hvdtrain.bench.model_parallel_worker"
@@ -57,11 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks of the parameter-bytes job (default: 4; 0 skips)")
     parser.add_argument("--layouts", default="1x1,2x1,1x2,2x2,4x1,1x4",
                         help="TxP layouts of the parameter-bytes table (default: 1x1,2x1,1x2,2x2,4x1,1x4)")
-    parser.add_argument("--d-model", type=int, default=256, help="model width (default: 256)")
-    parser.add_argument("--layers", type=int, default=4, help="transformer blocks (default: 4)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (default: 4)")
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default: 64)")
-    parser.add_argument("--vocab", type=int, default=256, help="vocabulary size (default: 256)")
+    lm_workload.add_model_arguments(parser, d_model=256, layers=4)
     parser.add_argument("--batch", type=int, default=16, help="samples per worker per step (default: 16)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per job (default: 5)")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per configuration and round (default: 5)")
@@ -319,8 +315,7 @@ def plot(pipelines: List[List[Dict[str, Any]]], path) -> None:
 # ---- the driver -------------------------------------------------------------------------------
 
 def worker_args(args: argparse.Namespace, mode: str) -> List[str]:
-    return ["--mode", mode, "--vocab", str(args.vocab), "--seq-len", str(args.seq_len), "--d-model", str(args.d_model),
-            "--layers", str(args.layers), "--heads", str(args.heads), "--batch", str(args.batch),
+    return ["--mode", mode, *lm_workload.model_argv(args), "--batch", str(args.batch),
             "--micro-batches", args.micro_batches, "--layouts", args.layouts, "--rounds", str(args.rounds),
             "--steps", str(args.steps), "--warmup", str(args.warmup)]
 
@@ -342,8 +337,7 @@ def load() -> Optional[List[float]]:
 
 def run(args: argparse.Namespace) -> int:
     out_dir = report.output_dir(args.out, "model-parallel")
-    dims = {"vocab": args.vocab, "seq_len": args.seq_len, "d_model": args.d_model, "layers": args.layers,
-            "heads": args.heads}
+    dims = lm_workload.dims(args)
     stage_counts = [int(p) for p in args.stages.split(",") if p.strip()]
     print(f"TinyTransformerLM d_model={args.d_model} layers={args.layers} heads={args.heads} seq={args.seq_len} "
           f"vocab={args.vocab}: {model_bytes(dims)} parameter bytes; batch {args.batch} per worker; load {load()}; "

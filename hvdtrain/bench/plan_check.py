@@ -30,7 +30,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from hvdtrain.bench import jobs, report
+from hvdtrain.bench import jobs, lm_workload, report
 from hvdtrain.bench.stats import summarize
 from hvdtrain.launch.hostfile import Host
 
@@ -42,11 +42,7 @@ VARIANTS = {"A": "1-proc rate", "B": "rate under load", "C": "under load, overla
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4, help="ranks (default 4; on 2 cores they share them)")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=256)
+    lm_workload.add_model_arguments(parser, d_model=128, layers=2)
     parser.add_argument("--batch", type=int, default=16, help="global batch, samples per step (default 16)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the layouts (default 5)")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed segment (default 10)")
@@ -214,8 +210,7 @@ def plot(rows: List[Dict[str, Any]], path) -> None:
 # ---- the run ---------------------------------------------------------------------------------------
 
 def worker_args(args: argparse.Namespace, mode: str, layouts: Sequence[str] = ()) -> List[str]:
-    out = ["--mode", mode, "--vocab", str(args.vocab), "--seq-len", str(args.seq_len), "--d-model",
-           str(args.d_model), "--layers", str(args.layers), "--heads", str(args.heads), "--batch", str(args.batch),
+    out = ["--mode", mode, *lm_workload.model_argv(args), "--batch", str(args.batch),
            "--rounds", str(args.rounds), "--steps", str(args.steps), "--segments", str(args.segments),
            "--warmup", str(args.warmup), "--compute-batches", str(args.batch)]
     if layouts:
@@ -310,8 +305,7 @@ def run(args: argparse.Namespace) -> int:
             f"run's own ranks and their Horovod threads")
     lines += [""] + verdicts + [load]
     payload = {"label": "predicted: MODELLED (plan, calibrated on this host); measured: MEASURED",
-               "model": {"layers": args.layers, "d_model": args.d_model, "seq_len": args.seq_len,
-                         "heads": args.heads, "vocab": args.vocab, "parameters": shape.total},
+               "model": {**lm_workload.dims(args), "parameters": shape.total},
                "batch": args.batch, "workers": args.workers, "cpus": cpus, "oversubscribed": oversubscribed,
                "rounds": args.rounds, "segments": args.segments, "steps": args.steps, "warmup": args.warmup,
                "load_average": {"before": load_before, "after": load_after}, "calibration": cal, "variants": VARIANTS, "rows": rows, "verdicts": verdict_json,
