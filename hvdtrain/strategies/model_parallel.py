@@ -157,6 +157,8 @@ class ModelParallelStrategy(Strategy):
         stepping_as = mesh.coordinates.data if data_parallel == "zero1" else 0
         self._owned_names = [[n for n in names if self._owner[n] == stepping_as] for names in self._local_names]
         self.optimizer = rebuild_optimizer(optimizer, [[live[n] for n in names] for names in self._owned_names])
+        # Decided once: every rank of a data group holds the same names, so all decide alike.
+        self._broadcasts = mesh.data.process_set is not None and len(set(self._owner.values())) > 1
         self._model_placements = self._placements_of(model)
 
     # --- who holds what -------------------------------------------------------------------
@@ -245,7 +247,7 @@ class ModelParallelStrategy(Strategy):
 
     def step(self) -> None:
         self.optimizer.step()
-        if self.mesh.data.process_set is not None and len(set(self._owner.values())) > 1:
+        if self._broadcasts:
             self._broadcast_from_owners()
 
     def _broadcast_from_owners(self) -> None:
