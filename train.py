@@ -12,7 +12,7 @@ import sys
 import torch
 
 import hvdtrain
-from hvdtrain.config_loader import job_argument_parser, parse_job, to_dict
+from hvdtrain.config.loader import job_argument_parser, parse_job, to_dict
 from hvdtrain.examples.digits import DigitsCNN, DigitsJob, load_digits_datasets
 
 

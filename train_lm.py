@@ -14,7 +14,7 @@ import sys
 import torch
 
 import hvdtrain
-from hvdtrain.config_loader import job_argument_parser, parse_job, to_dict
+from hvdtrain.config.loader import job_argument_parser, parse_job, to_dict
 from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
 from hvdtrain.examples.textlm import (TextLMJob, TinyTransformerLM, bits_per_char, generate, lm_loss,
                                       load_text_datasets, unigram_bits_per_char)

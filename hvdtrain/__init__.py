@@ -15,11 +15,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "init": "hvdtrain.dist",
-    "World": "hvdtrain.dist",
+    "init": "hvdtrain.distributed.startup",
+    "World": "hvdtrain.distributed.startup",
     "Trainer": "hvdtrain.trainer",
-    "TrainConfig": "hvdtrain.config",
-    "ShardedSampler": "hvdtrain.data",
+    "TrainConfig": "hvdtrain.config.train",
+    "ShardedSampler": "hvdtrain.data.sharding",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

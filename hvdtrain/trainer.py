@@ -10,9 +10,9 @@ The steps of Horovod data parallelism, in order, each marked where it happens:
 
 How the model's state is spread over the ranks (replicated, or sharded as in ZeRO) is the
 strategy's (hvdtrain.strategies). The Trainer is set-up and the public calls (fit, run,
-evaluate); the loop is hvdtrain.loop's, the state a checkpoint holds hvdtrain.resumable's,
-checkpoint files hvdtrain.checkpointing's, failures hvdtrain.faults', and what a run reports
-hvdtrain.reporting's.
+evaluate); the loop is hvdtrain.training.loop's, the state a checkpoint holds hvdtrain.checkpoint.manager's,
+checkpoint files hvdtrain.checkpoint.protocol's, failures hvdtrain.fault_tolerance.handling', and what a run reports
+hvdtrain.observability.reporting's.
 """
 from __future__ import annotations
 
@@ -24,30 +24,31 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from hvdtrain import dist, elastic, oom, rng
-from hvdtrain.batching import Batching
-from hvdtrain.checkpointing import Checkpointing
-from hvdtrain.compiling import compile_forward
-from hvdtrain.config import TrainConfig
-from hvdtrain.data import ShardedSampler
-from hvdtrain.elastic import TrainerState, is_elastic_launch
-from hvdtrain.export import export_model
-from hvdtrain.faults import FaultHandling
-from hvdtrain.log import get_logger
-from hvdtrain.memory import MemoryReport
-from hvdtrain.loop import TrainingLoop
-from hvdtrain.metrics import evaluate
-from hvdtrain.optim import adasum_refusal
-from hvdtrain.precision import Precision
-from hvdtrain.progress import Progress, resolve_mode
-from hvdtrain.reporting import TimelineWindow, announce, announce_settings, open_run_dir
-from hvdtrain.resumable import Resumable
-from hvdtrain.rundir import RunDirectory
-from hvdtrain.steps import StepFn, supervised_step
+from hvdtrain.distributed import startup as dist, rng
+from hvdtrain.fault_tolerance import elastic, out_of_memory as oom
+from hvdtrain.data.batching import Batching
+from hvdtrain.checkpoint.protocol import Checkpointing
+from hvdtrain.training.compiling import compile_forward
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.data.sharding import ShardedSampler
+from hvdtrain.fault_tolerance.elastic import TrainerState, is_elastic_launch
+from hvdtrain.checkpoint.export import export_model
+from hvdtrain.fault_tolerance.handling import FaultHandling
+from hvdtrain.observability.logs import get_logger
+from hvdtrain.observability.memory import MemoryReport
+from hvdtrain.training.loop import TrainingLoop
+from hvdtrain.training.metrics import evaluate
+from hvdtrain.training.lr import adasum_refusal
+from hvdtrain.training.precision import Precision
+from hvdtrain.observability.progress import Progress, resolve_mode
+from hvdtrain.observability.reporting import TimelineWindow, announce, announce_settings, open_run_dir
+from hvdtrain.checkpoint.manager import Resumable
+from hvdtrain.observability.run_directory import RunDirectory
+from hvdtrain.training.steps import StepFn, supervised_step
 from hvdtrain.parallel.mesh import Mesh
 from hvdtrain.strategies import ELASTIC_STRATEGIES, build_strategy
 from hvdtrain.strategies.model_parallel import ModelLayout, ModelParallelStrategy, PipelineLayers, TensorPlan
-from hvdtrain.sync_batchnorm import convert_sync_batchnorm
+from hvdtrain.training.sync_batchnorm import convert_sync_batchnorm
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -59,12 +60,12 @@ class Trainer(Resumable, TrainingLoop):
     the Trainer hands both to the strategy (``config.strategy``), scales the rate and
     broadcasts rank 0's state. ``loss_fn`` takes (outputs, targets) and returns the mean loss
     of the batch; or ``step_fn(model, batch) -> (loss, metrics)`` computes both from a batch of
-    any structure (a dict, say; see hvdtrain.steps), and every metric is reported as a mean over
+    any structure (a dict, say; see hvdtrain.training.steps), and every metric is reported as a mean over
     every rank's samples, for training and validation. ``job_config`` is the script's whole
     resolved configuration (all sections), recorded in the run directory and in every checkpoint;
     by default only the ``train`` section.
 
-    The loop itself is hvdtrain.loop's, the checkpointed state hvdtrain.resumable's (base classes).
+    The loop itself is hvdtrain.training.loop's, the checkpointed state hvdtrain.checkpoint.manager's (base classes).
     """
 
     def __init__(
@@ -199,7 +200,7 @@ class Trainer(Resumable, TrainingLoop):
         """The optimizer the strategy steps (its param_groups carry the live learning rate)."""
         return self.strategy.optimizer
 
-    # What follows from the world and the global batch (hvdtrain.batching), read by the loop.
+    # What follows from the world and the global batch (hvdtrain.data.batching), read by the loop.
 
     @property
     def sampler(self) -> ShardedSampler:

@@ -10,8 +10,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hvdtrain.config import TrainConfig
-from hvdtrain.config_loader import reference
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.config.loader import reference
 from hvdtrain.examples.digits import DigitsJob
 from hvdtrain.examples.textlm import TextLMJob
 

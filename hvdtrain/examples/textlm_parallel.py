@@ -87,7 +87,7 @@ class TextLMHead(nn.Module):
 
 
 def pipeline_layers(model) -> list:
-    """TinyTransformerLM as a list of layers for hvdtrain.parallel.pipeline: [embedding, each
+    """TinyTransformerLM as a list of layers for hvdtrain.parallel.pipeline.schedule: [embedding, each
     block, head]. They share the model's modules, so the tied token matrix is one Parameter in the
     first and the last layer (PipelineStage sums its gradient over the two stages holding it)."""
     from hvdtrain.examples.textlm import TinyTransformerLM

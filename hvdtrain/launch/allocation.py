@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import List, Mapping
 
-from hvdtrain.env.nodelist import expand_nodelist
-from hvdtrain.env.slurm import expand_tasks_per_node
+from hvdtrain.distributed.environments.nodelist import expand_nodelist
+from hvdtrain.distributed.environments.slurm import expand_tasks_per_node
 from hvdtrain.launch.hostfile import Host, HostfileError, check_hostname
 
 

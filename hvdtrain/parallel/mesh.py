@@ -18,7 +18,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import horovod.torch as hvd
 
-from hvdtrain import dist
+from hvdtrain.distributed import startup as dist
 
 Ranks = Tuple[int, ...]
 # The process sets meshes made, and how many meshes use each: Horovod refuses a second set of the

@@ -15,9 +15,9 @@ from typing import Dict, Tuple
 
 import torch
 
-from hvdtrain.config import ADASUM_STRATEGIES
-from hvdtrain.config import STRATEGIES as CONFIGURED
-from hvdtrain.dist import World
+from hvdtrain.config.train import ADASUM_STRATEGIES
+from hvdtrain.config.train import STRATEGIES as CONFIGURED
+from hvdtrain.distributed.startup import World
 from hvdtrain.strategies.base import Strategy
 
 # name -> (module, class); imported when chosen, so a run pays only for its own strategy.
@@ -25,12 +25,12 @@ STRATEGIES: Dict[str, Tuple[str, str]] = {
     "ddp": ("hvdtrain.strategies.ddp", "DDPStrategy"),
     "zero1": ("hvdtrain.strategies.zero", "Zero1Strategy"),
     "zero2": ("hvdtrain.strategies.zero", "Zero2Strategy"),
-    "fsdp": ("hvdtrain.strategies.fsdp", "FSDPStrategy"),
+    "fsdp": ("hvdtrain.strategies.fsdp.strategy", "FSDPStrategy"),
     "ps": ("hvdtrain.strategies.ps", "PSStrategy"),
 }
 STRATEGY_NAMES = tuple(STRATEGIES)
 if STRATEGY_NAMES != CONFIGURED:  # a developer's mistake: fail at import, not in a user's run
-    raise ImportError(f"hvdtrain.config.STRATEGIES {CONFIGURED} must list the strategies here: {STRATEGY_NAMES}")
+    raise ImportError(f"hvdtrain.config.train.STRATEGIES {CONFIGURED} must list the strategies here: {STRATEGY_NAMES}")
 # Horovod elastic re-forms the world mid-run; a sharded state would have to be re-cut with it.
 ELASTIC_STRATEGIES = ("ddp",)
 

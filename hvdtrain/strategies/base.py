@@ -13,8 +13,8 @@ from typing import Any, ClassVar, Dict, List, Tuple
 
 import torch
 
-from hvdtrain import clipping
-from hvdtrain.dist import World
+from hvdtrain.strategies import clipping
+from hvdtrain.distributed.startup import World
 
 
 def storage_bytes(tensors) -> int:
@@ -122,11 +122,11 @@ class Strategy(ABC):
         """Load a full {"model", "optimizer"} state (every rank holds all of it)."""
 
     # Sharded checkpoints (train.checkpoint_format=sharded): each rank's own part, no collective.
-    # Only strategies that shard the state have them (hvdtrain.strategies.sharded_state).
+    # Only strategies that shard the state have them (hvdtrain.strategies.sharding.shard_state).
 
     def shard_state_dict(self) -> Dict[str, Any]:
         """This rank's own slices of the parameters and optimizer state, its buffers, and the layout
-        that hvdtrain.strategies.sharded_state.consolidate needs to rebuild the full state without
+        that hvdtrain.strategies.sharding.shard_state.consolidate needs to rebuild the full state without
         the model's class. Local: no collective, nothing gathered."""
         raise NotImplementedError(self._no_shards())
 

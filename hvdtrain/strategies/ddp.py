@@ -8,10 +8,10 @@ from typing import Any, Dict, List
 
 import torch
 
-from hvdtrain import dist
-from hvdtrain.optim import combines_updates, distributed_optimizer
+from hvdtrain.distributed import startup as dist
+from hvdtrain.training.lr import combines_updates, distributed_optimizer
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
-from hvdtrain.watchdog import pending_allreduces
+from hvdtrain.fault_tolerance.watchdog import pending_allreduces
 
 
 class DDPStrategy(Strategy):

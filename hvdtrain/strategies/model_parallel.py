@@ -31,9 +31,10 @@ from torch import nn
 
 import horovod.torch as hvd
 
-from hvdtrain import clipping, dist
-from hvdtrain.parallel import full_state
-from hvdtrain.parallel.full_state import Placement
+from hvdtrain.strategies import clipping
+from hvdtrain.distributed import startup as dist
+from hvdtrain.parallel import gathered_state as full_state
+from hvdtrain.parallel.gathered_state import Placement
 from hvdtrain.parallel.mesh import Mesh
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
 from hvdtrain.strategies.zero import ELEMENTWISE_OPTIMIZERS
@@ -135,7 +136,7 @@ class ModelParallelStrategy(Strategy):
         # 3. Pipeline stages.
         self.pipeline = None
         if shape.pipeline > 1:
-            from hvdtrain.parallel.pipelined_model import build_stage
+            from hvdtrain.parallel.pipeline.stage import build_stage
             self.pipeline = build_stage(model, layout, mesh, loss_fn)
             held = {id(t) for t in self.pipeline.module.parameters()} | {id(b) for b in self.pipeline.module.buffers()}
         else:

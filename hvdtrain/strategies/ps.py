@@ -48,11 +48,11 @@ import torch
 
 import horovod.torch as hvd
 
-from hvdtrain import dist
-from hvdtrain.dist import World
-from hvdtrain.strategies import flat_buckets as fb
+from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed.startup import World
+from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
-from hvdtrain.strategies.sliced_state import SlicedOptimizerFullState
+from hvdtrain.strategies.sharding.sliced_state import SlicedOptimizerFullState
 from hvdtrain.strategies.zero import ELEMENTWISE_OPTIMIZERS, shard_optimizer_like
 
 

@@ -31,11 +31,11 @@ import torch
 
 import horovod.torch as hvd
 
-from hvdtrain.dist import World
-from hvdtrain.strategies import flat_buckets as fb
-from hvdtrain.strategies import sharded_state
+from hvdtrain.distributed.startup import World
+from hvdtrain.strategies.sharding import flat_buckets as fb
+from hvdtrain.strategies.sharding import shard_state as sharded_state
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
-from hvdtrain.strategies.sliced_state import SlicedOptimizerFullState
+from hvdtrain.strategies.sharding.sliced_state import SlicedOptimizerFullState
 
 # Stepping a flat slice that cuts across parameters equals stepping each parameter only when the
 # update of every element depends on that element alone.
@@ -270,7 +270,7 @@ class ZeroStrategy(SlicedOptimizerFullState, Strategy):
         """Keep this rank's slices of a full optimizer state_dict (local: every rank has it all)."""
         self.optimizer.load_state_dict(fb.shard_state_dict(self.buckets, self._group_indices, full))
 
-    # Sharded checkpoints: this rank's own part (hvdtrain.strategies.sharded_state).
+    # Sharded checkpoints: this rank's own part (hvdtrain.strategies.sharding.shard_state).
 
     def shard_state_dict(self) -> Dict[str, Any]:
         return sharded_state.shard_state_dict(self.model, self.buckets, self.optimizer, self._group_indices)

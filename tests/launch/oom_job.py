@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import hvdtrain
-from hvdtrain.config import TrainConfig
+from hvdtrain.config.train import TrainConfig
 from hvdtrain.trainer import Trainer
 
 WIDTH, DEPTH = 2048, 6  # 25.2M parameters: 101 MB of fp32 weights

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 import hvdtrain
-from hvdtrain.config import TrainConfig
+from hvdtrain.config.train import TrainConfig
 
 
 class StallsOnRankOne(Dataset):

@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from hvdtrain import cli
+from hvdtrain.cli import main as cli
 
-from hvdtrain.bench import collectives
+from hvdtrain.bench.collectives import driver as collectives
 from tests.launch.helpers import BIN, run
 
 SIZES = (4096, 1 << 20)

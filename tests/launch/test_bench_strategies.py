@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from hvdtrain import cli
-from hvdtrain.bench import strategies
+from hvdtrain.cli import main as cli
+from hvdtrain.bench.strategies import driver as strategies
 from tests.launch.helpers import BIN, run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -5,9 +5,11 @@ import math
 
 import pytest
 
-from hvdtrain import cli
-from hvdtrain.bench import jobs as bench_jobs
-from hvdtrain.bench import scaling, throughput, throughput_worker, workloads
+from hvdtrain.cli import main as cli
+from hvdtrain.bench.common import jobs as bench_jobs
+from hvdtrain.bench.scaling import driver as scaling
+from hvdtrain.bench.throughput import driver as throughput, worker as throughput_worker
+from hvdtrain.bench.common import workloads
 from hvdtrain.launch.hostfile import Host
 from tests.launch.helpers import BIN, run
 
@@ -236,7 +238,7 @@ def test_dataparallel_command_with_enough_gpus_is_one_process_at_the_global_batc
     assert job.skipped is None and (job.np, job.workers, job.variant.launcher) == (1, workers, "none")
     assert (trainer.np, trainer.workers) == (workers, workers)
     argv = bench_jobs.worker_argv(throughput.WORKER, job.args, tmp_path / "result.json", job.np, job.variant.launcher)
-    assert argv[1:3] == ["-m", "hvdtrain.bench.throughput_worker"]  # no mpirun: one process
+    assert argv[1:3] == ["-m", "hvdtrain.bench.throughput.worker"]  # no mpirun: one process
     args = throughput_worker.parse_args(argv[3:])
     assert (args.variant, args.model, args.devices, args.batch) == ("dataparallel", "cnn", workers, 16)
     # hvdtrain's workers take --batch each: DataParallel takes all of them at once, over GPUs 0..N-1

@@ -7,7 +7,7 @@ import re
 import torch
 from safetensors.torch import load_file
 
-from hvdtrain import sharded_checkpoint as sharded
+from hvdtrain.checkpoint import sharded_format as sharded
 from tests.launch.helpers import BIN, PYTHON, run
 from tests.launch.test_resume import kill_when
 

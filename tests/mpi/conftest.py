@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def world(request):
-    from hvdtrain import dist
+    from hvdtrain.distributed import startup as dist
 
     # Dynamic process sets slow every collective (a small all-reduce at 4 ranks under Gloo on 2
     # cores: 28 ms without, 57 ms with), so they are on only when a collected test builds a mesh.
@@ -39,6 +39,6 @@ def shared_tmp_path(world, tmp_path, request):
     is per rank under horovodrun --gloo, where mpi4py sees each process as a world of its own."""
     from pathlib import Path
 
-    from hvdtrain import dist
+    from hvdtrain.distributed import startup as dist
 
     return Path(dist.allgather_object(str(tmp_path), name=f"shared_tmp_path.{request.node.nodeid}")[0])

@@ -4,7 +4,7 @@ import torch
 
 import horovod.torch as hvd
 
-from hvdtrain import dist
+from hvdtrain.distributed import startup as dist
 
 pytestmark = pytest.mark.mpi
 

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hvdtrain import dist
+from hvdtrain.distributed import startup as dist
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
-from hvdtrain.strategies import fsdp_units as fu
-from hvdtrain.strategies.fsdp import FSDPStrategy
+from hvdtrain.strategies.fsdp import units as fu
+from hvdtrain.strategies.fsdp.strategy import FSDPStrategy
 from hvdtrain.strategies.zero import Zero2Strategy
 from tests.mpi.helpers import flat_parameters, synthetic_classification
 from tests.mpi.test_zero import MICRO_BATCH, reference_steps, state_difference, two_groups

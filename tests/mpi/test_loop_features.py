@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from hvdtrain import dist
-from hvdtrain.config import TrainConfig
-from hvdtrain.data import ShardedSampler
+from hvdtrain.distributed import startup as dist
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
 

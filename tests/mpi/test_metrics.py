@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hvdtrain import dist
-from hvdtrain.config import TrainConfig
+from hvdtrain.distributed import startup as dist
+from hvdtrain.config.train import TrainConfig
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import small_mlp, synthetic_classification
 

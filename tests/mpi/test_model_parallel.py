@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from hvdtrain import dist
-from hvdtrain.config import TrainConfig
-from hvdtrain.data import ShardedSampler
+from hvdtrain.distributed import startup as dist
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
 from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
 from hvdtrain.trainer import Trainer

@@ -9,12 +9,12 @@ import pytest
 import torch
 import horovod.torch as hvd
 
-from hvdtrain import dist
+from hvdtrain.distributed import startup as dist
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
 from hvdtrain.examples.textlm_parallel import pipeline_layers
 from hvdtrain.parallel.mesh import Mesh
-from hvdtrain.parallel.p2p import exchange
-from hvdtrain.parallel.pipeline import PipelineStage, run_schedule, split_micro_batches
+from hvdtrain.parallel.pipeline.p2p import exchange
+from hvdtrain.parallel.pipeline.schedule import PipelineStage, run_schedule, split_micro_batches
 
 pytestmark = [pytest.mark.mpi, pytest.mark.process_sets, pytest.mark.timeout(240)]
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from hvdtrain import plan
-from hvdtrain.config import TrainConfig
+from hvdtrain.planner import plan
+from hvdtrain.config.train import TrainConfig
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
 from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
-from hvdtrain.reporting import format_bytes
+from hvdtrain.observability.reporting import format_bytes
 from hvdtrain.trainer import Trainer
 
 pytestmark = [pytest.mark.mpi, pytest.mark.process_sets]

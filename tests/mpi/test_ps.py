@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hvdtrain import dist
+from hvdtrain.distributed import startup as dist
 from hvdtrain.strategies import build_strategy
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
 from tests.mpi.test_strategies import train

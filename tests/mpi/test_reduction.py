@@ -30,10 +30,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hvdtrain import dist
-from hvdtrain.config import TrainConfig
-from hvdtrain.data import ShardedSampler
-from hvdtrain.optim import is_power_of_two
+from hvdtrain.distributed import startup as dist
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.data.sharding import ShardedSampler
+from hvdtrain.training.lr import is_power_of_two
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
 

@@ -3,8 +3,8 @@ import pytest
 import torch
 from torch import nn
 
-from hvdtrain import dist, rng
-from hvdtrain.config import TrainConfig
+from hvdtrain.distributed import startup as dist, rng
+from hvdtrain.config.train import TrainConfig
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import flat_parameters, synthetic_classification
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from hvdtrain import dist, rng
-from hvdtrain import sharded_checkpoint as sharded
-from hvdtrain.config import TrainConfig
+from hvdtrain.distributed import startup as dist, rng
+from hvdtrain.checkpoint import sharded_format as sharded
+from hvdtrain.config.train import TrainConfig
 from hvdtrain.strategies import build_strategy
-from hvdtrain.strategies.sharded_state import consolidate
+from hvdtrain.strategies.sharding.shard_state import consolidate
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import flat_parameters, synthetic_classification
 from tests.mpi.test_fsdp import FEATURES, Blocks, flat

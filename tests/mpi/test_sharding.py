@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from hvdtrain import dist
-from hvdtrain.config import TrainConfig
+from hvdtrain.distributed import startup as dist
+from hvdtrain.config.train import TrainConfig
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import small_mlp, synthetic_classification
 

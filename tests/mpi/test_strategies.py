@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from hvdtrain import dist
-from hvdtrain.config import TrainConfig
+from hvdtrain.distributed import startup as dist
+from hvdtrain.config.train import TrainConfig
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
 

@@ -10,9 +10,9 @@ from torch import nn
 
 import horovod.torch as hvd
 
-from hvdtrain import dist
+from hvdtrain.distributed import startup as dist
 from hvdtrain.strategies import build_strategy
-from hvdtrain.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from hvdtrain.training.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 pytestmark = pytest.mark.mpi
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import horovod.torch as hvd
 
-from hvdtrain import dist
+from hvdtrain.distributed import startup as dist
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
 from hvdtrain.examples.textlm_parallel import parallelize_tensor
 from hvdtrain.parallel.mesh import Mesh

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from hvdtrain import dist, env
+from hvdtrain.distributed import startup as dist, environments as env
 
 pytestmark = pytest.mark.mpi
 

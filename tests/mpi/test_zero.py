@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hvdtrain import dist
+from hvdtrain.distributed import startup as dist
 from hvdtrain.strategies.zero import ELEMENTWISE_OPTIMIZERS, Zero1Strategy, Zero2Strategy
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
 

@@ -1,4 +1,4 @@
-"""hvdtrain.bench.model_parallel: the theory and the accounting, the driver's reading of a worker's
+"""hvdtrain.bench.model_parallel.driver: the theory and the accounting, the driver's reading of a worker's
 result, and one small pipeline job whose figures must be present and sane."""
 import json
 import shutil
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hvdtrain.bench import model_parallel as mp
+from hvdtrain.bench.model_parallel import driver as mp
 from hvdtrain.examples.textlm import TinyTransformerLM
 
 DIMS = {"vocab": 40, "seq_len": 8, "d_model": 16, "layers": 4, "heads": 4}
@@ -135,7 +135,7 @@ def test_a_small_pipeline_job_measures_sane_figures(tmp_path):
     args = ["--stages", "2", "--micro-batches", "1,4", "--tensor", "0", "--memory-workers", "0",
             "--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--vocab", "32", "--batch", "8",
             "--rounds", "1", "--steps", "2", "--warmup", "1", "--timeout", "50", "--out", str(tmp_path)]
-    done = subprocess.run([sys.executable, "-m", "hvdtrain.bench.model_parallel", *args], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "hvdtrain.bench.model_parallel.driver", *args], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     figures = json.loads((tmp_path / "results.json").read_text())

@@ -4,8 +4,8 @@ import logging
 import pytest
 import torch
 
-from hvdtrain import checkpoint as ckpt
-from hvdtrain.checkpoint import CheckpointError, CheckpointStore
+from hvdtrain.checkpoint import store as ckpt
+from hvdtrain.checkpoint.store import CheckpointError, CheckpointStore
 
 
 def state(step, **extra):

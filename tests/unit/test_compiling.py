@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from hvdtrain.compiling import check_compiler, compile_forward
-from hvdtrain.config import TrainConfig
+from hvdtrain.training.compiling import check_compiler, compile_forward
+from hvdtrain.config.train import TrainConfig
 
 
 def test_fsdp_is_refused_with_the_reason_and_what_works():

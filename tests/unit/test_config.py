@@ -5,9 +5,8 @@ from typing import Optional
 import pytest
 import yaml
 
-from hvdtrain.config import TrainConfig
-from hvdtrain.config_loader import (ConfigError, job_argument_parser, load_job, parse_job, reference,
-                                    to_yaml)
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.config.loader import ConfigError, job_argument_parser, load_job, parse_job, reference, to_yaml
 
 
 @pytest.mark.parametrize("field_name,value", [

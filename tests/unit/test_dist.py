@@ -1,7 +1,7 @@
 import pytest
 
-from hvdtrain.dist import ENV_DEFAULTS, apply_env_defaults, threads_per_rank
-from hvdtrain.rng import rank_seed
+from hvdtrain.distributed.startup import ENV_DEFAULTS, apply_env_defaults, threads_per_rank
+from hvdtrain.distributed.rng import rank_seed
 
 
 @pytest.mark.parametrize("local_size,visible,host,expected", [

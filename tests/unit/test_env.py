@@ -1,7 +1,7 @@
 import pytest
 
-from hvdtrain import env
-from hvdtrain.env.slurm import expand_tasks_per_node
+from hvdtrain.distributed import environments as env
+from hvdtrain.distributed.environments.slurm import expand_tasks_per_node
 
 HOROVODRUN_GLOO = {"HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1",
                    "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "1"}
@@ -81,7 +81,7 @@ def test_login_node_tools_do_not_import_torch_or_horovod():
     """env/, launch/ and the CLI run on login nodes, where importing torch is slow or impossible."""
     import subprocess
     import sys
-    code = ("import sys, hvdtrain.env, hvdtrain.launch.runner, hvdtrain.launch.doctor, hvdtrain.cli; "
+    code = ("import sys, hvdtrain.distributed.environments, hvdtrain.launch.runner, hvdtrain.launch.doctor, hvdtrain.cli; "
             "bad = [m for m in ('torch', 'horovod') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -5,7 +5,7 @@ import yaml
 from safetensors.torch import load_file
 from torch import nn
 
-from hvdtrain import export
+from hvdtrain.checkpoint import export
 
 
 class TiedLM(nn.Module):
@@ -76,7 +76,7 @@ def test_a_state_entry_that_is_not_a_tensor_is_named(tmp_path):
 
 
 def test_the_export_command_takes_a_checkpoint_file_or_the_newest_in_a_directory(tmp_path, capsys):
-    from hvdtrain.checkpoint import FORMAT_VERSION, CheckpointStore
+    from hvdtrain.checkpoint.store import FORMAT_VERSION, CheckpointStore
     from hvdtrain.cli import main
 
     store = CheckpointStore(tmp_path / "ckpt")

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hvdtrain import clipping
-from hvdtrain.precision import Precision
-from hvdtrain.steps import batch_size, supervised_step, to_device
+from hvdtrain.strategies import clipping
+from hvdtrain.training.precision import Precision
+from hvdtrain.training.steps import batch_size, supervised_step, to_device
 
 Pair = namedtuple("Pair", "inputs targets")
 
@@ -78,7 +78,7 @@ def test_replicated_clipping_is_torchs_clip_grad_norm():
 def test_the_epoch_line_without_a_train_loss_when_the_epoch_had_no_step_of_its_own():
     """Horovod elastic can roll back to a commit at an epoch's last step: the epoch then ends with
     no step, and no train loss, of its own (it used to raise KeyError on every rank)."""
-    from hvdtrain.reporting import epoch_line
+    from hvdtrain.observability.reporting import epoch_line
 
     full = {"epoch": 3.0, "step": 30, "train_loss": 0.25, "samples_per_sec": 100.0, "val_loss": 0.5,
             "val_accuracy": 0.9}

@@ -1,6 +1,6 @@
 import pytest
 
-from hvdtrain.env.nodelist import NodelistError, expand_nodelist
+from hvdtrain.distributed.environments.nodelist import NodelistError, expand_nodelist
 
 
 @pytest.mark.parametrize("nodelist,hosts", [

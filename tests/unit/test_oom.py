@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from hvdtrain.oom import bytes_per_rank, explain, is_out_of_memory, state_tensors_per_parameter, tried_bytes
+from hvdtrain.fault_tolerance.out_of_memory import bytes_per_rank, explain, is_out_of_memory, state_tensors_per_parameter, tried_bytes
 
 
 def real_cpu_allocation_failure():

@@ -1,6 +1,6 @@
 import pytest
 
-from hvdtrain.optim import lr_scale, warmup_factor
+from hvdtrain.training.lr import lr_scale, warmup_factor
 
 
 def test_scale_is_global_batch_over_one_worker_batch_or_one_when_disabled():

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from hvdtrain.parallel.pipeline import split_layers, split_micro_batches
+from hvdtrain.parallel.pipeline.schedule import split_layers, split_micro_batches
 
 
 def linears(*widths):

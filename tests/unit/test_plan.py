@@ -7,12 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hvdtrain import cli, plan
+from hvdtrain import cli
+from hvdtrain.planner import plan
 from hvdtrain.examples.textlm import TinyTransformerLM
 from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
-from hvdtrain.parallel.pipeline import split_layers
+from hvdtrain.parallel.pipeline.schedule import split_layers
 from hvdtrain.parallel.tensor import parallelize
-from hvdtrain.plan_command import parse_bytes
+from hvdtrain.cli.plan import parse_bytes
 
 SMALL = plan.ModelShape(layers=2, d_model=32, seq_len=8, vocab=11, heads=4)
 

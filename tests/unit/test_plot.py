@@ -2,7 +2,7 @@
 import argparse
 import json
 
-from hvdtrain import plot
+from hvdtrain.observability import plots as plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T0 = 1_700_000_000.0

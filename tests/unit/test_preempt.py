@@ -2,7 +2,7 @@ import signal
 
 import pytest
 
-from hvdtrain.preempt import PreemptionFlag, requeue_command
+from hvdtrain.fault_tolerance.preemption import PreemptionFlag, requeue_command
 
 
 def test_requeue_only_inside_a_slurm_job_with_scontrol(monkeypatch, tmp_path):

@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from hvdtrain.progress import Progress, format_eta, resolve_mode
+from hvdtrain.observability.progress import Progress, format_eta, resolve_mode
 
 
 class Terminal(io.StringIO):

@@ -6,9 +6,8 @@ import pytest
 
 from hvdtrain import cli
 
-from hvdtrain.bench import project
-from hvdtrain.bench.project import (ANCHORS, CALIBRATION, LABEL, NETWORKS, Calibration, Network, Workload,
-                                    calibrate, expected_max_normal, predict, ring_bandwidth_s, ring_latency_s)
+from hvdtrain.bench.projection import driver as project
+from hvdtrain.bench.projection.driver import ANCHORS, CALIBRATION, LABEL, NETWORKS, Calibration, Network, Workload, calibrate, expected_max_normal, predict, ring_bandwidth_s, ring_latency_s
 
 RESNET = project.model_workload("resnet101")
 
@@ -141,5 +140,5 @@ def test_cli_refuses_an_incomplete_workload(tmp_path, capsys):
 
 
 def test_the_model_does_not_import_torch():
-    code = "import sys, hvdtrain.bench.project; assert 'torch' not in sys.modules"
+    code = "import sys, hvdtrain.bench.projection.driver; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,5 +1,5 @@
-"""hvdtrain.bench.ps_traffic's table: the counted bytes beside the formulas (no job launched)."""
-from hvdtrain.bench.ps_traffic import formulas, table
+"""hvdtrain.bench.ps.driver's table: the counted bytes beside the formulas (no job launched)."""
+from hvdtrain.bench.ps.driver import formulas, table
 
 
 def test_the_formulas_are_the_seeds_less_the_servers_own_slice():

@@ -2,7 +2,7 @@
 with the reason, before any process starts training."""
 import pytest
 
-from hvdtrain.config import TrainConfig
+from hvdtrain.config.train import TrainConfig
 
 
 @pytest.mark.parametrize("settings,says", [

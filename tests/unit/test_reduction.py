@@ -7,9 +7,9 @@ import types
 import pytest
 import torch
 
-from hvdtrain import dist
-from hvdtrain.config import TrainConfig
-from hvdtrain.optim import adasum_lr_factor, adasum_refusal, combines_updates, lr_scale
+from hvdtrain.distributed import startup as dist
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.training.lr import adasum_lr_factor, adasum_refusal, combines_updates, lr_scale
 
 
 # ---- settings ------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ import logging
 import torch
 import yaml
 
-from hvdtrain.dist import World
-from hvdtrain.rundir import RunDirectory, default_run_name
+from hvdtrain.distributed.startup import World
+from hvdtrain.observability.run_directory import RunDirectory, default_run_name
 
 
 def world(rank):

@@ -1,6 +1,6 @@
 import pytest
 
-from hvdtrain.data import ShardedSampler
+from hvdtrain.data.sharding import ShardedSampler
 
 
 def shards(dataset_size, world_size, epoch=0, seed=0, start=0, **kwargs):

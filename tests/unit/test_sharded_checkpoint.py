@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hvdtrain import cli
-from hvdtrain import sharded_checkpoint as sharded
-from hvdtrain.checkpoint import FORMAT_VERSION, CheckpointError, CheckpointStore
-from hvdtrain.config import TrainConfig
-from hvdtrain.dist import World
+from hvdtrain.checkpoint import sharded_format as sharded
+from hvdtrain.checkpoint.store import FORMAT_VERSION, CheckpointError, CheckpointStore
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.distributed.startup import World
 from hvdtrain.strategies.zero import Zero2Strategy
 
 WORLD_SIZE = 2
@@ -70,7 +70,7 @@ def run_state(step):
 
 
 def save_sharded(directory, step, parts, store=None, publish=True):
-    """What every rank, then rank 0, do in a sharded save (hvdtrain.checkpointing), in one process."""
+    """What every rank, then rank 0, do in a sharded save (hvdtrain.checkpoint.protocol), in one process."""
     temporary = sharded.temporary_directory(directory, step)
     sharded.prepare(temporary)
     records = [sharded.write_shard(temporary, rank, len(parts), {"strategy": part, "rng": {"torch": torch.ones(2)}})

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from hvdtrain.config_loader import load_job
+from hvdtrain.config.loader import load_job
 from hvdtrain.examples.textlm import (CharVocab, TextLMJob, TextLMModelConfig, TinyTransformerLM,
                                       WindowDataset, bits_per_char, generate, lm_loss, load_corpus,
                                       load_text_datasets, split_by_position, unigram_bits_per_char)

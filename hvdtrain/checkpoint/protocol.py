@@ -1,0 +1,133 @@
+"""The Trainer's checkpoints across ranks: rank 0 reads and writes, every rank receives by broadcast.
+
+File handling (atomic writes, pruning, validation) is hvdtrain.checkpoint.store's and
+hvdtrain.checkpoint.sharded_format's; this module decides who reads and writes, and what a resumed run on
+another worker count keeps (the global batch). A sharded checkpoint is the exception to "rank 0
+writes": every rank writes and reads its own file, and every rank decides from the same data (the
+manifest rank 0 read and broadcast, or every rank's outcome, all-gathered), so that every rank
+takes the same path: all succeed, or all raise the same error.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from hvdtrain.distributed import startup as dist
+from hvdtrain.checkpoint import sharded_format as sharded
+from hvdtrain.checkpoint.store import CheckpointError, CheckpointStore
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.strategies.base import Strategy
+
+
+class Checkpointing:
+    """The checkpoints of one run, as seen by every rank of it."""
+
+    def __init__(self, config: TrainConfig, world: dist.World, log: logging.Logger,
+                 data_world: Optional[dist.World] = None) -> None:
+        """``data_world``: the data-parallel view (one worker per model replica) when a replica
+        spans several ranks; the global batch is split over its workers."""
+        self.config, self.world, self.log = config, world, log
+        self.data_world = data_world or world
+        self.store = CheckpointStore(config.checkpoint_dir, keep=config.keep_checkpoints, log=log)
+
+    def read_newest(self, broadcast: bool) -> Optional[Dict[str, Any]]:
+        """Rank 0 reads the newest valid checkpoint; every rank receives it by broadcast.
+
+        Without ``broadcast`` (Horovod elastic set-up, which must run no collective) only rank 0
+        holds it; the elastic sync gives the others rank 0's state instead.
+        """
+        found = None
+        if self.world.is_root:
+            newest = self.store.read_newest_valid()
+            if newest is not None:
+                path, found = newest
+                self.log.info(f"resuming from {path}")
+        if broadcast:
+            found = dist.broadcast_state(found, root_rank=0, name="checkpoint")
+        if found is not None and sharded.is_sharded(found):  # before any set-up follows from it
+            sharded.check_compatible(found, self.config.strategy, self.world.size)
+        return found
+
+    def batch_per_worker(self, resumed: Optional[Dict[str, Any]], elastic: bool) -> int:
+        """A run resumed on another worker count keeps the checkpoint's global batch, so each
+        worker's batch follows from it (under elastic, the global batch follows the world)."""
+        cfg, size = self.config, self.data_world.size
+        # Checkpoints before model parallelism had one data-parallel worker per rank.
+        if resumed is None or elastic or resumed.get("data_parallel", resumed["world_size"]) == size:
+            return cfg.batch_size
+        global_batch = resumed["global_batch"]
+        if global_batch % (size * cfg.accumulation):
+            raise ValueError(
+                f"the checkpoint's global batch {global_batch} (written by {resumed['world_size']} "
+                f"workers) cannot be split over {size} data-parallel workers x {cfg.accumulation} accumulation: "
+                f"resume on a worker count that divides it, or start a new run"
+            )
+        per_worker = global_batch // (size * cfg.accumulation)
+        self.log.warning(
+            f"resuming a checkpoint of {resumed.get('data_parallel', resumed['world_size'])} data-parallel "
+            f"workers ({resumed['world_size']} ranks) on {size}: the global batch stays {global_batch}, so "
+            f"each data-parallel worker now takes {per_worker} samples per micro-batch"
+        )
+        return per_worker
+
+    def save(self, state: Dict[str, Any], step: int) -> None:
+        """Rank 0 writes; the others wait at the barrier, so no rank runs ahead of a save."""
+        if self.world.is_root:
+            path = self.store.save(state, step)
+            self.log.info(f"checkpoint {path}")
+        dist.barrier()
+
+    def save_sharded(self, shard: Dict[str, Any], run_state: Dict[str, Any], step: int) -> None:
+        """Every rank writes its own ``shard``; rank 0 then publishes the directory with the
+        manifest (holding ``run_state``). An error anywhere is raised on every rank."""
+        directory, rank, size = Path(self.store.directory), self.world.rank, self.world.size
+        temporary = sharded.temporary_directory(directory, step)
+        # Rank 0 empties the temporary directory before anyone writes into it.
+        self._agree(self._attempt(lambda: sharded.prepare(temporary)) if self.world.is_root else None,
+                    "checkpoint.sharded.prepare")
+        written = self._attempt(lambda: sharded.write_shard(temporary, rank, size, shard))
+        records = dist.allgather_object(written, name="checkpoint.sharded.files")
+        failed = [f"rank {r}: {record}" for r, record in enumerate(records) if isinstance(record, str)]
+        if failed:
+            raise CheckpointError(f"the sharded checkpoint of step {step} was not written: {'; '.join(failed)}")
+        published = None
+        if self.world.is_root:
+            def publish() -> None:
+                path = sharded.publish(directory, step, self.config.strategy, records, run_state)
+                self.store.point_latest_at(path)
+                self.log.info(f"checkpoint {path} ({size} shards, {sum(r['bytes'] for r in records)} bytes)")
+            published = self._attempt(publish)
+        self._agree(published, "checkpoint.sharded.publish")
+
+    def load_own_shard(self, state: Dict[str, Any], strategy: Strategy) -> Dict[str, Any]:
+        """Every rank reads its own file of the sharded checkpoint ``state`` (a manifest) and checks
+        it against the manifest and its strategy; only when every rank's is good does every rank
+        load (a ZeRO strategy's load is a collective). Returns this rank's RNG states."""
+        shard = None
+
+        def read() -> None:
+            nonlocal shard
+            shard = sharded.read_shard(Path(state["path"]), state, self.world.rank)
+            strategy.check_shard_state_dict(shard["strategy"])
+        problem = self._attempt(read)
+        problems = [f"rank {r}: {p}" for r, p in enumerate(dist.allgather_object(problem, name="checkpoint.sharded.check")) if p]
+        if problems:
+            raise CheckpointError(f"the sharded checkpoint {state['path']} cannot be resumed: {'; '.join(problems)}")
+        strategy.load_shard_state_dict(shard["strategy"])
+        return shard["rng"]
+
+    @staticmethod
+    def _attempt(action) -> Any:
+        """``action()``'s result, or its error as a message (to share with the other ranks)."""
+        try:
+            result = action()
+        except (CheckpointError, OSError, ValueError, RuntimeError) as error:
+            return f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
+        return result
+
+    def _agree(self, message: Optional[str], name: str) -> None:
+        """Rank 0's outcome on every rank: its error raised everywhere."""
+        message = dist.broadcast_object(message, root_rank=0, name=name)
+        if isinstance(message, str):
+            raise CheckpointError(message)

@@ -1,0 +1,248 @@
+"""Sharded checkpoints on disk: one file per rank and a manifest, published as one directory.
+
+    ckpt-000000030/
+      manifest.json              format, strategy, world size, step; per file its rank, bytes
+                                 and sha256; the run state every rank shares (scheduler, epoch,
+                                 step, epoch_position, global_batch, config)
+      rank-00000-of-00002.pt     rank 0's slices of the parameters and optimizer state, the
+      rank-00001-of-00002.pt     layout needed to reassemble them, and that rank's RNG states
+
+A save writes into the hidden ``.ckpt-000000030.tmp/``: every rank its own file (fsynced), then
+rank 0 checks that every file is there, writes the manifest, renames the directory into place and
+fsyncs its parent; only then does ``latest`` move. A kill at any moment leaves either no
+``ckpt-000000030/`` (the hidden directory is never read, and the next save removes it) or a
+complete one. Only file handling lives here; which rank does what is hvdtrain.checkpoint.protocol's.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+from hvdtrain.checkpoint.files import FORMAT_VERSION, CheckpointError, fsync_directory, write_atomically
+
+SHARDED_FORMAT = 1
+KIND = "sharded"
+MANIFEST = "manifest.json"
+DIRECTORY = re.compile(r"^ckpt-(\d{9})$")
+LEFTOVER = re.compile(r"^\.ckpt-(\d{9})\.(tmp|old)$")  # an interrupted save, or a deletion
+RUN_KEYS = ("scheduler", "epoch", "step", "epoch_position", "global_batch", "precision", "config")
+_MANIFEST_KEYS = ("format", "kind", "strategy", "world_size", "step", "files") + RUN_KEYS
+
+
+class ShardedCheckpointMismatch(CheckpointError):
+    """A sharded checkpoint resumed on another worker count or under another strategy."""
+
+
+def directory_name(step: int) -> str:
+    return f"ckpt-{step:09d}"
+
+
+def shard_name(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def temporary_directory(directory: Path, step: int) -> Path:
+    return Path(directory) / f".{directory_name(step)}.tmp"
+
+
+def is_sharded(state: Dict[str, Any]) -> bool:
+    return state.get("kind") == KIND
+
+
+# Writing.
+
+def prepare(temporary: Path) -> None:
+    """Rank 0, before any rank writes: an empty temporary directory (a killed save's is removed)."""
+    if temporary.exists():
+        shutil.rmtree(temporary)
+    temporary.mkdir(parents=True)
+
+
+class _Hashing:
+    """A file that hashes what torch.save writes through it (torch writes it front to back)."""
+
+    def __init__(self, handle) -> None:
+        self.handle, self.sha256, self.size = handle, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def write_shard(temporary: Path, rank: int, world_size: int, state: Dict[str, Any]) -> Dict[str, Any]:
+    """One rank's file, flushed to disk; what the manifest records of it."""
+    temporary.mkdir(parents=True, exist_ok=True)  # rank 0 made it, if the ranks share the disk
+    path = temporary / shard_name(rank, world_size)
+    with open(path, "wb") as handle:
+        writer = _Hashing(handle)
+        torch.save({"format": SHARDED_FORMAT, "rank": rank, "world_size": world_size, **state}, writer)
+        handle.flush()
+        os.fsync(handle.fileno())
+        size = os.fstat(handle.fileno()).st_size
+    digest = writer.sha256.hexdigest() if size == writer.size else _sha256(path)
+    return {"name": path.name, "rank": rank, "bytes": size, "sha256": digest}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def publish(directory: Path, step: int, strategy: str, files: Sequence[Dict[str, Any]],
+            run_state: Dict[str, Any]) -> Path:
+    """Rank 0, once every rank has written: check the files, write the manifest, rename into place."""
+    temporary = temporary_directory(directory, step)
+    for record in files:
+        path = temporary / record["name"]
+        if not path.is_file() or path.stat().st_size != record["bytes"]:
+            raise CheckpointError(
+                f"rank {record['rank']} wrote {record['name']} ({record['bytes']} bytes) into {temporary}, but "
+                f"rank 0 {'sees another size' if path.is_file() else 'does not see it'}: checkpoint_dir "
+                f"{directory} is not one directory shared by every rank. Put it on a filesystem every host "
+                f"mounts (hvdtrain doctor --checkpoint-dir DIR checks it), or use checkpoint_format=full")
+    manifest = {"format": SHARDED_FORMAT, "kind": KIND, "strategy": strategy, "world_size": len(files),
+                "step": step, "files": list(files), **{key: run_state[key] for key in RUN_KEYS}}
+    try:
+        text = json.dumps(manifest, indent=1)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"the run state cannot be written as JSON: {error}") from None
+    write_atomically(temporary / MANIFEST, lambda handle: handle.write(text.encode()))
+    final = Path(directory) / directory_name(step)
+    if final.exists():  # the same step saved again (a resumed run): the old one goes
+        old = Path(directory) / f".{final.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(temporary, final)
+    fsync_directory(Path(directory))
+    return final
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint directory; renamed first, so a kill never leaves a partial one visible."""
+    hidden = path.with_name(f".{path.name}.old")
+    shutil.rmtree(hidden, ignore_errors=True)
+    os.replace(path, hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
+def remove_leftovers(directory: Path) -> None:
+    """Delete the hidden directories of interrupted saves or deletions (never read as checkpoints).
+    Rank 0 calls it after a save, when no rank is writing."""
+    for path in Path(directory).iterdir():
+        if LEFTOVER.match(path.name) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# Reading.
+
+def read_manifest(path: Path) -> Dict[str, Any]:
+    """A sharded checkpoint's manifest, checked: every file it lists is there with its size.
+    Returned as the run state the Trainer resumes from, with ``kind`` and ``path``."""
+    manifest_path = Path(path) / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} has no {MANIFEST}: not a complete sharded checkpoint") from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{manifest_path} is unreadable: {type(error).__name__}: {error}") from None
+    check_manifest(manifest, Path(path))
+    return {**manifest, "path": str(path)}
+
+
+def check_manifest(manifest: Any, path: Path) -> None:
+    """CheckpointError naming what is wrong: keys, format, the file list, a file missing or cut short."""
+    where = path / MANIFEST
+    missing = [key for key in _MANIFEST_KEYS if key not in manifest] if isinstance(manifest, dict) else _MANIFEST_KEYS
+    if missing:
+        raise CheckpointError(f"{where} is not an hvdtrain manifest: missing {', '.join(missing)}")
+    if manifest["format"] != SHARDED_FORMAT or manifest["kind"] != KIND:
+        raise CheckpointError(f"{where} has format {manifest['format']} ({manifest['kind']}), this hvdtrain "
+                              f"reads {SHARDED_FORMAT} ({KIND})")
+    size = manifest["world_size"]
+    if not isinstance(size, int) or size < 1:
+        raise CheckpointError(f"{where} has world_size {size!r}")
+    expected = [shard_name(rank, size) for rank in range(size)]
+    listed = [entry.get("name") if isinstance(entry, dict) else entry for entry in manifest["files"]]
+    if listed != expected:
+        raise CheckpointError(f"{where} lists {listed}, expected one file per rank: {expected}")
+    for rank, entry in enumerate(manifest["files"]):
+        if entry.get("rank") != rank or not isinstance(entry.get("bytes"), int) or not entry.get("sha256"):
+            raise CheckpointError(f"{where}: the entry of {entry['name']} needs rank {rank}, bytes and sha256")
+        file = path / entry["name"]
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing (listed in {where})")
+        if file.stat().st_size != entry["bytes"]:
+            raise CheckpointError(f"{file} has {file.stat().st_size} bytes, {where} says {entry['bytes']}")
+
+
+def check_compatible(state: Dict[str, Any], strategy: str, world_size: int) -> None:
+    """ShardedCheckpointMismatch unless this run can resume the sharded checkpoint ``state``: the
+    same decision on every rank, since every rank holds the same manifest."""
+    if state["world_size"] == world_size and state["strategy"] == strategy:
+        return
+    path = state["path"]
+    raise ShardedCheckpointMismatch(
+        f"the sharded checkpoint {path} was written by {_workers(state['world_size'])} under strategy "
+        f"{state['strategy']}; this run has {_workers(world_size)} under strategy {strategy}. A sharded "
+        f"checkpoint resumes only on the worker count and strategy that wrote it: run again with "
+        f"{_workers(state['world_size'])} and --train.strategy={state['strategy']}, or make it a full "
+        f"checkpoint, which any strategy and worker count resumes: hvdtrain checkpoint consolidate {path}")
+
+
+def _workers(count: int) -> str:
+    return f"{count} worker{'s' if count != 1 else ''}"
+
+
+def read_shard(path: Path, manifest: Dict[str, Any], rank: int) -> Dict[str, Any]:
+    """Rank ``rank``'s file, checked against the manifest (size and sha256), tensors only."""
+    entry = manifest["files"][rank]
+    file = Path(path) / entry["name"]
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing (listed in {Path(path) / MANIFEST})")
+    if file.stat().st_size != entry["bytes"] or _sha256(file) != entry["sha256"]:
+        raise CheckpointError(f"{file} does not match {Path(path) / MANIFEST} (size or sha256): it is "
+                              "corrupt, or from another checkpoint")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
+        raise CheckpointError(f"{file} is unreadable: {type(error).__name__}: {error}") from None
+    if not isinstance(state, dict) or state.get("format") != SHARDED_FORMAT or state.get("rank") != rank \
+            or "strategy" not in state or "rng" not in state:
+        raise CheckpointError(f"{file} is not rank {rank}'s shard of an hvdtrain sharded checkpoint")
+    return state
+
+
+def consolidate(path: Path) -> Dict[str, Any]:
+    """The full checkpoint (hvdtrain.checkpoint.store's format, which any strategy and worker count
+    resumes) from a sharded one, in one process: every rank's file is read and checked."""
+    from hvdtrain.strategies.sharding.shard_state import consolidate as assemble
+
+    manifest = read_manifest(Path(path))
+    shards = [read_shard(Path(path), manifest, rank) for rank in range(manifest["world_size"])]
+    try:
+        full = assemble([shard["strategy"] for shard in shards])
+    except (KeyError, ValueError) as error:
+        raise CheckpointError(f"{path}: the shards do not fit together: {error}") from None
+    return {"format": FORMAT_VERSION, **full, **{key: manifest[key] for key in RUN_KEYS},
+            "world_size": manifest["world_size"], "strategy": manifest["strategy"],
+            "rng": [shard["rng"] for shard in shards]}
+
+
+def newest_in(directory: Path) -> Optional[Path]:
+    """The newest sharded checkpoint directory in ``directory`` (complete or not), for hints."""
+    found = sorted(p for p in Path(directory).iterdir() if DIRECTORY.match(p.name) and p.is_dir())
+    return found[-1] if found else None

@@ -1,0 +1,120 @@
+"""Checkpoints of one run: written atomically, the last K kept, read back without unpickling code.
+
+Only file handling lives here; who writes (rank 0) and how the state reaches the other ranks
+(a broadcast) is the Trainer's business. A kill at any moment leaves every complete checkpoint
+readable: a checkpoint is written to a temporary file, flushed to disk, then renamed into place,
+and only then does the ``latest`` pointer move to it.
+
+Two kinds live side by side: full checkpoints (``ckpt-NNNNNNNNN.pt``, one file, here) and sharded
+ones (``ckpt-NNNNNNNNN/``, one file per rank and a manifest, hvdtrain.checkpoint.sharded_format). The
+newest complete one of either kind is read; at the same step the full one wins (any run resumes it).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from hvdtrain.checkpoint import sharded_format as sharded
+from hvdtrain.checkpoint.files import FORMAT_VERSION, CheckpointError, write_atomically
+
+LATEST = "latest"
+_NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
+REQUIRED_KEYS = ("format", "model", "optimizer", "scheduler", "epoch", "step", "epoch_position",
+                 "global_batch", "world_size")
+__all__ = ["FORMAT_VERSION", "CheckpointError", "CheckpointStore", "checkpoint_name"]
+
+
+def checkpoint_name(step: int) -> str:
+    return f"ckpt-{step:09d}.pt"
+
+
+class CheckpointStore:
+    """The checkpoints of one run in one directory."""
+
+    def __init__(self, directory: os.PathLike, keep: int = 3,
+                 log: Optional[logging.Logger] = None) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 (the newest checkpoint is always kept), got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.log = log or logging.getLogger("hvdtrain.checkpoint.store")
+
+    def save(self, state: Dict[str, Any], step: int) -> Path:
+        """Write ``state`` as the checkpoint of ``step``, move ``latest`` to it, drop the oldest."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / checkpoint_name(step)
+        write_atomically(path, lambda handle: torch.save(state, handle))
+        self.point_latest_at(path)
+        return path
+
+    def point_latest_at(self, path: Path) -> None:
+        """``latest`` names the checkpoint just written (a file or a directory); the oldest go."""
+        write_atomically(self.directory / LATEST, lambda handle: handle.write(path.name.encode() + b"\n"))
+        self._prune()
+
+    def steps(self) -> List[Tuple[int, Path]]:
+        """Checkpoints of both kinds, newest first, a full one before a sharded one of the same step
+        (the temporary files and hidden directories of an interrupted save never match)."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for path in self.directory.iterdir():
+            match = _NAME.match(path.name) or (sharded.DIRECTORY.match(path.name) if path.is_dir() else None)
+            if match:
+                found.append((int(match.group(1)), path.is_file(), path))
+        return [(step, path) for step, _, path in sorted(found, reverse=True)]
+
+    def _prune(self) -> None:
+        """Keep the checkpoints of the newest ``keep`` steps, of either kind (a consolidated file
+        stays with the directory it came from); remove what interrupted saves left."""
+        kept = sorted({step for step, _ in self.steps()}, reverse=True)[:self.keep]
+        for step, path in self.steps():
+            if step in kept:
+                continue
+            if path.is_dir():
+                sharded.remove(path)
+            else:
+                path.unlink(missing_ok=True)
+        sharded.remove_leftovers(self.directory)
+
+    def latest_pointer(self) -> Optional[str]:
+        try:
+            return (self.directory / LATEST).read_text().strip() or None
+        except OSError:
+            return None
+
+    @staticmethod
+    def read(path: Path) -> Dict[str, Any]:
+        """Load one checkpoint: tensors and plain values only (``weights_only``), never code. Of a
+        sharded one, its manifest only: each rank reads its own file when it loads."""
+        if path.is_dir():
+            return sharded.read_manifest(path)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
+            raise CheckpointError(f"{path} is unreadable: {type(error).__name__}: {error}") from None
+        missing = [key for key in REQUIRED_KEYS if key not in state] if isinstance(state, dict) else REQUIRED_KEYS
+        if missing:
+            raise CheckpointError(f"{path} is not an hvdtrain checkpoint: missing {', '.join(missing)}")
+        if state["format"] != FORMAT_VERSION:
+            raise CheckpointError(f"{path} has format {state['format']}, this hvdtrain reads {FORMAT_VERSION}")
+        return state
+
+    def read_newest_valid(self) -> Optional[Tuple[Path, Dict[str, Any]]]:
+        """The newest checkpoint that loads; each newer one that does not is reported and skipped."""
+        pointer = self.latest_pointer()
+        for _, path in self.steps():
+            try:
+                state = self.read(path)
+            except CheckpointError as error:
+                self.log.warning(f"{error}; falling back to the previous checkpoint")
+                continue
+            if pointer and pointer not in (path.name, path.stem):  # ckpt-N.pt consolidated from ckpt-N/
+                self.log.warning(f"'latest' names {pointer} but {path.name} is the newest valid checkpoint")
+            return path, state
+        return None

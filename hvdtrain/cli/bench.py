@@ -1,0 +1,33 @@
+"""``hvdtrain bench <name>``: each benchmark module brings its own options and runner."""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> (module, one-line help). The drivers import torch/Horovod only inside their workers,
+# so building this parser stays instant.
+BENCHMARKS = {
+    "collectives": ("hvdtrain.bench.collectives.driver",
+                    "all-reduce/broadcast/allgather sweeps: Horovod MPI and Gloo, raw MPI, torch gloo"),
+    "throughput": ("hvdtrain.bench.throughput.driver",
+                   "training samples/s: one process, hvdtrain, plain Horovod, PyTorch DDP; knobs"),
+    "strategies": ("hvdtrain.bench.strategies.driver",
+                   "ddp, zero1, zero2 through the Trainer: samples/s and bytes per rank against ZeRO's formula"),
+    "scaling": ("hvdtrain.bench.scaling.driver", "the same job at 1..N workers: samples/s, efficiency, communication share"),
+    "project": ("hvdtrain.bench.projection.driver", "MODELLED step time and scaling efficiency on large clusters"),
+    "model-parallel": ("hvdtrain.bench.model_parallel.driver", "pipeline bubble against (P-1)/(M+P-1), tensor-parallel all-reduce share, parameter bytes per rank against model/(TxP)"),
+    "plan": ("hvdtrain.bench.plan.driver", "hvdtrain plan's modelled step times against measured ones, every layout, at N ranks on this host"),
+    "ps": ("hvdtrain.bench.ps.driver", "parameter server against ddp: bytes per rank per step, counted, and samples/s"),
+}
+
+
+def add_bench_parser(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmarks: collectives, throughput, strategies, scaling, projection, model-parallel, ps, plan",
+                                description=__doc__)
+    names = bench.add_subparsers(dest="benchmark", required=True)
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        parser = names.add_parser(name, help=help_text, description=module.__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(parser)
+        parser.set_defaults(run=module.run)

@@ -1,0 +1,215 @@
+"""The Trainer's settings (the ``train`` section of a job's configuration), validated when created."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+
+PROGRESS_MODES = ("auto", "bar", "log", "off")
+# hvdtrain.strategies implements each (kept here so reading settings never imports torch).
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "ps")
+CHECKPOINT_FORMATS = ("full", "sharded")
+PRECISIONS = ("fp32", "bf16", "fp16")
+# torch.compile works with these; fsdp's gathering hooks inside the forward do not compile (see __post_init__).
+COMPILE_STRATEGIES = ("ddp", "zero1", "zero2")
+REDUCTIONS = ("average", "adasum")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+# Adasum combines whole gradients pairwise (scaled by dot products over each tensor): it has no
+# reduce-scatter form, which the sharded strategies need (hvdtrain.strategies checks the same list).
+ADASUM_STRATEGIES = ("ddp",)
+
+
+def check_whole_numbers(section: Any, names: tuple, minimum: int = 1) -> None:
+    """Each named field of a settings dataclass is an int >= ``minimum``, or ValueError naming it."""
+    for name in names:
+        value = getattr(section, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"{type(section).__name__}.{name} must be a whole number >= {minimum}, got {value!r}")
+
+
+def check_fraction(section: Any, name: str) -> None:
+    """A share strictly between 0 and 1, or ValueError naming the field."""
+    value = getattr(section, name)
+    if not 0 < value < 1:
+        raise ValueError(f"{type(section).__name__}.{name} must be between 0 and 1, got {value!r}")
+
+
+@dataclass
+class TrainConfig:
+    """How the Trainer trains, checkpoints, survives failures and reports.
+
+    Scripts load it as the ``train`` section of their configuration (hvdtrain.config.loader):
+    from a YAML file and ``--train.key=value`` overrides.
+    """
+
+    epochs: int = field(default=10, metadata={"help": "passes over the training set"})
+    batch_size: int = field(default=32, metadata={"help": "samples per worker per micro-batch"})
+    lr: float = field(default=0.01, metadata={"help": "learning rate of ONE worker (scaled by the world size)"})
+    scale_lr: bool = field(default=True, metadata={"help": "multiply the LR by workers x accumulation"})
+    warmup_epochs: float = field(default=1.0, metadata={"help": "linear warm-up to the scaled LR, in epochs"})
+    accumulation: int = field(default=1, metadata={"help": "micro-batches per optimizer step (backward_passes_per_step)"})
+    strategy: str = field(default="ddp", metadata={"help": "how model state is spread over the ranks: ddp replicates it (all-reduce); zero1 shards the optimizer state, zero2 also the gradients (reduce-scatter + all-gather), fsdp also the parameters (each block gathered while it computes); ps: a parameter server, every rank sends its gradients to the servers, which step and send the weights back (a baseline); see README, Strategies", "choices": STRATEGIES})
+    ps_servers: int = field(default=1, metadata={"help": "strategy=ps: ranks 0..ps_servers-1 also serve, each holding the optimizer state of one contiguous slice of the parameters (at most the world size)"})
+    fp16_allreduce: bool = field(default=False, metadata={"help": "compress gradients to fp16 for the all-reduce"})
+    reduction: str = field(default="average", metadata={"help": "how ddp combines the ranks' gradients: average (Horovod's all-reduce; the LR is scaled by workers x accumulation); adasum (Horovod's Adasum: each rank steps with its own gradient and the updates are combined pairwise, summed where orthogonal, averaged where parallel; the LR is not scaled by the workers; ddp only, over MPI, on a power-of-two number of workers); see README, Reduction", "choices": REDUCTIONS})
+    hierarchical_allreduce: bool = field(default=False, metadata={"help": "set HOROVOD_HIERARCHICAL_ALLREDUCE=1 before hvd.init(): all-reduce within each host, then across hosts; Horovod applies it only with NCCL on GPUs across several hosts (false: Horovod's default, off unless the launch sets it); see README, Reduction"})
+    precision: str = field(default="fp32", metadata={"help": "the forward's precision: fp32; bf16 (autocast, no loss scaling; runs on CPUs too); fp16 (autocast and a dynamic loss scale, steps with inf/nan skipped on every rank alike); see README, Mixed precision", "choices": PRECISIONS})
+    max_grad_norm: Optional[float] = field(default=None, metadata={"help": "clip the averaged gradients to this global L2 norm, across shards under sharded strategies (null: no clipping)"})
+    sync_batchnorm: bool = field(default=False, metadata={"help": "compute BatchNorm statistics over the global batch (every rank's samples) instead of each rank's own"})
+    compile: bool = field(default=False, metadata={"help": "run the model's forward (and its backward) through torch.compile; the model, its state_dict keys and checkpoints stay as they are; the first step and the first evaluation compile; not with strategy=fsdp; see README, Compiling the model"})
+    tensor_parallel: int = field(default=1, metadata={"help": "ranks that split each layer of one model replica (Megatron: attention by heads, MLP by columns then rows; two all-reduces per block forward, two backward); innermost in the mesh, so one host's ranks; needs a tensor plan (train_lm.py has the example transformer's); see README, Model parallelism"})
+    pipeline_parallel: int = field(default=1, metadata={"help": "pipeline stages per model replica, each holding a contiguous run of layers; activations move forward and their gradients backward between neighbouring stages; data-parallel width = workers / (tensor_parallel x pipeline_parallel); see README, Model parallelism"})
+    micro_batches: int = field(default=1, metadata={"help": "micro-batches each worker's batch is cut into for the pipeline (pipeline_parallel > 1); must divide batch_size; more micro-batches, a smaller idle bubble: (stages - 1) / (micro_batches + stages - 1)"})
+    pipeline_schedule: str = field(default="1f1b", metadata={"help": "gpipe: every micro-batch forward, then every one backward (holds all micro-batches' activations); 1f1b: one forward, one backward in turn after a warm-up (holds at most pipeline_parallel micro-batches'); the same bubble, the same result", "choices": PIPELINE_SCHEDULES})
+    seed: int = field(default=42, metadata={"help": "one seed for the job; ranks derive theirs from it"})
+    log_every: int = field(default=20, metadata={"help": "steps between log lines (rank 0)"})
+    max_steps: Optional[int] = field(default=None, metadata={"help": "stop after this many optimizer steps"})
+    num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank"})
+    checkpoint_dir: Optional[str] = field(default=None, metadata={"help": "where rank 0 writes checkpoints (none: no checkpoints)"})
+    checkpoint_every: int = field(default=0, metadata={"help": "steps between checkpoints (0: at the end of each epoch only)"})
+    keep_checkpoints: int = field(default=3, metadata={"help": "checkpoints kept; older ones are deleted"})
+    checkpoint_format: str = field(default="full", metadata={"help": "full: rank 0 gathers and writes the whole model and optimizer state in one file, which resumes under any strategy and worker count; sharded (zero1, zero2, fsdp): every rank writes its own slices, nothing is gathered, and it resumes on the same worker count and strategy (hvdtrain checkpoint consolidate makes it a full one); see README, Checkpoints", "choices": CHECKPOINT_FORMATS})
+    resume: bool = field(default=True, metadata={"help": "continue from the newest valid checkpoint in checkpoint_dir"})
+    preempt_signal: str = field(default="USR1", metadata={"help": "signal that asks for checkpoint + requeue ('' disables)"})
+    stall_timeout: float = field(default=600.0, metadata={"help": "seconds without a finished step before a rank ends the job, naming where it is stuck (0: never)"})
+    elastic_commit_every: int = field(default=10, metadata={"help": "steps between in-memory commits under Horovod elastic (what a worker loss rolls back to)"})
+    preempt_check_every: int = field(default=10, metadata={"help": "steps between the ranks' vote on a preemption signal"})
+    run_dir: Optional[str] = field(default=None, metadata={"help": "parent of the run directories (resolved config, metrics.jsonl, TensorBoard events, per-rank logs); null: no files"})
+    run_name: Optional[str] = field(default=None, metadata={"help": "this run's directory under run_dir; null: slurm-<job id> under SLURM (a requeued job appends to it), else the start time"})
+    progress: str = field(default="auto", metadata={"help": "rank 0's progress display: a tqdm bar, log lines every log_every steps, or nothing; auto: a bar on a terminal, lines otherwise (SLURM logs)", "choices": PROGRESS_MODES})
+    tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard event files into the run directory"})
+    timeline_steps: int = field(default=0, metadata={"help": "record the Horovod timeline for this many steps, after 5 warm-up steps, into the run directory (0: off)"})
+
+    def __post_init__(self) -> None:
+        check_whole_numbers(self, ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints",
+                                   "preempt_check_every", "elastic_commit_every"))
+        check_whole_numbers(self, ("num_workers", "checkpoint_every", "timeline_steps"), minimum=0)
+        if not self.lr > 0:
+            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr!r}")
+        if self.stall_timeout < 0:
+            raise ValueError(f"TrainConfig.stall_timeout must be >= 0, got {self.stall_timeout!r}")
+        if self.warmup_epochs < 0:
+            raise ValueError(f"TrainConfig.warmup_epochs must be >= 0, got {self.warmup_epochs!r}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"TrainConfig.strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"TrainConfig.checkpoint_format must be one of {', '.join(CHECKPOINT_FORMATS)}, "
+                             f"got {self.checkpoint_format!r}")
+        if self.checkpoint_format == "sharded" and self.strategy == "ddp":
+            raise ValueError(
+                "TrainConfig.checkpoint_format=sharded needs a strategy that shards the state (zero1, zero2 "
+                "or fsdp), got strategy=ddp: under ddp every rank holds the whole model and optimizer "
+                "state, so there is nothing to shard and rank 0 writes it alone. Use checkpoint_format=full "
+                "with ddp, or a sharded strategy with checkpoint_format=sharded")
+        self._check_ps()
+        if self.compile and self.strategy not in COMPILE_STRATEGIES:
+            raise ValueError(
+                f"TrainConfig.compile=true works with strategy={', '.join(COMPILE_STRATEGIES)}, not "
+                f"strategy={self.strategy}: fsdp gathers each unit's parameters in hooks that run inside the "
+                f"forward, and torch.compile cannot compile them: Dynamo cannot trace Horovod's collectives (a "
+                f"graph break at every unit), and Inductor fails on the gathered buffer's storage resize "
+                f"(LoweringException: TODO: dynamic shapes, torch 2.13). Use compile with ddp, zero1 or zero2, "
+                f"or fsdp without compile")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"TrainConfig.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"TrainConfig.reduction must be one of {', '.join(REDUCTIONS)}, got {self.reduction!r}")
+        if self.reduction == "adasum":
+            self._check_adasum()
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"TrainConfig.max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm!r}")
+        check_whole_numbers(self, ("tensor_parallel", "pipeline_parallel", "micro_batches"))
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"TrainConfig.pipeline_schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
+                             f"got {self.pipeline_schedule!r}")
+        if self.model_parallel:
+            self._check_model_parallel()
+        elif self.micro_batches > 1:
+            raise ValueError(f"TrainConfig.micro_batches={self.micro_batches} cuts the batch for a pipeline, but "
+                             f"pipeline_parallel=1: set pipeline_parallel > 1, or use accumulation to split a "
+                             f"data-parallel batch")
+        if self.progress not in PROGRESS_MODES:
+            raise ValueError(f"TrainConfig.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
+        if self.run_name is not None and (not self.run_name or "/" in self.run_name or self.run_name.startswith(".")):
+            raise ValueError(f"TrainConfig.run_name must be a plain directory name, got {self.run_name!r}")
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether one model replica spans several ranks (tensor or pipeline parallelism)."""
+        return self.tensor_parallel * self.pipeline_parallel > 1
+
+    def _check_model_parallel(self) -> None:
+        """What tensor and pipeline parallelism do not combine with (yet), each with the reason."""
+        layout = f"tensor_parallel={self.tensor_parallel} x pipeline_parallel={self.pipeline_parallel}"
+        if self.batch_size % self.micro_batches:
+            raise ValueError(f"TrainConfig.micro_batches={self.micro_batches} does not divide batch_size="
+                             f"{self.batch_size}: every micro-batch must hold the same number of samples, so "
+                             f"that the pipeline's mean loss is the batch's; choose a divisor of {self.batch_size}")
+        refused = [
+            (self.strategy not in ("ddp", "zero1"), f"strategy={self.strategy}: zero2, fsdp and ps cut the "
+             f"state over every rank, and the model-parallel layout averages gradients over each data-parallel "
+             f"group; use strategy=ddp, or zero1 (ZeRO-1 over each data-parallel group)"),
+            (self.checkpoint_format == "sharded", "checkpoint_format=sharded: a model-parallel run writes "
+             "its checkpoint gathered (the whole model, resumable under any layout); use checkpoint_format=full"),
+            (self.precision == "fp16", "precision=fp16: the loss scale's inf/nan check and unscale cover one "
+             "rank's whole model today, not its stage's or its tensor slice's; use precision=bf16 (no loss scale)"),
+            (self.reduction != "average", f"reduction={self.reduction}: Adasum combines over the whole world, "
+             f"not over a data-parallel group; use reduction=average"),
+            (self.compile, "compile: Horovod's collectives inside the forward do not compile (a graph break "
+             "at every tensor-parallel layer); set compile=false"),
+            (self.sync_batchnorm, "sync_batchnorm: its statistics are reduced over every rank, and a model "
+             "replica spans several; set sync_batchnorm=false"),
+        ]
+        for refused_here, why in refused:
+            if refused_here:
+                raise ValueError(f"TrainConfig.{layout} does not work with {why}")
+
+    def _check_ps(self) -> None:
+        """ps_servers belongs to strategy=ps, and what the parameter server does not combine with."""
+        check_whole_numbers(self, ("ps_servers",))
+        if self.strategy != "ps":
+            if self.ps_servers != 1:
+                raise ValueError(f"TrainConfig.ps_servers={self.ps_servers} applies to strategy=ps only, got "
+                                 f"strategy={self.strategy}: set strategy=ps, or leave ps_servers at 1")
+            return
+        refused = [
+            (self.checkpoint_format == "sharded", "checkpoint_format=sharded: the optimizer state lives on the "
+             "servers only, which the per-rank sharded format (every rank owns 1/N) does not describe; use "
+             "checkpoint_format=full, which resumes under any strategy"),
+            (self.compile, "compile: ps is the seed's parameter server, kept as a measured baseline, and "
+             "torch.compile is not tested with it; set compile=false, or use ddp, zero1 or zero2 to compile"),
+            (self.reduction != "average", f"reduction={self.reduction}: each server averages the gradients "
+             "it receives, and Adasum (whole tensors combined pairwise by dot products) has no form on a "
+             "slice; use reduction=average with ps, or strategy=ddp with adasum"),
+        ]
+        for refused_here, why in refused:
+            if refused_here:
+                raise ValueError(f"TrainConfig.strategy=ps does not work with {why}")
+
+    def _check_adasum(self) -> None:
+        """What Horovod's Adasum cannot be combined with, each refused with the reason and a way out."""
+        if self.strategy not in ADASUM_STRATEGIES:
+            raise ValueError(
+                f"TrainConfig.reduction=adasum works only with strategy={' or '.join(ADASUM_STRATEGIES)}, got "
+                f"strategy={self.strategy}: zero1, zero2 and fsdp reduce-scatter the gradients so that each rank "
+                f"receives only its slice, and Adasum has no reduce-scatter form (it combines whole gradients "
+                f"pairwise, scaled by dot products over each whole tensor). Use strategy=ddp with "
+                f"reduction=adasum, or reduction=average with strategy={self.strategy}")
+        if self.precision == "fp16":
+            raise ValueError(
+                "TrainConfig.reduction=adasum does not work with precision=fp16: Horovod's Adasum optimizer "
+                "steps each parameter with this rank's own gradient inside backward, before the loop can "
+                "unscale the loss scale and check for inf/nan. Use precision=bf16 (no loss scale) or fp32 "
+                "with adasum, or reduction=average with fp16")
+        if self.max_grad_norm is not None:
+            raise ValueError(
+                "TrainConfig.reduction=adasum does not work with max_grad_norm: no rank ever holds the "
+                "combined gradient to clip (each rank steps with its own gradient inside backward and "
+                "Adasum combines the updates). Set max_grad_norm to null with adasum, or use "
+                "reduction=average to clip")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,352 @@
+"""Horovod, wrapped: start-up, per-rank pinning and seeding, and state broadcast from rank 0.
+
+Everything above this module talks to Horovod through it, so the rest of hvdtrain never
+depends on which launcher started the job (horovodrun, mpirun, srun) or on MPI vs Gloo.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, MutableMapping, Optional, Tuple
+
+import torch
+
+import horovod.torch as hvd
+
+from hvdtrain.distributed import environments as launcher_env
+from hvdtrain.distributed import rng
+
+# Settings hvdtrain gives the job unless the user set them: each is read from the environment
+# when hvd.init() starts Horovod and MPI, so they are set in this process just before it.
+ENV_DEFAULTS = {
+    # Horovod's default is to warn about a stalled collective after 60 s and never give up,
+    # which turns a rank that stopped calling collectives into a silent hang (MPI controller only).
+    "HOROVOD_STALL_CHECK_TIME_SECONDS": "60",
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "300",
+    # Open MPI busy-polls while it waits for a peer, and Horovod's background thread waits inside
+    # MPI every cycle: with as many ranks as cores, that polling takes CPU time from the ranks'
+    # compute. Open MPI yields when idle by default only on hosts it knows are oversubscribed,
+    # and it cannot count Horovod's thread. Measured by `hvdtrain bench throughput`.
+    # Open MPI reads OMPI_MCA_* at MPI_Init, which hvd.init() calls: setting it here takes
+    # effect, unless something (mpi4py, say) initialised MPI first.
+    "OMPI_MCA_mpi_yield_when_idle": "1",
+}
+# Lets train.timeline_steps start and stop the timeline mid-run (Horovod refuses otherwise).
+# Only when asked: armed, it costs 12-19% of a step here even while recording nothing
+# (`hvdtrain bench throughput`, the timeline knob).
+TIMELINE_ARMED = ("HOROVOD_TIMELINE", "DYNAMIC")
+# Hierarchical all-reduce (train.hierarchical_allreduce): Horovod reads it once, when hvd.init()
+# starts its background thread, as an integer (> 0: on); it takes effect only with NCCL, on GPU
+# tensors, across more than one host (horovod/common/operations.cc).
+HIERARCHICAL_ALLREDUCE = "HOROVOD_HIERARCHICAL_ALLREDUCE"
+# Process sets made after start (hvd.add_process_set: the model-parallel mesh's groups, which
+# depend on the world size and the layout) need this when hvd.init() runs; Horovod reads it once.
+DYNAMIC_PROCESS_SETS = "HOROVOD_DYNAMIC_PROCESS_SETS"
+
+
+def apply_env_defaults(environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
+    """Set each of ENV_DEFAULTS that ``environ`` lacks; a value the user set always wins.
+
+    Returns what this call set (the job runs with it because of hvdtrain, not its user).
+    """
+    applied = {key: value for key, value in ENV_DEFAULTS.items() if key not in environ}
+    environ.update(applied)
+    return applied
+
+
+def hierarchical_requested(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Whether ``environ`` asks Horovod for hierarchical all-reduce, read as Horovod reads it
+    (strtol: a leading integer, > 0 is on)."""
+    match = re.match(r"\s*([+-]?\d+)", environ.get(HIERARCHICAL_ALLREDUCE, ""))
+    return bool(match) and int(match.group(1)) > 0
+
+
+def hierarchical_conflict() -> str:
+    """What to do when hierarchical all-reduce is asked for after Horovod started without it."""
+    return (f"train.hierarchical_allreduce=true, but Horovod was started without {HIERARCHICAL_ALLREDUCE}=1: "
+            f"it reads the setting once, in hvd.init(), which already ran (hvdtrain.init() or hvd.init() "
+            f"before the Trainer). Set it before hvd.init(): hvdtrain.init(..., hierarchical_allreduce=True), "
+            f"or in the launch (horovodrun --hierarchical-allreduce, mpirun -x {HIERARCHICAL_ALLREDUCE}=1)")
+
+
+def hierarchical_effect(requested: bool, nccl_built: bool, device_type: str, cross_size: int) -> str:
+    """Whether Horovod applies a hierarchical all-reduce in this job, and if not, why (for the start line)."""
+    if not requested:
+        return "hierarchical all-reduce off"
+    missing = [why for why, absent in (("Horovod built without NCCL", not nccl_built),
+                                       ("CPU tensors", device_type != "cuda"),
+                                       ("one host", cross_size < 2)) if absent]
+    if missing:
+        return (f"hierarchical all-reduce requested ({HIERARCHICAL_ALLREDUCE}=1) but not applied by Horovod "
+                f"here ({', '.join(missing)}): it needs NCCL, GPU tensors and several hosts")
+    return f"hierarchical all-reduce on ({HIERARCHICAL_ALLREDUCE}=1: NCCL within each host, then across hosts)"
+
+
+@dataclass(frozen=True)
+class World:
+    """Who this process is in the job, as Horovod reports it after init."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    hostname: str
+    controller: str  # "mpi" or "gloo"
+    launcher: str  # which launcher's variables were found, e.g. "SLURM srun"
+    threads: int
+    device: torch.device
+    # HOROVOD_HIERARCHICAL_ALLREDUCE asked for (> 0) when Horovod started (hierarchical_effect: applied or not).
+    hierarchical_allreduce: bool = False
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+def threads_per_rank(local_size: int, cpus_visible: int, cpus_on_host: int) -> int:
+    """Intra-op threads for one rank, so the ranks on a host do not oversubscribe its cores.
+
+    A launcher that binds ranks (Open MPI binds to a core for np <= 2) already gives each
+    rank its own CPU set: use all of it. Unbound, the ranks share the host: split it.
+    """
+    if cpus_visible < cpus_on_host:
+        return max(1, cpus_visible)
+    return max(1, cpus_on_host // max(1, local_size))
+
+
+def dynamic_process_sets_conflict() -> str:
+    """What to do when process sets are needed after Horovod started without dynamic process sets."""
+    return (f"tensor or pipeline parallelism makes Horovod process sets after start, which needs "
+            f"{DYNAMIC_PROCESS_SETS}=1 when hvd.init() runs, and hvd.init() already ran without it "
+            f"(hvdtrain.init() or hvd.init() before the Trainer). Call hvdtrain.init(..., "
+            f"dynamic_process_sets=True) first, or set {DYNAMIC_PROCESS_SETS}=1 in the launch")
+
+
+def dynamic_process_sets_enabled() -> bool:
+    return os.environ.get(DYNAMIC_PROCESS_SETS, "0").strip() not in ("", "0")
+
+
+def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
+         hierarchical_allreduce: bool = False, dynamic_process_sets: bool = False) -> World:
+    """Start Horovod, pin this rank to its device and threads, and seed it.
+
+    ``timeline``: arm Horovod's timeline so that the Trainer can record a few steps of it
+    (train.timeline_steps); it slows every step, so it is off unless asked for.
+    ``hierarchical_allreduce``: set HOROVOD_HIERARCHICAL_ALLREDUCE=1 before hvd.init()
+    (train.hierarchical_allreduce); False leaves the launch's setting. Refused when Horovod
+    already started without it: it reads the setting only once.
+    ``dynamic_process_sets``: set HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init(), so that process
+    sets can be added later (hvdtrain.parallel.mesh); refused when Horovod already started without it.
+    Safe to call more than once: Horovod's init is idempotent. Fails, naming both values and
+    the likely fix, when the launcher's variables disagree with the world Horovod formed.
+    """
+    if hierarchical_allreduce and not hierarchical_requested():
+        if hvd.is_initialized():
+            raise ValueError(hierarchical_conflict())
+        os.environ[HIERARCHICAL_ALLREDUCE] = "1"
+        logging.getLogger(__name__).info("%s=1 set before hvd.init() (train.hierarchical_allreduce)",
+                                          HIERARCHICAL_ALLREDUCE)
+    if dynamic_process_sets and not dynamic_process_sets_enabled():
+        if hvd.is_initialized():
+            raise ValueError(dynamic_process_sets_conflict())
+        os.environ[DYNAMIC_PROCESS_SETS] = "1"
+    applied = apply_env_defaults()
+    if timeline:
+        os.environ.setdefault(*TIMELINE_ARMED)
+    if applied:
+        logging.getLogger(__name__).info("hvdtrain defaults (set them yourself to override): %s",
+                                          " ".join(f"{k}={v}" for k, v in applied.items()))
+    launcher = launcher_env.detect()
+    hvd.init()
+    launcher_env.check_world(launcher, hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(hvd.local_rank())
+        device = torch.device("cuda", hvd.local_rank())
+    else:
+        device = torch.device("cpu")
+    if threads is None:
+        threads = threads_per_rank(
+            hvd.local_size(), len(os.sched_getaffinity(0)), os.cpu_count() or 1
+        )
+    torch.set_num_threads(threads)
+    rng.seed_everything(rng.rank_seed(seed, hvd.rank()))
+
+    return World(
+        **_horovod_ranks(),
+        hostname=socket.gethostname(),
+        controller="gloo" if hvd.gloo_enabled() else "mpi",
+        launcher=launcher.name,
+        threads=threads,
+        device=device,
+        hierarchical_allreduce=hierarchical_requested(),
+    )
+
+
+def reformed(world: World) -> World:
+    """The world after an elastic reset: Horovod re-initialised with other ranks (the device,
+    threads and launcher stay; the launcher's variables no longer describe the world)."""
+    return replace(world, **_horovod_ranks())
+
+
+def _horovod_ranks() -> Dict[str, int]:
+    """This process's place in the world Horovod formed, as World's fields."""
+    return {
+        "rank": hvd.rank(), "size": hvd.size(),
+        "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
+        "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(),
+    }
+
+
+def _split_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    """Replace every tensor in a nested structure by a placeholder (its index, shape, dtype)."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        # The device type travels too: a receiver allocates on its own device of that type
+        # (a GPU state broadcast over NCCL must arrive on each rank's GPU, a CPU one on the CPU).
+        return ("__tensor__", len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type)
+    if isinstance(obj, dict):
+        return {k: _split_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_split_tensors(v, tensors) for v in obj)
+    return obj
+
+
+def _is_placeholder(obj: Any) -> bool:
+    return isinstance(obj, tuple) and len(obj) == 5 and obj[0] == "__tensor__"
+
+
+def _fill_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    if _is_placeholder(obj):
+        return tensors[obj[1]]
+    if isinstance(obj, dict):
+        return {k: _fill_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill_tensors(v, tensors) for v in obj)
+    return obj
+
+
+def _placeholders(obj: Any) -> List[Tuple[int, Tuple[int, ...], torch.dtype, str]]:
+    found: List[Tuple[int, Tuple[int, ...], torch.dtype, str]] = []
+
+    def walk(o: Any) -> None:
+        if _is_placeholder(o):
+            found.append(o[1:])
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    return sorted(found, key=lambda p: p[0])
+
+
+def _local_device(kind: str) -> torch.device:
+    """This rank's device of the given type: its own GPU for "cuda" (pinned by init)."""
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def broadcast_state(state: Any, root_rank: int = 0, name: str = "state") -> Any:
+    """Return rank ``root_rank``'s copy of a nested structure of tensors and plain values.
+
+    The structure travels once as a small pickled skeleton; the tensors travel as tensors
+    (no pickling), so this scales to optimizer states of large models. Other ranks'
+    structures may differ entirely (a fresh optimizer with no state, say): they are replaced.
+    """
+    tensors: List[torch.Tensor] = []
+    skeleton = _split_tensors(state, tensors)
+    skeleton = hvd.broadcast_object(skeleton, root_rank=root_rank, name=f"{name}.skeleton")
+    if hvd.rank() == root_rank:
+        received = [t.detach().contiguous() for t in tensors]
+    else:
+        received = [torch.empty(shape, dtype=dtype, device=_local_device(kind))
+                    for _, shape, dtype, kind in _placeholders(skeleton)]
+    handles = [
+        hvd.broadcast_async_(t, root_rank=root_rank, name=f"{name}.{i}")
+        for i, t in enumerate(received)
+    ]
+    for handle in handles:
+        hvd.synchronize(handle)
+    return _fill_tensors(skeleton, received)
+
+
+def broadcast_model_and_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, root_rank: int = 0
+) -> None:
+    """Make every rank start from rank 0's parameters, buffers and optimizer state."""
+    # In place, so the tensors the optimizer holds stay the model's tensors.
+    hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
+    optimizer.load_state_dict(
+        broadcast_state(optimizer.state_dict(), root_rank=root_rank, name="optimizer")
+    )
+
+
+def allreduce_sum(values: torch.Tensor, name: str) -> torch.Tensor:
+    """Sum a small tensor of statistics over all ranks (one collective, every rank must call it)."""
+    return hvd.allreduce(values, op=hvd.Sum, name=name)
+
+
+def allgather_rows(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Stack one row per rank: rank r's tensor (flattened) becomes row r."""
+    return hvd.allgather(tensor.detach().reshape(1, -1), name=name)
+
+
+def allgather_object(obj: Any, name: str) -> List[Any]:
+    """Every rank's ``obj``, in rank order (pickled: for small values, not for tensors)."""
+    return hvd.allgather_object(obj, name=name)
+
+
+def mpi_enabled() -> bool:
+    """Whether Horovod runs its MPI operations (its MPI controller, or MPI for CPU collectives)."""
+    return bool(hvd.mpi_enabled())
+
+
+def nccl_built() -> bool:
+    return bool(hvd.nccl_built())
+
+
+def homogeneous() -> bool:
+    """Whether every host runs the same number of ranks."""
+    from horovod.torch.mpi_ops import is_homogeneous  # not re-exported by horovod.torch
+
+    return bool(is_homogeneous())
+
+
+def wait(handles: List[Any], interval: float = 1e-4) -> None:
+    """Block until the collectives behind Horovod ``handles`` have completed, leaving their results
+    for hvd.synchronize to collect (hvd.poll, which does not consume a handle)."""
+    for handle in handles:
+        while handle is not None and not hvd.poll(handle):
+            time.sleep(interval)
+
+
+def barrier() -> None:
+    hvd.barrier()
+
+
+def broadcast_object(obj: Any, root_rank: int, name: str) -> Any:
+    """Rank ``root_rank``'s small picklable ``obj`` on every rank."""
+    return hvd.broadcast_object(obj, root_rank=root_rank, name=name)
+
+
+def timeline_armed() -> bool:
+    return bool(os.environ.get(TIMELINE_ARMED[0]))
+
+
+def start_timeline(path: str) -> None:
+    """Record Horovod's timeline (Chrome trace format, written by rank 0) from now on; every rank calls it."""
+    hvd.start_timeline(path, mark_cycles=False)
+
+
+def stop_timeline() -> None:
+    hvd.stop_timeline()

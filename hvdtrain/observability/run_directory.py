@@ -1,0 +1,104 @@
+"""One directory per run: the resolved config, metrics as JSON lines, TensorBoard events, per-rank logs.
+
+    runs/<run name>/
+      config.yaml           the resolved settings (rank 0)
+      metrics.jsonl         a "step" record every log_every steps, an "epoch" record per epoch (rank 0)
+      tensorboard/          event files for `tensorboard --logdir runs` (rank 0)
+      logs/rank-<r>.log     everything rank r logged, INFO and up, with time, rank and host
+      horovod-timeline.json when train.timeline_steps > 0 (rank 0)
+      model.safetensors     the trained model, written by Trainer.run() at the end (rank 0)
+
+A run started again with the same name (a SLURM requeue, or an explicit train.run_name)
+appends to the same files; ``hvdtrain plot`` lets the later record of a step win.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+import yaml
+
+from hvdtrain.observability.logs import add_file
+
+if TYPE_CHECKING:  # `hvdtrain plot` reads these names on machines without torch or Horovod
+    from hvdtrain.distributed.startup import World
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+TIMELINE_FILE = "horovod-timeline.json"
+
+
+def default_run_name(environ: Mapping[str, str], now: Optional[float] = None) -> str:
+    """slurm-<job id> inside a SLURM job (stable across requeues), else the start time."""
+    job = environ.get("SLURM_JOB_ID")
+    if job:
+        return f"slurm-{job}"
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+
+
+class RunDirectory:
+    """Files of one run. Rank 0 writes the shared files; every rank writes its own log."""
+
+    def __init__(self, path: Path, world: "World", logger: logging.Logger, tensorboard: bool) -> None:
+        self.path = path
+        self.world = world
+        self._logger = logger
+        self._log_handler = add_file(logger, path / "logs" / f"rank-{world.rank}.log", world)
+        self._metrics = None
+        self._writer = None
+        if world.is_root:
+            self._metrics = open(path / METRICS_FILE, "a", encoding="utf-8")
+            if tensorboard:
+                self._writer = _summary_writer(path / "tensorboard")
+
+    def write_config(self, config: Mapping[str, Any]) -> None:
+        if not self.world.is_root:
+            return
+        target = self.path / CONFIG_FILE
+        tmp = target.with_suffix(".yaml.tmp")
+        tmp.write_text(yaml.safe_dump(dict(config), sort_keys=False))
+        os.replace(tmp, target)
+
+    def record(self, kind: str, values: Mapping[str, Any], started: float) -> None:
+        """Append one metrics record (rank 0) and mirror its numbers to TensorBoard."""
+        if self._metrics is None:
+            return
+        now = time.time()
+        entry = {"kind": kind, "time": round(now, 3), "elapsed": round(now - started, 3), **values}
+        # One line per write, flushed: a run killed now leaves at most one partial line.
+        self._metrics.write(json.dumps({k: _plain(v) for k, v in entry.items()}) + "\n")
+        self._metrics.flush()
+        if self._writer is not None:
+            for key, value in values.items():
+                if key not in ("step", "epoch") and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._writer.add_scalar(f"{kind}/{key}", value, global_step=int(values["step"]))
+            self._writer.flush()
+
+    def close(self) -> None:
+        self._logger.removeHandler(self._log_handler)
+        self._log_handler.close()
+        if self._metrics is not None:
+            self._metrics.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+def _plain(value: Any) -> Any:
+    """JSON has no NaN: write null for a value that is not a finite number."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _summary_writer(path: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:  # tensorboard is a dependency; a broken install says so
+        raise ImportError("TensorBoard logging needs the tensorboard package (pip install tensorboard), "
+                          "or set train.tensorboard=false") from error
+    return SummaryWriter(log_dir=str(path))

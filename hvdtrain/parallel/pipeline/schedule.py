@@ -1,0 +1,306 @@
+"""Pipeline parallelism: a model's layers split into contiguous stages, one per rank of a pipeline,
+run over micro-batches by the GPipe or the 1F1B schedule.
+
+    layers = pipeline_layers(model)                  # every rank: the full list, same weights
+    stage = PipelineStage(layers, mesh)              # this rank's layers (an nn.Module)
+    optimizer = torch.optim.Adam(stage.parameters())
+    optimizer.zero_grad()
+    loss = run_schedule("1f1b", stage, mesh, split_micro_batches(batch, 4), loss_fn)
+    optimizer.step()
+
+GPipe (Huang et al. 2019) runs every micro-batch forward, then every one backward: M micro-batches'
+activations held. 1F1B (PipeDream-Flush, Narayanan et al. 2021) runs P - 1 - stage forwards to
+fill the pipe, then alternates one forward and one backward, then drains: at most P held. Both
+have the bubble (P - 1) / (M + P - 1) and give the same gradients: the sum over micro-batches of
+``loss_fn(outputs, targets) / M``, i.e. the gradient of the mean loss.
+
+A parameter object found in the layers of two stages (a tied embedding: the token embedding in
+the first stage, the output layer in the last) is a copy on each of the two ranks; after the
+backward passes their gradients are summed over ``mesh.ends``, so both copies step alike.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import horovod.torch as hvd
+import torch
+from torch import nn
+
+from hvdtrain.parallel.mesh import Mesh
+from hvdtrain.parallel.pipeline.p2p import StageLinks
+
+SCHEDULES = ("gpipe", "1f1b")
+MicroBatch = Tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# ---- splitting ---------------------------------------------------------------------------------
+
+def _parameter_count(layer: nn.Module) -> int:
+    return sum(p.numel() for p in layer.parameters())
+
+
+def _check_plan(plan: Sequence[int], layers: int, stages: int) -> List[int]:
+    plan = list(plan)
+    if len(plan) != stages:
+        raise ValueError(f"pipeline plan {plan} gives {len(plan)} stages, the pipeline has {stages}")
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in plan):
+        raise ValueError(f"pipeline plan {plan}: every stage needs a whole number >= 1 of layers")
+    if sum(plan) != layers:
+        raise ValueError(f"pipeline plan {plan} covers {sum(plan)} layers, the model has {layers}: "
+                         f"the layers per stage must add up to {layers}")
+    return plan
+
+
+def _balanced_plan(costs: List[int], stages: int) -> List[int]:
+    """Layers per stage, contiguous, minimising the largest stage's cost (then the earliest
+    stages lightest on ties): exact dynamic programming, the layer lists are short."""
+    n = len(costs)
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    inf = float("inf")
+    # best[k][i]: the least largest cost of the first i layers in k stages; cut[k][i]: where the last stage starts.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    plan, i = [], n
+    for k in range(stages, 0, -1):
+        j = cut[k][i]
+        plan.append(i - j)
+        i = j
+    return plan[::-1]
+
+
+def split_layers(layers: Sequence[nn.Module], stages: int, plan: Optional[Sequence[int]] = None) -> List[List[int]]:
+    """The indices of ``layers`` each stage holds: contiguous, every stage at least one layer,
+    balanced by parameter count, or ``plan[s]`` layers in stage ``s`` when a plan is given."""
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise ValueError(f"a pipeline needs a whole number >= 1 of stages, got {stages!r}")
+    if len(layers) < stages:
+        raise ValueError(f"{len(layers)} layers cannot fill {stages} pipeline stages (each needs a layer): "
+                         f"use at most {len(layers)} stages, or split the model into more layers")
+    if plan is None:
+        plan = _balanced_plan([_parameter_count(layer) for layer in layers], stages)
+    else:
+        plan = _check_plan(plan, len(layers), stages)
+    starts = [sum(plan[:s]) for s in range(stages)]
+    return [list(range(start, start + count)) for start, count in zip(starts, plan)]
+
+
+def split_micro_batches(batch: Sequence[torch.Tensor], micro_batches: int) -> List[MicroBatch]:
+    """``batch`` (inputs, targets, ...: tensors of one batch size) cut into ``micro_batches``
+    equal micro-batches along the first dimension."""
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise ValueError(f"micro-batches must be a whole number >= 1, got {micro_batches!r}")
+    size = len(batch[0])
+    if any(len(t) != size for t in batch):
+        raise ValueError(f"the batch's tensors have different sizes: {[len(t) for t in batch]}")
+    if size % micro_batches:
+        raise ValueError(f"{micro_batches} micro-batches do not divide the batch of {size}: choose a number "
+                         f"of micro-batches that divides {size}, or a batch size that is a multiple of {micro_batches}")
+    return list(zip(*(t.chunk(micro_batches) for t in batch)))
+
+
+# ---- the stage ---------------------------------------------------------------------------------
+
+@dataclass
+class ScheduleStats:
+    """One run of a schedule on one stage: seconds computing (forward and backward), seconds in
+    point-to-point exchanges (waiting for a neighbour included), and the most micro-batches whose
+    activations the stage held at once."""
+
+    schedule: str = ""
+    micro_batches: int = 0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    max_in_flight: int = 0
+
+    @property
+    def idle_fraction(self) -> float:
+        """The share of the run this stage spent waiting: the measured bubble (plus communication),
+        to set beside the ideal (P - 1) / (M + P - 1)."""
+        total = self.compute_s + self.wait_s
+        return self.wait_s / total if total > 0 else 0.0
+
+
+class PipelineStage(nn.Module):
+    """This rank's contiguous share of ``layers`` (the model's full layer list, the same on every
+    rank of the pipeline), and the parameters it shares with other stages."""
+
+    def __init__(self, layers: Sequence[nn.Module], mesh: Mesh, plan: Optional[Sequence[int]] = None) -> None:
+        super().__init__()
+        stages = mesh.shape.pipeline
+        self.stage, self.stages = mesh.stage, stages
+        self.assignment = split_layers(layers, stages, plan)
+        self.indices = self.assignment[self.stage]
+        self.layers = nn.ModuleList(layers[i] for i in self.indices)
+        self.tied = self._tied_parameters(layers)
+        self.stats = ScheduleStats()
+        self.step = 0  # schedules run, part of every collective's name
+
+    def _tied_parameters(self, layers: Sequence[nn.Module]) -> List[nn.Parameter]:
+        """This stage's parameters that another stage holds too (by identity, in a fixed order)."""
+        owners: Dict[int, List[int]] = {}
+        order: Dict[int, nn.Parameter] = {}
+        for stage, indices in enumerate(self.assignment):
+            for i in indices:
+                for p in layers[i].parameters():
+                    stages = owners.setdefault(id(p), [])
+                    if stage not in stages:
+                        stages.append(stage)
+                    order.setdefault(id(p), p)
+        tied = []
+        for key, stages in owners.items():
+            if len(stages) < 2:
+                continue
+            if sorted(stages) != [0, self.stages - 1]:
+                raise ValueError(
+                    f"a parameter of shape {tuple(order[key].shape)} is shared by pipeline stages {stages}: "
+                    f"only the first and the last stage may share parameters (a tied embedding); "
+                    f"move the layers that use it into those stages with a plan")
+            if self.stage in stages:
+                tied.append(order[key])
+        return tied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def reduce_tied_gradients(self, mesh: Mesh, before: List[Optional[torch.Tensor]], name: str) -> None:
+        """Sum over ``mesh.ends`` what this schedule added to the tied parameters' gradients
+        (``before``: each gradient when it started), so both copies get the full gradient."""
+        if not self.tied or mesh.ends is None or mesh.ends.process_set is None:
+            return
+        for i, (p, old) in enumerate(zip(self.tied, before)):
+            grad = torch.zeros_like(p) if p.grad is None else p.grad
+            added = grad if old is None else grad - old
+            # Distributed: the tied copies' gradients summed over the first and last stage.
+            total = hvd.allreduce(added, op=hvd.Sum, name=f"{name}.tied{i}", process_set=mesh.ends.process_set)
+            p.grad = total if old is None else old + total
+
+
+# ---- the schedules -----------------------------------------------------------------------------
+
+class _Runner:
+    """One schedule run on one stage: forward and backward of single micro-batches, and the
+    activations held between them."""
+
+    def __init__(self, stage: PipelineStage, mesh: Mesh, micro_batches: List[MicroBatch], loss_fn: LossFn,
+                 links: StageLinks) -> None:
+        self.stage, self.mesh, self.micro_batches, self.loss_fn = stage, mesh, micro_batches, loss_fn
+        self.links = links
+        self.held: Dict[int, Tuple[Optional[torch.Tensor], torch.Tensor]] = {}  # micro-batch -> (input, output)
+        self.losses: List[torch.Tensor] = []
+        self.compute_s = 0.0
+        self.max_in_flight = 0
+
+    def forward(self, i: int, received: Optional[torch.Tensor]) -> torch.Tensor:
+        start = time.perf_counter()
+        if self.mesh.is_first_stage:
+            x = self.micro_batches[i][0]
+        else:
+            x = received.requires_grad_(True)
+        out = self.stage(x)
+        if self.mesh.is_last_stage:
+            loss = self.loss_fn(out, self.micro_batches[i][1]) / len(self.micro_batches)
+            self.losses.append(loss.detach())
+            out = loss
+        self.held[i] = (None if self.mesh.is_first_stage else x, out)
+        self.max_in_flight = max(self.max_in_flight, len(self.held))
+        self.compute_s += time.perf_counter() - start
+        return out.detach()
+
+    def backward(self, i: int, gradient: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Backward of micro-batch ``i`` (from its loss on the last stage, else from the gradient
+        the next stage sent); the gradient of its input for the previous stage (None on the first)."""
+        start = time.perf_counter()
+        x, out = self.held.pop(i)
+        if self.mesh.is_last_stage:
+            out.backward()
+        else:
+            torch.autograd.backward(out, gradient)
+        result = None
+        if x is not None:
+            result = torch.zeros_like(x) if x.grad is None else x.grad
+        self.compute_s += time.perf_counter() - start
+        return result
+
+
+def _gpipe(run: _Runner) -> None:
+    links, m = run.links, len(run.micro_batches)
+    for i in range(m):
+        out = run.forward(i, links.recv_forward(i))
+        links.send_forward(out, i)
+    for i in range(m):
+        links.send_backward(run.backward(i, links.recv_backward(i)), i)
+
+
+def _one_f_one_b(run: _Runner) -> None:
+    links, m = run.links, len(run.micro_batches)
+    warmup = min(run.mesh.shape.pipeline - 1 - run.mesh.stage, m)
+    steady = m - warmup
+    # Warm-up: fill the pipe with forwards.
+    for i in range(warmup):
+        links.send_forward(run.forward(i, links.recv_forward(i)), i)
+    # Steady state: one forward, one backward; each exchange moves one micro-batch each way.
+    received = links.recv_forward(warmup) if steady else None
+    for k in range(steady):
+        forward_mb, backward_mb = warmup + k, k
+        out = run.forward(forward_mb, received)
+        gradient = links.send_forward_recv_backward(out, forward_mb, backward_mb)
+        input_gradient = run.backward(backward_mb, gradient)
+        if k == steady - 1:
+            links.send_backward(input_gradient, backward_mb)
+        else:
+            received = links.send_backward_recv_forward(input_gradient, backward_mb, forward_mb + 1)
+    # Cool-down: drain the backwards.
+    for i in range(steady, m):
+        links.send_backward(run.backward(i, links.recv_backward(i)), i)
+
+
+_SCHEDULES = {"gpipe": _gpipe, "1f1b": _one_f_one_b}
+
+
+def run_schedule(schedule: str, stage: PipelineStage, mesh: Mesh, micro_batches: Sequence[MicroBatch],
+                 loss_fn: LossFn) -> torch.Tensor:
+    """Forward and backward of every micro-batch through the pipeline by ``schedule`` ("gpipe" or
+    "1f1b"); a collective over ``mesh.pipeline`` (and ``mesh.ends``). Gradients accumulate in the
+    stage's ``.grad`` (the caller zeroes them). Returns the mean loss over the micro-batches
+    (float64, detached), the same on every stage; ``stage.stats`` holds the run's timings.
+
+    Every stage passes the same number of micro-batches; the first stage uses their inputs, the
+    last their targets, the others only their count."""
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    micro_batches = list(micro_batches)
+    if not micro_batches:
+        raise ValueError("run_schedule needs at least one micro-batch")
+    links = StageLinks(mesh)
+    links.step = stage.step
+    name = f"pp.{stage.step}"
+    stage.step += 1
+    before = [None if p.grad is None else p.grad.clone() for p in stage.tied]
+    run = _Runner(stage, mesh, micro_batches, loss_fn, links)
+    _SCHEDULES[schedule](run)
+    wait_s = links.wait_s
+    start = time.perf_counter()
+    # Distributed: the tied parameters' gradients summed over the first and last stage.
+    stage.reduce_tied_gradients(mesh, before, name)
+    wait_s += time.perf_counter() - start
+    loss = torch.stack(run.losses).sum().double() if run.losses else torch.zeros((), dtype=torch.float64)
+    if mesh.pipeline.process_set is not None:
+        # Distributed: the loss from the last stage to every stage of this pipeline.
+        last = mesh.pipeline.ranks[-1]
+        loss = hvd.broadcast(loss, root_rank=last, name=f"{name}.loss", process_set=mesh.pipeline.process_set)
+    stage.stats = ScheduleStats(schedule, len(micro_batches), run.compute_s, wait_s, run.max_in_flight)
+    return loss

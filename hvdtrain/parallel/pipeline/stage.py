@@ -1,0 +1,81 @@
+"""The Trainer's view of a pipeline: one training batch through the schedule, one evaluation batch
+forward through the stages, each returning the batch's loss on every rank of the pipeline.
+
+Every rank of a pipeline reads the same batch (the data is sharded over data-parallel groups, not
+over stages): the first stage uses its inputs, the last its targets.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+from torch import nn
+
+import horovod.torch as hvd
+
+from hvdtrain.parallel.mesh import Mesh
+from hvdtrain.parallel.pipeline.p2p import StageLinks
+from hvdtrain.parallel.pipeline.schedule import PipelineStage, run_schedule, split_micro_batches
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _as_pair(batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)):
+        raise TypeError(f"a pipeline takes (inputs, targets) batches of two tensors, got a {type(batch).__name__}: "
+                        f"the first stage reads the inputs and the last computes loss_fn(outputs, targets)")
+    return batch[0], batch[1]
+
+
+class PipelinedModel:
+    """This rank's stage of the pipeline and how batches go through it."""
+
+    def __init__(self, stage: PipelineStage, mesh: Mesh, loss_fn: LossFn, micro_batches: int, schedule: str) -> None:
+        self.module, self.mesh, self.loss_fn = stage, mesh, loss_fn
+        self.micro_batches, self.schedule = micro_batches, schedule
+
+    def train_batch(self, batch: Any, autocast, divisor: int) -> Tuple[torch.Tensor, Dict]:
+        """Forward and backward of the batch's micro-batches by the schedule; the gradients of
+        ``loss / divisor`` (the accumulation count) accumulate. Returns (the batch's mean loss, {})."""
+        micro = split_micro_batches(_as_pair(batch), self.micro_batches)
+        loss_fn = self.loss_fn if divisor == 1 else (lambda out, target: self.loss_fn(out, target) / divisor)
+        with autocast():
+            loss = run_schedule(self.schedule, self.module, self.mesh, micro, loss_fn)
+        return loss * divisor if divisor > 1 else loss, {}
+
+    @torch.no_grad()
+    def evaluate_batch(self, batch: Any) -> Tuple[torch.Tensor, Dict]:
+        """The batch forward through the stages (one micro-batch: no backward to overlap), its loss
+        from the last stage on every rank of the pipeline."""
+        inputs, targets = _as_pair(batch)
+        stage, mesh = self.module, self.mesh
+        links = StageLinks(mesh)
+        links.step = f"eval{stage.step}"
+        stage.step += 1
+        received = links.recv_forward(0)
+        out = stage(inputs if mesh.is_first_stage else received)
+        links.send_forward(out, 0)
+        loss = (self.loss_fn(out, targets).double() if mesh.is_last_stage
+                else torch.zeros((), dtype=torch.float64, device=inputs.device))
+        if mesh.pipeline.process_set is not None:
+            loss = hvd.broadcast(loss, root_rank=mesh.pipeline.ranks[-1], name=f"pp.{links.step}.loss",
+                                 process_set=mesh.pipeline.process_set)
+        return loss, {}
+
+
+def build_stage(model: nn.Module, layout: Any, mesh: Mesh, loss_fn: LossFn) -> PipelinedModel:
+    """Cut ``model`` into the mesh's stages (``layout.pipeline_layers(model)``, or an nn.Sequential's
+    children; ``layout.stage_layers`` or balanced by parameter count) and keep this rank's."""
+    if layout.pipeline_layers is not None:
+        layers = list(layout.pipeline_layers(model))
+    elif isinstance(model, nn.Sequential):
+        layers = list(model.children())
+    else:
+        raise ValueError(f"train.pipeline_parallel={mesh.shape.pipeline} needs the model as a sequence of layers: "
+                         f"an nn.Sequential, or Trainer(..., pipeline_layers=fn) where fn(model) returns its layers "
+                         f"in order ({type(model).__name__} is neither; the example transformer's is "
+                         f"hvdtrain.examples.textlm_parallel.pipeline_layers)")
+    if loss_fn is None:
+        raise ValueError("a pipeline computes loss_fn(outputs, targets) on its last stage: pass loss_fn")
+    stage = PipelineStage(layers, mesh, layout.stage_layers)
+    return PipelinedModel(stage, mesh, loss_fn, layout.micro_batches, layout.schedule)

@@ -1,0 +1,358 @@
+"""Fully sharded data parallelism (ZeRO stage 3, PyTorch FSDP's scheme) on Horovod.
+
+Each rank keeps 1/N of every parameter, gradient and optimizer state: its slices (shards) of the
+units' flat buffers (fsdp_units.py), which its optimizer steps. A unit's full parameters exist
+only while it computes:
+
+  forward      before a unit: all-gather its shards into its full buffer (while it computes, the
+               next unit's all-gather is already started); after it: free the full buffer. The root
+               unit is gathered when the model's forward starts and stays until its backward is done.
+  backward     when the gradient of a unit's output arrives: all-gather it again (and start the
+               previous unit's); once all its parameters' gradients are there: reduce-scatter them
+               (averaged over ranks, this rank's slice added to its shard gradient), free the full
+               gradients and parameters. At the end of backward, a buffer that got no gradient (or
+               only part) is reduce-scattered with what it has, missing gradients counting as zeros,
+               so every rank reduce-scatters every buffer once per micro-batch; what is still
+               gathered is freed.
+  synchronize  wait for the reduce-scatters
+  step         the shard optimizer updates the shards; no all-gather: a unit is gathered when it
+               next computes.
+
+Between steps a rank holds its shards only: 16 Psi / N bytes for fp32 Adam, plus padding. While a
+step runs it also holds the root unit, the unit computing and the one prefetched.
+
+Since the gathers are collectives, the model's forward is one: every rank runs it, with the same
+units in the same order (as with PyTorch FSDP), evaluation included. A unit's parameters hold no
+memory outside its forward and backward: read the model through ``state_dict()``, or make it
+whole again with ``unshard_model()`` to use it on one rank. Not supported: a unit's parameters
+used outside its forward, activation checkpointing around a unit (its forward would run again
+in backward). Parameters outside the optimizer, or frozen, stay whole on every rank.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Dict, List, Optional
+
+import torch
+
+import horovod.torch as hvd
+
+from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed.startup import World
+from hvdtrain.strategies.sharding import flat_buckets as fb
+from hvdtrain.strategies.fsdp import units as fu
+from hvdtrain.strategies.sharding import shard_state as sharded_state
+from hvdtrain.strategies.fsdp.communication import UnitCommunication
+from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
+from hvdtrain.strategies.zero import check_elementwise, shard_optimizer_like
+
+
+class FSDPStrategy(Strategy):
+    """ZeRO stage 3: parameters, gradients and optimizer state sharded, gathered unit by unit.
+
+    ``wrap_policy(module) -> bool`` picks the units (default: the model's blocks, see
+    fsdp_units.default_wrap_policy); ``prefetch`` overlaps each unit's all-gather with the
+    previous unit's compute.
+    """
+
+    name = "fsdp"
+    collective_forward = True
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
+                 accumulation: int, fp16_allreduce: bool, wrap_policy: Optional[fu.WrapPolicy] = None,
+                 prefetch: bool = True) -> None:
+        check_elementwise(optimizer)  # local: the same verdict on every rank
+        if accumulation < 1:
+            raise ValueError(f"accumulation ({accumulation}) must be >= 1")
+        super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
+        self.prefetch = prefetch
+        # Rank 0's parameters as the user built them: what broadcast_from_root spreads, until a
+        # step or a load makes them stale (only rank 0 keeps them).
+        self.root, self.units, self._initial_params = fu.build_units(
+            model, optimizer, wrap_policy or fu.default_wrap_policy(model), world.rank, world.size,
+            keep_initial=world.rank == 0)
+        self._initial_pending = True
+        self.buckets = [bucket for unit in self.all_units for bucket in unit.buckets]
+        self._managed = {id(p) for bucket in self.buckets for p in bucket.params}
+        self._group_indices = fb.indices_by_group(optimizer)
+        self._set_gradient_wire(fp16_allreduce)
+        self.optimizer = shard_optimizer_like(optimizer, self.buckets)
+        self._carried_state: Optional[Dict[str, Any]] = optimizer.state_dict()  # as zero.py
+        self._load_optimizer_state(self._carried_state)
+        self.comm = UnitCommunication(self.buckets)
+        self._recording: Optional[List[fu.FSDPUnit]] = None  # the first forward's unit order
+        self._next_forward: Dict[fu.FSDPUnit, fu.FSDPUnit] = {}
+        self._next_backward: Dict[fu.FSDPUnit, fu.FSDPUnit] = {}
+        self._order_known = False
+        self._open = False  # gradients arrived since the last micro-batch was closed
+        self._callback_queued = False
+        self._backwards = 0
+        self._hooks = self._register_hooks()
+
+    @property
+    def all_units(self) -> List[fu.FSDPUnit]:
+        return [self.root] + self.units
+
+    def _set_gradient_wire(self, fp16_allreduce: bool) -> None:
+        for bucket in self.buckets:
+            bucket.fp16_wire = fp16_allreduce and bucket.dtype in (torch.float32, torch.float64)
+            if bucket.fp16_wire:
+                bucket.grad_name += ".fp16"  # another dtype on the wire: another collective
+
+    def _register_hooks(self) -> List[Any]:
+        # Ours run first before a forward (a user's pre-hook may read the parameters).
+        hooks = [self.model.register_forward_pre_hook(self._before_model_forward, prepend=True),
+                 self.model.register_forward_hook(self._after_model_forward)]
+        for unit in self.units:
+            hooks.append(unit.module.register_forward_pre_hook(
+                lambda module, args, unit=unit: self._before_unit_forward(unit), prepend=True))
+            hooks.append(unit.module.register_forward_hook(
+                lambda module, args, output, unit=unit: self._after_unit_forward(unit, output)))
+        for unit in self.all_units:
+            for bucket in unit.buckets:
+                for param in bucket.params:
+                    hooks.append(param.register_hook(lambda grad, bucket=bucket: self._on_gradient_arriving(bucket)))
+                    hooks.append(param.register_post_accumulate_grad_hook(
+                        lambda param, unit=unit, bucket=bucket: self._on_gradient_ready(unit, bucket)))
+        return hooks
+
+    def close(self) -> None:
+        """Remove the hooks on the model; its parameters keep no memory: see unshard_model()."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def whole_model(self) -> None:
+        self.unshard_model()
+
+    def unshard_model(self) -> None:
+        """The model whole on every rank, with the trained values, each parameter in a storage of
+        its own, and the hooks removed (collective): for using the model alone after training
+        (rank 0 sampling from it, say) or building another strategy on it. This one is done."""
+        self.synchronize()
+        for unit in self.all_units:
+            self.comm.ensure_gathered(unit)
+            for bucket in unit.buckets:
+                for param in bucket.params:
+                    param.data = param.data.clone()
+            self.comm.free(unit)
+        self.close()
+
+    # Forward: gather before a unit computes, free after.
+
+    def _before_model_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if not self._order_known:
+            self._recording = []
+        self.comm.ensure_gathered(self.root)
+
+    def _after_model_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._recording is not None:
+            self._learn_order(self._recording)
+        for unit in self.units:
+            self.comm.free(unit)  # prefetched but not run this time
+        waiting = [t for t in _tensors(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        for tensor in waiting:
+            tensor.register_hook(self._on_backward_start)
+        if not waiting:  # no backward will come through this forward (evaluation)
+            self.comm.free(self.root)
+
+    def _learn_order(self, order: List[fu.FSDPUnit]) -> None:
+        """Prefetch follows the first forward's order of units, and backward runs it in reverse."""
+        self._next_forward = dict(zip(order, order[1:]))
+        self._next_backward = dict(zip(order[1:], order))
+        self._recording, self._order_known = None, True
+
+    def _before_unit_forward(self, unit: fu.FSDPUnit) -> None:
+        if self._recording is not None and unit not in self._recording:
+            self._recording.append(unit)
+        self.comm.ensure_gathered(unit)
+        if self.prefetch and unit in self._next_forward:
+            self.comm.start_gather(self._next_forward[unit])
+
+    def _after_unit_forward(self, unit: fu.FSDPUnit, output: Any) -> None:
+        self.comm.free(unit)  # autograd's saved views see the storage again once backward re-gathers
+        if torch.is_grad_enabled():
+            for tensor in _tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(lambda grad, unit=unit: self._before_unit_backward(unit))
+
+    # Backward: gather again, reduce-scatter the gradients, free.
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self._backwards == self.accumulation:
+            raise RuntimeError(
+                f"backward() ran {self.accumulation + 1} times since the last synchronize(), with "
+                f"accumulation={self.accumulation}: call synchronize(), step() and zero_grad() "
+                f"after every {self.accumulation} backward passes")
+        self._backwards += 1
+        loss.backward()
+
+    def _on_backward_start(self, grad: torch.Tensor) -> None:
+        if not self._callback_queued:
+            # The autograd engine calls it once this backward is over (PyTorch DDP and FSDP do
+            # the same): the one place that sees the end of every backward, however it was called.
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+            self._callback_queued = True
+        self.comm.ensure_gathered(self.root)  # freed meanwhile by an evaluation forward, say
+
+    def _before_unit_backward(self, unit: fu.FSDPUnit) -> None:
+        if unit.reduction_started:
+            return  # the late hook of an output that bypassed the unit's parameters
+        self.comm.ensure_gathered(unit)
+        previous = self._next_backward.get(unit)
+        if self.prefetch and previous is not None and not previous.reduction_started:
+            self.comm.start_gather(previous)
+
+    def _on_gradient_arriving(self, bucket: fu.ShardedBucket) -> None:
+        """The bucket's full gradient exists from its first gradient on; autograd accumulates into it."""
+        if bucket.flat_grad is None:
+            fb.attach_gradient_views(bucket, bucket.shard.new_zeros(bucket.padded_numel))
+        self._open = True
+
+    def _on_gradient_ready(self, unit: fu.FSDPUnit, bucket: fu.ShardedBucket) -> None:
+        bucket.arrived += 1
+        if bucket.arrived == len(bucket.params) and not bucket.started:
+            self.comm.start_reduction(bucket)
+            if unit.reduction_started:
+                self.comm.free(unit)
+            self.comm.finish_completed_reductions()
+
+    def _after_backward(self) -> None:
+        self._callback_queued = False
+        self._close_micro_batch()
+
+    def _close_micro_batch(self) -> None:
+        """Every buffer reduce-scattered once this micro-batch, on every rank; nothing gathered."""
+        for bucket in self.buckets:
+            if not bucket.started:
+                self.comm.start_reduction(bucket)  # missing gradients count as zeros
+        for unit in self.all_units:
+            self.comm.free(unit)
+        for bucket in self.buckets:
+            bucket.started, bucket.arrived = False, 0
+        self._open = False
+        self.comm.finish_completed_reductions()
+
+    # The step.
+
+    def synchronize(self) -> None:
+        if self._open:  # a backward whose end the engine did not report
+            self._close_micro_batch()
+        self.comm.finish_reductions()
+        for unit in self.all_units:
+            self.comm.free(unit)  # the root of a forward that no backward followed
+        self._backwards = 0
+
+    def step(self) -> None:
+        self.synchronize()  # nothing left to do when the caller already synchronized
+        self.optimizer.step()
+        self._carried_state = None
+        self._initial_params, self._initial_pending = [], False
+
+    def zero_grad(self) -> None:
+        self.synchronize()  # a reduction in flight must still finish on every rank
+        for bucket in self.buckets:
+            bucket.shard_grad.zero_()
+            bucket.shard.grad = bucket.shard_grad
+
+    def pending_communication(self) -> List[str]:
+        return self.comm.pending()
+
+    # Full state: the same as one process's, whatever the strategy that reads it.
+
+    def broadcast_from_root(self) -> None:
+        """Rank 0's parameters, buffers and optimizer state on every rank. Once a step or a load has
+        happened, the shards already form one model on every rank: only buffers and state move."""
+        hvd.broadcast_parameters({name: tensor.detach() for name, tensor in self._unmanaged_state().items()},
+                                 root_rank=0)
+        if self._initial_pending:
+            self._broadcast_initial_parameters()
+        full = self._carried_state if self._carried_state is not None else self._gather_optimizer_state()
+        self._load_optimizer_state(dist.broadcast_state(full, root_rank=0, name="fsdp.optimizer"))
+        self._carried_state = None
+
+    def _broadcast_initial_parameters(self) -> None:
+        """One buffer at a time, so that a rank holds at most one buffer's full size extra."""
+        for bucket in self.buckets:
+            full = self._initial_params[bucket.index] if self.world.rank == 0 else \
+                bucket.shard.new_empty(bucket.padded_numel)
+            hvd.broadcast_(full, root_rank=0, name=bucket.name("initial"))
+            with torch.no_grad():
+                bucket.shard.copy_(bucket.own_slice(full))
+        self._initial_params, self._initial_pending = [], False
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"model": self._gathered_model_state(), "optimizer": self._gather_optimizer_state()}
+
+    def _gathered_model_state(self) -> Dict[str, torch.Tensor]:
+        values = self.comm.gathered_parameter_values([unit for unit in self.all_units if unit.buckets])
+        return {name: values.get(id(tensor), tensor.detach())  # buffers as they are
+                for name, tensor in self.model.state_dict(keep_vars=True).items()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Each rank keeps its slices of the full state (local: every rank holds all of it)."""
+        fu.load_shards(self.model, self.buckets, state["model"])
+        self.model.load_state_dict({name: state["model"][name] for name in self._unmanaged_state()}, strict=False)
+        self._load_optimizer_state(state["optimizer"])
+        self._carried_state = None
+        self._initial_params, self._initial_pending = [], False
+
+    def _unmanaged_state(self) -> Dict[str, torch.Tensor]:
+        """Buffers, and parameters the optimizer does not train: whole on every rank."""
+        return {name: tensor for name, tensor in self.model.state_dict(keep_vars=True).items()
+                if id(tensor) not in self._managed}
+
+    def _gather_optimizer_state(self) -> Dict[str, Any]:
+        """The user's optimizer's state_dict, assembled from every rank's shards (collective)."""
+        shard_states = [self.optimizer.state.get(bucket.shard, {}) for bucket in self.buckets]
+        gathered = self.comm.gather_states([{key: value for key, value in shard.items() if fb.is_elementwise(value)}
+                                            for shard in shard_states])
+        return fb.full_state_dict(self.buckets, self._group_indices, self.optimizer.param_groups,
+                                  shard_states, gathered)
+
+    def _load_optimizer_state(self, full: Dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(fb.shard_state_dict(self.buckets, self._group_indices, full))
+
+    # Sharded checkpoints: this rank's own part (hvdtrain.strategies.sharding.shard_state), no collective.
+
+    def shard_state_dict(self) -> Dict[str, Any]:
+        return sharded_state.shard_state_dict(self.model, self.buckets, self.optimizer, self._group_indices)
+
+    def check_shard_state_dict(self, state: Dict[str, Any]) -> None:
+        sharded_state.check_shard(self.model, self.buckets, self._group_indices, state)
+
+    def load_shard_state_dict(self, state: Dict[str, Any]) -> None:
+        sharded_state.load_shard_state_dict(self.model, self.buckets, self.optimizer, self._group_indices, state)
+        self._carried_state = None
+        self._initial_params, self._initial_pending = [], False
+
+    # What this rank holds.
+
+    shards_gradients = True
+
+    def owned_gradients(self) -> List[torch.Tensor]:
+        return [bucket.shard_grad for bucket in self.buckets]
+
+    def memory_bytes(self) -> Dict[str, int]:
+        """Counted from storages: a freed full buffer counts 0 bytes, a gathered one its full size."""
+        params = list(self.model.parameters()) + [bucket.shard for bucket in self.buckets]
+        grads = [p.grad for p in params] + [t for bucket in self.buckets
+                                            for t in (bucket.shard_grad, bucket.flat_grad, bucket.reducing)]
+        return {"parameters": storage_bytes(params + self._initial_params), "gradients": storage_bytes(grads),
+                "optimizer_state": storage_bytes(optimizer_state_tensors(self.optimizer))}
+
+    def largest_unit_bytes(self) -> int:
+        """The full size of the largest unit (the root included): what ZeRO-3 adds to 16 Psi / N
+        while that unit computes."""
+        return max((unit.full_bytes for unit in self.all_units), default=0)
+
+
+def _tensors(output: Any) -> List[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    if isinstance(output, Mapping):
+        return [t for item in output.values() for t in _tensors(item)]
+    return []

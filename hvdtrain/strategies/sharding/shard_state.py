@@ -1,0 +1,173 @@
+"""A sharded strategy's own part of the state, for a sharded checkpoint, and the full state rebuilt
+from every rank's part without the model's class.
+
+zero1, zero2 and fsdp keep the optimizer's parameters in flat buckets (flat_buckets.py); rank r
+owns slice r of every bucket. A rank's part (``shard_state_dict``) holds, with no communication:
+
+  params     its slice of every bucket's flat parameters
+  optimizer  its shard optimizer's state, by bucket index (per-element entries: its slices;
+             scalars such as Adam's step), and the parameter groups' hyperparameters
+  unmanaged  buffers, and parameters the optimizer does not train (whole on every rank)
+  layout     what consolidation needs instead of the model: per bucket its parameters' names (as
+             in model.state_dict()), shapes, offsets, padded size, dtype, parameter group and the
+             user's optimizer's parameter indices; the model's keys in order; the groups' indices
+
+``consolidate`` assembles every rank's parts into the full {"model", "optimizer"} state in the
+plain formats, as ``Strategy.state_dict()`` gathers it (flat_buckets.full_state_dict does the
+optimizer's part for both). Imports neither Horovod nor the strategies: it runs in one process.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+from hvdtrain.strategies.sharding import flat_buckets as fb
+
+SHARD_KEYS = ("rank", "world_size", "params", "optimizer", "unmanaged", "layout")
+
+
+def layout(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket], group_indices: List[List[int]]) -> Dict[str, Any]:
+    """Where every element of the buckets belongs in the model and in the user's optimizer."""
+    names: Dict[int, List[str]] = {}  # a tied parameter has several names in the state_dict
+    keys = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+        keys.append(name)
+    return {
+        "model_keys": keys,
+        "group_indices": [list(indices) for indices in group_indices],
+        "buckets": [{"index": b.index, "group": b.group, "param_indices": list(b.param_indices),
+                     "names": [names.get(id(p), []) for p in b.params],
+                     "shapes": [list(p.shape) for p in b.params], "offsets": list(b.offsets),
+                     "padded_numel": b.padded_numel, "dtype": str(b.dtype).replace("torch.", "")}
+                    for b in buckets],
+    }
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor that owns exactly its elements: torch.save writes a view's whole storage (a ZeRO
+    shard is a view of its full bucket), which would put the full bucket in every rank's file."""
+    tensor = tensor.detach()
+    if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size() and tensor.is_contiguous():
+        return tensor
+    return tensor.clone()
+
+
+def unmanaged_state(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket]) -> Dict[str, torch.Tensor]:
+    managed = {id(p) for bucket in buckets for p in bucket.params}
+    return {name: tensor for name, tensor in model.state_dict(keep_vars=True).items() if id(tensor) not in managed}
+
+
+def shard_state_dict(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket], optimizer: torch.optim.Optimizer,
+                     group_indices: List[List[int]]) -> Dict[str, Any]:
+    """This rank's part (local: no collective); see the module's text."""
+    states = {}
+    for bucket in buckets:
+        state = optimizer.state.get(bucket.shard, {})
+        if state:
+            states[bucket.index] = {key: _compact(value) if isinstance(value, torch.Tensor) else value
+                                    for key, value in state.items()}
+    groups = [{**{k: v for k, v in group.items() if k != "params"},
+               "params": [b.index for b in buckets if b.group == g]}
+              for g, group in enumerate(optimizer.param_groups)]
+    first = buckets[0] if buckets else None
+    return {
+        "rank": first.rank if first else 0,
+        "world_size": first.world_size if first else 1,
+        "params": [_compact(bucket.shard) for bucket in buckets],
+        "optimizer": {"state": states, "param_groups": groups},
+        "unmanaged": {name: _compact(tensor) for name, tensor in unmanaged_state(model, buckets).items()},
+        "layout": layout(model, buckets, group_indices),
+    }
+
+
+def check_shard(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket], group_indices: List[List[int]],
+                state: Dict[str, Any]) -> None:
+    """ValueError unless ``state`` is this rank's part for this model, optimizer and world (local)."""
+    missing = [key for key in SHARD_KEYS if key not in state]
+    if missing:
+        raise ValueError(f"not a strategy shard: missing {', '.join(missing)}")
+    rank, size = (buckets[0].rank, buckets[0].world_size) if buckets else (state["rank"], state["world_size"])
+    if (state["rank"], state["world_size"]) != (rank, size):
+        raise ValueError(f"it is rank {state['rank']} of {state['world_size']}'s shard, this is rank {rank} of {size}")
+    mine = layout(model, buckets, group_indices)
+    if state["layout"] != mine:
+        raise ValueError(f"it was written for another model, optimizer or bucket layout: {_first_difference(state['layout'], mine)}")
+    for bucket, value in zip(buckets, state["params"]):
+        if value.shape != bucket.shard.shape or value.dtype != bucket.shard.dtype:
+            raise ValueError(f"bucket {bucket.index}'s slice has {tuple(value.shape)} {value.dtype}, this "
+                             f"rank's {tuple(bucket.shard.shape)} {bucket.shard.dtype}")
+
+
+def _first_difference(saved: Dict[str, Any], mine: Dict[str, Any]) -> str:
+    if saved["model_keys"] != mine["model_keys"]:
+        return f"the model's keys differ ({len(saved['model_keys'])} saved, {len(mine['model_keys'])} here)"
+    if saved["group_indices"] != mine["group_indices"]:
+        return f"parameter groups {saved['group_indices']} saved, {mine['group_indices']} here"
+    if len(saved["buckets"]) != len(mine["buckets"]):
+        return f"{len(saved['buckets'])} buckets saved, {len(mine['buckets'])} here"
+    for theirs, ours in zip(saved["buckets"], mine["buckets"]):
+        if theirs != ours:
+            key = next(k for k in ours if theirs.get(k) != ours[k])
+            return f"bucket {ours['index']}'s {key} differ ({theirs.get(key)} saved, {ours[key]} here)"
+    return "the layouts differ"
+
+
+def load_shard_state_dict(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket], optimizer: torch.optim.Optimizer,
+                          group_indices: List[List[int]], state: Dict[str, Any]) -> None:
+    """Put this rank's part back: its slices into the buckets' shards, the unmanaged tensors into the
+    model, the shard optimizer's state (local; a ZeRO strategy then all-gathers its parameters)."""
+    check_shard(model, buckets, group_indices, state)
+    with torch.no_grad():
+        for bucket, value in zip(buckets, state["params"]):
+            bucket.shard.copy_(value)
+    if state["unmanaged"]:
+        model.load_state_dict(state["unmanaged"], strict=False)
+    optimizer.load_state_dict(state["optimizer"])
+
+
+def consolidate(shards: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """The full {"model", "optimizer"} state from every rank's part, in rank order: the model's
+    state_dict and the user's optimizer's state_dict, as the strategy's state_dict() gathers them."""
+    if not shards:
+        raise ValueError("no shards to consolidate")
+    first = shards[0]
+    for position, shard in enumerate(shards):
+        if shard["rank"] != position or shard["world_size"] != len(shards):
+            raise ValueError(f"shard {position} says it is rank {shard['rank']} of {shard['world_size']}, "
+                             f"expected rank {position} of {len(shards)}")
+        if shard["layout"] != first["layout"]:
+            raise ValueError(f"rank {position}'s layout differs from rank 0's: the shards come from different runs")
+    shape = first["layout"]
+    buckets = [_bucket_from_layout(entry, len(shards)) for entry in shape["buckets"]]
+    values: Dict[str, torch.Tensor] = {}
+    for position, (bucket, entry) in enumerate(zip(buckets, shape["buckets"])):
+        flat = torch.cat([shard["params"][position] for shard in shards])
+        for view, names in zip(bucket.views(flat), entry["names"]):
+            value = view.clone()
+            for name in names:
+                values[name] = value
+    values.update(first["unmanaged"])  # replicated; rank 0's, as the full format takes them
+    missing = [key for key in shape["model_keys"] if key not in values]
+    if missing:
+        raise ValueError(f"the shards hold no value for {', '.join(missing)}")
+    model = {key: values[key] for key in shape["model_keys"]}
+
+    states = [shard["optimizer"]["state"] for shard in shards]
+    shard_states = [states[0].get(bucket.index, {}) for bucket in buckets]
+    gathered = [{key: torch.cat([state[bucket.index][key] for state in states])
+                 for key, value in own.items() if fb.is_elementwise(value)}
+                for bucket, own in zip(buckets, shard_states)]
+    optimizer = fb.full_state_dict(buckets, shape["group_indices"], first["optimizer"]["param_groups"],
+                                   shard_states, gathered)
+    return {"model": model, "optimizer": optimizer}
+
+
+def _bucket_from_layout(entry: Dict[str, Any], world_size: int) -> fb.FlatBucket:
+    """A bucket with shape-only parameters (no memory): enough for its views and offsets."""
+    dtype = getattr(torch, entry["dtype"])
+    params = [torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")) for shape in entry["shapes"]]
+    return fb.FlatBucket(index=entry["index"], group=entry["group"], param_indices=list(entry["param_indices"]),
+                         params=params, offsets=list(entry["offsets"]), padded_numel=entry["padded_numel"],
+                         rank=0, world_size=world_size)

@@ -1,0 +1,136 @@
+"""Training statistics kept on each rank without synchronising, and reduced across ranks on demand."""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Tuple
+
+import torch
+
+from hvdtrain.distributed import startup as dist
+from hvdtrain.training.steps import StepFn, batch_size, to_device
+
+
+class RunningMeans:
+    """Sums of sample-weighted values (the loss, then the step's metrics) and the sample count
+    since the last reduction, kept as one tensor on the training device: no .item() in the step,
+    which would force a device sync on every step on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.names: List[str] = []  # known from the first batch on: "loss", then the metrics sorted
+        self._totals = torch.zeros(1, dtype=torch.float64, device=device)  # count, then the sums
+
+    def add(self, loss: torch.Tensor, metrics: Mapping[str, Any], samples: int) -> None:
+        names = ["loss", *sorted(metrics)]
+        if not self.names:
+            self.names = names
+            self._totals = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)
+        elif names != self.names:
+            raise ValueError(f"the step returned metrics {names[1:]} after {self.names[1:]}: it must "
+                             "return the same metric names for every batch")
+        values = [loss.detach()] + [torch.as_tensor(metrics[name]).detach() for name in names[1:]]
+        self._totals[0] += samples
+        self._totals[1:] += torch.stack([v.to(self.device, torch.float64).reshape(()) for v in values]) * samples
+
+    def reduce(self, name: str, agree_on_names: bool = False) -> "Totals":
+        """The sums and the sample count over every rank since the last reduction; a collective.
+
+        ``agree_on_names``: a rank may have seen no batch (a short validation shard), so the
+        ranks first tell each other the names (another collective)."""
+        names = self.names
+        if agree_on_names:
+            every = dist.allgather_object(names, name=f"{name}.names")
+            names = next((n for n in every if n), [])
+            if any(n and n != names for n in every):
+                raise ValueError(f"the ranks' steps returned different metrics: {every}")
+        totals = self._totals if self.names else torch.zeros(len(names) + 1, dtype=torch.float64)
+        reduced = dist.allreduce_sum(totals.cpu(), name=name).tolist()
+        self._totals.zero_()
+        return Totals(dict(zip(names, reduced[1:])), reduced[0])
+
+
+@dataclass
+class Totals:
+    """Sample-weighted sums over every rank's samples, and the sample count."""
+
+    sums: Dict[str, float] = field(default_factory=dict)
+    count: float = 0.0
+
+    def __iadd__(self, other: "Totals") -> "Totals":
+        for key, value in other.sums.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+        self.count += other.count
+        return self
+
+    def means(self) -> Dict[str, float]:
+        return {key: value / self.count if self.count else float("nan") for key, value in self.sums.items()}
+
+
+class Throughput:
+    """Global samples per second between two readings, and the share of that time spent
+    waiting for the gradient all-reduce, timed on this rank's wall clock.
+
+    Every step ends in the gradient all-reduce, so ranks advance in lockstep and rank 0's
+    clock measures the job's rate.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._start = time.perf_counter()
+        self._samples = 0
+        self._waited = 0.0
+
+    def add(self, samples_per_rank: int) -> None:
+        self._samples += samples_per_rank * self.world_size
+
+    def add_wait(self, seconds: float) -> None:
+        self._waited += seconds
+
+    def read(self) -> Tuple[float, float]:
+        """(samples/s, fraction of the time spent waiting for communication) since the last read."""
+        now = time.perf_counter()
+        elapsed = max(now - self._start, 1e-9)
+        rates = (self._samples / elapsed, min(1.0, self._waited / elapsed))
+        self._start, self._samples, self._waited = now, 0, 0.0
+        return rates
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, step: StepFn, device: torch.device,
+             autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+             after_batch: Callable[[], None] = lambda: None, lockstep: bool = False,
+             counts_samples: bool = True) -> Dict[str, float]:
+    """The step's loss and metrics over the whole validation set, as ``val_<name>`` (every rank's
+    shard, weighted by samples; a collective), and ``val_samples``.
+
+    ``lockstep``: the model's forward is itself a collective (fsdp), so every rank runs as many
+    forwards as the rank with the most batches; a rank with fewer repeats its last batch and
+    does not count it (validation shards are not padded: each sample counts once).
+    ``counts_samples``: False on the ranks of a model replica that do not report for it (they
+    hold the same loss as the one that does).
+    """
+    model.eval()
+    means = RunningMeans(device)
+    extra = 0
+    if lockstep:
+        counts = dist.allgather_object(len(loader), name="val.batches")  # every rank decides alike
+        if min(counts) == 0:
+            raise ValueError(f"validation batches per rank {counts}: with a sharded model every rank "
+                             f"needs at least one; use fewer workers or a larger validation set")
+        extra = max(counts) - len(loader)
+    batch = None
+    for batch in loader:
+        batch = to_device(batch, device)
+        with autocast():
+            loss, metrics = step(model, batch)
+        means.add(loss, metrics, batch_size(batch) if counts_samples else 0)
+        after_batch()
+    for _ in range(extra):  # lockstep: the last batch again, not counted
+        with autocast():
+            step(model, batch)
+    totals = means.reduce("val.metrics", agree_on_names=True)
+    if totals.count == 0:
+        raise ValueError("the validation set is empty on every rank")
+    return {**{f"val_{name}": value for name, value in totals.means().items()}, "val_samples": totals.count}
