@@ -38,8 +38,9 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     # How the transformer splits under --train.tensor_parallel / --train.pipeline_parallel.
     trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, config, loss_fn=lm_loss,
-                               world=world, job_config=to_dict(job), tensor_plan=tensor_plan(model),
-                               pipeline_layers=pipeline_layers)
+                               world=world, job_config=to_dict(job),
+                               model_plan=hvdtrain.ModelPlan(tensor_plan=tensor_plan(model),
+                                                             pipeline_layers=pipeline_layers))
     final = trainer.run()  # None: preempted, checkpointed (and requeued under SLURM); a restart resumes
     if final is None:
         return 0

@@ -18,6 +18,7 @@ _EXPORTS = {
     "init": "hvdtrain.distributed.startup",
     "World": "hvdtrain.distributed.startup",
     "Trainer": "hvdtrain.trainer",
+    "ModelPlan": "hvdtrain.parallel.model_plan",
     "TrainConfig": "hvdtrain.config.train",
     "ShardedSampler": "hvdtrain.data.sharding",
 }

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,7 @@ from hvdtrain.observability.run_directory import RunDirectory
 from hvdtrain.training.steps import StepFn, supervised_step
 from hvdtrain.parallel.mesh import Mesh
 from hvdtrain.strategies import ELASTIC_STRATEGIES, build_strategy
-from hvdtrain.strategies.model_parallel import ModelLayout, ModelParallelStrategy, PipelineLayers, TensorPlan
+from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.training.sync_batchnorm import convert_sync_batchnorm
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -79,9 +79,7 @@ class Trainer(Resumable, TrainingLoop):
         world: Optional[dist.World] = None,
         job_config: Optional[Mapping[str, Any]] = None,
         step_fn: Optional[StepFn] = None,
-        tensor_plan: Optional[TensorPlan] = None,
-        pipeline_layers: Optional[PipelineLayers] = None,
-        stage_layers: Optional[Sequence[int]] = None,
+        model_plan: Optional[ModelPlan] = None,
     ) -> None:
         self.config = config or TrainConfig()
         self.job_config = dict(job_config) if job_config is not None else {"train": self.config.to_dict()}
@@ -129,8 +127,6 @@ class Trainer(Resumable, TrainingLoop):
                            if self.mesh is not None else (self.world.size, 1, 1))
         if self.mesh is not None:  # every rank, so that a group's first rank starts its stream anew too
             rng.seed_everything(rng.rank_seed(cfg.seed, self.rng_rank))
-        self._layout = ModelLayout(tensor_plan, pipeline_layers, stage_layers, cfg.micro_batches,
-                                   cfg.pipeline_schedule)
 
         # Read before the loaders are built: a run resumed on another worker count keeps the
         # checkpoint's global batch, so its batch per worker follows from it.
@@ -150,14 +146,8 @@ class Trainer(Resumable, TrainingLoop):
         #    all-reduce as soon as backward produces it (overlap, tensor fusion).
         self._phase = "set-up (sharding the model and optimizer)"
         with oom.explained(lambda error: self._explain_out_of_memory(error, optimizer, held={})):
-            if self.mesh is not None:
-                self.strategy = ModelParallelStrategy(self.model, optimizer, self.world, cfg.accumulation,
-                                                      cfg.fp16_allreduce, self.mesh, self._layout, loss_fn,
-                                                      data_parallel=cfg.strategy)
-            else:
-                self.strategy = build_strategy(cfg.strategy, self.model, optimizer, self.world,
-                                               cfg.accumulation, cfg.fp16_allreduce, cfg.reduction,
-                                               ps_servers=cfg.ps_servers)
+            self.strategy = build_strategy(cfg, self.model, optimizer, self.world, mesh=self.mesh,
+                                           plan=model_plan, loss_fn=loss_fn)
         if cfg.compile:  # the forward only, in place: hooks, state_dict keys, checkpoints unchanged
             compile_forward(self.model, self.world.device)
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # one worker's rates

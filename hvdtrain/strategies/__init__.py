@@ -11,13 +11,15 @@
 from __future__ import annotations
 
 import importlib
-from typing import Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from hvdtrain.config.train import ADASUM_STRATEGIES
+from hvdtrain.config.train import ADASUM_STRATEGIES, TrainConfig
 from hvdtrain.config.train import STRATEGIES as CONFIGURED
 from hvdtrain.distributed.startup import World
+from hvdtrain.parallel.mesh import Mesh
+from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.strategies.base import Strategy
 
 # name -> (module, class); imported when chosen, so a run pays only for its own strategy.
@@ -42,17 +44,25 @@ def strategy_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def build_strategy(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
-                   accumulation: int, fp16_allreduce: bool, reduction: str = "average",
-                   ps_servers: int = 1) -> Strategy:
-    """``reduction``: how ddp combines the gradients (average, adasum); the sharded strategies
-    reduce-scatter an average, which Adasum has no form of (TrainConfig refuses it with the reason)."""
+def build_strategy(config: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
+                   mesh: Optional[Mesh] = None, plan: Optional[ModelPlan] = None,
+                   loss_fn: Optional[Callable] = None) -> Strategy:
+    """The strategy ``config`` asks for, over ``model`` and ``optimizer``. With a model-parallel
+    ``mesh`` it is config.strategy over each data-parallel group of split replicas (``plan`` says
+    how to split; ``loss_fn`` is a pipeline's last stage's)."""
+    if mesh is not None:
+        from hvdtrain.strategies.model_parallel import ModelParallelStrategy
+
+        return ModelParallelStrategy(model, optimizer, world, config.accumulation, config.fp16_allreduce, mesh,
+                                     plan or ModelPlan(), loss_fn, data_parallel=config.strategy,
+                                     micro_batches=config.micro_batches, schedule=config.pipeline_schedule)
+    name, reduction = config.strategy, config.reduction
     cls = strategy_class(name)
     if name == "ps" and reduction == "average":  # ps_servers: the parameter server's ranks 0..ps_servers-1
-        return cls(model, optimizer, world, accumulation, fp16_allreduce, servers=ps_servers)
+        return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce, servers=config.ps_servers)
     if reduction == "average":
-        return cls(model, optimizer, world, accumulation, fp16_allreduce)
+        return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce)
     if name not in ADASUM_STRATEGIES:
         raise ValueError(f"reduction={reduction} works only with strategy {' or '.join(ADASUM_STRATEGIES)}, "
                          f"not {name}")
-    return cls(model, optimizer, world, accumulation, fp16_allreduce, reduction=reduction)
+    return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce, reduction=reduction)

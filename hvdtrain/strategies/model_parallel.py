@@ -23,7 +23,6 @@ group. Gradients are still all-reduced whole, as in ZeRO-1.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,26 +35,12 @@ from hvdtrain.distributed import startup as dist
 from hvdtrain.parallel import gathered_state as full_state
 from hvdtrain.parallel.gathered_state import Placement
 from hvdtrain.parallel.mesh import Mesh
+from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
 from hvdtrain.strategies.zero import ELEMENTWISE_OPTIMIZERS
 
-TensorPlan = Dict[str, str]
 # The data-parallel strategies a mesh's data groups can run: plain replicas, or ZeRO-1 over each group.
 DATA_PARALLEL = ("ddp", "zero1")
-PipelineLayers = Callable[[nn.Module], List[nn.Module]]
-
-
-@dataclass
-class ModelLayout:
-    """How one model replica is cut: the tensor plan (hvdtrain.parallel.tensor.parallelize), the
-    model as a sequence of layers for the pipeline (default: an nn.Sequential's children), the
-    layers per stage (default: balanced by parameter count), micro-batches and schedule."""
-
-    tensor_plan: Optional[TensorPlan] = None
-    pipeline_layers: Optional[PipelineLayers] = None
-    stage_layers: Optional[Sequence[int]] = None
-    micro_batches: int = 1
-    schedule: str = "1f1b"
 
 
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, groups: List[List[nn.Parameter]]) -> torch.optim.Optimizer:
@@ -99,14 +84,14 @@ class ModelParallelStrategy(Strategy):
     collective_forward = True  # tensor-parallel layers all-reduce in forward; stages exchange activations
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: dist.World,
-                 accumulation: int, fp16_allreduce: bool, mesh: Mesh, layout: ModelLayout,
+                 accumulation: int, fp16_allreduce: bool, mesh: Mesh, plan: ModelPlan,
                  loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
-                 data_parallel: str = "ddp") -> None:
+                 data_parallel: str = "ddp", micro_batches: int = 1, schedule: str = "1f1b") -> None:
         super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"over a model-parallel mesh the data-parallel strategy is one of "
                              f"{', '.join(DATA_PARALLEL)}, got {data_parallel!r}")
-        self.mesh, self.layout, self.loss_fn = mesh, layout, loss_fn
+        self.mesh, self.plan, self.loss_fn = mesh, plan, loss_fn
         shape = mesh.shape
         # What the memory report and its record say.
         self.name = f"{data_parallel} x tensor {shape.tensor} x pipeline {shape.pipeline}"
@@ -117,9 +102,9 @@ class ModelParallelStrategy(Strategy):
                              f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}; "
                              f"{type(optimizer).__name__} is not one of them: use strategy=ddp")
         if shape.tensor > 1:
-            if layout.tensor_plan is None:
+            if plan.tensor_plan is None:
                 raise ValueError(f"train.tensor_parallel={shape.tensor} needs a tensor plan: which layers split by "
-                                 f"columns, by rows, by heads (Trainer(..., tensor_plan=...); the example "
+                                 f"columns, by rows, by heads (Trainer(..., model_plan=ModelPlan(tensor_plan=...)); the example "
                                  f"transformer's is hvdtrain.examples.textlm_parallel.tensor_plan)")
             check_sliceable(optimizer)
         # 1. While every rank holds the whole model: rank 0's state everywhere.
@@ -132,12 +117,12 @@ class ModelParallelStrategy(Strategy):
         # 2. Tensor parallelism replaces layers in place; the state_dict names stay the full model's.
         if shape.tensor > 1:
             from hvdtrain.parallel.tensor import parallelize
-            parallelize(model, layout.tensor_plan, mesh.tensor)
+            parallelize(model, plan.tensor_plan, mesh.tensor)
         # 3. Pipeline stages.
         self.pipeline = None
         if shape.pipeline > 1:
             from hvdtrain.parallel.pipeline.stage import build_stage
-            self.pipeline = build_stage(model, layout, mesh, loss_fn)
+            self.pipeline = build_stage(model, plan, mesh, loss_fn, micro_batches, schedule)
             held = {id(t) for t in self.pipeline.module.parameters()} | {id(b) for b in self.pipeline.module.buffers()}
         else:
             held = {id(t) for t in model.parameters()} | {id(b) for b in model.buffers()}

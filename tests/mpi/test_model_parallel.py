@@ -20,6 +20,7 @@ from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
 from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
+from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.trainer import Trainer
 
 pytestmark = [pytest.mark.mpi, pytest.mark.process_sets]
@@ -111,7 +112,7 @@ def check_layout(world, layout, max_grad_norm=None, strategy="ddp"):
                          pipeline_schedule=schedule, micro_batches=micro, max_grad_norm=max_grad_norm,
                          strategy=strategy)
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, None, config, world=world,
-                      loss_fn=lm_loss, tensor_plan=tensor_plan(model), pipeline_layers=pipeline_layers)
+                      loss_fn=lm_loss, model_plan=ModelPlan(tensor_plan=tensor_plan(model), pipeline_layers=pipeline_layers))
     initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
     losses = []
     train_batch = trainer.strategy.forward_backward
@@ -185,7 +186,7 @@ def test_dropout_masks_agree_within_a_tensor_group(world):
     config = TrainConfig(epochs=1, batch_size=BATCH, lr=1.0, scale_lr=False, warmup_epochs=0, max_steps=3, seed=SEED,
                          log_every=1000, tensor_parallel=2)
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), token_data(), None, config, world=world,
-                      loss_fn=lm_loss, tensor_plan=tensor_plan(model), pipeline_layers=pipeline_layers)
+                      loss_fn=lm_loss, model_plan=ModelPlan(tensor_plan=tensor_plan(model), pipeline_layers=pipeline_layers))
     before = model.norm.weight.detach().clone()
     trainer.fit()
     replicated = torch.cat([model.norm.weight.detach(), model.blocks[0].norm1.bias.detach()])

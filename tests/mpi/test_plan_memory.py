@@ -14,6 +14,7 @@ from hvdtrain.planner import plan
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
 from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
+from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.observability.reporting import format_bytes
 from hvdtrain.trainer import Trainer
 
@@ -53,7 +54,7 @@ def test_predicted_memory_within_ten_percent_of_counted(world, layout):
                          seed=7, log_every=1000, strategy=strategy, tensor_parallel=tensor,
                          pipeline_parallel=pipeline, micro_batches=micro)
     trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01), token_data(), None, config,
-                      world=world, loss_fn=lm_loss, tensor_plan=tensor_plan(model), pipeline_layers=pipeline_layers)
+                      world=world, loss_fn=lm_loss, model_plan=ModelPlan(tensor_plan=tensor_plan(model), pipeline_layers=pipeline_layers))
     trainer.fit()  # the MemoryReport gathers every rank's counts after the first step (a collective)
     counted = max(r["parameters"] + r["gradients"] + r["optimizer_state"] for r in trainer.memory.per_rank)
     trainer.close_mesh()

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hvdtrain.distributed import startup as dist
+from hvdtrain.config.train import TrainConfig
 from hvdtrain.strategies import build_strategy
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
 from tests.mpi.test_strategies import train
@@ -20,6 +21,10 @@ OPTIMIZERS = {
     "adam": lambda params: torch.optim.Adam(params, lr=0.01),
 }
 BATCH, SEED = 4, 11  # samples per rank per step
+
+
+def ps_config(servers, fp16_allreduce=False):
+    return TrainConfig(strategy="ps", ps_servers=servers, fp16_allreduce=fp16_allreduce)
 
 
 def servers_or_skip(world, servers):
@@ -88,7 +93,7 @@ def test_ps_takes_one_process_steps_on_the_global_batch(world, optimizer_name, s
     data, make_optimizer = synthetic_classification(samples=192), OPTIMIZERS[optimizer_name]
     batches = global_batches(data, world.size, steps=5)
     model = small_mlp(seed=100 + world.rank)  # different on every rank: set-up must fix that
-    strategy = build_strategy("ps", model, make_optimizer(model.parameters()), world, 1, False, ps_servers=servers)
+    strategy = build_strategy(ps_config(servers), model, make_optimizer(model.parameters()), world)
     strategy.broadcast_from_root()
     initial = copy.deepcopy(strategy.state_dict()["model"])
     ps_steps(strategy, data, batches, world.rank, max_norm)
@@ -117,7 +122,7 @@ def test_ps_resumes_one_process_state_and_continues_as_it_would(world, servers):
     expected, _ = one_process(initial, make_optimizer, data, batches)
 
     model = small_mlp(seed=55)
-    strategy = build_strategy("ps", model, make_optimizer(model.parameters()), world, 1, False, ps_servers=servers)
+    strategy = build_strategy(ps_config(servers), model, make_optimizer(model.parameters()), world)
     strategy.broadcast_from_root()
     strategy.load_state_dict({"model": halfway.state_dict(), "optimizer": optimizer.state_dict()})
     ps_steps(strategy, data, batches[3:], world.rank)
@@ -147,8 +152,8 @@ def test_counted_bytes_per_step_equal_the_formula(world, servers, fp16_allreduce
     servers_or_skip(world, servers)
     data = synthetic_classification(samples=192)
     model = small_mlp(seed=0)
-    strategy = build_strategy("ps", model, torch.optim.Adam(model.parameters(), lr=0.01), world, 1,
-                              fp16_allreduce, ps_servers=servers)
+    strategy = build_strategy(ps_config(servers, fp16_allreduce=fp16_allreduce), model,
+                              torch.optim.Adam(model.parameters(), lr=0.01), world)
     strategy.broadcast_from_root()
     ps_steps(strategy, data, global_batches(data, world.size, steps=2), world.rank)
     counted = strategy.traffic()
@@ -175,8 +180,7 @@ def test_a_server_holds_the_optimizer_state_of_its_slice_only(world):
     servers = min(2, world.size)
     data = synthetic_classification(samples=192)
     model = small_mlp(seed=0)
-    strategy = build_strategy("ps", model, torch.optim.Adam(model.parameters(), lr=0.01), world, 1, False,
-                              ps_servers=servers)
+    strategy = build_strategy(ps_config(servers), model, torch.optim.Adam(model.parameters(), lr=0.01), world)
     strategy.broadcast_from_root()
     ps_steps(strategy, data, global_batches(data, world.size, steps=1), world.rank)
     held = strategy.memory_bytes()
@@ -195,7 +199,6 @@ def test_a_server_holds_the_optimizer_state_of_its_slice_only(world):
 def test_ps_refuses_more_servers_than_ranks_and_non_elementwise_optimizers(world):
     model = small_mlp(seed=0)
     with pytest.raises(ValueError, match="ps_servers must be a whole number from 1 to the world size"):
-        build_strategy("ps", model, torch.optim.SGD(model.parameters(), lr=0.1), world, 1, False,
-                       ps_servers=world.size + 1)
+        build_strategy(ps_config(world.size + 1), model, torch.optim.SGD(model.parameters(), lr=0.1), world)
     with pytest.raises(ValueError, match="strategy=ps cannot serve LBFGS"):
-        build_strategy("ps", model, torch.optim.LBFGS(model.parameters()), world, 1, False)
+        build_strategy(ps_config(1), model, torch.optim.LBFGS(model.parameters()), world)

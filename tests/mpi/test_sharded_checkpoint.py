@@ -46,7 +46,7 @@ def adamw(model):
 
 def strategy_for(name, world, seed):
     model = WithExtras(seed)
-    return build_strategy(name, model, adamw(model), world, 1, False)
+    return build_strategy(TrainConfig(strategy=name), model, adamw(model), world)
 
 
 def full_model(strategy):

@@ -11,6 +11,7 @@ from torch import nn
 import horovod.torch as hvd
 
 from hvdtrain.distributed import startup as dist
+from hvdtrain.config.train import TrainConfig
 from hvdtrain.strategies import build_strategy
 from hvdtrain.training.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
@@ -226,8 +227,8 @@ def test_through_the_ddp_strategy_hooks(world):
     reference = (reference_model, *train_one_process(reference_model, inputs, labels, sum(sizes)))
 
     model = tiny_net(sync=True)
-    strategy = build_strategy("ddp", model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                              world, accumulation=1, fp16_allreduce=False)
+    strategy = build_strategy(TrainConfig(), model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                              world)
     strategy.broadcast_from_root()
     outputs, first_grad = [], None
     for step in range(STEPS):

@@ -65,6 +65,7 @@ def make_trainer(args: argparse.Namespace, world, tensor: int, pipeline: int):
     from hvdtrain.config.train import TrainConfig
     from hvdtrain.examples.textlm import lm_loss
     from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
+    from hvdtrain.parallel.model_plan import ModelPlan
     from hvdtrain.trainer import Trainer
 
     model = build_model(args)
@@ -73,8 +74,8 @@ def make_trainer(args: argparse.Namespace, world, tensor: int, pipeline: int):
     config = TrainConfig(epochs=1, batch_size=args.batch, lr=1e-3, max_steps=1, log_every=10**9, progress="off",
                          seed=args.seed, tensor_parallel=tensor, pipeline_parallel=pipeline)
     return Trainer(model, optimizer, dataset, config=config, loss_fn=lm_loss, world=world,
-                   tensor_plan=tensor_plan(model) if tensor > 1 else None,
-                   pipeline_layers=pipeline_layers if pipeline > 1 else None)
+                   model_plan=ModelPlan(tensor_plan=tensor_plan(model) if tensor > 1 else None,
+                                        pipeline_layers=pipeline_layers if pipeline > 1 else None))
 
 
 def rotated(items: List[Any], start: int) -> List[Any]:

@@ -137,6 +137,7 @@ def build_trainer(args: argparse.Namespace, layout: Dict[str, Any], world):
     from hvdtrain.config.train import TrainConfig
     from hvdtrain.examples.textlm import lm_loss
     from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
+    from hvdtrain.parallel.model_plan import ModelPlan
     from hvdtrain.trainer import Trainer
 
     data = world.size // (layout["tensor"] * layout["pipeline"])
@@ -146,8 +147,8 @@ def build_trainer(args: argparse.Namespace, layout: Dict[str, Any], world):
                          tensor_parallel=layout["tensor"], pipeline_parallel=layout["pipeline"],
                          micro_batches=layout["micro_batches"])
     trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-3), token_data(args, 64 * args.batch),
-                      None, config, world=world, loss_fn=lm_loss, tensor_plan=tensor_plan(model),
-                      pipeline_layers=pipeline_layers)
+                      None, config, world=world, loss_fn=lm_loss,
+                      model_plan=ModelPlan(tensor_plan=tensor_plan(model), pipeline_layers=pipeline_layers))
     trainer.fit()  # set-up and the first warm-up steps, untimed
     return trainer
 

@@ -104,6 +104,7 @@ def worker(argv: Sequence[str]) -> int:
     from torch import nn
 
     from hvdtrain.distributed import startup as dist
+    from hvdtrain.config.train import TrainConfig
     from hvdtrain.strategies import build_strategy
 
     parser = argparse.ArgumentParser()
@@ -123,7 +124,7 @@ def worker(argv: Sequence[str]) -> int:
                               nn.Tanh(), nn.Linear(args.width, CLASSES))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         options = {"ps_servers": args.servers} if name == "ps" else {}
-        strategy = build_strategy(name, model, optimizer, world, 1, False, **options)
+        strategy = build_strategy(TrainConfig(strategy=name, **options), model, optimizer, world)
         strategy.broadcast_from_root()
         rates[name] = measure(strategy, model, inputs, labels, args.steps)
         if name == "ps":

@@ -14,6 +14,7 @@ from torch import nn
 import horovod.torch as hvd
 
 from hvdtrain.parallel.mesh import Mesh
+from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.parallel.pipeline.p2p import StageLinks
 from hvdtrain.parallel.pipeline.schedule import PipelineStage, run_schedule, split_micro_batches
 
@@ -63,19 +64,20 @@ class PipelinedModel:
         return loss, {}
 
 
-def build_stage(model: nn.Module, layout: Any, mesh: Mesh, loss_fn: LossFn) -> PipelinedModel:
-    """Cut ``model`` into the mesh's stages (``layout.pipeline_layers(model)``, or an nn.Sequential's
-    children; ``layout.stage_layers`` or balanced by parameter count) and keep this rank's."""
-    if layout.pipeline_layers is not None:
-        layers = list(layout.pipeline_layers(model))
+def build_stage(model: nn.Module, plan: ModelPlan, mesh: Mesh, loss_fn: LossFn, micro_batches: int,
+                schedule: str) -> PipelinedModel:
+    """Cut ``model`` into the mesh's stages (``plan.pipeline_layers(model)``, or an nn.Sequential's
+    children; ``plan.stage_layers`` or balanced by parameter count) and keep this rank's."""
+    if plan.pipeline_layers is not None:
+        layers = list(plan.pipeline_layers(model))
     elif isinstance(model, nn.Sequential):
         layers = list(model.children())
     else:
         raise ValueError(f"train.pipeline_parallel={mesh.shape.pipeline} needs the model as a sequence of layers: "
-                         f"an nn.Sequential, or Trainer(..., pipeline_layers=fn) where fn(model) returns its layers "
+                         f"an nn.Sequential, or Trainer(..., model_plan=ModelPlan(pipeline_layers=fn)) where fn(model) returns its layers "
                          f"in order ({type(model).__name__} is neither; the example transformer's is "
                          f"hvdtrain.examples.textlm_parallel.pipeline_layers)")
     if loss_fn is None:
         raise ValueError("a pipeline computes loss_fn(outputs, targets) on its last stage: pass loss_fn")
-    stage = PipelineStage(layers, mesh, layout.stage_layers)
-    return PipelinedModel(stage, mesh, loss_fn, layout.micro_batches, layout.schedule)
+    stage = PipelineStage(layers, mesh, plan.stage_layers)
+    return PipelinedModel(stage, mesh, loss_fn, micro_batches, schedule)
