@@ -38,7 +38,6 @@ from hvdtrain.observability.logs import get_logger
 from hvdtrain.observability.memory import MemoryReport
 from hvdtrain.training.loop import TrainingLoop
 from hvdtrain.training.metrics import evaluate
-from hvdtrain.training.lr import adasum_refusal
 from hvdtrain.training.precision import Precision
 from hvdtrain.observability.progress import Progress, resolve_mode
 from hvdtrain.observability.reporting import TimelineWindow, announce, announce_settings, open_run_dir
@@ -46,7 +45,7 @@ from hvdtrain.checkpoint.manager import Resumable
 from hvdtrain.observability.run_directory import RunDirectory
 from hvdtrain.training.steps import StepFn, supervised_step
 from hvdtrain.parallel.mesh import Mesh
-from hvdtrain.strategies import ELASTIC_STRATEGIES, build_strategy
+from hvdtrain.strategies import build_strategy, launch_refusal
 from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.training.sync_batchnorm import convert_sync_batchnorm
 
@@ -103,15 +102,9 @@ class Trainer(Resumable, TrainingLoop):
         # while the others wait in the elastic sync, and mismatched collectives deadlock. The
         # elastic sync broadcasts rank 0's state (and its checkpoint, if it read one) instead.
         self.elastic_launch = is_elastic_launch()
-        if self.elastic_launch and cfg.model_parallel:
-            raise ValueError("train.tensor_parallel / pipeline_parallel do not support Horovod elastic (a lost "
-                             "worker takes a part of a model replica with it, and the mesh is fixed at start): "
-                             "launch without --min-np/--max-np")
-        if self.elastic_launch and cfg.strategy not in ELASTIC_STRATEGIES:
-            raise ValueError(
-                f"train.strategy={cfg.strategy} does not support Horovod elastic (its state is cut into "
-                f"one shard per worker, and elastic changes the worker count mid-run): use "
-                f"{' or '.join(ELASTIC_STRATEGIES)} under elastic, or launch without --min-np/--max-np")
+        refusal = launch_refusal(cfg, self.world, self.elastic_launch)
+        if refusal:
+            raise ValueError(refusal)
 
         # The model-parallel mesh (a collective; refused on every rank alike when it does not divide
         # the world); without one, every rank is a data-parallel worker.
@@ -179,11 +172,6 @@ class Trainer(Resumable, TrainingLoop):
         cfg, world = self.config, self.world
         if cfg.hierarchical_allreduce and not world.hierarchical_allreduce:
             raise ValueError(dist.hierarchical_conflict())
-        if cfg.reduction == "adasum":
-            refusal = adasum_refusal(world.size, world.local_size, world.cross_size, dist.mpi_enabled(),
-                                     world.device.type == "cuda" and dist.nccl_built(), dist.homogeneous())
-            if refusal:
-                raise ValueError(refusal)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

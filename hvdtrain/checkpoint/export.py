@@ -17,6 +17,8 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 import yaml
 
+from hvdtrain.common.atomic import atomic_path, write_text_atomically
+
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.yaml"
 
@@ -32,15 +34,6 @@ def _plain_tensors(state: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
     return tensors
 
 
-def _replace(path: Path, write) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(temporary)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
 def export_model(model_state: Mapping[str, Any], directory: os.PathLike, config: Optional[Mapping[str, Any]] = None,
                  metadata: Optional[Mapping[str, Any]] = None) -> Path:
     """Write ``directory/model.safetensors`` (and ``config.yaml`` when ``config`` is given); each
@@ -53,10 +46,10 @@ def export_model(model_state: Mapping[str, Any], directory: os.PathLike, config:
     weights = directory / WEIGHTS_FILE
     strings = {"format": "pt", **{key: json.dumps(value) for key, value in (metadata or {}).items()}}
     tensors = _plain_tensors(model_state)
-    _replace(weights, lambda path: save_file(tensors, str(path), metadata=strings))
+    with atomic_path(weights) as temporary:
+        save_file(tensors, str(temporary), metadata=strings)
     if config is not None:
-        _replace(directory / CONFIG_FILE,
-                 lambda path: path.write_text(yaml.safe_dump(dict(config), sort_keys=False)))
+        write_text_atomically(directory / CONFIG_FILE, yaml.safe_dump(dict(config), sort_keys=False))
     return weights
 
 

@@ -25,7 +25,8 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from hvdtrain.checkpoint.files import FORMAT_VERSION, CheckpointError, fsync_directory, write_atomically
+from hvdtrain.checkpoint import FORMAT_VERSION, CheckpointError
+from hvdtrain.common.atomic import fsync_directory, write_atomically
 
 SHARDED_FORMAT = 1
 KIND = "sharded"

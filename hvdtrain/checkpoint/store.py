@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from hvdtrain.checkpoint import sharded_format as sharded
-from hvdtrain.checkpoint.files import FORMAT_VERSION, CheckpointError, write_atomically
+from hvdtrain.checkpoint import FORMAT_VERSION, CheckpointError
+from hvdtrain.common.atomic import write_atomically
 
 LATEST = "latest"
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")

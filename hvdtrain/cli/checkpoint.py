@@ -30,7 +30,8 @@ def default_output(directory: Path) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from hvdtrain.checkpoint import sharded_format as sharded  # imports torch: only when running
-    from hvdtrain.checkpoint.files import CheckpointError, write_atomically
+    from hvdtrain.checkpoint import CheckpointError
+    from hvdtrain.common.atomic import write_atomically
 
     directory = args.directory
     out = args.out or default_output(directory.resolve())

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hvdtrain.checkpoint import export  # imports torch: only when running
-    from hvdtrain.checkpoint.files import CheckpointError
+    from hvdtrain.checkpoint import CheckpointError
 
     try:
         path, state = _read(args.checkpoint)
@@ -50,7 +50,7 @@ def _read(given: Path) -> Tuple[Path, Dict[str, Any]]:
     """(the checkpoint's path, its full state): a sharded checkpoint is consolidated in memory."""
     from hvdtrain.checkpoint import sharded_format as sharded
     from hvdtrain.checkpoint.store import CheckpointStore
-    from hvdtrain.checkpoint.files import CheckpointError
+    from hvdtrain.checkpoint import CheckpointError
 
     if not given.exists():
         raise CheckpointError(f"{given} does not exist")

@@ -14,33 +14,8 @@ import threading
 import time
 from typing import Callable, List
 
-import horovod.torch as hvd
 
 STALL_EXIT_CODE = 75
-
-
-def pending_allreduces(optimizer) -> List[str]:
-    """Names of the gradients whose all-reduce this rank started and that has not completed.
-
-    Reads Horovod's DistributedOptimizer internals (``_handles``, ``_parameter_names``) from
-    another thread: a racy read is retried, never trusted blindly.
-    """
-    names = getattr(optimizer, "_parameter_names", {})
-    for _ in range(5):
-        try:
-            handles = list(getattr(optimizer, "_handles", {}).items())
-            break
-        except RuntimeError:  # the training thread changed the dict while we copied it
-            time.sleep(0.01)
-    else:
-        return ["(unknown: the optimizer kept changing)"]
-    pending = []
-    for key, (handle, _) in handles:
-        if handle is None or callable(handle) or hvd.poll(handle):
-            continue
-        params = key if isinstance(key, tuple) else (key,)
-        pending.extend(names.get(p, "?") for p in params)
-    return sorted(pending)
 
 
 class StallWatchdog:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import yaml
 
+from hvdtrain.common.atomic import write_text_atomically
 from hvdtrain.observability.logs import add_file
 
 if TYPE_CHECKING:  # `hvdtrain plot` reads these names on machines without torch or Horovod
@@ -59,10 +59,7 @@ class RunDirectory:
     def write_config(self, config: Mapping[str, Any]) -> None:
         if not self.world.is_root:
             return
-        target = self.path / CONFIG_FILE
-        tmp = target.with_suffix(".yaml.tmp")
-        tmp.write_text(yaml.safe_dump(dict(config), sort_keys=False))
-        os.replace(tmp, target)
+        write_text_atomically(self.path / CONFIG_FILE, yaml.safe_dump(dict(config), sort_keys=False))
 
     def record(self, kind: str, values: Mapping[str, Any], started: float) -> None:
         """Append one metrics record (rank 0) and mirror its numbers to TensorBoard."""

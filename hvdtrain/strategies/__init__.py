@@ -66,3 +66,22 @@ def build_strategy(config: TrainConfig, model: torch.nn.Module, optimizer: torch
         raise ValueError(f"reduction={reduction} works only with strategy {' or '.join(ADASUM_STRATEGIES)}, "
                          f"not {name}")
     return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce, reduction=reduction)
+
+
+def launch_refusal(config: TrainConfig, world: World, elastic: bool) -> Optional[str]:
+    """Why the configured strategy cannot run in this launch, or None; decided alike on every rank,
+    before any collective, instead of failing or hanging in the first step."""
+    if elastic and config.model_parallel:
+        return ("train.tensor_parallel / pipeline_parallel do not support Horovod elastic (a lost worker takes a "
+                "part of a model replica with it, and the mesh is fixed at start): launch without --min-np/--max-np")
+    if elastic and config.strategy not in ELASTIC_STRATEGIES:
+        return (f"train.strategy={config.strategy} does not support Horovod elastic (its state is cut into one "
+                f"shard per worker, and elastic changes the worker count mid-run): use "
+                f"{' or '.join(ELASTIC_STRATEGIES)} under elastic, or launch without --min-np/--max-np")
+    if config.reduction == "adasum":
+        from hvdtrain.distributed import startup as dist
+        from hvdtrain.strategies.reduction import adasum_refusal
+
+        return adasum_refusal(world.size, world.local_size, world.cross_size, dist.mpi_enabled(),
+                              world.device.type == "cuda" and dist.nccl_built(), dist.homogeneous())
+    return None

@@ -4,14 +4,68 @@ With train.reduction=adasum, Horovod's Adasum optimizer instead: each rank steps
 gradient during backward and the ranks' updates are combined by Adasum."""
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import time
+from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
 
+import horovod.torch as hvd
+
 from hvdtrain.distributed import startup as dist
-from hvdtrain.training.lr import combines_updates, distributed_optimizer
+from hvdtrain.strategies.reduction import combines_updates
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
-from hvdtrain.fault_tolerance.watchdog import pending_allreduces
+
+
+def distributed_optimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[Tuple[str, torch.nn.Parameter]],
+    accumulation: int,
+    fp16_allreduce: bool,
+    reduction: str = "average",
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so gradients are averaged across ranks as they become ready.
+
+    Horovod hooks every gradient accumulator: each all-reduce starts while backward is still
+    running (overlap) and small tensors are fused into one buffer (tensor fusion).
+    The user's optimizer state is carried over: Horovod's wrapper starts with an empty one.
+    ``reduction="adasum"``: Horovod's Adasum optimizer instead (see combines_updates), whose
+    all-reduces combine each parameter's update with Adasum, per tensor even when fused.
+    """
+    state = optimizer.state_dict()
+    wrapped = hvd.DistributedOptimizer(
+        optimizer,
+        named_parameters=list(named_parameters),
+        compression=hvd.Compression.fp16 if fp16_allreduce else hvd.Compression.none,
+        backward_passes_per_step=accumulation,
+        op=hvd.Adasum if reduction == "adasum" else hvd.Average,
+    )
+    if state["state"]:
+        wrapped.load_state_dict(state)
+    return wrapped
+
+
+def pending_allreduces(optimizer) -> List[str]:
+    """Names of the gradients whose all-reduce this rank started and that has not completed.
+
+    Reads Horovod's DistributedOptimizer internals (``_handles``, ``_parameter_names``) from
+    another thread: a racy read is retried, never trusted blindly.
+    """
+    names = getattr(optimizer, "_parameter_names", {})
+    for _ in range(5):
+        try:
+            handles = list(getattr(optimizer, "_handles", {}).items())
+            break
+        except RuntimeError:  # the training thread changed the dict while we copied it
+            time.sleep(0.01)
+    else:
+        return ["(unknown: the optimizer kept changing)"]
+    pending = []
+    for key, (handle, _) in handles:
+        if handle is None or callable(handle) or hvd.poll(handle):
+            continue
+        params = key if isinstance(key, tuple) else (key,)
+        pending.extend(names.get(p, "?") for p in params)
+    return sorted(pending)
 
 
 class DDPStrategy(Strategy):

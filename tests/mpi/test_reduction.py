@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from hvdtrain.distributed import startup as dist
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler
-from hvdtrain.training.lr import is_power_of_two
+from hvdtrain.strategies.reduction import is_power_of_two
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
 

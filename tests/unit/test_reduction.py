@@ -9,7 +9,8 @@ import torch
 
 from hvdtrain.distributed import startup as dist
 from hvdtrain.config.train import TrainConfig
-from hvdtrain.training.lr import adasum_lr_factor, adasum_refusal, combines_updates, lr_scale
+from hvdtrain.strategies.reduction import adasum_refusal, combines_updates
+from hvdtrain.training.lr import adasum_lr_factor, lr_scale
 
 
 # ---- settings ------------------------------------------------------------------------------------

@@ -1,0 +1,54 @@
+"""Files that appear whole or not at all: a kill at any moment leaves the old content or the new.
+
+Everything hvdtrain writes that a later run or tool reads (checkpoints, their manifests and
+``latest`` pointer, the exported model, a run's config, benchmark results) goes through here.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterator
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename durable: the directory entry must reach the disk too."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` for the caller to write (for writers that take a path);
+    once the block ends without an error it is flushed to disk and renamed to ``path``."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield temporary
+        _fsync_file(temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    fsync_directory(path.parent)
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write(handle)`` into a temporary file, flushed to disk, then renamed to ``path``."""
+    with atomic_path(path) as temporary:
+        with open(temporary, "wb") as handle:
+            write(handle)
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    write_atomically(path, lambda handle: handle.write(text.encode("utf-8")))
