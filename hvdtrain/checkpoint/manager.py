@@ -1,87 +1,84 @@
-"""The Trainer's side of checkpoints: what a checkpoint holds to continue exactly, and putting it back.
+"""The Trainer's checkpoints: what one holds to continue exactly, and putting it back.
 
-A part of the Trainer (its base class), kept in a file of its own: the state a run saves (the
-strategy's model and optimizer state, where the run is, the LR schedule, the loss scale, every
-rank's RNG), how a resumed run takes it back (a full checkpoint, or each rank's own part of a
-sharded one), and the save on preemption. Files and who writes them: hvdtrain.checkpoint.protocol.
+A checkpoint holds the strategy's model and optimizer state, the run state (hvdtrain.checkpoint.
+run_state: where the run is, the LR schedule, fp16's loss scale, the settings) and every rank's RNG
+states. A resumed run takes back a full checkpoint, or each rank its own part of a sharded one.
+Across ranks: hvdtrain.checkpoint.protocol.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Mapping
 
-from hvdtrain.distributed import startup as dist, rng
-from hvdtrain.checkpoint.store import FORMAT_VERSION
+from hvdtrain.checkpoint import FORMAT_VERSION
+from hvdtrain.checkpoint.protocol import Checkpointing
+from hvdtrain.checkpoint.run_state import RunState
 from hvdtrain.checkpoint.sharded_format import is_sharded
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.data.batching import Batching
+from hvdtrain.distributed import rng
+from hvdtrain.distributed import startup as dist
+from hvdtrain.parallel.topology import Topology
+from hvdtrain.strategies.base import Strategy
+from hvdtrain.training.lr import LearningRate
+from hvdtrain.training.position import Position
+from hvdtrain.training.precision import Precision
 
 
-class Resumable:
-    """State and resume of a Trainer (which provides every attribute used here)."""
+class CheckpointManager:
+    """Saves and restores one Trainer's state; ``protocol`` is None when the run keeps no checkpoints
+    (state_dict and load still work: they are how a caller saves elsewhere)."""
+
+    def __init__(self, config: TrainConfig, topology: Topology, protocol: "Checkpointing | None",
+                 strategy: Strategy, position: Position, lr: LearningRate, precision: Precision,
+                 batching: Batching, job_config: Mapping[str, Any]) -> None:
+        self.config, self.topology, self.protocol = config, topology, protocol
+        self.strategy, self.position, self.lr, self.precision = strategy, position, lr, precision
+        self.batching, self.job_config = batching, job_config
+
+    def run_state(self) -> RunState:
+        """What every rank holds alike (no collective)."""
+        topology = self.topology
+        return RunState(**self.position.as_dict(), global_batch=self.batching.global_batch_size,
+                        world_size=topology.world.size, scheduler=self.lr.state_dict(),
+                        data_parallel=topology.data_world.size, mesh=topology.mesh_shape,
+                        strategy=self.config.strategy, precision=self.precision.state_dict(),
+                        config=dict(self.job_config))
 
     def state_dict(self) -> Dict[str, Any]:
-        """Everything needed to continue exactly: every rank must call it (it gathers RNG states,
-        and a sharded strategy gathers the model and optimizer state)."""
+        """Everything needed to continue exactly, in the full format. Every rank calls it: it gathers
+        the RNG states, and a sharded strategy gathers the model and optimizer state."""
         rng_states = dist.allgather_object(rng.capture(), name="checkpoint.rng")
-        return {
-            "format": FORMAT_VERSION,
-            **self.strategy.state_dict(),  # the full model and optimizer, in the plain formats
-            **self.run_state(),
-            "rng": rng_states,
-        }
+        return {"format": FORMAT_VERSION, **self.strategy.state_dict(), **self.run_state().to_dict(),
+                "rng": rng_states}
 
-    def run_state(self) -> Dict[str, Any]:
-        """What every rank holds alike: where the run is, its batch, its settings (no collective)."""
-        return {
-            "scheduler": self.scheduler.state_dict(),
-            "epoch": self.epoch,
-            "step": self.step,
-            "epoch_position": self.epoch_position,
-            "global_batch": self.global_batch_size,
-            "world_size": self.world.size,
-            "data_parallel": self.data_world.size,  # the global batch's workers (model replicas)
-            "mesh": list(self.mesh_shape),  # data, pipeline, tensor: whose RNG is whose
-            "strategy": self.config.strategy,
-            "precision": self.precision.state_dict(),  # fp16's loss scale continues on resume
-            "config": self.job_config,
-        }
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """A full checkpoint (every rank holds it all), or a sharded one's manifest (every rank
-        then reads its own file: its slices and its RNG states)."""
+    def load(self, state: Dict[str, Any]) -> None:
+        """A full checkpoint (every rank holds it all), or a sharded one's manifest (every rank then
+        reads its own file: its slices and its RNG states)."""
+        saved = RunState.from_checkpoint(state)
         own_rng = None
         if is_sharded(state):
-            own_rng = self.checkpoints.load_own_shard(state, self.strategy)
+            own_rng = self.protocol.load_own_shard(state, self.strategy)
         else:
             self.strategy.load_state_dict(state)
-            saved_mesh = state.get("mesh", [state["world_size"], 1, 1])  # before meshes: data parallel only
-            if state["world_size"] == self.world.size and list(saved_mesh) == list(self.mesh_shape):
-                own_rng = state["rng"][self.world.rank]
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.precision.load_state_dict(state.get("precision", {}))  # absent before hvdtrain had it
-        self.epoch, self.step = state["epoch"], state["step"]
-        self.epoch_position = state["epoch_position"]
+            if saved.world_size == self.topology.world.size and saved.mesh == self.topology.mesh_shape:
+                own_rng = state["rng"][self.topology.world.rank]
+        self.lr.load_state_dict(saved.scheduler)
+        self.precision.load_state_dict(saved.precision)
+        self.position.update(saved.epoch, saved.step, saved.epoch_position)
         if own_rng is not None:
             rng.restore(own_rng)
         else:
             # Rank r of the new world is not rank r of the old one: derive fresh per-rank seeds.
-            rng.seed_everything(rng.rank_seed(self.config.seed + self.step, self.rng_rank))
-        self.log.info(f"resumed at epoch {self.epoch + 1}, step {self.step}, "
-                      f"sample {state['epoch_position']} of the epoch")
+            rng.seed_everything(rng.rank_seed(self.config.seed + saved.step, self.topology.rng_rank))
+        self.topology.log.info(f"resumed at epoch {saved.epoch + 1}, step {saved.step}, "
+                               f"sample {saved.epoch_position} of the epoch")
 
-    def save_checkpoint(self) -> None:
+    def save(self) -> None:
         """Every rank calls it. Full: the state is gathered, rank 0 writes, the others wait.
         Sharded: every rank writes its own part, nothing is gathered; rank 0 adds the manifest."""
+        step = self.position.step
         if self.config.checkpoint_format == "sharded":
             own = {"strategy": self.strategy.shard_state_dict(), "rng": rng.capture()}
-            self.checkpoints.save_sharded(own, self.run_state(), self.step)
+            self.protocol.save_sharded(own, self.run_state().shared(), step)
         else:
-            self.checkpoints.save(self.state_dict(), self.step)
-        self.faults.beat(self.step)  # a large checkpoint may take longer than a step
-
-    def _stop_for_preemption(self) -> None:
-        """Every rank agreed to stop: checkpoint now, requeue the job (rank 0), and return from fit."""
-        if self.checkpoints is None:
-            self.log.warning("preemption signal, but no checkpoint_dir: this run cannot be resumed")
-        else:
-            self.save_checkpoint()
-        self.preempted = True
-        self.faults.requeue_after_preemption(self.step)
+            self.protocol.save(self.state_dict(), step)

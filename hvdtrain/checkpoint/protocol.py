@@ -1,35 +1,32 @@
-"""The Trainer's checkpoints across ranks: rank 0 reads and writes, every rank receives by broadcast.
+"""Checkpoints across ranks: who reads and writes, and every rank reaching the same outcome.
 
-File handling (atomic writes, pruning, validation) is hvdtrain.checkpoint.store's and
-hvdtrain.checkpoint.sharded_format's; this module decides who reads and writes, and what a resumed run on
-another worker count keeps (the global batch). A sharded checkpoint is the exception to "rank 0
-writes": every rank writes and reads its own file, and every rank decides from the same data (the
-manifest rank 0 read and broadcast, or every rank's outcome, all-gathered), so that every rank
-takes the same path: all succeed, or all raise the same error.
+Full format: rank 0 reads and writes, every rank receives by broadcast. Sharded format: every rank
+writes and reads its own file, and every rank decides from the same data (the manifest rank 0 read
+and broadcast, or every rank's outcome, all-gathered): all succeed, or all raise the same error.
+Files themselves are store.py's and sharded_format.py's.
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 from hvdtrain.distributed import startup as dist
 from hvdtrain.checkpoint import sharded_format as sharded
-from hvdtrain.checkpoint.store import CheckpointError, CheckpointStore
+from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.checkpoint.run_state import RunState
+from hvdtrain.checkpoint.store import CheckpointStore
 from hvdtrain.config.train import TrainConfig
+from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies.base import Strategy
 
 
 class Checkpointing:
-    """The checkpoints of one run, as seen by every rank of it."""
+    """The checkpoints of one run, as seen by every rank of it (the world read from ``topology``
+    at each call: under Horovod elastic, whichever rank is 0 now writes)."""
 
-    def __init__(self, config: TrainConfig, world: dist.World, log: logging.Logger,
-                 data_world: Optional[dist.World] = None) -> None:
-        """``data_world``: the data-parallel view (one worker per model replica) when a replica
-        spans several ranks; the global batch is split over its workers."""
-        self.config, self.world, self.log = config, world, log
-        self.data_world = data_world or world
-        self.store = CheckpointStore(config.checkpoint_dir, keep=config.keep_checkpoints, log=log)
+    def __init__(self, config: TrainConfig, topology: Topology) -> None:
+        self.config, self.topology = config, topology
+        self.store = CheckpointStore(config.checkpoint_dir, keep=config.keep_checkpoints, log=topology.log)
 
     def read_newest(self, broadcast: bool) -> Optional[Dict[str, Any]]:
         """Rank 0 reads the newest valid checkpoint; every rank receives it by broadcast.
@@ -38,53 +35,55 @@ class Checkpointing:
         holds it; the elastic sync gives the others rank 0's state instead.
         """
         found = None
-        if self.world.is_root:
+        if self.topology.is_root:
             newest = self.store.read_newest_valid()
             if newest is not None:
                 path, found = newest
-                self.log.info(f"resuming from {path}")
+                self.topology.log.info(f"resuming from {path}")
         if broadcast:
             found = dist.broadcast_state(found, root_rank=0, name="checkpoint")
         if found is not None and sharded.is_sharded(found):  # before any set-up follows from it
-            sharded.check_compatible(found, self.config.strategy, self.world.size)
+            sharded.check_compatible(found, self.config.strategy, self.topology.world.size)
         return found
 
     def batch_per_worker(self, resumed: Optional[Dict[str, Any]], elastic: bool) -> int:
         """A run resumed on another worker count keeps the checkpoint's global batch, so each
         worker's batch follows from it (under elastic, the global batch follows the world)."""
-        cfg, size = self.config, self.data_world.size
-        # Checkpoints before model parallelism had one data-parallel worker per rank.
-        if resumed is None or elastic or resumed.get("data_parallel", resumed["world_size"]) == size:
+        cfg, size = self.config, self.topology.data_world.size
+        if resumed is None or elastic:
             return cfg.batch_size
-        global_batch = resumed["global_batch"]
-        if global_batch % (size * cfg.accumulation):
+        saved = RunState.from_checkpoint(resumed)
+        if saved.data_parallel == size:
+            return cfg.batch_size
+        if saved.global_batch % (size * cfg.accumulation):
             raise ValueError(
-                f"the checkpoint's global batch {global_batch} (written by {resumed['world_size']} "
+                f"the checkpoint's global batch {saved.global_batch} (written by {saved.world_size} "
                 f"workers) cannot be split over {size} data-parallel workers x {cfg.accumulation} accumulation: "
                 f"resume on a worker count that divides it, or start a new run"
             )
-        per_worker = global_batch // (size * cfg.accumulation)
-        self.log.warning(
-            f"resuming a checkpoint of {resumed.get('data_parallel', resumed['world_size'])} data-parallel "
-            f"workers ({resumed['world_size']} ranks) on {size}: the global batch stays {global_batch}, so "
-            f"each data-parallel worker now takes {per_worker} samples per micro-batch"
+        per_worker = saved.global_batch // (size * cfg.accumulation)
+        self.topology.log.warning(
+            f"resuming a checkpoint of {saved.data_parallel} data-parallel workers ({saved.world_size} ranks) "
+            f"on {size}: the global batch stays {saved.global_batch}, so each data-parallel worker now takes "
+            f"{per_worker} samples per micro-batch"
         )
         return per_worker
 
     def save(self, state: Dict[str, Any], step: int) -> None:
         """Rank 0 writes; the others wait at the barrier, so no rank runs ahead of a save."""
-        if self.world.is_root:
+        if self.topology.is_root:
             path = self.store.save(state, step)
-            self.log.info(f"checkpoint {path}")
+            self.topology.log.info(f"checkpoint {path}")
         dist.barrier()
 
     def save_sharded(self, shard: Dict[str, Any], run_state: Dict[str, Any], step: int) -> None:
         """Every rank writes its own ``shard``; rank 0 then publishes the directory with the
         manifest (holding ``run_state``). An error anywhere is raised on every rank."""
-        directory, rank, size = Path(self.store.directory), self.world.rank, self.world.size
+        world = self.topology.world
+        directory, rank, size = Path(self.store.directory), world.rank, world.size
         temporary = sharded.temporary_directory(directory, step)
         # Rank 0 empties the temporary directory before anyone writes into it.
-        self._agree(self._attempt(lambda: sharded.prepare(temporary)) if self.world.is_root else None,
+        self._agree(self._attempt(lambda: sharded.prepare(temporary)) if world.is_root else None,
                     "checkpoint.sharded.prepare")
         written = self._attempt(lambda: sharded.write_shard(temporary, rank, size, shard))
         records = dist.allgather_object(written, name="checkpoint.sharded.files")
@@ -92,11 +91,11 @@ class Checkpointing:
         if failed:
             raise CheckpointError(f"the sharded checkpoint of step {step} was not written: {'; '.join(failed)}")
         published = None
-        if self.world.is_root:
+        if world.is_root:
             def publish() -> None:
                 path = sharded.publish(directory, step, self.config.strategy, records, run_state)
                 self.store.point_latest_at(path)
-                self.log.info(f"checkpoint {path} ({size} shards, {sum(r['bytes'] for r in records)} bytes)")
+                self.topology.log.info(f"checkpoint {path} ({size} shards, {sum(r['bytes'] for r in records)} bytes)")
             published = self._attempt(publish)
         self._agree(published, "checkpoint.sharded.publish")
 
@@ -108,7 +107,7 @@ class Checkpointing:
 
         def read() -> None:
             nonlocal shard
-            shard = sharded.read_shard(Path(state["path"]), state, self.world.rank)
+            shard = sharded.read_shard(Path(state["path"]), state, self.topology.world.rank)
             strategy.check_shard_state_dict(shard["strategy"])
         problem = self._attempt(read)
         problems = [f"rank {r}: {p}" for r, p in enumerate(dist.allgather_object(problem, name="checkpoint.sharded.check")) if p]

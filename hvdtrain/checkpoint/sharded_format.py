@@ -26,6 +26,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from hvdtrain.checkpoint import FORMAT_VERSION, CheckpointError
+from hvdtrain.checkpoint.run_state import RunState, missing_keys
 from hvdtrain.common.atomic import fsync_directory, write_atomically
 
 SHARDED_FORMAT = 1
@@ -33,7 +34,7 @@ KIND = "sharded"
 MANIFEST = "manifest.json"
 DIRECTORY = re.compile(r"^ckpt-(\d{9})$")
 LEFTOVER = re.compile(r"^\.ckpt-(\d{9})\.(tmp|old)$")  # an interrupted save, or a deletion
-RUN_KEYS = ("scheduler", "epoch", "step", "epoch_position", "global_batch", "precision", "config")
+RUN_KEYS = RunState.SHARDED
 _MANIFEST_KEYS = ("format", "kind", "strategy", "world_size", "step", "files") + RUN_KEYS
 
 
@@ -167,7 +168,7 @@ def read_manifest(path: Path) -> Dict[str, Any]:
 def check_manifest(manifest: Any, path: Path) -> None:
     """CheckpointError naming what is wrong: keys, format, the file list, a file missing or cut short."""
     where = path / MANIFEST
-    missing = [key for key in _MANIFEST_KEYS if key not in manifest] if isinstance(manifest, dict) else _MANIFEST_KEYS
+    missing = missing_keys(manifest, _MANIFEST_KEYS)
     if missing:
         raise CheckpointError(f"{where} is not an hvdtrain manifest: missing {', '.join(missing)}")
     if manifest["format"] != SHARDED_FORMAT or manifest["kind"] != KIND:

@@ -21,12 +21,12 @@ import torch
 
 from hvdtrain.checkpoint import sharded_format as sharded
 from hvdtrain.checkpoint import FORMAT_VERSION, CheckpointError
+from hvdtrain.checkpoint.run_state import RunState, missing_keys
 from hvdtrain.common.atomic import write_atomically
 
 LATEST = "latest"
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
-REQUIRED_KEYS = ("format", "model", "optimizer", "scheduler", "epoch", "step", "epoch_position",
-                 "global_batch", "world_size")
+REQUIRED_KEYS = ("format", "model", "optimizer") + RunState.FULL
 __all__ = ["FORMAT_VERSION", "CheckpointError", "CheckpointStore", "checkpoint_name"]
 
 
@@ -99,7 +99,7 @@ class CheckpointStore:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
             raise CheckpointError(f"{path} is unreadable: {type(error).__name__}: {error}") from None
-        missing = [key for key in REQUIRED_KEYS if key not in state] if isinstance(state, dict) else REQUIRED_KEYS
+        missing = missing_keys(state, REQUIRED_KEYS)
         if missing:
             raise CheckpointError(f"{path} is not an hvdtrain checkpoint: missing {', '.join(missing)}")
         if state["format"] != FORMAT_VERSION:

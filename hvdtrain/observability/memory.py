@@ -6,14 +6,16 @@ holds the most of all three (the optimizer state exists from the first step on).
 """
 from __future__ import annotations
 
-import logging
 import resource
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from hvdtrain.distributed import startup as dist
 from hvdtrain.common.units import format_bytes
 from hvdtrain.observability.run_directory import RunDirectory
 from hvdtrain.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from hvdtrain.parallel.topology import Topology
 
 
 def peak_rss_bytes() -> int:
@@ -27,8 +29,8 @@ class MemoryReport:
     long past theirs: there each rank reports only its own counts, in its own log (no collective).
     """
 
-    def __init__(self, strategy: Strategy, world: dist.World, log: logging.Logger, gather: bool = True) -> None:
-        self.strategy, self.world, self.log, self.gather = strategy, world, log, gather
+    def __init__(self, strategy: Strategy, topology: "Topology", gather: bool = True) -> None:
+        self.strategy, self.topology, self.gather = strategy, topology, gather
         self.per_rank: Optional[List[Dict[str, Any]]] = None
 
     def after_first_step(self, run_dir: Optional[RunDirectory], step: int, started: float) -> None:
@@ -37,13 +39,14 @@ class MemoryReport:
         counted = self.strategy.memory_bytes()
         mine = {**counted, "total": sum(counted.values()), "peak_rss": peak_rss_bytes()}
         self.per_rank = dist.allgather_object(mine, name="trainer.memory") if self.gather else [mine]
-        if self.gather and not self.world.is_root:
+        world = self.topology.world
+        if self.gather and not world.is_root:
             return
-        first = 0 if self.gather else self.world.rank
+        first = 0 if self.gather else world.rank
         lines = [f"rank {rank}: " + ", ".join(f"{key} {format_bytes(value)}" for key, value in held.items())
                  for rank, held in enumerate(self.per_rank, start=first)]
-        self.log.info(f"memory held per rank ({self.strategy.name}, counted from tensor storages; "
-                      f"peak RSS of the process):\n  " + "\n  ".join(lines))
+        self.topology.log.info(f"memory held per rank ({self.strategy.name}, counted from tensor storages; "
+                               f"peak RSS of the process):\n  " + "\n  ".join(lines))
         if run_dir is not None:
             run_dir.record("memory", {"step": step, "strategy": self.strategy.name,
                                       "per_rank": self.per_rank}, started)

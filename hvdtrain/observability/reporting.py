@@ -1,74 +1,31 @@
-"""What a run tells its user: the start lines, the run directory, the step and epoch records,
-and a Horovod timeline of a few steps. Rank 0 speaks; every rank takes part in the collectives."""
+"""What a run tells its user: the start lines, rank 0's progress, the run directory's records, what
+each rank holds after the first step, and a Horovod timeline window. Rank 0 speaks; every rank
+takes part in the collectives (the hosts gathered for the start lines, the memory report)."""
 from __future__ import annotations
 
-import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional
 
 import yaml
 
-from hvdtrain.distributed import startup as dist
 from hvdtrain.config.train import TrainConfig
-from hvdtrain.parallel.mesh import Mesh, layout_lines
-from hvdtrain.common.units import format_bytes  # noqa: F401  (re-exported: hvdtrain.observability.reporting.format_bytes)
-from hvdtrain.observability.run_directory import TIMELINE_FILE, RunDirectory, default_run_name
-
-
-def open_run_dir(config: TrainConfig, world: dist.World, log: logging.Logger,
-                 job_config: Mapping[str, Any], elastic: bool) -> Optional[RunDirectory]:
-    """This run's directory: the same name on every rank (rank 0's start time, or SLURM's job)."""
-    if not config.run_dir:
-        return None
-    name = config.run_name or default_run_name(os.environ)
-    if not config.run_name and not elastic:  # start times differ by rank: use rank 0's
-        name = dist.broadcast_object(name, root_rank=0, name="trainer.run_name")
-    if elastic and not world.is_root and not config.run_name and "SLURM_JOB_ID" not in os.environ:
-        # No collective in elastic set-up, so no shared name: rank 0 alone keeps files.
-        log.warning("elastic run without train.run_name: only rank 0 writes the run directory")
-        return None
-    path = Path(config.run_dir) / name
-    path.mkdir(parents=True, exist_ok=True)
-    run = RunDirectory(path, world, log, config.tensorboard)
-    run.write_config(job_config)
-    log.info(f"run directory {path} (config.yaml, metrics.jsonl, tensorboard/, logs/rank-*.log)")
-    return run
-
-
-def announce(world: dist.World, log: logging.Logger, elastic: bool, mesh: Optional[Mesh] = None) -> None:
-    """Who runs where: the world, and (a collective, so every rank calls it) the ranks per host."""
-    log.info(
-        f"{world.size} workers ({world.cross_size} hosts x {world.local_size}) started by {world.launcher}, "
-        f"{world.controller.upper()} controller, {world.threads} threads/rank, device {world.device}"
-    )
-    if elastic:  # no collective in elastic set-up
-        return
-    hosts = dist.allgather_object(world.hostname, name="trainer.hosts")
-    ranks_by_host: Dict[str, List[int]] = {}
-    for rank, host in enumerate(hosts):
-        ranks_by_host.setdefault(host, []).append(rank)
-    log.info("ranks per host: " + "; ".join(
-        f"{host}: {','.join(map(str, ranks))}" for host, ranks in ranks_by_host.items()))
-    if mesh is not None:
-        shape = mesh.shape
-        log.info(f"mesh: data {shape.data} x pipeline {shape.pipeline} x tensor {shape.tensor} "
-                 f"(tensor innermost, then stages, then data replicas)")
-        for line in layout_lines(shape, hosts):
-            log.info(line)
-
-
-def announce_settings(log: logging.Logger, job_config: Mapping[str, Any]) -> None:
-    log.info("settings:\n" + yaml.safe_dump(dict(job_config), sort_keys=False).rstrip())
+from hvdtrain.distributed import startup as dist
+from hvdtrain.observability.memory import MemoryReport
+from hvdtrain.observability.progress import Progress, resolve_mode
+from hvdtrain.observability.run_directory import RunDirectory, default_run_name
+from hvdtrain.observability.timeline import TimelineWindow
+from hvdtrain.parallel.mesh import layout_lines
+from hvdtrain.parallel.topology import Topology
+from hvdtrain.strategies.base import Strategy
 
 
 def epoch_line(record: Mapping[str, Any], epochs: int) -> str:
     """The line rank 0 prints at the end of an epoch (or where max_steps ended it).
 
-    An epoch can end without a step of its own: Horovod elastic rolls back to a commit made at the
-    epoch's last step, and the epoch's end is then recorded without a train loss (its steps' losses
-    went with the rollback)."""
+    Horovod elastic can roll back to a commit at an epoch's last step: the epoch then ends with no
+    step of its own, and is recorded without a train loss."""
     line = f"epoch {record['epoch']:g}/{epochs} step {record['step']}"
     if "train_loss" in record:
         line += f" train_loss {record['train_loss']:.4f}"
@@ -77,47 +34,131 @@ def epoch_line(record: Mapping[str, Any], epochs: int) -> str:
     return line + f" {record['samples_per_sec']:.0f} samples/s"
 
 
-class TimelineWindow:
-    """Horovod's timeline for ``steps`` steps, after 5 warm-up steps of this start.
+class Reporter:
+    """The Trainer's reporting part."""
 
-    Every rank starts and stops it at the same step (both are collectives in Horovod).
-    """
+    def __init__(self, config: TrainConfig, topology: Topology, job_config: Mapping[str, Any],
+                 strategy: Strategy, elastic: bool) -> None:
+        self.config, self.topology, self.job_config, self.elastic = config, topology, job_config, elastic
+        self.started = time.time()
+        self.run_dir: Optional[RunDirectory] = None
+        self.run_name = self._agreed_name() if config.run_dir else None
+        if self.run_name is not None:
+            self._open(self.run_name)
+        self.progress = Progress("off", 0, 0, topology.log)
+        self.memory = MemoryReport(strategy, topology, gather=not elastic)
+        self.timeline: Optional[TimelineWindow] = None
+        topology.follow(self._follow)
 
-    def __init__(self, steps: int, first_step: int, run_dir: Optional[RunDirectory], log: logging.Logger) -> None:
-        self.log = log
-        self.window: Optional[Tuple[int, int]] = None
-        self._run_dir = run_dir
-        self._file = ""
-        if not steps:
+    # --- the run directory -------------------------------------------------------------------
+
+    def _agreed_name(self) -> Optional[str]:
+        """This run's directory name, the same on every rank: train.run_name, SLURM's job, or rank 0's
+        start time. Elastic set-up runs no collective: there only rank 0 knows the start time, and
+        the others learn it at the first elastic sync (agree_run_directory)."""
+        config = self.config
+        name = config.run_name or default_run_name(os.environ)
+        if config.run_name:
+            return name
+        if self.elastic:
+            return name if self.topology.is_root or "SLURM_JOB_ID" in os.environ else None
+        return dist.broadcast_object(name, root_rank=0, name="trainer.run_name")
+
+    def _open(self, name: str) -> None:
+        path = Path(self.config.run_dir) / name
+        path.mkdir(parents=True, exist_ok=True)
+        log = self.topology.log
+        self.run_dir = RunDirectory(path, self.topology.world, log, self.config.tensorboard)
+        self.run_dir.write_config(self.job_config)
+        log.info(f"run directory {path} (config.yaml, metrics.jsonl, tensorboard/, logs/rank-*.log)")
+
+    def agree_run_directory(self) -> None:
+        """Under Horovod elastic (a collective, at every sync): every rank writes into rank 0's run
+        directory, so that whichever rank is 0 after a lost host keeps the metrics going."""
+        if not self.config.run_dir:
             return
-        if not dist.timeline_armed():
-            log.warning(f"train.timeline_steps={steps} ignored: start Horovod with "
-                        f"hvdtrain.init(..., timeline=True) to record a timeline")
-            return
-        first = first_step + 5
-        self.window = (first, first + steps)
+        name = dist.broadcast_object(self.run_name, root_rank=0, name="trainer.run_name")
+        if self.run_dir is None and name is not None:
+            self.run_name = name
+            self._open(name)
 
-    def _path(self) -> str:
-        if self._run_dir is not None:
-            return str(self._run_dir.path / TIMELINE_FILE)
-        return os.path.abspath(f"horovod-timeline-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    def _follow(self, topology: Topology) -> None:
+        if self.run_dir is not None:
+            self.run_dir.follow(topology.world, topology.log)
+
+    @property
+    def path(self) -> Optional[Path]:
+        return self.run_dir.path if self.run_dir is not None else None
+
+    def record(self, kind: str, values: Mapping[str, Any]) -> None:
+        if self.run_dir is not None:
+            self.run_dir.record(kind, values, self.started)
+
+    # --- start lines -------------------------------------------------------------------------
+
+    def announce(self, setup_line: str) -> None:
+        """Who runs where (the hosts: a collective, so every rank calls it), the set-up, the settings."""
+        world, log, mesh = self.topology.world, self.topology.log, self.topology.mesh
+        log.info(f"{world.size} workers ({world.cross_size} hosts x {world.local_size}) started by {world.launcher}, "
+                 f"{world.controller.upper()} controller, {world.threads} threads/rank, device {world.device}")
+        if not self.elastic:  # no collective in elastic set-up
+            hosts = dist.allgather_object(world.hostname, name="trainer.hosts")
+            ranks_by_host: Dict[str, List[int]] = {}
+            for rank, host in enumerate(hosts):
+                ranks_by_host.setdefault(host, []).append(rank)
+            log.info("ranks per host: " + "; ".join(
+                f"{host}: {','.join(map(str, ranks))}" for host, ranks in ranks_by_host.items()))
+            if mesh is not None:
+                shape = mesh.shape
+                log.info(f"mesh: data {shape.data} x pipeline {shape.pipeline} x tensor {shape.tensor} "
+                         f"(tensor innermost, then stages, then data replicas)")
+                for line in layout_lines(shape, hosts):
+                    log.info(line)
+        log.info(setup_line)
+        if world.hierarchical_allreduce:
+            log.info(dist.hierarchical_effect(True, dist.nccl_built(), world.device.type, world.cross_size))
+        log.info("settings:\n" + yaml.safe_dump(dict(self.job_config), sort_keys=False).rstrip())
+
+    # --- during training ---------------------------------------------------------------------
+
+    def open_timeline(self, step: int) -> None:
+        """The timeline window of this start: after 5 warm-up steps from ``step``."""
+        self.timeline = TimelineWindow(self.config.timeline_steps, step, self.run_dir, self.topology.log)
+
+    def start(self, total_steps: int, step: int) -> None:
+        """fit() begins: rank 0's progress display, from ``step`` of ``total_steps``."""
+        mode = resolve_mode(self.config.progress, self.topology.is_root)
+        self.progress = Progress(mode, total_steps, step, self.topology.log)
 
     def after_step(self, step: int) -> None:
-        """Start or stop the timeline at the window's edges."""
-        if self.window is None:
-            return
-        first, last = self.window
-        if step == first:
-            self._file = self._path()
-            dist.start_timeline(self._file)
-        elif step == last:
-            dist.stop_timeline()
-            self.window = None
-            self.log.info(f"Horovod timeline of steps {first + 1}-{last} written to {self._file}: "
-                          f"open it in https://ui.perfetto.dev or chrome://tracing (Load)")
+        self.progress.advance()
+        if self.timeline is not None:
+            self.timeline.after_step(step)
 
-    def close(self, step: int) -> None:
-        """Training ended inside the window: close the file."""
-        if self.window is not None and step >= self.window[0]:
-            dist.stop_timeline()
-            self.window = None
+    def after_first_step(self, step: int) -> None:
+        """What each rank holds, once, before the first step's gradients are cleared (a collective)."""
+        self.memory.after_first_step(self.run_dir, step, self.started)
+
+    def window(self, epoch: float, step: int, means: Dict[str, float], lr: float, samples_per_sec: float,
+               comm_fraction: float, extra: Mapping[str, Any]) -> None:
+        """Every log_every steps: the progress display and a step record (rank 0's clock measures the
+        job: every step ends in the same collective on every rank)."""
+        self.progress.report(int(epoch) + 1, step, means["loss"], lr, samples_per_sec, comm_fraction)
+        self.record("step", {"step": step, "epoch": epoch, **means, "lr": lr, "samples_per_sec": samples_per_sec,
+                             "comm_fraction": comm_fraction, **extra})
+
+    def epoch(self, record: Mapping[str, Any]) -> None:
+        self.record("epoch", record)
+        self.progress.message(epoch_line(record, self.config.epochs))
+
+    def finish(self, step: int) -> None:
+        """fit() ends (normally or not)."""
+        self.progress.close()
+        if self.timeline is not None:
+            self.timeline.close(step)
+
+    def close(self) -> None:
+        """Close the run directory's files (metrics, TensorBoard, this rank's log)."""
+        if self.run_dir is not None:
+            self.run_dir.close()
+            self.run_dir = None

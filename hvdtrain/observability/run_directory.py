@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 import yaml
 
 from hvdtrain.common.atomic import write_text_atomically
-from hvdtrain.observability.logs import add_file
+from hvdtrain.distributed.logs import add_file
 
 if TYPE_CHECKING:  # `hvdtrain plot` reads these names on machines without torch or Horovod
     from hvdtrain.distributed.startup import World
@@ -46,15 +46,28 @@ class RunDirectory:
 
     def __init__(self, path: Path, world: "World", logger: logging.Logger, tensorboard: bool) -> None:
         self.path = path
-        self.world = world
-        self._logger = logger
-        self._log_handler = add_file(logger, path / "logs" / f"rank-{world.rank}.log", world)
+        self._tensorboard = tensorboard
         self._metrics = None
         self._writer = None
-        if world.is_root:
-            self._metrics = open(path / METRICS_FILE, "a", encoding="utf-8")
-            if tensorboard:
-                self._writer = _summary_writer(path / "tensorboard")
+        self._logger: Optional[logging.Logger] = None
+        self._log_handler: Optional[logging.Handler] = None
+        self.follow(world, logger)
+
+    def follow(self, world: "World", logger: logging.Logger) -> None:
+        """This process's rank is ``world.rank`` now (Horovod elastic re-formed the world): its log
+        goes to that rank's file, and if it became rank 0 it takes over the shared files (appended)."""
+        self.world = world
+        if self._log_handler is not None:
+            self._logger.removeHandler(self._log_handler)
+            self._log_handler.close()
+        self._logger = logger
+        self._log_handler = add_file(logger, self.path / "logs" / f"rank-{world.rank}.log", world)
+        if world.is_root and self._metrics is None:
+            self._metrics = open(self.path / METRICS_FILE, "a", encoding="utf-8")
+            if self._tensorboard:
+                self._writer = _summary_writer(self.path / "tensorboard")
+        elif not world.is_root:
+            self._close_shared_files()
 
     def write_config(self, config: Mapping[str, Any]) -> None:
         if not self.world.is_root:
@@ -77,12 +90,19 @@ class RunDirectory:
             self._writer.flush()
 
     def close(self) -> None:
-        self._logger.removeHandler(self._log_handler)
-        self._log_handler.close()
+        if self._log_handler is not None:
+            self._logger.removeHandler(self._log_handler)
+            self._log_handler.close()
+            self._log_handler = None
+        self._close_shared_files()
+
+    def _close_shared_files(self) -> None:
         if self._metrics is not None:
             self._metrics.close()
+            self._metrics = None
         if self._writer is not None:
             self._writer.close()
+            self._writer = None
 
 
 def _plain(value: Any) -> Any:

@@ -1,19 +1,21 @@
 """The learning rate of data parallelism: one worker's rate scaled to the global batch, warmed up.
 
-With N workers each averaging gradients over its batch B, one step sees N*B samples; the
-linear scaling rule (Goyal et al. 2017) multiplies the learning rate by N (and by the number
-of accumulated micro-batches), reached by a linear warm-up from the single-worker rate.
-
-Under Adasum (train.reduction=adasum) the rate is not scaled by the workers: Adasum adds
-orthogonal updates and averages parallel ones, so it grows the step by itself. Horovod's Adasum
-guide: on CPUs over MPI, one worker's best rate; with NCCL on GPUs (which averages within a host
-and applies Adasum across hosts), one worker's rate times the GPUs per host.
+One step over N workers x batch B sees N*B samples: the linear scaling rule (Goyal et al. 2017)
+multiplies the rate by N (and by the accumulated micro-batches), reached by a linear warm-up from
+one worker's rate. Under Adasum the rate is not scaled by the workers (Adasum adds orthogonal
+updates and averages parallel ones; Horovod's rule: one worker's rate over MPI, times the GPUs per
+host with NCCL).
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.distributed import startup
+from hvdtrain.distributed.startup import World
 
 
 def lr_scale(global_batch: int, base_batch: int, enabled: bool, reduction: str = "average",
@@ -62,3 +64,53 @@ def set_scaled_lr(optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], s
     """Each group's rate = its one-worker rate x scale (also as the scheduler's initial_lr)."""
     for group, base in zip(optimizer.param_groups, base_lrs):
         group["lr"] = group["initial_lr"] = base * scale
+
+
+class LearningRate:
+    """The optimizer's rates for one global batch: one worker's rates (as the user built the
+    optimizer) times the scale, warmed up; started again when the global batch changes."""
+
+    def __init__(self, config: TrainConfig, optimizer: torch.optim.Optimizer) -> None:
+        self.config = config
+        self.optimizer = optimizer
+        self.base_lrs: List[float] = [group["lr"] for group in optimizer.param_groups]  # one worker's
+        self.scale = 1.0
+        self.scheduler: LambdaLR
+
+    def start(self, global_batch: int, warmup_steps: int, world: World, step: int) -> None:
+        """Scale to ``global_batch`` over ``world`` (the data-parallel view), continuing at ``step``."""
+        config = self.config
+        self.world = world
+        adasum = self._adasum_factor() if config.reduction == "adasum" else 1
+        self.scale = lr_scale(global_batch, config.batch_size, config.scale_lr, config.reduction, world.size, adasum)
+        self.warmup_steps = warmup_steps
+        set_scaled_lr(self.optimizer, self.base_lrs, self.scale)
+        self.scheduler = LambdaLR(self.optimizer, warmup_factor(self.scale, warmup_steps), last_epoch=step - 1)
+
+    def step(self) -> None:
+        self.scheduler.step()
+
+    @property
+    def current(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def _adasum_factor(self) -> int:
+        return adasum_lr_factor(self.world.device.type, startup.nccl_built(), self.world.local_size)
+
+    def describe(self) -> str:
+        """The start line's part: the rate, its scale and warm-up, and Adasum's rule when it applies."""
+        config = self.config
+        text = f"lr {config.lr:g} x {self.scale:g} after {self.warmup_steps} warm-up steps"
+        if config.reduction != "adasum" or not config.scale_lr:
+            return text
+        factor = self._adasum_factor()
+        how = (f" x {factor} GPUs per host: Horovod's rule for Adasum with NCCL, which averages within a host"
+               if factor > 1 else ": Horovod's rule for Adasum over MPI")
+        return (text + f" (the lr is not scaled by the {self.world.size} workers, only by one worker's batch x "
+                f"accumulation{how})")

@@ -1,15 +1,13 @@
 """Training statistics kept on each rank without synchronising, and reduced across ranks on demand."""
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 
 from hvdtrain.distributed import startup as dist
-from hvdtrain.training.steps import StepFn, batch_size, to_device
 
 
 class RunningMeans:
@@ -95,42 +93,3 @@ class Throughput:
         rates = (self._samples / elapsed, min(1.0, self._waited / elapsed))
         self._start, self._samples, self._waited = now, 0, 0.0
         return rates
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, step: StepFn, device: torch.device,
-             autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-             after_batch: Callable[[], None] = lambda: None, lockstep: bool = False,
-             counts_samples: bool = True) -> Dict[str, float]:
-    """The step's loss and metrics over the whole validation set, as ``val_<name>`` (every rank's
-    shard, weighted by samples; a collective), and ``val_samples``.
-
-    ``lockstep``: the model's forward is itself a collective (fsdp), so every rank runs as many
-    forwards as the rank with the most batches; a rank with fewer repeats its last batch and
-    does not count it (validation shards are not padded: each sample counts once).
-    ``counts_samples``: False on the ranks of a model replica that do not report for it (they
-    hold the same loss as the one that does).
-    """
-    model.eval()
-    means = RunningMeans(device)
-    extra = 0
-    if lockstep:
-        counts = dist.allgather_object(len(loader), name="val.batches")  # every rank decides alike
-        if min(counts) == 0:
-            raise ValueError(f"validation batches per rank {counts}: with a sharded model every rank "
-                             f"needs at least one; use fewer workers or a larger validation set")
-        extra = max(counts) - len(loader)
-    batch = None
-    for batch in loader:
-        batch = to_device(batch, device)
-        with autocast():
-            loss, metrics = step(model, batch)
-        means.add(loss, metrics, batch_size(batch) if counts_samples else 0)
-        after_batch()
-    for _ in range(extra):  # lockstep: the last batch again, not counted
-        with autocast():
-            step(model, batch)
-    totals = means.reduce("val.metrics", agree_on_names=True)
-    if totals.count == 0:
-        raise ValueError("the validation set is empty on every rank")
-    return {**{f"val_{name}": value for name, value in totals.means().items()}, "val_samples": totals.count}

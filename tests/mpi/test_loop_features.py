@@ -209,7 +209,7 @@ def test_fp16_skips_a_step_with_inf_on_every_rank_alike(world, strategy):
     held = lambda: torch.cat([b.shard.detach().reshape(-1) for b in trainer.strategy.buckets]) \
         if hasattr(trainer.strategy, "buckets") else flat_parameters(trainer.model)
     seen = {}
-    original_update = trainer._update
+    original_update = trainer.loop.update
 
     def watched_update():
         before = held().clone()
@@ -217,7 +217,7 @@ def test_fp16_skips_a_step_with_inf_on_every_rank_alike(world, strategy):
         if trainer.step == poisoned_step:
             seen["unchanged"] = torch.equal(before, held())
 
-    trainer._update = watched_update
+    trainer.loop.update = watched_update
     trainer.fit()
     trainer.strategy.whole_model()
     ours = flat_parameters(trainer.model)

@@ -15,7 +15,7 @@ from hvdtrain.config.train import TrainConfig
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
 from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
 from hvdtrain.parallel.model_plan import ModelPlan
-from hvdtrain.observability.reporting import format_bytes
+from hvdtrain.common.units import format_bytes
 from hvdtrain.trainer import Trainer
 
 pytestmark = [pytest.mark.mpi, pytest.mark.process_sets]

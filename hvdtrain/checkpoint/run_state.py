@@ -1,0 +1,54 @@
+"""Where a run is and what it was: saved with the model and optimizer state in every checkpoint,
+full or sharded, and read back through one definition."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Dict, List, Mapping, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class RunState:
+    epoch: int
+    step: int
+    epoch_position: int  # samples of the epoch's global order already trained on
+    global_batch: int  # kept on resume at another worker count
+    world_size: int
+    scheduler: Dict[str, Any]  # the LR schedule's state_dict
+    data_parallel: int = 0  # the global batch's workers (model replicas); 0: world_size
+    mesh: Tuple[int, int, int] = (0, 1, 1)  # data, pipeline, tensor: whose RNG state is whose
+    strategy: str = "ddp"
+    precision: Dict[str, Any] = field(default_factory=dict)  # fp16's loss scale
+    config: Dict[str, Any] = field(default_factory=dict)  # the job's resolved settings, every section
+
+    # What every full checkpoint holds (hvdtrain wrote these from the first format on).
+    FULL: ClassVar[Tuple[str, ...]] = ("scheduler", "epoch", "step", "epoch_position", "global_batch", "world_size")
+    # What a sharded checkpoint's manifest holds beside its own keys (strategy and world size among them).
+    SHARDED: ClassVar[Tuple[str, ...]] = ("scheduler", "epoch", "step", "epoch_position", "global_batch", "precision",
+                                "config")
+
+    def __post_init__(self) -> None:
+        if not self.data_parallel:  # checkpoints before model parallelism: one worker per rank
+            object.__setattr__(self, "data_parallel", self.world_size)
+        if not self.mesh[0]:
+            object.__setattr__(self, "mesh", (self.world_size, 1, 1))
+        object.__setattr__(self, "mesh", tuple(self.mesh))
+
+    def to_dict(self) -> Dict[str, Any]:
+        state = asdict(self)
+        state["mesh"] = list(self.mesh)
+        return state
+
+    def shared(self) -> Dict[str, Any]:
+        """The part a sharded checkpoint's manifest stores (JSON)."""
+        return {key: getattr(self, key) for key in self.SHARDED}
+
+    @classmethod
+    def from_checkpoint(cls, state: Mapping[str, Any]) -> "RunState":
+        """The run state of a checkpoint (a full one, or a sharded one's manifest); keys older
+        checkpoints lack take their defaults."""
+        known = [name for name in cls.__dataclass_fields__ if name in state]
+        return cls(**{name: state[name] for name in known})
+
+
+def missing_keys(state: Any, required: Sequence[str]) -> List[str]:
+    return [key for key in required if key not in state] if isinstance(state, dict) else list(required)

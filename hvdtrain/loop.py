@@ -1,0 +1,195 @@
+"""The training loop, the same for every strategy: epochs, and in each the steps of data parallelism.
+
+    2. each rank reads its own shard, reshuffled every epoch             (train_epoch)
+    3. forward and backward on the shard                                 (train_epoch)
+    4. gradients reduced across ranks during backward                    (the strategy's hooks)
+    5. every rank applies the same update                                (update, strategy.step)
+    6. rank 0 reports; metrics are reduced over every rank's samples     (reporter, evaluate)
+
+(1., rank 0's state everywhere before the first step, is the Trainer's set-up.) How the model's
+state is spread over the ranks is the strategy's; the loop never asks which one it runs.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from hvdtrain.checkpoint.manager import CheckpointManager
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.data.batching import Batching
+from hvdtrain.fault_tolerance.handling import FaultHandling
+from hvdtrain.observability.reporting import Reporter
+from hvdtrain.parallel.topology import Topology
+from hvdtrain.strategies.base import Strategy
+from hvdtrain.training.evaluation import evaluate
+from hvdtrain.training.lr import LearningRate
+from hvdtrain.training.metrics import RunningMeans, Throughput, Totals
+from hvdtrain.training.position import Position
+from hvdtrain.training.precision import Precision
+from hvdtrain.training.steps import StepFn, batch_size, to_device
+
+
+@dataclass
+class TrainingLoop:
+    """Runs epochs of steps over the parts it is given; its own state is what it reports."""
+
+    config: TrainConfig
+    topology: Topology
+    model: torch.nn.Module
+    strategy: Strategy
+    step_fn: StepFn
+    precision: Precision
+    batching: Batching
+    lr: LearningRate
+    position: Position
+    reporter: Reporter
+    checkpoints: Optional[CheckpointManager]  # None: the run keeps no checkpoints
+    faults: FaultHandling
+    phase: str = "set-up"  # what the loop is doing, for an out-of-memory message
+    grad_norm: float = float("nan")  # before clipping, at the last step (train.max_grad_norm)
+    preempted: bool = False
+    # Under Horovod elastic: commits the state survivors roll back to (hvdtrain.fault_tolerance.elastic).
+    commit: Optional[Callable[[], None]] = None
+
+    def finished(self, until_step: Optional[int]) -> bool:
+        limit = self.config.max_steps if until_step is None else until_step
+        return self.preempted or (limit is not None and self.position.step >= limit)
+
+    def run(self, history: List[Dict[str, float]], until_step: Optional[int] = None) -> None:
+        """Epochs until the configured count, max_steps or ``until_step``; one record per epoch."""
+        position = self.position
+        while position.epoch < self.config.epochs and not self.finished(until_step):
+            started = time.perf_counter()
+            train, samples = self.train_epoch(until_step)
+            elapsed = time.perf_counter() - started
+            if self.preempted:
+                break
+            if not self.batching.has_steps_left(position.epoch_position):
+                position.epoch, position.epoch_position = position.epoch + 1, 0
+            # max_steps can end training inside an epoch: the record says how far it got.
+            record = {
+                "epoch": position.epoch + position.epoch_position / self.batching.dataset_size,
+                "step": position.step,
+                **{f"train_{name}": value for name, value in train.items()},
+                "samples_per_sec": samples / elapsed,
+                "lr": self.lr.current,
+                **self.evaluate(),
+            }
+            history.append(record)
+            self.reporter.epoch(record)
+            if self.checkpoints is not None:
+                self.save_checkpoint()
+            if self.commit is not None:
+                self.commit()
+
+    def train_epoch(self, until_step: Optional[int] = None) -> Tuple[Dict[str, float], float]:
+        """One pass over this rank's shard; returns (mean train metrics over all ranks, global samples)."""
+        cfg, position, strategy = self.config, self.position, self.strategy
+        device = self.topology.world.device
+        # 2. A new permutation each epoch, the same on every rank; each rank takes its slice
+        #    (from where a resumed epoch stopped).
+        self.batching.sampler.set_epoch(position.epoch, start=position.epoch_position)
+        self.model.train()
+        window = RunningMeans(device)
+        throughput = Throughput(self.batching.world.size)  # data-parallel width: distinct samples
+        epoch_totals = Totals()
+
+        for index, batch in enumerate(self.batching.train_loader):
+            if self.finished(until_step):
+                break
+            batch = to_device(batch, device)
+            samples = batch_size(batch)
+            # 3. Forward and backward on this rank's micro-batch; the strategy's hooks start each
+            #    gradient's reduction as soon as backward has produced it.
+            self.phase = "the forward and backward pass"
+            loss, metrics = strategy.forward_backward(self.step_fn, batch, self.precision.autocast,
+                                                      self.precision.scale_loss, cfg.accumulation)
+            window.add(loss, metrics, samples if strategy.counts_samples else 0)
+            throughput.add(samples)
+            if (index + 1) % cfg.accumulation:
+                continue
+            # 5. Wait for the reduced gradients, then the same update on every rank. The wait
+            #    is timed apart from the update: it is the step's exposed communication.
+            self.phase = "gradient synchronization"
+            waited = time.perf_counter()
+            strategy.synchronize()
+            throughput.add_wait(time.perf_counter() - waited)
+            self.phase = "the optimizer step"
+            self.update()
+            self.reporter.after_first_step(position.step + 1)
+            strategy.zero_grad()
+            self.lr.step()
+            position.step += 1
+            position.epoch_position += self.batching.global_batch_size
+            self.faults.beat(position.step)
+            self.reporter.after_step(position.step)
+            if self.commit is not None and position.step % cfg.elastic_commit_every == 0:
+                self.commit()  # the point survivors roll back to; may raise to resize
+            # The last step of an epoch is saved by the epoch's end, as the start of the next.
+            if (self.checkpoints is not None and cfg.checkpoint_every and position.step % cfg.checkpoint_every == 0
+                    and self.batching.has_steps_left(position.epoch_position)):
+                self.save_checkpoint()
+            if self.faults.preemption_agreed(position.step):
+                self.stop_for_preemption()
+                break
+            if position.step % cfg.log_every == 0:
+                totals = window.reduce(name="train.window")
+                epoch_totals += totals
+                self.report(totals.means(), throughput)
+
+        epoch_totals += window.reduce(name="train.epoch")
+        return epoch_totals.means(), epoch_totals.count
+
+    def update(self) -> None:
+        """The synchronized gradients unscaled and checked (fp16: a step with inf/nan on any rank is
+        skipped on every rank), clipped, then the strategy's step."""
+        strategy = self.strategy
+        if self.precision.scaled and not self.precision.unscale_and_check(
+                strategy.owned_gradients(), strategy.shards_gradients, name="fp16.nonfinite"):
+            # Every rank decided alike: rank 0 says it once, the others into their own logs.
+            log = self.topology.log
+            say = log.warning if self.topology.is_root else log.info
+            say(f"step {self.position.step + 1}: inf/nan in the fp16 gradients, step skipped on every rank; "
+                f"loss scale now {self.precision.scale:g}")
+            return
+        if self.config.max_grad_norm is not None:
+            self.grad_norm = strategy.clip_grad_norm_(self.config.max_grad_norm)
+        strategy.step()
+
+    def report(self, means: Dict[str, float], throughput: Throughput) -> None:
+        """Every log_every steps: the progress display and a step record."""
+        samples_per_sec, comm_fraction = throughput.read()
+        extra: Dict[str, float] = {"grad_norm": self.grad_norm} if self.config.max_grad_norm is not None else {}
+        if self.precision.scaled:
+            extra.update(loss_scale=self.precision.scale, skipped_steps=self.precision.skipped_steps)
+        position = self.position
+        self.reporter.window(position.epoch + position.epoch_position / self.batching.dataset_size, position.step,
+                             means, self.lr.current, samples_per_sec, comm_fraction, extra)
+
+    def evaluate(self) -> Dict[str, float]:
+        """The step's loss and metrics over the whole validation set (every rank's shard), as
+        val_loss, val_<metric>."""
+        if self.batching.val_loader is None:
+            return {}
+        self.phase = "evaluation"
+        strategy = self.strategy
+        return evaluate(self.model, self.batching.val_loader,
+                        lambda _, batch: strategy.forward_only(self.step_fn, batch), self.topology.world.device,
+                        self.precision.autocast, after_batch=lambda: self.faults.beat(self.position.step),
+                        lockstep=strategy.collective_forward, counts_samples=strategy.counts_samples)
+
+    def save_checkpoint(self) -> None:
+        self.checkpoints.save()
+        self.faults.beat(self.position.step)  # a large checkpoint may take longer than a step
+
+    def stop_for_preemption(self) -> None:
+        """Every rank agreed to stop: checkpoint now, requeue the job (rank 0), and return from fit."""
+        if self.checkpoints is None:
+            self.topology.log.warning("preemption signal, but no checkpoint_dir: this run cannot be resumed")
+        else:
+            self.save_checkpoint()
+        self.preempted = True
+        self.faults.requeue_after_preemption(self.position.step)
