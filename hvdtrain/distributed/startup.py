@@ -11,7 +11,7 @@ import re
 import socket
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, MutableMapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, MutableMapping, Optional, Tuple
 
 import torch
 
@@ -109,6 +109,18 @@ class World:
         return self.rank == 0
 
 
+def threads_set_by_user(environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    """OMP_NUM_THREADS, when the user (or the site's scheduler) set it: a value the user set wins
+    over hvdtrain's own division of the host. ValueError when it is not a whole number >= 1."""
+    value = environ.get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"OMP_NUM_THREADS={value!r} is not a whole number >= 1: set it to the threads each rank "
+                         f"may use, or unset it to let hvdtrain divide the host's cores among its ranks")
+    return int(value)
+
+
 def threads_per_rank(local_size: int, cpus_visible: int, cpus_on_host: int) -> int:
     """Intra-op threads for one rank, so the ranks on a host do not oversubscribe its cores.
 
@@ -172,7 +184,7 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
     else:
         device = torch.device("cpu")
     if threads is None:
-        threads = threads_per_rank(
+        threads = threads_set_by_user() or threads_per_rank(
             hvd.local_size(), len(os.sched_getaffinity(0)), os.cpu_count() or 1
         )
     torch.set_num_threads(threads)

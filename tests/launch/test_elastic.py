@@ -1,10 +1,19 @@
-"""Horovod elastic: a worker killed mid-run does not end the run; its host comes back and rejoins.
+"""Horovod elastic: losing the host of rank 0 does not end the run, nor its checkpoints and metrics;
+the host comes back and rejoins.
 
 One machine plays three hosts: discovery lists it as ``localhost``, ``127.0.0.1`` and by its
-hostname, one slot each, talking over ``lo``. Horovod blacklists a whole host when one of its
-workers dies, and Horovod 0.28.1's Gloo transport sometimes aborts a second worker when the
-first is killed mid-collective (its issue #3264): three hosts leave at least one to go on with.
+hostname, one slot each, talking over ``lo``; which of them gets rank 0 at start is Horovod's choice
+(the hosts come as a set), so the test finds rank 0's worker by its environment. Horovod blacklists
+a whole host when one of its workers dies, and Horovod 0.28.1's Gloo transport sometimes aborts a
+second worker when the first is killed mid-collective (its issue #3264): three hosts leave at least
+one to go on with. Each "host" is this machine: OMP_NUM_THREADS=1 keeps three ranks that each see
+a host of their own from running 2 threads each on 2 cores (10x slower).
+
+Rank 0 is the rank that writes checkpoints and the run directory's metrics: after it dies, whichever
+process is rank 0 of the new world must take both over (the run starts without train.run_name, so
+the other ranks also learn the run directory's name from rank 0 at the first elastic sync).
 """
+import json
 import os
 import re
 import signal
@@ -22,8 +31,10 @@ HOST = socket.gethostname()
 TIMEOUT = 420
 
 
-def workers_on(host):
-    """PIDs of train.py workers that horovodrun placed on ``host``."""
+def workers(marker, **environment):
+    """PIDs of this test's train.py workers (``marker`` in their command line) whose environment
+    has every given HOROVOD_* value, as horovodrun set it when it started them."""
+    wanted = [f"HOROVOD_{key.upper()}={value}".encode() for key, value in environment.items()]
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -33,26 +44,33 @@ def workers_on(host):
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"train.py" in cmdline and f"HOROVOD_HOSTNAME={host}".encode() in environ:
+        if b"train.py" in cmdline and any(marker.encode() in arg for arg in cmdline) \
+                and all(item in environ for item in wanted):
             found.append(int(entry.name))
     return found
+
+
+def checkpoint_steps(directory):
+    return sorted(int(p.name[5:14]) for p in directory.glob("ckpt-*.pt"))
 
 
 # The test's own deadline must fire before pytest-timeout's default (300 s), or a slow machine
 # ends the test with a stack dump instead of the run's output.
 @pytest.mark.timeout(TIMEOUT + 60)
 @pytest.mark.skipif(HOST in ("localhost", ""), reason="needs a hostname other than localhost")
-def test_a_killed_worker_does_not_end_the_run_and_its_host_rejoins(tmp_path):
+def test_losing_rank_0s_host_keeps_checkpoints_and_metrics_going_and_the_host_rejoins(tmp_path):
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\nprintf 'localhost:1\\n127.0.0.1:1\\n{HOST}:1\\n'\n")
     discover.chmod(0o755)
+    checkpoints, runs = tmp_path / "ckpt", tmp_path / "runs"
     argv = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "1", "--max-np", "3",
             "--host-discovery-script", str(discover), "--network-interface", "lo",
             "--gloo-timeout-seconds", "5", "--blacklist-cooldown-range", "1", "2",
             PYTHON, "train.py", "--epochs", "25", "--elastic-commit-every", "5", "--require-accuracy", "0.95",
-            f"--train.run_dir={tmp_path / 'runs'}"]
-    process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+            f"--train.run_dir={runs}", f"--train.checkpoint_dir={checkpoints}", "--train.checkpoint_every=10",
+            "--train.log_every=5"]
+    process = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
     reader.start()
@@ -61,9 +79,10 @@ def test_a_killed_worker_does_not_end_the_run_and_its_host_rejoins(tmp_path):
         while not any(re.search(r"step [2-9]\d ", line) for line in list(lines)):
             assert process.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
             time.sleep(0.2)
-        victims = workers_on(HOST)
-        assert len(victims) == 1, f"expected 1 worker on {HOST}, found {victims}"
+        victims = workers(str(checkpoints), rank=0)
+        assert len(victims) == 1, f"expected one worker started as rank 0, found {victims}"
         os.kill(victims[0], signal.SIGKILL)
+        killed_after = max(checkpoint_steps(checkpoints), default=0)
         process.wait(timeout=max(1, deadline - time.monotonic()))
     finally:
         if process.poll() is None:
@@ -81,3 +100,14 @@ def test_a_killed_worker_does_not_end_the_run_and_its_host_rejoins(tmp_path):
     assert grow > 0, f"the killed host did not rejoin:\n{output[-4000:]}"
     final = re.search(r"final validation accuracy: ([0-9.]+) on 359 held-out digits, 3 workers", output)
     assert final and float(final.group(1)) >= 0.95, output[-2000:]
+
+    # Rank 0's successor went on writing checkpoints and metrics, into the one run directory.
+    written = checkpoint_steps(checkpoints)
+    assert written and written[-1] > killed_after + 10, f"checkpoints {written}, the last before the kill {killed_after}"
+    (run_dir,) = runs.iterdir()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps and max(steps) > killed_after + 10, f"step records {steps}, the last checkpoint before the kill {killed_after}"
+    assert [r for r in records if r["kind"] == "epoch"][-1]["epoch"] == 25.0
+    logs = sorted(p.name for p in (run_dir / "logs").iterdir())
+    assert logs == ["rank-0.log", "rank-1.log", "rank-2.log"], logs

@@ -1,6 +1,6 @@
 import pytest
 
-from hvdtrain.distributed.startup import ENV_DEFAULTS, apply_env_defaults, threads_per_rank
+from hvdtrain.distributed.startup import ENV_DEFAULTS, apply_env_defaults, threads_per_rank, threads_set_by_user
 from hvdtrain.distributed.rng import rank_seed
 
 
@@ -12,6 +12,14 @@ from hvdtrain.distributed.rng import rank_seed
 ])
 def test_threads_per_rank_divides_the_host_or_keeps_the_binding(local_size, visible, host, expected):
     assert threads_per_rank(local_size, visible, host) == expected
+
+
+def test_omp_num_threads_set_by_the_user_wins_and_a_bad_value_is_named():
+    assert threads_set_by_user({"OMP_NUM_THREADS": "3"}) == 3
+    assert threads_set_by_user({}) is None and threads_set_by_user({"OMP_NUM_THREADS": " "}) is None
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(ValueError, match=f"OMP_NUM_THREADS='{bad}' is not a whole number >= 1"):
+            threads_set_by_user({"OMP_NUM_THREADS": bad})
 
 
 def test_rank_seeds_differ_per_rank_and_repeat_per_run():
