@@ -12,15 +12,14 @@ import sys
 import torch
 
 import hvdtrain
-from hvdtrain.config.loader import job_argument_parser, parse_job, to_dict
 from hvdtrain.examples.digits import DigitsCNN, DigitsJob, load_digits_datasets
 
 
 def main(argv=None) -> int:
-    parser = job_argument_parser(DigitsJob, __doc__)
+    parser = hvdtrain.job_argument_parser(DigitsJob, __doc__)
     parser.add_argument("--require-accuracy", type=float, default=None,
                         help="exit 1 unless the final validation accuracy reaches this fraction")
-    job, args = parse_job(DigitsJob, parser, argv)
+    job, args = hvdtrain.parse_job(DigitsJob, parser, argv)
     config = job.train
 
     world = hvdtrain.init(seed=config.seed, timeline=config.timeline_steps > 0,
@@ -30,7 +29,7 @@ def main(argv=None) -> int:
     model = DigitsCNN(channels=job.model.channels, hidden=job.model.hidden).to(dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, config, world=world,
-                               job_config=to_dict(job))
+                               job_config=hvdtrain.to_dict(job))
     final = trainer.run()  # None: preempted, checkpointed (and requeued under SLURM); a restart resumes
     if final is None:
         return 0

@@ -14,7 +14,6 @@ import sys
 import torch
 
 import hvdtrain
-from hvdtrain.config.loader import job_argument_parser, parse_job, to_dict
 from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
 from hvdtrain.examples.textlm import (TextLMJob, TinyTransformerLM, bits_per_char, generate, lm_loss,
                                       load_text_datasets, unigram_bits_per_char)
@@ -23,10 +22,10 @@ PROMPT = "The if statement"
 
 
 def main(argv=None) -> int:
-    parser = job_argument_parser(TextLMJob, __doc__)
+    parser = hvdtrain.job_argument_parser(TextLMJob, __doc__)
     parser.add_argument("--require-bpc", type=float, default=None,
                         help="exit 1 unless the final validation bits/char is at most this")
-    job, args = parse_job(TextLMJob, parser, argv)
+    job, args = hvdtrain.parse_job(TextLMJob, parser, argv)
     config = job.train
 
     world = hvdtrain.init(seed=config.seed, timeline=config.timeline_steps > 0,
@@ -38,7 +37,7 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     # How the transformer splits under --train.tensor_parallel / --train.pipeline_parallel.
     trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, config, loss_fn=lm_loss,
-                               world=world, job_config=to_dict(job),
+                               world=world, job_config=hvdtrain.to_dict(job),
                                model_plan=hvdtrain.ModelPlan(tensor_plan=tensor_plan(model),
                                                              pipeline_layers=pipeline_layers))
     final = trainer.run()  # None: preempted, checkpointed (and requeued under SLURM); a restart resumes

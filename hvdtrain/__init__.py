@@ -1,11 +1,13 @@
 """hvdtrain: data-parallel PyTorch training across many machines, on Horovod and MPI.
 
-    world = hvdtrain.init(seed=42)
-    trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, hvdtrain.TrainConfig())
+    job, args = hvdtrain.parse_job(MyJob, hvdtrain.job_argument_parser(MyJob, __doc__))
+    world = hvdtrain.init(seed=job.train.seed)
+    trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, job.train, world=world)
     history = trainer.fit()
 
-The names below are imported on first use, so that ``import hvdtrain`` (and tools that run on
-login nodes, such as the launcher) does not pay for importing torch and Horovod.
+The names below are the public API; everything else is internal and may change. They are imported
+on first use, so that ``import hvdtrain`` (and the tools that run on login nodes) does not pay for
+importing torch and Horovod.
 """
 from __future__ import annotations
 
@@ -15,11 +17,20 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    # start-up and who this process is
     "init": "hvdtrain.distributed.startup",
     "World": "hvdtrain.distributed.startup",
+    # settings
+    "TrainConfig": "hvdtrain.config.train",
+    "parse_job": "hvdtrain.config.loader",
+    "job_argument_parser": "hvdtrain.config.loader",
+    "load_job": "hvdtrain.config.loader",
+    "to_dict": "hvdtrain.config.loader",
+    # training
     "Trainer": "hvdtrain.trainer",
     "ModelPlan": "hvdtrain.parallel.model_plan",
-    "TrainConfig": "hvdtrain.config.train",
+    "StepFn": "hvdtrain.training.steps",
+    "supervised_step": "hvdtrain.training.steps",
     "ShardedSampler": "hvdtrain.data.sharding",
 }
 

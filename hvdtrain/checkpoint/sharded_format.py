@@ -1,17 +1,12 @@
 """Sharded checkpoints on disk: one file per rank and a manifest, published as one directory.
 
     ckpt-000000030/
-      manifest.json              format, strategy, world size, step; per file its rank, bytes
-                                 and sha256; the run state every rank shares (scheduler, epoch,
-                                 step, epoch_position, global_batch, config)
-      rank-00000-of-00002.pt     rank 0's slices of the parameters and optimizer state, the
-      rank-00001-of-00002.pt     layout needed to reassemble them, and that rank's RNG states
+      manifest.json            strategy, world size, step, each file's bytes and sha256, the run state
+      rank-00000-of-00002.pt   a rank's slices, the layout to reassemble them, and its RNG states
 
-A save writes into the hidden ``.ckpt-000000030.tmp/``: every rank its own file (fsynced), then
-rank 0 checks that every file is there, writes the manifest, renames the directory into place and
-fsyncs its parent; only then does ``latest`` move. A kill at any moment leaves either no
-``ckpt-000000030/`` (the hidden directory is never read, and the next save removes it) or a
-complete one. Only file handling lives here; which rank does what is hvdtrain.checkpoint.protocol's.
+Every rank writes its file into a hidden ``.ckpt-000000030.tmp/``; rank 0 checks them, writes the
+manifest and renames the directory into place, then ``latest`` moves: a kill leaves no directory or
+a complete one. Which rank does what is hvdtrain.checkpoint.protocol's.
 """
 from __future__ import annotations
 

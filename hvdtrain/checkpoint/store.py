@@ -1,13 +1,9 @@
-"""Checkpoints of one run: written atomically, the last K kept, read back without unpickling code.
+"""The checkpoints of one run in one directory: the full format (``ckpt-NNNNNNNNN.pt``), both kinds
+listed, ``latest``, the last K kept, read back without unpickling code.
 
-Only file handling lives here; who writes (rank 0) and how the state reaches the other ranks
-(a broadcast) is the Trainer's business. A kill at any moment leaves every complete checkpoint
-readable: a checkpoint is written to a temporary file, flushed to disk, then renamed into place,
-and only then does the ``latest`` pointer move to it.
-
-Two kinds live side by side: full checkpoints (``ckpt-NNNNNNNNN.pt``, one file, here) and sharded
-ones (``ckpt-NNNNNNNNN/``, one file per rank and a manifest, hvdtrain.checkpoint.sharded_format). The
-newest complete one of either kind is read; at the same step the full one wins (any run resumes it).
+Files are written atomically and ``latest`` moves only after: a kill leaves every complete
+checkpoint readable. The newest complete one of either kind is read; at the same step the full one
+wins (a consolidated checkpoint beside its sharded directory).
 """
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
-"""A job's settings from a YAML file plus ``--section.key=value`` overrides, typed and checked.
+"""A job's settings: a dataclass of sections (``train`` is hvdtrain's TrainConfig, the script adds its
+own), filled from the defaults, then a YAML file, then ``--section.key=value`` overrides.
 
-A job's configuration is a dataclass whose fields are sections, each section a dataclass
-(``train`` is always hvdtrain's TrainConfig; the script adds its own, e.g. ``model``)::
-
-    @dataclass
-    class DigitsJob:
-        train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=12))
-        model: DigitsModelConfig = field(default_factory=DigitsModelConfig)
-
-    job = load_job(DigitsJob, "configs/digits.yaml", ["--train.lr=0.05"])
-
-Precedence: the dataclass defaults, then the file, then the command line. Unknown sections or
-keys and values of the wrong type are errors that name the key, where it came from, and the
-valid choices; nothing is silently ignored.
+An unknown section or key, or a value of the wrong type, is an error naming the key, where it came
+from and what is accepted; nothing is silently ignored.
 """
 from __future__ import annotations
 

@@ -1,23 +1,12 @@
-"""train.compile: the model's forward through torch.compile, the module itself kept.
+"""train.compile: the model's forward through torch.compile, in place.
 
-Only the forward is compiled, in place: the model stays the same ``nn.Module`` object, so the
-strategy's hooks stay on its parameters, its ``state_dict`` keys are unchanged, and checkpoints and
-the exported model.safetensors are what an uncompiled run writes. Its ``forward`` becomes the
-compiled function of its class's forward, bound to it (a deep copy of the model binds it to the copy).
-Not ``torch.compile(model)``: that returns a wrapper whose ``state_dict`` keys carry an
-``_orig_mod.`` prefix. Not ``model.compile()``: under torch 2.13 it silently runs eager for a model
-of torch's own classes (an ``nn.Sequential``) without module hooks (pytorch/pytorch#150915).
-
-AOTAutograd compiles the backward too, as one autograd node: every parameter's gradient comes out
-of it at the end of backward, and only then do Horovod's hooks (ddp) and ZeRO's (zero1, zero2) start
-the reductions. The result is the same; the reductions no longer overlap the backward.
-
-Compilation is lazy: the first training step compiles (tens of seconds on a small CPU), the first
-evaluation once more (no autograd, eval mode); another input shape may compile again.
-
-On CPU, Inductor's layout optimization (convolutions in channels-last) is off: under torch 2.13 it
-returns zero gradients for the convolutions of a small CNN (the digits CNN: 1 -> 32 -> 64 channels,
-max-pool, two dense layers; float32 and float64), which then trains its dense layers only, silently.
+The model stays the same ``nn.Module`` (its ``forward`` becomes the compiled function bound to it),
+so the strategy's hooks, the ``state_dict`` keys, checkpoints and the export are an eager run's. Not
+``torch.compile(model)`` (its keys carry ``_orig_mod.``), not ``model.compile()`` (eager for torch's
+own container classes under torch 2.13, pytorch/pytorch#150915). AOTAutograd compiles the backward as
+one node, so the gradients' reductions start when it ends: the same result, no overlap. On CPU
+Inductor's layout optimization is off: under torch 2.13 it returns zero convolution gradients for a
+small CNN (the digits CNN), silently.
 """
 from __future__ import annotations
 

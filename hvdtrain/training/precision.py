@@ -1,16 +1,9 @@
-"""Mixed precision: the forward under autocast, and for fp16 a dynamic loss scale.
+"""Mixed precision: the forward under autocast (bf16, fp16), and for fp16 a dynamic loss scale.
 
-    fp32  nothing changes
-    bf16  forward under torch.autocast(bfloat16): bf16 has fp32's exponent range, so gradients
-          neither underflow nor overflow and need no scaling (runs on CPUs too)
-    fp16  forward under torch.autocast(float16), the loss multiplied by a scale before backward so
-          that small gradients survive fp16, in Horovod's order: synchronize (the scaled gradients
-          averaged), unscale, check for inf/nan, step (the strategy's, already synchronized)
-
-The check is the ranks' common decision: under a sharded strategy each rank holds only its slice
-of the gradients, so one scalar (inf/nan found anywhere) is all-reduced and every rank skips the
-same steps. That is why this is not torch's GradScaler, which decides per process. The scale and
-its growth counter go into checkpoints, so a resumed fp16 run continues with the same scale.
+fp16 follows Horovod's order: synchronize the scaled gradients, unscale, check for inf/nan, step.
+The check is one all-reduced flag, not torch's per-process GradScaler: under a sharded strategy each
+rank holds only a slice of the gradients, and every rank must skip the same steps. The scale goes
+into checkpoints. bf16 has fp32's exponent range and needs no scale.
 """
 from __future__ import annotations
 

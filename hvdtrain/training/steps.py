@@ -1,14 +1,9 @@
-"""What one training or evaluation step computes: a loss to train on and metrics to report.
+"""What one step computes: ``step_fn(model, batch) -> (loss, metrics)``, the batch's mean loss and a
+dict of per-batch means, over a batch of any structure (tuples, dicts, nesting).
 
-A step function takes the model and one batch as the loader gives it (a tuple, a dict as Hugging
-Face datasets give, any nesting of them) and returns ``(loss, metrics)``: the batch's mean loss
-and a dict of per-batch means (tensors or numbers). The Trainer moves the batch to the device,
-weights every value by the batch's size (its leading dimension) and reduces the sums across ranks,
-so a reported metric is the mean over every rank's samples.
-
-Without one, ``supervised_step(loss_fn)`` serves ``(inputs, targets)`` batches:
-``loss_fn(model(inputs), targets)``, and accuracy when it means something (integer class targets
-and one score per class).
+The loop moves the batch to the device, weights every value by the batch's size and sums across
+ranks, so a reported metric is the mean over every rank's samples. ``supervised_step(loss_fn)``
+serves ``(inputs, targets)`` batches, with accuracy for integer class targets.
 """
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
-"""Synchronized batch normalization on every device Horovod runs on (CPU over MPI or Gloo, GPU over NCCL).
+"""BatchNorm over the global batch on every device Horovod runs on (CPU over MPI or Gloo, GPU over NCCL).
 
-In training, a BatchNorm layer normalizes with the statistics of the global batch (every rank's
-samples) instead of its own rank's, so N workers x batch B compute what one process with the N*B
-batch computes. Horovod's ``hvd.SyncBatchNorm`` refuses CPU tensors and needs
-``torch.batch_norm_stats`` (no CPU kernel); this one is written with plain tensor operations and
-Horovod all-reduces, so the same code runs wherever the tensor lives.
-
-Per layer and training step (C channels; ``count`` = samples x spatial positions per channel):
-
-    forward   all-reduce(Sum) [sum_x (C), count (1)]      -> mean = sum_x / count
-              all-reduce(Sum) [sum (x - mean)^2 (C)]      -> var = that / count (biased: normalizes),
-                                                             that / (count - 1) (unbiased: running_var)
-    backward  the same two all-reduces in reverse, on the gradients (autograd, see _AllreduceSum)
-
-The second pass over x - mean (instead of sum x^2 - count mean^2) keeps the variance exact up to
-the summation order. In eval mode with running statistics, and when Horovod is not initialized or
-runs one process, the layer is torch's BatchNorm itself: no collective, bitwise the same numbers.
-
-Every rank must run every training forward and backward of every layer (also a rank whose batch
-is empty: it contributes count 0), in the same order: each is a collective.
+N workers x batch B normalize with the statistics one process with the N*B batch computes: two
+all-reduces per layer forward (sum and count, then the squared deviations: exact up to summation
+order) and two backward. Horovod's own ``hvd.SyncBatchNorm`` refuses CPU tensors, so this one is
+plain tensor operations and Horovod all-reduces. Each training forward and backward of every layer
+is a collective: every rank runs them, in the same order (a rank with an empty batch adds count 0).
+In eval mode, or without Horovod, the layer is torch's own BatchNorm.
 """
 from __future__ import annotations
 
