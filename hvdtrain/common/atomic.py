@@ -11,21 +11,18 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
 
-def fsync_directory(directory: Path) -> None:
-    """Make a rename durable: the directory entry must reach the disk too."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries (a rename in it), to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename durable: the directory entry must reach the disk too."""
+    fsync_path(directory)
 
 
 @contextmanager
@@ -36,7 +33,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield temporary
-        _fsync_file(temporary)
+        fsync_path(temporary)
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
