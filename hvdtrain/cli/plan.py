@@ -10,26 +10,22 @@ A memory that fits nothing is an error that says the memory per worker and the w
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from typing import List
 
+from hvdtrain.common import units
+from hvdtrain.common.tables import format_table
+from hvdtrain.common.units import MiB, format_bytes
 from hvdtrain.planner import plan
-from hvdtrain.bench.common import report
-from hvdtrain.bench.projection.driver import LABEL, MiB, NETWORKS
-from hvdtrain.common.units import format_bytes
-
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.I)
+from hvdtrain.planner.network import LABEL, NETWORKS
 
 
 def parse_bytes(text: str) -> float:
     """'2GiB', '40GB', '512MiB', '1e9' -> bytes."""
-    match = _SIZE.match(text)
-    if not match or match.group(2).lower() not in _UNITS:
+    size = units.parse_bytes(text)
+    if size is None:
         raise argparse.ArgumentTypeError(f"a memory size like 2GiB, 40GB or 512MiB, not {text!r}")
-    return float(match.group(1)) * _UNITS[match.group(2).lower()]
+    return size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,7 +90,7 @@ def table_lines(result: plan.Plan) -> List[str]:
              f"(assumed). Layouts that fit, fastest first:")
     headers = ["strategy", "T", "P", "D", "M", "params+grads+state MiB (modelled)", "activations MiB (modelled)",
                "total MiB (modelled)", "step ms (modelled)", "samples/s (modelled)"]
-    lines = [report.format_table(headers, rows, title)]
+    lines = [format_table(headers, rows, title)]
     if result.too_big:
         lines.append("do not fit: " + ", ".join(f"{e.layout.name} ({format_bytes(e.total)})"
                                                  for e in sorted(result.too_big, key=lambda e: e.total)))
@@ -119,5 +115,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:  # NothingFits included
         print(f"hvdtrain plan: {error}", file=sys.stderr)
         return 2
-    report.print_lines(table_lines(result))
+    print("\n".join(table_lines(result)), flush=True)
     return 0

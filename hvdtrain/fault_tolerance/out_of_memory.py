@@ -20,15 +20,14 @@ import torch
 
 from hvdtrain.config.train import STRATEGIES
 from hvdtrain.planner.plan import sharded_state_bytes
-from hvdtrain.common.units import format_bytes
+from hvdtrain.common.units import format_bytes, parse_bytes
 
 # Optimizer state, in parameter-sized tensors, of the usual optimizers (exp_avg and exp_avg_sq...).
 STATE_TENSORS_PER_PARAMETER = {
     "Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2,
     "Adagrad": 1, "Rprop": 2, "ASGD": 2,
 }
-_TRIED = re.compile(r"tried to allocate (\d+) bytes|Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB)", re.I)
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+_TRIED = re.compile(r"tried to allocate (\d+) bytes|Tried to allocate ([0-9.]+ (?:B|KiB|MiB|GiB))", re.I)
 
 
 class OutOfMemory(RuntimeError):
@@ -60,7 +59,7 @@ def tried_bytes(message: str) -> Optional[int]:
         return None
     if match.group(1):
         return int(match.group(1))
-    return int(float(match.group(2)) * _UNITS[match.group(3)])
+    return int(parse_bytes(match.group(2)))
 
 
 def state_tensors_per_parameter(optimizer: torch.optim.Optimizer) -> int:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from hvdtrain.bench.common.report import new_figure, save_figure
+from hvdtrain.observability.figures import new_figure, save_figure
 from hvdtrain.observability.run_directory import METRICS_FILE
 
 RESTART = "_restart"  # set by load_metrics on the first step record after a restart

@@ -39,7 +39,9 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from hvdtrain.bench.projection.driver import CALIBRATION, LABEL, MiB, NETWORKS, Calibration, Network, bytes_per_s, expected_max_normal, ring_bandwidth_s, ring_latency_s
+from hvdtrain.common.units import MiB
+from hvdtrain.planner.network import (CALIBRATION, LABEL, NETWORKS, Calibration, Network, bytes_per_s,
+                                      expected_max_normal, ring_bandwidth_s, ring_latency_s)
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "ps")
 PRECISIONS = {"fp32": 4, "bf16": 2}          # bytes of a parameter, a gradient and an activation

@@ -7,7 +7,7 @@ import pytest
 
 from hvdtrain.planner import plan
 from hvdtrain.bench.plan import driver as plan_check, worker as plan_check_worker
-from hvdtrain.bench.projection.driver import CALIBRATION, ring_bandwidth_s, ring_latency_s
+from hvdtrain.planner.network import CALIBRATION, ring_bandwidth_s, ring_latency_s
 
 SHAPE = plan.ModelShape(layers=2, d_model=32, seq_len=8, vocab=11, heads=4)
 

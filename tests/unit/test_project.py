@@ -6,8 +6,10 @@ import pytest
 
 from hvdtrain import cli
 
-from hvdtrain.bench.projection import driver as project
-from hvdtrain.bench.projection.driver import ANCHORS, CALIBRATION, LABEL, NETWORKS, Calibration, Network, Workload, calibrate, expected_max_normal, predict, ring_bandwidth_s, ring_latency_s
+from hvdtrain.planner import projection as project
+from hvdtrain.planner.network import (CALIBRATION, LABEL, NETWORKS, Calibration, Network, expected_max_normal,
+                                      ring_bandwidth_s, ring_latency_s)
+from hvdtrain.planner.projection import ANCHORS, Workload, calibrate, predict
 
 RESNET = project.model_workload("resnet101")
 
@@ -140,5 +142,5 @@ def test_cli_refuses_an_incomplete_workload(tmp_path, capsys):
 
 
 def test_the_model_does_not_import_torch():
-    code = "import sys, hvdtrain.bench.projection.driver; assert 'torch' not in sys.modules"
+    code = "import sys, hvdtrain.planner.projection, hvdtrain.bench.projection.driver; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -22,7 +22,6 @@ gathered output), algbw = S / time, busbw = algbw x 2(n-1)/n (all-reduce), (n-1)
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -30,12 +29,14 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from hvdtrain.bench.common import jobs, report, stats
+from hvdtrain.common.units import MiB, binary_label, parse_binary_size
+from hvdtrain.common.tables import format_table
+from hvdtrain.observability.figures import new_figure, save_figure
 
 WORKER = "hvdtrain.bench.collectives.worker"
 OPS = ("allreduce", "broadcast", "allgather")
-MIB = 1 << 20
 DEFAULT_SIZES = tuple(4096 * 4 ** k for k in range(8))  # 4K, 16K, ... 64M
-TARGET_RATIO, TARGET_FROM = 0.9, MIB  # Horovod-MPI all-reduce vs raw MPI, at >= 1 MiB (issue 5)
+TARGET_RATIO, TARGET_FROM = 0.9, MiB  # Horovod-MPI all-reduce vs raw MPI, at >= 1 MiB (issue 5)
 BACKENDS = ("mpi", "mpi_alone", "horovod_mpi", "horovod_gloo", "torch_gloo", "memcpy")
 LABELS = {"mpi": "raw MPI", "mpi_alone": "raw MPI alone", "horovod_mpi": "Horovod MPI",
           "horovod_gloo": "Horovod Gloo*", "torch_gloo": "torch gloo", "memcpy": "memcpy (limit)"}
@@ -61,17 +62,13 @@ def busbw_factor(op: str, ranks: int) -> float:
     return {"allreduce": 2 * (ranks - 1) / ranks, "allgather": (ranks - 1) / ranks, "broadcast": 1.0}[op]
 
 
-_SIZE = re.compile(r"^(\d+)([KMG]?)(?:I?B)?$", re.IGNORECASE)
-_UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
 def parse_size(token: str) -> int:
-    match = _SIZE.match(token.strip())
-    if not match or int(match.group(1)) == 0:
+    size = parse_binary_size(token)
+    if not size:
         raise argparse.ArgumentTypeError(
             f"{token!r} is not a size: use bytes with an optional K, M or G suffix (powers of 1024), "
             f"e.g. 4K,1M,64M")
-    return int(match.group(1)) * _UNIT[match.group(2).upper()]
+    return size
 
 
 def parse_sizes(text: str) -> List[int]:
@@ -87,10 +84,7 @@ def parse_ops(text: str) -> List[str]:
 
 
 def size_label(size: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if size % scale == 0:
-            return f"{size // scale}{unit}"
-    return str(size)
+    return binary_label(size)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -181,7 +175,7 @@ def op_table(op: str, rows: Sequence[Dict[str, Any]], ranks: int) -> str:
              f"{busbw_factor(op, ranks):.2f}; time = median of n figures, +-% = half their min-max range")
     headers = ["size(B)", "count", "backend", "time(us)", "+-%", "n", "algbw(GB/s)", "busbw(GB/s)",
                "x raw MPI", "x MPI alone"]
-    return report.format_table(headers, body, title=title)
+    return format_table(headers, body, title=title)
 
 
 def target(rows: Sequence[Dict[str, Any]], ranks: int) -> Dict[str, Any]:
@@ -241,7 +235,7 @@ def notes(runs: Sequence[Dict[str, Any]]) -> List[str]:
 
 
 def plot(rows: Sequence[Dict[str, Any]], ops: Sequence[str], path: Path) -> Path:
-    fig, axes = report.new_figure(ncols=len(ops))
+    fig, axes = new_figure(ncols=len(ops))
     for ax, op in zip(axes, ops):
         for backend in BACKENDS:
             mine = sorted((r for r in rows if r["op"] == op and r["backend"] == backend),
@@ -267,7 +261,7 @@ def plot(rows: Sequence[Dict[str, Any]], ops: Sequence[str], path: Path) -> Path
         ax.set_title(f"{op} (busbw = algbw x {BUSBW_FACTOR_TEXT[op]})")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
-    return report.save_figure(fig, path)
+    return save_figure(fig, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -29,7 +29,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-MIB = 1 << 20
+from hvdtrain.common.units import MiB
+
 OPS = ("allreduce", "broadcast", "allgather")
 BACKENDS = {"mpi": ("mpi", "horovod_mpi", "torch_gloo", "memcpy"),
             "gloo": ("horovod_gloo", "torch_gloo", "memcpy"),
@@ -267,7 +268,7 @@ def check(backend: str, op: str, call: Call, buf: Buffers, coordinator: Any) -> 
 def iterations(size: int, iters: int, warmup: int) -> Tuple[int, int]:
     """(warm-up, timed) calls: ``iters`` up to 1 MiB, then fewer so each figure moves about as many
     bytes as at 1 MiB (20 x 64 MiB per back-end would take minutes here), never fewer than 3 timed."""
-    scale = min(1.0, MIB / size)
+    scale = min(1.0, MiB / size)
     return max(min(warmup, 1), round(warmup * scale)), max(min(iters, 3), round(iters * scale))
 
 

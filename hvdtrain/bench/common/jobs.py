@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
 
+from hvdtrain.common.atomic import write_text_atomically
 from hvdtrain.launch.commands import LaunchSpec, exports_present, horovodrun_argv, openmpi_argv
 from hvdtrain.launch.hostfile import Host
 
@@ -71,6 +72,4 @@ def run_job(module: str, args: Sequence[str], np: int, launcher: str, timeout: f
 
 def write_result(out: Path, payload: Dict[str, Any]) -> None:
     """Rank 0 of a worker job: leave the result where ``run_job`` reads it (whole or not at all)."""
-    tmp = Path(str(out) + ".tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, out)
+    write_text_atomically(Path(out), json.dumps(payload))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -34,3 +34,8 @@ def summarize(values: Sequence[float]) -> Summary:
 def ratio(numerator: Summary, denominator: Summary) -> float:
     """Ratio of medians; both were measured side by side in the same run."""
     return numerator.median / denominator.median if denominator.median else float("nan")
+
+
+def median(values: Sequence[Optional[float]]) -> float:
+    present = [v for v in values if v is not None and v == v]
+    return summarize(present).median if present else float("nan")

@@ -34,17 +34,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-from hvdtrain.bench.common import jobs, lm_workload, report
+from hvdtrain.bench.common import jobs, lm_workload, report, stats
 from hvdtrain.launch.hostfile import Host
+from hvdtrain.common.tables import format_table
+from hvdtrain.observability.figures import new_figure, save_figure
 
 WORKER = "hvdtrain.bench.model_parallel.worker"
 SCHEDULES = ("gpipe", "1f1b")
 FLOAT32 = 4
-MIB = 2 ** 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,10 +140,6 @@ def rank_bytes(dims: Dict[str, int], tensor: int, stages: int, held: Iterable[in
 
 # ---- summaries of the workers' figures --------------------------------------------------------
 
-def _median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 def pipeline_rows(result: Dict[str, Any]) -> List[Dict[str, Any]]:
     """One row per (M, stage): both schedules' idle shares (median over steps, with min and max),
     wait shares, step times and most micro-batches held, beside the theory."""
@@ -161,11 +157,11 @@ def pipeline_rows(result: Dict[str, Any]) -> List[Dict[str, Any]]:
                 steps = rank["steps"].get(f"{schedule}/{m}", [])
                 idle = [1 - compute / wall for wall, compute, _, _ in steps if wall > 0]
                 row[schedule] = {
-                    "idle": _median(idle), "idle_min": min(idle, default=float("nan")),
+                    "idle": stats.median(idle), "idle_min": min(idle, default=float("nan")),
                     "idle_max": max(idle, default=float("nan")),
-                    "wait_share": _median([wait / wall for wall, _, wait, _ in steps if wall > 0]),
-                    "step_ms": _median([wall * 1e3 for wall, _, _, _ in steps]),
-                    "compute_ms": _median([compute * 1e3 for _, compute, _, _ in steps]),
+                    "wait_share": stats.median([wait / wall for wall, _, wait, _ in steps if wall > 0]),
+                    "step_ms": stats.median([wall * 1e3 for wall, _, _, _ in steps]),
+                    "compute_ms": stats.median([compute * 1e3 for _, compute, _, _ in steps]),
                     "max_in_flight": max((int(s[3]) for s in steps), default=0),
                     "in_flight_theory": in_flight_theory(schedule, m, stages, rank["stage"]),
                     "steps": len(steps),
@@ -182,17 +178,17 @@ def tensor_summary(result: Dict[str, Any]) -> Dict[str, Any]:
     for rank in sorted(result["per_rank"], key=lambda r: r["rank"]):
         split, whole = rank["steps"]["tensor"], rank["steps"]["whole"]
         isolated = rank["steps"].get("isolated", [])
-        split_ms = _median([s[0] * 1e3 for s in split])
-        whole_ms = _median([s[0] * 1e3 for s in whole])
-        allreduce_ms = _median([s[1] * 1e3 for s in split])
-        isolated_ms = _median([s[0] * 1e3 for s in isolated])
+        split_ms = stats.median([s[0] * 1e3 for s in split])
+        whole_ms = stats.median([s[0] * 1e3 for s in whole])
+        allreduce_ms = stats.median([s[1] * 1e3 for s in split])
+        isolated_ms = stats.median([s[0] * 1e3 for s in isolated])
         ranks.append({
             "rank": rank["rank"], "step_ms": split_ms, "allreduce_ms": allreduce_ms,
             "isolated_ms": isolated_ms, "isolated_share": isolated_ms / split_ms if split_ms else float("nan"),
-            "share": _median([s[1] / s[0] for s in split if s[0] > 0]),
+            "share": stats.median([s[1] / s[0] for s in split if s[0] > 0]),
             "share_min": min((s[1] / s[0] for s in split if s[0] > 0), default=float("nan")),
             "share_max": max((s[1] / s[0] for s in split if s[0] > 0), default=float("nan")),
-            "bytes": int(_median([s[2] for s in split])), "calls": int(_median([s[3] for s in split])),
+            "bytes": int(stats.median([s[2] for s in split])), "calls": int(stats.median([s[3] for s in split])),
             "whole_ms": whole_ms, "speedup": whole_ms / split_ms if split_ms else float("nan"),
             "steps": len(split),
         })
@@ -247,7 +243,7 @@ def pipeline_table(rows: List[Dict[str, Any]], dims: Dict[str, int], batch: int)
              f"micro-batch = {batch}/M; idle = 1 - compute_s / schedule wall time, median over "
              f"{rows[0]['gpipe']['steps']} steps (min-max); theory (P-1)/(M+P-1); compute = the stage's "
              f"forward + backward (ScheduleStats.compute_s); held = most micro-batches held at once (theory)")
-    return ["", report.format_table(headers, table, title=title)]
+    return ["", format_table(headers, table, title=title)]
 
 
 def tensor_table(summary: Dict[str, Any]) -> List[str]:
@@ -265,7 +261,7 @@ def tensor_table(summary: Dict[str, Any]) -> List[str]:
              f"running, each after a barrier (transfer only: the rest of the timed all-reduce is waiting for the "
              f"peer); 'whole' = the unsplit model on each rank alone (T=1, no communication); all interleaved; "
              f"ideal whole / split = {t}")
-    return ["", report.format_table(headers, rows, title=title)]
+    return ["", format_table(headers, rows, title=title)]
 
 
 def memory_table(rows: List[Dict[str, Any]], dims: Dict[str, int], np: int) -> List[str]:
@@ -285,11 +281,11 @@ def memory_table(rows: List[Dict[str, Any]], dims: Dict[str, int], np: int) -> L
              f"from storages), model = {model_bytes(dims)} bytes; measured - model/(TxP) = +replicated "
              f"(LayerNorms, row-parallel biases, embeddings: whole on each tensor rank) + tied copy (the token "
              f"matrix on the last stage too) + stage balance (whole layers per stage)")
-    return ["", report.format_table(headers, table, title=title)]
+    return ["", format_table(headers, table, title=title)]
 
 
 def plot(pipelines: List[List[Dict[str, Any]]], path) -> None:
-    fig, axes = report.new_figure(ncols=max(1, len(pipelines)), width=5.5)
+    fig, axes = new_figure(ncols=max(1, len(pipelines)), width=5.5)
     for ax, rows in zip(axes, pipelines):
         stages = rows[0]["stages"]
         micro = sorted({r["micro_batches"] for r in rows})
@@ -309,7 +305,7 @@ def plot(pipelines: List[List[Dict[str, Any]]], path) -> None:
         over = " (OVERSUBSCRIBED, 2 cores)" if rows[0]["oversubscribed"] else ""
         ax.set_title(f"pipeline bubble, P={stages}{over}", fontsize=10)
         ax.legend(fontsize=7)
-    report.save_figure(fig, path)
+    save_figure(fig, path)
 
 
 # ---- the driver -------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from hvdtrain.bench.common import jobs, lm_workload, report
 from hvdtrain.bench.common.stats import summarize
 from hvdtrain.launch.hostfile import Host
+from hvdtrain.common.tables import format_table
+from hvdtrain.observability.figures import new_figure, save_figure
 
 WORKER = "hvdtrain.bench.plan.worker"
 NCCL_BASE_S = 8.4e-6  # plan's ring latency on one node: base + 2(p-1) alpha (bench project)
@@ -86,7 +88,7 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float], workers: int) -> 
 
 
 def measured_network(fit: LinkFit):
-    from hvdtrain.bench.projection.driver import Network
+    from hvdtrain.planner.network import Network
 
     return Network("measured", fit.bandwidth * 8 / 1e9, fit.alpha_s * 1e6, "pcie", 1.0,
                    "this host: fitted to timed Horovod all-reduces")
@@ -105,7 +107,7 @@ def predictions(shape, args, rates: Dict[str, float], link,
     ``update_bandwidths``: one_process and under_load, as ``calibrate`` measured them (without
     update bandwidths, plan's assumed one)."""
     from hvdtrain.planner import plan
-    from hvdtrain.bench.projection.driver import CALIBRATION
+    from hvdtrain.planner.network import CALIBRATION
 
     updates = update_bandwidths or {key: plan.DEFAULT_UPDATE_BANDWIDTH for key in ("one_process", "under_load")}
     out = {}
@@ -162,7 +164,7 @@ def table_lines(rows: List[Dict[str, Any]], title: str) -> List[str]:
     body = [[r["layout"], r["predicted_A_ms"], r["predicted_B_ms"], r["predicted_C_ms"], r["compute_ms"],
              r["bubble_ms"], r["update_ms"], r["comm_ms"], r["measured_ms"], r["measured_min_ms"], 100 * r["spread"],
              r["measured_ms"] / r["predicted_B_ms"], r["rank_predicted"], r["rank_measured"]] for r in rows]
-    return [report.format_table(headers, body, title)]
+    return [format_table(headers, body, title)]
 
 
 def verdict_lines(plans: Dict[str, Any], rows: List[Dict[str, Any]]) -> Tuple[List[str], Dict[str, Any]]:
@@ -187,7 +189,7 @@ def verdict_lines(plans: Dict[str, Any], rows: List[Dict[str, Any]]) -> Tuple[Li
 
 
 def plot(rows: List[Dict[str, Any]], path) -> None:
-    fig, (ax,) = report.new_figure(width=7, height=5.5)
+    fig, (ax,) = new_figure(width=7, height=5.5)
     xs = [r["predicted_B_ms"] for r in rows]
     ys = [r["measured_ms"] for r in rows]
     errors = [[r["measured_ms"] - r["measured_min_ms"] for r in rows], [r["measured_max_ms"] - r["measured_ms"] for r in rows]]
@@ -204,7 +206,7 @@ def plot(rows: List[Dict[str, Any]], path) -> None:
     ax.set_ylabel("step time, ms (MEASURED, median, min-max)")
     ax.set_title("hvdtrain plan: predicted vs measured, every layout")
     ax.legend(fontsize=7)
-    report.save_figure(fig, path)
+    save_figure(fig, path)
 
 
 # ---- the run ---------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Sequence
 
 from hvdtrain.bench.common import jobs, report
 from hvdtrain.launch.hostfile import Host
+from hvdtrain.common.tables import format_table
 
 WORKER = "hvdtrain.bench.ps.driver"
 BATCH, FEATURES, CLASSES = 32, 64, 10
@@ -75,7 +76,7 @@ def table(results: Sequence[Dict[str, Any]]) -> List[str]:
     first = results[0] if results else {"psi_bytes": 0, "servers": 1}
     title = (f"Bytes per rank per step (ps: counted from the all-to-alls' splits; ddp: formula), Psi = "
              f"{first['psi_bytes']} bytes (padded, float32), {first['servers']} server(s)")
-    return ["", report.format_table(headers, rows, title=title)]
+    return ["", format_table(headers, rows, title=title)]
 
 
 # The worker: one job, every rank.

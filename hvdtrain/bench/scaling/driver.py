@@ -17,6 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from hvdtrain.bench.common import jobs, report, stats
 from hvdtrain.launch.allocation import allocation_hosts
 from hvdtrain.launch.hostfile import Host, HostfileError, hosts_from_options, to_host_list, total_slots
+from hvdtrain.common.tables import format_table
+from hvdtrain.observability.figures import new_figure, save_figure
 
 WORKER = "hvdtrain.bench.throughput.worker"
 
@@ -86,7 +88,7 @@ def analyse(counts: Sequence[int], runs: Dict[int, List[Dict[str, Any]]]) -> Lis
 
 def plot(rows: List[Dict[str, Any]], path, model: str) -> None:
     measured = [r for r in rows if r["samples_per_sec"]]
-    fig, (rate_ax, eff_ax, comm_ax) = report.new_figure(ncols=3, width=4.5)
+    fig, (rate_ax, eff_ax, comm_ax) = new_figure(ncols=3, width=4.5)
     workers = [r["workers"] for r in measured]
     medians = [r["samples_per_sec"]["median"] for r in measured]
     rate_ax.errorbar(workers, medians, marker="o", capsize=3,
@@ -105,7 +107,7 @@ def plot(rows: List[Dict[str, Any]], path, model: str) -> None:
     comm_ax.set(xlabel="workers", ylabel="share of step time", title="waiting in synchronize()", ylim=(0, 1))
     for ax in (rate_ax, eff_ax, comm_ax):
         ax.set_xticks(workers)
-    report.save_figure(fig, path)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"round {round_index + 1}/{args.rounds} {count} workers: {result['samples_per_sec']:.0f} samples/s",
                   flush=True)
     rows = analyse(counts, runs)
-    table = report.format_table(
+    table = format_table(
         ["workers", "samples/s", "spread", "n", "efficiency", "comm share", "peak RSS MB"],
         [[r["workers"], r["samples_per_sec"]["median"] if r["samples_per_sec"] else float("nan"),
           f"+-{r['samples_per_sec']['spread']:.0%}" if r["samples_per_sec"] else "failed",

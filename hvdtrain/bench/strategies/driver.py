@@ -29,10 +29,13 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from hvdtrain.bench.common import jobs, report
+from hvdtrain.bench.common import jobs, report, stats
 from hvdtrain.bench.throughput import driver as throughput
-from hvdtrain.bench.throughput.driver import Job, _finite_or_none, _median, _paired, _ratio
+from hvdtrain.bench.throughput.driver import Job, paired, ratio
+from hvdtrain.common.units import MiB, mib
 from hvdtrain.launch.hostfile import Host
+from hvdtrain.common.tables import format_table
+from hvdtrain.observability.figures import new_figure, save_figure
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 # samples/s against ddp's, at --workers (2 on this machine): fsdp gathers every parameter twice a step
@@ -40,7 +43,6 @@ TARGETS = {"zero1": 0.95, "zero2": 0.95, "fsdp": 0.80}
 FORMULAS = {"ddp": "16 Psi", "zero1": "8 Psi + 8 Psi/N", "zero2": "4 Psi + 12 Psi/N", "fsdp": "16 Psi/N"}
 MIN_PARAMETERS = 25_000_000  # the real run's model: large enough that bytes and communication matter
 COMPONENTS = ("parameters", "gradients", "optimizer_state")
-MIB = 2 ** 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,7 +114,7 @@ def measure_memory(memory: List[Job], timeout: float) -> None:
             continue
         result["round"] = 0
         job.runs.append(result)
-        print(f"{job.key}: {result['memory_per_rank'][0]['total'] / MIB:.1f} MiB counted on rank 0", flush=True)
+        print(f"{job.key}: {result['memory_per_rank'][0]['total'] / MiB:.1f} MiB counted on rank 0", flush=True)
 
 
 def _per_step_ms(run: Dict[str, Any], key: str) -> float:
@@ -124,7 +126,7 @@ def speed_rows(speed: List[Job]) -> List[Dict[str, Any]]:
     ddp = speed[0]
     rows = []
     for job in speed:
-        s, pairs = job.summary(), _paired(job, ddp)
+        s, pairs = job.summary(), paired(job, ddp)
         wall = [1000 * r["elapsed_s"] / r["steps"] for r in job.runs]
         sync = [_per_step_ms(r, "sync_per_rank_s") for r in job.runs]
         stepped = [_per_step_ms(r, "step_per_rank_s") for r in job.runs]
@@ -136,17 +138,17 @@ def speed_rows(speed: List[Job]) -> List[Dict[str, Any]]:
         inside_step = [g if job.label != "fsdp" else 0.0 for g in gather]
         rows.append({
             "strategy": job.label, "workers": job.np, "samples_per_sec": s.to_dict() if s else None,
-            "ratio_to_ddp": _ratio(job, ddp), "paired_ratio_to_ddp": pairs.to_dict() if pairs else None,
-            "step_ms": _median(wall), "gradient_wait_ms": _median(sync), "strategy_step_ms": _median(stepped),
-            "update_ms": _median(update), "all_gather_ms": _median(gather),
-            "exposed_comm_ms": _median([w + g for w, g in zip(sync, gather)]),
-            "forward_backward_rest_ms": _median([t - w - a - (g - i) for t, w, a, g, i
+            "ratio_to_ddp": ratio(job, ddp), "paired_ratio_to_ddp": pairs.to_dict() if pairs else None,
+            "step_ms": stats.median(wall), "gradient_wait_ms": stats.median(sync), "strategy_step_ms": stats.median(stepped),
+            "update_ms": stats.median(update), "all_gather_ms": stats.median(gather),
+            "exposed_comm_ms": stats.median([w + g for w, g in zip(sync, gather)]),
+            "forward_backward_rest_ms": stats.median([t - w - a - (g - i) for t, w, a, g, i
                                                  in zip(wall, sync, stepped, gather, inside_step)]),
-            "minor_faults_per_step": _median([sum(r["minor_faults_per_rank"]) / r["world_size"] / r["steps"]
+            "minor_faults_per_step": stats.median([sum(r["minor_faults_per_rank"]) / r["world_size"] / r["steps"]
                                               for r in job.runs]),
-            "system_cpu_ms": _median([_per_step_ms(r, "system_cpu_per_rank_s") for r in job.runs]),
-            "comm_share": _median([r.get("comm_share") for r in job.runs]),
-            "cpu_other_cores": _median([r.get("cpu_other_cores") for r in job.runs]),
+            "system_cpu_ms": stats.median([_per_step_ms(r, "system_cpu_per_rank_s") for r in job.runs]),
+            "comm_share": stats.median([r.get("comm_share") for r in job.runs]),
+            "cpu_other_cores": stats.median([r.get("cpu_other_cores") for r in job.runs]),
             "peak_rss_mb": max((max(r["peak_rss_mb_per_rank"]) for r in job.runs), default=float("nan")),
             "errors": job.errors})
     return rows
@@ -210,13 +212,9 @@ def verdicts(rows: List[Dict[str, Any]], args) -> List[Dict[str, Any]]:
     return lines
 
 
-def _mib(value: float) -> float:
-    return value / MIB
-
-
 def text_report(rows, mem, verdict_lines, args, psi: Optional[int]) -> List[str]:
     def pair(held: Dict[str, Any], key: str) -> str:
-        return f"{_mib(held['rank0'][key]):.1f} / {_mib(held['max'][key]):.1f}"
+        return f"{mib(held['rank0'][key]):.1f} / {mib(held['max'][key]):.1f}"
 
     ratio_rows = [[r["strategy"], r["samples_per_sec"]["median"] if r["samples_per_sec"] else float("nan"),
                    f"+-{r['samples_per_sec']['spread']:.0%}" if r["samples_per_sec"] else "failed",
@@ -224,12 +222,12 @@ def text_report(rows, mem, verdict_lines, args, psi: Optional[int]) -> List[str]
                    *((p["median"], f"{p['min']:.3f}-{p['max']:.3f}") if p else (float("nan"), "-")),
                    r["comm_share"], r["cpu_other_cores"], r["peak_rss_mb"]]
                   for r in rows for p in [r["paired_ratio_to_ddp"]]]
-    out = ["", report.format_table(
+    out = ["", format_table(
         ["strategy", "samples/s", "spread", "n", "/ddp (medians)", "/ddp per round", "per-round range",
          "comm share", "helper CPU", "peak RSS MB"], ratio_rows,
         title=f"{args.model}, {args.optimizer}: global samples/s, batch {args.batch}/worker, {args.workers} workers, "
               f"medians of {args.rounds} rounds (ratios: same run; per round = paired within a round)")]
-    out += ["", report.format_table(
+    out += ["", format_table(
         ["strategy", "step", "gradient wait", "strategy.step", "of it update", "all-gather", "exposed comm",
          "fwd/bwd/rest", "system CPU", "page faults"],
         [[r["strategy"], r["step_ms"], r["gradient_wait_ms"], r["strategy_step_ms"], r["update_ms"],
@@ -239,26 +237,26 @@ def text_report(rows, mem, verdict_lines, args, psi: Optional[int]) -> List[str]
               "all-gather: zero's after the update, fsdp's waits for its units in forward and backward); "
               "minor page faults per step and rank")]
     measured = [m for m in mem if "rank0" in m]
-    out += ["", report.format_table(
+    out += ["", format_table(
         ["strategy", "N", "parameters", "gradients", "optimizer state", "total", "peak RSS (max)", "ZeRO formula",
          "formula MiB", "counted/formula"],
         [[m["strategy"], m["workers"], pair(m, "parameters"), pair(m, "gradients"), pair(m, "optimizer_state"),
-          pair(m, "total"), _mib(m["peak_rss_max"]), FORMULAS[m["strategy"]],
-          _mib(m["formula"]["total"]), m["counted_over_formula"]["total"]] for m in measured],
+          pair(m, "total"), mib(m["peak_rss_max"]), FORMULAS[m["strategy"]],
+          mib(m["formula"]["total"]), m["counted_over_formula"]["total"]] for m in measured],
         title=f"MiB held per rank after the first step, fp32 Adam, Psi = {psi or 0:,} parameters: counted from "
               "tensor storages, rank 0 / max over ranks; formula in bytes = the ZeRO column x Psi")]
     during = [m for m in measured if "step_peak_rank0" in m]
-    out += ["", report.format_table(
+    out += ["", format_table(
         ["strategy", "N", "parameters", "gradients", "optimizer state", "total", "max over ranks", "largest unit",
          "16 Psi/N + largest unit", "counted/formula"],
-        [[m["strategy"], m["workers"], *(_mib(m["step_peak_rank0"][k]) for k in (*COMPONENTS, "total")),
-          _mib(m["step_peak_max"]), _mib(m["largest_unit_bytes"]), _mib(m["step_formula"]),
+        [[m["strategy"], m["workers"], *(mib(m["step_peak_rank0"][k]) for k in (*COMPONENTS, "total")),
+          mib(m["step_peak_max"]), mib(m["largest_unit_bytes"]), mib(m["step_formula"]),
           m["step_peak_over_formula"]] for m in during],
         title="fsdp during a step: the most MiB a rank held (rank 0, by component at that moment), counted after "
               "each unit's gather and before each reduce-scatter; the units prefetch one ahead and backward "
               "holds a unit's full gradients too")] if during else []
     for m in during[:1]:
-        units = ", ".join(f"{u['path']} {_mib(u['full_bytes']):.1f}" for u in m["units"] if u["full_bytes"])
+        units = ", ".join(f"{u['path']} {mib(u['full_bytes']):.1f}" for u in m["units"] if u["full_bytes"])
         out.append(f"fsdp units (MiB at full size; the root unit holds the parameters outside them): {units}")
     out += [f"memory job failed: {m['strategy']} at {m['workers']} workers" for m in mem if "rank0" not in m]
     out.append("")
@@ -284,7 +282,7 @@ def text_report(rows, mem, verdict_lines, args, psi: Optional[int]) -> List[str]
 
 
 def plot(rows, mem, path) -> None:
-    fig, (speed_ax, mem_ax) = report.new_figure(ncols=2, width=6)
+    fig, (speed_ax, mem_ax) = new_figure(ncols=2, width=6)
     ok = [r for r in rows if r["samples_per_sec"]]
     medians = [r["samples_per_sec"]["median"] for r in ok]
     errors = [[m - r["samples_per_sec"]["min"] for m, r in zip(medians, ok)],
@@ -300,19 +298,19 @@ def plot(rows, mem, path) -> None:
     labels = [f"{m['strategy']}\nN={m['workers']}" for m in measured]
     bottom = [0.0] * len(measured)
     for key, colour in zip(COMPONENTS, ("tab:blue", "tab:orange", "tab:green")):
-        heights = [_mib(m["rank0"][key]) for m in measured]
+        heights = [mib(m["rank0"][key]) for m in measured]
         mem_ax.bar(labels, heights, bottom=bottom, label=key.replace("_", " "), color=colour)
         bottom = [b + h for b, h in zip(bottom, heights)]
-    mem_ax.scatter(labels, [_mib(m["formula"]["total"]) for m in measured], marker="_", s=400, color="black",
+    mem_ax.scatter(labels, [mib(m["formula"]["total"]) for m in measured], marker="_", s=400, color="black",
                    label="ZeRO formula", zorder=3)
     during = [(label, m) for label, m in zip(labels, measured) if "step_peak_rank0" in m]
     if during:
-        mem_ax.scatter([label for label, _ in during], [_mib(m["step_peak_rank0"]["total"]) for _, m in during],
+        mem_ax.scatter([label for label, _ in during], [mib(m["step_peak_rank0"]["total"]) for _, m in during],
                        marker="o", facecolors="none", edgecolors="tab:red", label="fsdp during a step", zorder=3)
     mem_ax.set_ylabel("MiB per rank (rank 0, counted)")
     mem_ax.set_title("bytes per rank, fp32 Adam")
     mem_ax.legend(fontsize=8)
-    report.save_figure(fig, path)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -334,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
     report.print_lines(lines)
     settings = {k: getattr(args, k) for k in ("model", "workers", "memory_workers", "rounds", "optimizer", "batch",
                                               "steps", "warmup", "segments", "samples", "quick", "strict")}
-    report.write_json(out_dir / "results.json", _finite_or_none({
+    report.write_json(out_dir / "results.json", report.finite_or_none({
         "benchmark": "strategies", "settings": settings, "parameters": psi, "speed": rows, "memory": mem,
         "verdicts": verdict_lines,
         "jobs": [{"key": j.key, "strategy": j.label, "workers": j.np, "worker_args": list(j.args), "runs": j.runs,

@@ -24,12 +24,13 @@ synchronize(), and the efficiencies here are not what a GPU cluster would show.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hvdtrain.bench.common import jobs, report, stats
+from hvdtrain.common.tables import format_table
+from hvdtrain.observability.figures import new_figure, save_figure
 
 WORKER = "hvdtrain.bench.throughput.worker"
 MODELS = ("cnn", "mlp")
@@ -240,18 +241,13 @@ def measure(all_jobs: List[Job], rounds: int, timeout: float) -> None:
                   flush=True)
 
 
-def _median(values: Sequence[Optional[float]]) -> float:
-    present = [v for v in values if v is not None and v == v]
-    return stats.summarize(present).median if present else float("nan")
-
-
-def _ratio(a: Optional[Job], b: Optional[Job]) -> float:
+def ratio(a: Optional[Job], b: Optional[Job]) -> float:
     if a is None or b is None or not a.runs or not b.runs:
         return float("nan")
     return stats.ratio(a.summary(), b.summary())
 
 
-def _paired(a: Optional[Job], b: Optional[Job]) -> Optional[stats.Summary]:
+def paired(a: Optional[Job], b: Optional[Job]) -> Optional[stats.Summary]:
     """a/b within each round where both ran: robust to the machine's slow drift between rounds."""
     if a is None or b is None:
         return None
@@ -278,31 +274,31 @@ def analyse(all_jobs: List[Job], comparisons, workers: int) -> Dict[str, Any]:
                 "key": job.key, "variant": job.variant.key, "label": job.label, "workers": job.workers,
                 "processes": job.np, "skipped": job.skipped,
                 "samples_per_sec": s.to_dict() if s else None,
-                "vs_ceiling": _ratio(job, ceiling) if job.workers == workers else float("nan"),
+                "vs_ceiling": ratio(job, ceiling) if job.workers == workers else float("nan"),
                 "efficiency": (rate / (job.workers * single.summary().median)
                                if single is not None and single.runs and s else float("nan")),
-                "best_segment": _median([run["best_segment_samples_per_sec"] for run in job.runs]),
-                "comm_share": _median([run.get("comm_share") for run in job.runs]),
-                "cpu_other_cores": _median([run.get("cpu_other_cores") for run in job.runs]),
+                "best_segment": stats.median([run["best_segment_samples_per_sec"] for run in job.runs]),
+                "comm_share": stats.median([run.get("comm_share") for run in job.runs]),
+                "cpu_other_cores": stats.median([run.get("cpu_other_cores") for run in job.runs]),
                 "peak_rss_mb": max((max(run["peak_rss_mb_per_rank"]) for run in job.runs), default=float("nan")),
                 "errors": job.errors,
             })
         ratios, paired = {}, {}
         for numerator, denominator in RATIOS:
             a, b = by_key.get(f"{model}/{numerator}"), by_key.get(f"{model}/{denominator}")
-            value = _ratio(a, b)
+            value = ratio(a, b)
             if value == value:
                 ratios[f"{numerator}/{denominator}"] = value
-                pairs = _paired(a, b)
+                pairs = paired(a, b)
                 paired[f"{numerator}/{denominator}"] = pairs.to_dict() if pairs else None
         tables[model] = {"rows": rows, "ratios": ratios, "paired_ratios": paired}
     knob_rows = [{
         "knob": knob.key, "label": knob.label, "model": knob.model, "variant": knob.variant,
         "default": base.summary().to_dict() if base.runs else None,
         "changed": changed.summary().to_dict() if changed.runs else None,
-        "ratio": _ratio(changed, base),
-        "comm_share_default": _median([run.get("comm_share") for run in base.runs]),
-        "comm_share_changed": _median([run.get("comm_share") for run in changed.runs]),
+        "ratio": ratio(changed, base),
+        "comm_share_default": stats.median([run.get("comm_share") for run in base.runs]),
+        "comm_share_changed": stats.median([run.get("comm_share") for run in changed.runs]),
     } for knob, base, changed in comparisons]
     return {"models": tables, "knobs": knob_rows}
 
@@ -359,20 +355,20 @@ def text_report(analysis: Dict[str, Any], verdict_lines, args) -> List[str]:
                          s["repeats"] if s else 0, row["best_segment"],
                          row["vs_ceiling"], row["efficiency"], row["comm_share"], row["cpu_other_cores"],
                          row["peak_rss_mb"]])
-        out += ["", _span(report.format_table(
+        out += ["", _span(format_table(
             ["variant", "workers", "samples/s", "spread", "n", "best segment", "/ceiling", "efficiency",
              "comm share", "helper CPU", "peak RSS MB"],
             rows, title=f"{model}: global samples/s, batch {args.batch}/worker, medians of {args.rounds} rounds"),
             skipped, keep=2)]
         ratio_rows = [[k, v, *((p["median"], f"{p['min']:.2f}-{p['max']:.2f}") if p else (float("nan"), "-"))]
                       for k, v in table["ratios"].items() for p in [table["paired_ratios"].get(k)]]
-        out += ["", report.format_table(["ratio", "of medians", "per round: median", "min-max"], ratio_rows,
+        out += ["", format_table(["ratio", "of medians", "per round: median", "min-max"], ratio_rows,
                                         title=f"{model}: ratios (same run; per round = paired within a round)")]
     if analysis["knobs"]:
         rows = [[k["label"], k["variant"], k["model"], k["default"]["median"] if k["default"] else float("nan"),
                  k["changed"]["median"] if k["changed"] else float("nan"), k["ratio"],
                  k["comm_share_default"], k["comm_share_changed"]] for k in analysis["knobs"]]
-        out += ["", report.format_table(
+        out += ["", format_table(
             ["knob", "variant", "model", "default samples/s", "changed samples/s", "changed/default",
              "comm share default", "comm share changed"], rows,
             title="knobs, each against the same variant without it, in the same run")]
@@ -410,7 +406,7 @@ def _span(table: str, texts: Dict[int, str], keep: int) -> str:
 
 def plot(analysis: Dict[str, Any], path) -> None:
     models = list(analysis["models"])
-    fig, axes = report.new_figure(ncols=max(1, len(models)) + (1 if analysis["knobs"] else 0), width=5.5)
+    fig, axes = new_figure(ncols=max(1, len(models)) + (1 if analysis["knobs"] else 0), width=5.5)
     for ax, model in zip(axes, models):
         rows = [r for r in analysis["models"][model]["rows"] if r["samples_per_sec"]]
         names = [r["variant"] for r in rows]
@@ -429,18 +425,7 @@ def plot(analysis: Dict[str, Any], path) -> None:
         ax.invert_yaxis()
         ax.set_xlabel("samples/s ratio, changed / default")
         ax.set_title("knobs")
-    report.save_figure(fig, path)
-
-
-def _finite_or_none(value: Any) -> Any:
-    """NaN (not measured) as JSON null, so the file is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_none(v) for v in value]
-    return value
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -467,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
     report.print_lines(lines)
     settings = {k: getattr(args, k) for k in ("models", "variants", "workers", "rounds", "batch", "steps",
                                               "warmup", "segments", "samples", "knob_model", "knobs", "quick")}
-    report.write_json(out_dir / "results.json", _finite_or_none({
+    report.write_json(out_dir / "results.json", report.finite_or_none({
         "benchmark": "throughput", "settings": settings,
         "jobs": [{"key": j.key, "label": j.label, "model": j.model, "variant": j.variant.key, "workers": j.workers,
                   "processes": j.np, "launcher": j.variant.launcher, "worker_args": list(j.args),
