@@ -21,13 +21,14 @@ BENCHMARKS = {
 }
 
 
-def add_bench_parser(commands) -> None:
-    bench = commands.add_parser("bench", help="benchmarks: collectives, throughput, strategies, scaling, projection, model-parallel, ps, plan",
-                                description=__doc__)
-    names = bench.add_subparsers(dest="benchmark", required=True)
+HELP = "benchmarks: collectives, throughput, strategies, scaling, projection, model-parallel, ps, plan"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    names = parser.add_subparsers(dest="benchmark", required=True)
     for name, (module_name, help_text) in BENCHMARKS.items():
         module = importlib.import_module(module_name)
-        parser = names.add_parser(name, help=help_text, description=module.__doc__,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(parser)
-        parser.set_defaults(run=module.run)
+        benchmark = names.add_parser(name, help=help_text, description=module.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(benchmark)
+        benchmark.set_defaults(run=module.run)

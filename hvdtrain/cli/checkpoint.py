@@ -16,7 +16,19 @@ import sys
 from pathlib import Path
 
 
+HELP = "checkpoints: consolidate a sharded one into a full one"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="checkpoint_command", required=True)
+    consolidate = commands.add_parser(
+        "consolidate", help="a sharded checkpoint as one full file, which any strategy and worker count resumes",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_consolidate_arguments(consolidate)
+    consolidate.set_defaults(run=consolidate_checkpoint)
+
+
+def add_consolidate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", type=Path, help="a sharded checkpoint: a ckpt-NNNNNNNNN directory")
     parser.add_argument("--out", type=Path, default=None,
                         help="the full checkpoint to write (default: ckpt-NNNNNNNNN.pt beside the directory, "
@@ -28,7 +40,7 @@ def default_output(directory: Path) -> Path:
     return directory.parent / f"{directory.name}.pt"
 
 
-def run(args: argparse.Namespace) -> int:
+def consolidate_checkpoint(args: argparse.Namespace) -> int:
     from hvdtrain.checkpoint import sharded_format as sharded  # imports torch: only when running
     from hvdtrain.checkpoint import CheckpointError
     from hvdtrain.common.atomic import write_atomically

@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any, Dict, Tuple
 
 
+HELP = "a checkpoint's model as model.safetensors + config.yaml, loadable without hvdtrain"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", type=Path,
                         help="a full checkpoint (ckpt-NNNNNNNNN.pt), a sharded one (ckpt-NNNNNNNNN/), or a "

@@ -28,6 +28,9 @@ def parse_bytes(text: str) -> float:
     return size
 
 
+HELP = "which strategy and mesh fit this model on this cluster, and the fastest (modelled)"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("the model (--example, or its shape)")
     model.add_argument("--example", choices=["textlm"],

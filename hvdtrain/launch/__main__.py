@@ -1,5 +1,5 @@
 import sys
 
-from hvdtrain.launch.runner import main
+from hvdtrain.cli.launch import main
 
 sys.exit(main())

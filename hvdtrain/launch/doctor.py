@@ -1,16 +1,9 @@
-"""``hvdtrain doctor``: check every host before a launch, and say what to fix, in one table.
-
-    hvdtrain doctor --hostfile hostfiles/cluster --checkpoint-dir /shared/ckpt
-    hvdtrain doctor                      # inside a SLURM allocation: its hosts
-
-Checks: ssh to every host; the same Python/torch/Horovod/mpi4py/hvdtrain on every host; a
-network interface with one name on every host; slots against cores and GPUs; the checkpoint
-directory writable and the same directory on every host; a short all-reduce with its bandwidth;
-scontrol inside SLURM. Exit 1 when any row fails. Runs on login nodes: no torch import here.
+"""The checks of ``hvdtrain doctor`` (hvdtrain.cli.doctor), each a row of one table: ssh, versions,
+network interface, slots, the checkpoint directory, an all-reduce probe, SLURM. Runs on login
+nodes: no torch import here (host_facts.py runs on each host; probe.py inside a short job).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -18,16 +11,14 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from hvdtrain.launch.allocation import allocation_hosts
 from hvdtrain.launch.commands import LaunchSpec, exports_present, openmpi_argv
-from hvdtrain.launch.hostfile import Host, HostfileError, hosts_from_options, total_slots
+from hvdtrain.launch.hostfile import Host, total_slots
 
 FACTS_SCRIPT = (Path(__file__).with_name("host_facts.py")).read_text()
 SSH_CONNECT_TIMEOUT = 5
@@ -239,31 +230,3 @@ def render(rows: Sequence[Row]) -> str:
     lines = [f"{r.check:<{widths[0]}}  {r.host:<{widths[1]}}  {r.status:<{widths[2]}}  {r.detail}"
              for r in (headers, *rows)]
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--hostfile", help="the hostfile the job will use (any format hvdtrain reads)")
-    where.add_argument("-H", "--hosts", help="hosts as a:2,b:2 (default: the SLURM allocation)")
-    parser.add_argument("--checkpoint-dir", help="check it is writable and the same directory on every host")
-    parser.add_argument("--network-interface", help="check this interface exists on every host")
-    parser.add_argument("--python", default=sys.executable,
-                        help="the Python the job runs on every host (default: this one)")
-    parser.add_argument("--no-probe", dest="probe", action="store_false", help="skip the all-reduce probe")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        hosts = hosts_from_options(args.hostfile, args.hosts) or allocation_hosts(os.environ)
-    except (HostfileError, ValueError) as error:
-        print(f"hvdtrain doctor: {error}", file=sys.stderr)
-        return 2
-    rows = diagnose(hosts, args.python, args.checkpoint_dir, args.network_interface, args.probe, os.environ)
-    print(render(rows), flush=True)
-    failed = [row for row in rows if row.status == FAIL]
-    if failed:
-        print(f"\nhvdtrain doctor: {len(failed)} check(s) failed: "
-              + ", ".join(sorted({f'{r.check} ({r.host})' for r in failed})), flush=True)
-        return 1
-    print(f"\nhvdtrain doctor: all {len(rows)} checks passed on {len(hosts)} host(s)", flush=True)
-    return 0

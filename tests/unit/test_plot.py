@@ -2,6 +2,7 @@
 import argparse
 import json
 
+from hvdtrain.cli import plot as plot_command
 from hvdtrain.observability import plots as plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -42,7 +43,7 @@ def write_run(tmp_path, records, tail=""):
 
 def plot_args(run_dir, out=None):
     parser = argparse.ArgumentParser()
-    plot.add_arguments(parser)
+    plot_command.add_arguments(parser)
     return parser.parse_args([str(run_dir)] + (["--out", str(out)] if out else []))
 
 
@@ -54,7 +55,7 @@ def assert_png(path):
 
 def test_a_run_with_validation_gets_all_three_plots_and_their_paths_printed(tmp_path, capsys):
     run_dir = write_run(tmp_path, run_records())
-    assert plot.run(plot_args(run_dir)) == 0
+    assert plot_command.run(plot_args(run_dir)) == 0
     names = ["loss.png", "accuracy.png", "throughput.png"]
     for name in names:
         assert_png(run_dir / "plots" / name)
@@ -63,7 +64,7 @@ def test_a_run_with_validation_gets_all_three_plots_and_their_paths_printed(tmp_
 
 def test_without_validation_accuracy_is_skipped_with_a_message(tmp_path, capsys):
     run_dir = write_run(tmp_path, run_records(validation=False))
-    assert plot.run(plot_args(run_dir, out=tmp_path / "figures")) == 0
+    assert plot_command.run(plot_args(run_dir, out=tmp_path / "figures")) == 0
     out, err = capsys.readouterr()
     assert out.splitlines() == [str(tmp_path / "figures" / n) for n in ("loss.png", "throughput.png")]
     assert "no validation accuracy" in err and "accuracy.png not written" in err
@@ -78,7 +79,7 @@ def test_a_truncated_last_line_is_reported_with_its_number_and_skipped(tmp_path,
     steps, epochs = plot.load_metrics(run_dir)
     assert f"metrics.jsonl:{len(records) + 1}: not valid JSON, skipped" in capsys.readouterr().err
     assert (len(steps), len(epochs)) == (30, 3)
-    assert plot.run(plot_args(run_dir)) == 0
+    assert plot_command.run(plot_args(run_dir)) == 0
     assert_png(run_dir / "plots" / "throughput.png")
 
 
@@ -98,7 +99,7 @@ def test_null_values_are_kept_as_gaps_not_reported(tmp_path, capsys):
     run_dir = write_run(tmp_path, records)
     steps, epochs = plot.load_metrics(run_dir)
     assert len(steps) == 30 and steps[3]["loss"] != steps[3]["loss"]  # NaN
-    assert plot.run(plot_args(run_dir)) == 0
+    assert plot_command.run(plot_args(run_dir)) == 0
     assert capsys.readouterr().err == ""
     assert_png(run_dir / "plots" / "accuracy.png")
 
@@ -111,7 +112,7 @@ def test_an_epoch_without_a_train_loss_is_kept_and_plots(tmp_path, capsys):
     run_dir = write_run(tmp_path, records)
     _, epochs = plot.load_metrics(run_dir)
     assert [r["step"] for r in epochs] == [100, 200, 300]
-    assert plot.run(plot_args(run_dir)) == 0
+    assert plot_command.run(plot_args(run_dir)) == 0
     assert capsys.readouterr().err == ""
     assert_png(run_dir / "plots" / "loss.png")
 
@@ -143,12 +144,12 @@ def test_a_restart_is_marked_even_when_no_step_repeats(tmp_path):
 def test_a_resumed_run_plots(tmp_path):
     records = run_records()[:12] + [dict(r, time=r["time"] + 600) for r in run_records()[8:]]
     run_dir = write_run(tmp_path, records)
-    assert plot.run(plot_args(run_dir)) == 0
+    assert plot_command.run(plot_args(run_dir)) == 0
     assert_png(run_dir / "plots" / "throughput.png")
 
 
 def test_an_empty_directory_exits_2_saying_what_to_do(tmp_path, capsys):
-    assert plot.run(plot_args(tmp_path)) == 2
+    assert plot_command.run(plot_args(tmp_path)) == 2
     err = capsys.readouterr().err
     assert f"no metrics.jsonl in {tmp_path}" in err and "train.run_dir" in err
     assert not (tmp_path / "plots").exists()
@@ -156,7 +157,7 @@ def test_an_empty_directory_exits_2_saying_what_to_do(tmp_path, capsys):
 
 def test_an_empty_file_and_a_missing_directory_exit_2(tmp_path, capsys):
     run_dir = write_run(tmp_path, [], tail="")
-    assert plot.run(plot_args(run_dir)) == 2
+    assert plot_command.run(plot_args(run_dir)) == 2
     assert "holds no step or epoch records yet" in capsys.readouterr().err
-    assert plot.run(plot_args(tmp_path / "nowhere")) == 2
+    assert plot_command.run(plot_args(tmp_path / "nowhere")) == 2
     assert f"no directory {tmp_path / 'nowhere'}" in capsys.readouterr().err
