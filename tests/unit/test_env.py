@@ -75,13 +75,3 @@ def test_a_world_that_disagrees_with_the_launcher_is_refused_with_both_values_an
 def test_an_agreeing_world_passes_and_unknown_values_are_not_checked():
     env.check_world(env.detect(OPEN_MPI), rank=5, size=8, local_rank=1, local_size=4)
     env.check_world(env.detect({"PMIX_RANK": "7"}), rank=7, size=16, local_rank=3, local_size=4)
-
-
-def test_login_node_tools_do_not_import_torch_or_horovod():
-    """env/, launch/ and the CLI run on login nodes, where importing torch is slow or impossible."""
-    import subprocess
-    import sys
-    code = ("import sys, hvdtrain.distributed.environments, hvdtrain.launch.runner, hvdtrain.launch.doctor, hvdtrain.cli; "
-            "bad = [m for m in ('torch', 'horovod') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr

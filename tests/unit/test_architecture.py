@@ -1,0 +1,110 @@
+"""The tree's import direction, checked on every module's imports (at module level and inside
+functions): the benchmarks are a leaf, each package imports only the layers below it, and the
+tools that run on login nodes import neither torch nor Horovod."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Iterator, Tuple
+
+PACKAGE = Path(__file__).resolve().parents[2] / "hvdtrain"
+
+# Each package's layer: a module imports only packages of a lower layer, and its own package.
+LAYERS: Dict[str, int] = {
+    "common": 0,                                     # no torch, no Horovod, nothing of hvdtrain
+    "config": 1, "distributed": 1,                   # settings; Horovod start-up and collectives
+    "launch": 2, "planner": 2, "data": 2, "training": 2,
+    "parallel": 3,                                   # the mesh, tensor and pipeline parallelism
+    "strategies": 4,
+    "checkpoint": 5, "observability": 5, "fault_tolerance": 5,
+    "examples": 6,
+    "top": 7,                                        # hvdtrain/__init__.py, trainer.py, loop.py
+    "bench": 8,
+    "cli": 9,
+}
+# Imports against the layers, each inside a function (paid only when it runs) and for a reason.
+ALLOWED_UPWARD = {
+    ("config", "strategies"): "TrainConfig's checks read the strategy classes' capabilities, the one source of them",
+    ("planner", "parallel"): "the planner cuts pipeline stages with hvdtrain's own split_layers",
+    ("planner", "examples"): "``hvdtrain plan --example textlm`` reads the example transformer's shape",
+}
+# Modules that run on login nodes or anywhere matplotlib does: neither torch nor Horovod at import.
+LIGHT = ("hvdtrain.common", "hvdtrain.config", "hvdtrain.launch", "hvdtrain.planner",
+         "hvdtrain.distributed.environments", "hvdtrain.observability.plots", "hvdtrain.observability.figures",
+         "hvdtrain.cli")
+HEAVY_INSIDE_LIGHT = {"hvdtrain.launch.probe": "runs inside a short job that the doctor launches"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] in ("trainer", "loop"):
+        return "top"
+    return parts[1]
+
+
+def modules() -> Iterator[Tuple[str, ast.Module]]:
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield module_name(path), ast.parse(path.read_text(), str(path))
+
+
+def hvdtrain_imports(tree: ast.Module) -> Iterator[Tuple[str, int, bool]]:
+    """(imported hvdtrain module, line, at module level)."""
+    top = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "hvdtrain":
+            yield node.module, node.lineno, id(node) in top
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "hvdtrain":
+                    yield alias.name, node.lineno, id(node) in top
+
+
+def test_nothing_outside_the_benchmarks_and_the_command_line_imports_the_benchmarks():
+    offenders = [f"{module}:{line} imports {imported}" for module, tree in modules()
+                 if package_of(module) not in ("bench", "cli")
+                 for imported, line, _ in hvdtrain_imports(tree)
+                 if imported == "hvdtrain.bench" or imported.startswith("hvdtrain.bench.")]
+    assert not offenders, "the benchmarks are a leaf: " + "; ".join(offenders)
+
+
+def test_every_package_imports_only_the_layers_below_it():
+    assert set(LAYERS) == {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} | {"top"}
+    offenders = []
+    for module, tree in modules():
+        if module.endswith(".__main__"):  # an entry point (python -m): above everything by nature
+            continue
+        mine = package_of(module)
+        for imported, line, at_module_level in hvdtrain_imports(tree):
+            theirs = package_of(imported)
+            if theirs == mine or LAYERS[theirs] < LAYERS[mine]:
+                continue
+            if not at_module_level and (mine, theirs) in ALLOWED_UPWARD:
+                continue
+            offenders.append(f"{module}:{line} ({mine}, layer {LAYERS[mine]}) imports {imported} "
+                             f"({theirs}, layer {LAYERS[theirs]})")
+    assert not offenders, "imports against the layers:\n" + "\n".join(offenders)
+
+
+def test_login_node_tools_import_neither_torch_nor_horovod():
+    light = ["hvdtrain"] + sorted(module for module, _ in modules()
+                                  if any(module == root or module.startswith(root + ".") for root in LIGHT)
+                                  and module not in HEAVY_INSIDE_LIGHT and not module.endswith(".__main__"))
+    # One process imports them one by one: the first after which torch or Horovod is loaded is named.
+    code = ("import importlib, sys\n"
+            f"for name in {light!r}:\n"
+            "    importlib.import_module(name)\n"
+            "    heavy = [m for m in ('torch', 'horovod') if m in sys.modules]\n"
+            "    if heavy:\n"
+            "        sys.exit(f'{name} imports {heavy}')\n"
+            "import hvdtrain.cli\n"
+            "hvdtrain.cli.build_parser()  # every command's options: --help stays instant\n"
+            "heavy = [m for m in ('torch', 'horovod') if m in sys.modules]\n"
+            "sys.exit(f'building the hvdtrain parser imports {heavy}' if heavy else 0)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(light) > 30, light
