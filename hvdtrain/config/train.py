@@ -6,33 +6,16 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 
+from hvdtrain.config.checks import check_whole_numbers
+# The strategies' names; their classes, when a config is validated (hvdtrain.strategies.registry is
+# light to import: only check_settings loads the classes, which import torch).
+from hvdtrain.strategies.registry import STRATEGY_NAMES as STRATEGIES
+
 PROGRESS_MODES = ("auto", "bar", "log", "off")
-# hvdtrain.strategies implements each (kept here so reading settings never imports torch).
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "ps")
 CHECKPOINT_FORMATS = ("full", "sharded")
 PRECISIONS = ("fp32", "bf16", "fp16")
-# torch.compile works with these; fsdp's gathering hooks inside the forward do not compile (see __post_init__).
-COMPILE_STRATEGIES = ("ddp", "zero1", "zero2")
 REDUCTIONS = ("average", "adasum")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
-# Adasum combines whole gradients pairwise (scaled by dot products over each tensor): it has no
-# reduce-scatter form, which the sharded strategies need (hvdtrain.strategies checks the same list).
-ADASUM_STRATEGIES = ("ddp",)
-
-
-def check_whole_numbers(section: Any, names: tuple, minimum: int = 1) -> None:
-    """Each named field of a settings dataclass is an int >= ``minimum``, or ValueError naming it."""
-    for name in names:
-        value = getattr(section, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise ValueError(f"{type(section).__name__}.{name} must be a whole number >= {minimum}, got {value!r}")
-
-
-def check_fraction(section: Any, name: str) -> None:
-    """A share strictly between 0 and 1, or ValueError naming the field."""
-    value = getattr(section, name)
-    if not 0 < value < 1:
-        raise ValueError(f"{type(section).__name__}.{name} must be between 0 and 1, got {value!r}")
 
 
 @dataclass
@@ -98,21 +81,10 @@ class TrainConfig:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise ValueError(f"TrainConfig.checkpoint_format must be one of {', '.join(CHECKPOINT_FORMATS)}, "
                              f"got {self.checkpoint_format!r}")
-        if self.checkpoint_format == "sharded" and self.strategy == "ddp":
-            raise ValueError(
-                "TrainConfig.checkpoint_format=sharded needs a strategy that shards the state (zero1, zero2 "
-                "or fsdp), got strategy=ddp: under ddp every rank holds the whole model and optimizer "
-                "state, so there is nothing to shard and rank 0 writes it alone. Use checkpoint_format=full "
-                "with ddp, or a sharded strategy with checkpoint_format=sharded")
-        self._check_ps()
-        if self.compile and self.strategy not in COMPILE_STRATEGIES:
-            raise ValueError(
-                f"TrainConfig.compile=true works with strategy={', '.join(COMPILE_STRATEGIES)}, not "
-                f"strategy={self.strategy}: fsdp gathers each unit's parameters in hooks that run inside the "
-                f"forward, and torch.compile cannot compile them: Dynamo cannot trace Horovod's collectives (a "
-                f"graph break at every unit), and Inductor fails on the gathered buffer's storage resize "
-                f"(LoweringException: TODO: dynamic shapes, torch 2.13). Use compile with ddp, zero1 or zero2, "
-                f"or fsdp without compile")
+        check_whole_numbers(self, ("ps_servers",))
+        if self.strategy != "ps" and self.ps_servers != 1:
+            raise ValueError(f"TrainConfig.ps_servers={self.ps_servers} applies to strategy=ps only, got "
+                             f"strategy={self.strategy}: set strategy=ps, or leave ps_servers at 1")
         if self.precision not in PRECISIONS:
             raise ValueError(f"TrainConfig.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.reduction not in REDUCTIONS:
@@ -135,6 +107,11 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
         if self.run_name is not None and (not self.run_name or "/" in self.run_name or self.run_name.startswith(".")):
             raise ValueError(f"TrainConfig.run_name must be a plain directory name, got {self.run_name!r}")
+        # What the strategy (or the model-parallel layout) cannot do, read from its class: the one source
+        # of capabilities. Inside the function: the classes import torch, and config stays light.
+        from hvdtrain.strategies.registry import check_settings
+
+        check_settings(self)
 
     @property
     def model_parallel(self) -> bool:
@@ -149,17 +126,8 @@ class TrainConfig:
                              f"{self.batch_size}: every micro-batch must hold the same number of samples, so "
                              f"that the pipeline's mean loss is the batch's; choose a divisor of {self.batch_size}")
         refused = [
-            (self.strategy not in ("ddp", "zero1"), f"strategy={self.strategy}: zero2, fsdp and ps cut the "
-             f"state over every rank, and the model-parallel layout averages gradients over each data-parallel "
-             f"group; use strategy=ddp, or zero1 (ZeRO-1 over each data-parallel group)"),
-            (self.checkpoint_format == "sharded", "checkpoint_format=sharded: a model-parallel run writes "
-             "its checkpoint gathered (the whole model, resumable under any layout); use checkpoint_format=full"),
             (self.precision == "fp16", "precision=fp16: the loss scale's inf/nan check and unscale cover one "
              "rank's whole model today, not its stage's or its tensor slice's; use precision=bf16 (no loss scale)"),
-            (self.reduction != "average", f"reduction={self.reduction}: Adasum combines over the whole world, "
-             f"not over a data-parallel group; use reduction=average"),
-            (self.compile, "compile: Horovod's collectives inside the forward do not compile (a graph break "
-             "at every tensor-parallel layer); set compile=false"),
             (self.sync_batchnorm, "sync_batchnorm: its statistics are reduced over every rank, and a model "
              "replica spans several; set sync_batchnorm=false"),
         ]
@@ -167,37 +135,9 @@ class TrainConfig:
             if refused_here:
                 raise ValueError(f"TrainConfig.{layout} does not work with {why}")
 
-    def _check_ps(self) -> None:
-        """ps_servers belongs to strategy=ps, and what the parameter server does not combine with."""
-        check_whole_numbers(self, ("ps_servers",))
-        if self.strategy != "ps":
-            if self.ps_servers != 1:
-                raise ValueError(f"TrainConfig.ps_servers={self.ps_servers} applies to strategy=ps only, got "
-                                 f"strategy={self.strategy}: set strategy=ps, or leave ps_servers at 1")
-            return
-        refused = [
-            (self.checkpoint_format == "sharded", "checkpoint_format=sharded: the optimizer state lives on the "
-             "servers only, which the per-rank sharded format (every rank owns 1/N) does not describe; use "
-             "checkpoint_format=full, which resumes under any strategy"),
-            (self.compile, "compile: ps is the seed's parameter server, kept as a measured baseline, and "
-             "torch.compile is not tested with it; set compile=false, or use ddp, zero1 or zero2 to compile"),
-            (self.reduction != "average", f"reduction={self.reduction}: each server averages the gradients "
-             "it receives, and Adasum (whole tensors combined pairwise by dot products) has no form on a "
-             "slice; use reduction=average with ps, or strategy=ddp with adasum"),
-        ]
-        for refused_here, why in refused:
-            if refused_here:
-                raise ValueError(f"TrainConfig.strategy=ps does not work with {why}")
-
     def _check_adasum(self) -> None:
-        """What Horovod's Adasum cannot be combined with, each refused with the reason and a way out."""
-        if self.strategy not in ADASUM_STRATEGIES:
-            raise ValueError(
-                f"TrainConfig.reduction=adasum works only with strategy={' or '.join(ADASUM_STRATEGIES)}, got "
-                f"strategy={self.strategy}: zero1, zero2 and fsdp reduce-scatter the gradients so that each rank "
-                f"receives only its slice, and Adasum has no reduce-scatter form (it combines whole gradients "
-                f"pairwise, scaled by dot products over each whole tensor). Use strategy=ddp with "
-                f"reduction=adasum, or reduction=average with strategy={self.strategy}")
+        """What Horovod's Adasum cannot be combined with (beyond the strategies that refuse it), each
+        refused with the reason and a way out."""
         if self.precision == "fp16":
             raise ValueError(
                 "TrainConfig.reduction=adasum does not work with precision=fp16: Horovod's Adasum optimizer "

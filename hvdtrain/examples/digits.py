@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from hvdtrain.config.train import TrainConfig, check_fraction, check_whole_numbers
+from hvdtrain.config.checks import check_fraction, check_whole_numbers
+from hvdtrain.config.train import TrainConfig
 
 
 def load_digits_datasets(val_fraction: float = 0.2, split_seed: int = 0,

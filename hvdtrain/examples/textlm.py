@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from hvdtrain.config.train import TrainConfig, check_fraction, check_whole_numbers
+from hvdtrain.config.checks import check_fraction, check_whole_numbers
+from hvdtrain.config.train import TrainConfig
 
 
 def load_corpus() -> str:

@@ -133,7 +133,6 @@ class Mesh:
     def __init__(self, shape: MeshShape, rank: int, sets: Dict[Ranks, hvd.ProcessSet]) -> None:
         self.shape, self.rank = shape, rank
         self.coordinates = shape.coordinates(rank)
-        self._sets = sets
         self._added = [ranks for ranks in sets if len(ranks) < shape.size]
         group = lambda ranks: None if ranks is None else Group(ranks, rank, sets.get(ranks))
         self.tensor = group(shape.tensor_group(rank))
@@ -162,11 +161,6 @@ class Mesh:
             _SHARED[ranks][1] += 1
             sets[ranks] = _SHARED[ranks][0]
         return cls(shape, rank, sets)
-
-    @classmethod
-    def trivial(cls, world_size: int, rank: int) -> "Mesh":
-        """Data parallelism alone: one data group of every rank (no process set to add)."""
-        return cls.build(world_size, rank)
 
     @property
     def stage(self) -> int:

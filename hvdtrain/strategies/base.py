@@ -1,10 +1,9 @@
 """The strategy seam: how parameters, gradients and optimizer state are held across ranks.
 
-The Trainer's loop is the same for every strategy; a strategy owns what differs between them:
-how the optimizer is wrapped, how gradients are synchronized, how a step is applied, how the
-full state is gathered for a checkpoint and spread again on resume, and what each rank holds.
-
-Every method that communicates is a collective: every rank calls it, in the same order.
+The loop is the same for every strategy; a strategy owns what differs: how the optimizer is
+wrapped, how gradients are synchronized, how a step is applied, how the full state is gathered for
+a checkpoint and spread again on resume, and what each rank holds. Every method that communicates
+is a collective: every rank calls it, in the same order.
 """
 from __future__ import annotations
 
@@ -42,6 +41,9 @@ class Strategy(ABC):
     """
 
     name: ClassVar[str]
+    # What this strategy cannot be combined with, each with why: capability -> reason (the
+    # capabilities and where they are read: hvdtrain.strategies.registry).
+    refuses: ClassVar[Dict[str, str]] = {}
     # Whether every forward is a collective (fsdp gathers each block's parameters): then every
     # rank must run the same number of forwards, evaluation included.
     collective_forward: ClassVar[bool] = False
@@ -53,6 +55,20 @@ class Strategy(ABC):
         self.accumulation = accumulation
         self.fp16_allreduce = fp16_allreduce
         self.optimizer: torch.optim.Optimizer = optimizer
+
+    @classmethod
+    def supports(cls, capability: str) -> bool:
+        return capability not in cls.refuses
+
+    @classmethod
+    def from_config(cls, config: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
+                    **context: Any) -> "Strategy":
+        """Built from the settings: each strategy reads its own (``context``: mesh, plan, loss_fn)."""
+        return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce)
+
+    def follow_world(self, world: World) -> None:
+        """Horovod elastic re-formed the world (only strategies that support elastic see this)."""
+        self.world = world
 
     @abstractmethod
     def broadcast_from_root(self) -> None:

@@ -13,6 +13,7 @@ import horovod.torch as hvd
 
 from hvdtrain.distributed import startup as dist
 from hvdtrain.strategies.reduction import combines_updates
+from hvdtrain.strategies.registry import SHARDED_CHECKPOINTS
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
 
 
@@ -77,6 +78,12 @@ class DDPStrategy(Strategy):
     the step applies the combined updates (Horovod's Adasum optimizer has no skip_synchronize)."""
 
     name = "ddp"
+    refuses = {SHARDED_CHECKPOINTS: "under ddp every rank holds the whole model and optimizer state, so there is "
+                                    "nothing to shard and rank 0 writes it alone"}
+
+    @classmethod
+    def from_config(cls, config, model, optimizer, world, **context) -> "DDPStrategy":
+        return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce, reduction=config.reduction)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: dist.World,
                  accumulation: int, fp16_allreduce: bool, reduction: str = "average") -> None:

@@ -1,28 +1,16 @@
 """Data parallelism over a mesh of model replicas that each span several ranks: tensor parallelism
 (each layer split over the tensor group), pipeline parallelism (each stage a run of layers), or both.
 
-Set-up, on every rank alike (a collective):
-  1. rank 0's whole model and optimizer state are broadcast while every rank still holds the whole
-     model (ranks seed differently, so their initial weights differ until then);
-  2. the tensor plan splits the layers over the tensor group (hvdtrain.parallel.tensor);
-  3. the layers are cut into stages; this rank keeps its stage's and frees the rest (their
-     parameters become empty tensors, so the rank holds the model / (tensor x pipeline));
-  4. a new optimizer of the user's class and groups steps this rank's own parameters.
-
-A step: forward and backward (the pipeline's schedule over micro-batches, or one pass), then the
-gradients are averaged over the data-parallel group: one grouped all-reduce in its process set.
-The tensor-parallel layers' all-reduces run inside forward and backward; replicated parameters
-(norms, the tied embedding) get the same gradient on every tensor rank without communication.
-
-Under zero1 (ZeRO stage 1 over each data-parallel group) a rank's parameters are dealt out among
-the D ranks of its data group, whole tensors, largest first to the least loaded (as PyTorch's
-ZeroRedundancyOptimizer does): each rank's optimizer steps and keeps state for its own share only
-(the optimizer state per rank / D), then every parameter is broadcast from its owner within the
-group. Gradients are still all-reduced whole, as in ZeRO-1.
+Set-up, on every rank alike: rank 0's whole model and optimizer state are broadcast while every rank
+still holds the whole model; the tensor plan splits the layers; the layers are cut into stages and
+this rank frees what its stage does not hold; a new optimizer of the user's class steps this rank's
+own parameters. A step: forward and backward (the pipeline's schedule, or one pass), then one grouped
+all-reduce of the gradients over the data-parallel group. Under zero1 a rank's parameters are dealt
+out among the D ranks of its data group (whole tensors, largest first, as PyTorch's
+ZeroRedundancyOptimizer does): each steps and keeps state for its share, then broadcasts it.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -37,30 +25,18 @@ from hvdtrain.parallel.gathered_state import Placement
 from hvdtrain.parallel.mesh import Mesh
 from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
-from hvdtrain.strategies.zero import ELEMENTWISE_OPTIMIZERS
+from hvdtrain.strategies.optimizers import check_elementwise, optimizer_like
+from hvdtrain.strategies.registry import ADASUM, COMPILE, ELASTIC, SHARDED_CHECKPOINTS
 
 # The data-parallel strategies a mesh's data groups can run: plain replicas, or ZeRO-1 over each group.
 DATA_PARALLEL = ("ddp", "zero1")
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, groups: List[List[nn.Parameter]]) -> torch.optim.Optimizer:
-    """The user's optimizer class and hyperparameters, over ``groups[g]`` in place of group g's parameters."""
-    param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": params}
-                    for group, params in zip(optimizer.param_groups, groups)]
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return type(optimizer)(param_groups, **defaults)
-
-
 def check_sliceable(optimizer: torch.optim.Optimizer) -> None:
-    """A tensor-parallel rank steps slices of matrices: the same as stepping the whole matrix only
-    for an optimizer whose update of an element depends on that element alone."""
-    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-        name = type(optimizer).__name__
-        raise ValueError(f"tensor parallelism steps {name} on slices of each split matrix, which gives the "
-                         f"result of the whole matrix only for elementwise optimizers "
-                         f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); use one of them, or "
-                         f"train.tensor_parallel=1 (pipeline stages hold whole parameters)")
+    """A tensor-parallel rank steps slices of matrices: one process's result only for an optimizer
+    whose update of an element depends on that element alone."""
+    check_elementwise(optimizer, "tensor parallelism cannot step {name}", "it steps slices of each split matrix",
+                      "Use one of them, or train.tensor_parallel=1 (pipeline stages hold whole parameters)")
 
 
 def deal_out(sizes: Sequence[Tuple[str, int]], ranks: int) -> Dict[str, int]:
@@ -82,6 +58,20 @@ class ModelParallelStrategy(Strategy):
 
     name = "ddp"
     collective_forward = True  # tensor-parallel layers all-reduce in forward; stages exchange activations
+    refuses = {
+        ELASTIC: "a lost worker takes a part of a model replica with it, and the mesh is fixed at start",
+        SHARDED_CHECKPOINTS: "a model-parallel run writes its checkpoint gathered (the whole model, resumable "
+                             "under any layout)",
+        ADASUM: "Adasum combines over the whole world, not over a data-parallel group",
+        COMPILE: "Horovod's collectives inside the forward do not compile (a graph break at every "
+                 "tensor-parallel layer)",
+    }
+
+    @classmethod
+    def from_config(cls, config, model, optimizer, world, **context) -> "ModelParallelStrategy":
+        return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce, context["mesh"],
+                   context.get("plan") or ModelPlan(), context.get("loss_fn"), data_parallel=config.strategy,
+                   micro_batches=config.micro_batches, schedule=config.pipeline_schedule)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: dist.World,
                  accumulation: int, fp16_allreduce: bool, mesh: Mesh, plan: ModelPlan,
@@ -95,12 +85,9 @@ class ModelParallelStrategy(Strategy):
         shape = mesh.shape
         # What the memory report and its record say.
         self.name = f"{data_parallel} x tensor {shape.tensor} x pipeline {shape.pipeline}"
-        if data_parallel == "zero1" and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-            # Checked as the flat ZeRO strategies check it: the same optimizers everywhere.
-            raise ValueError(f"strategy=zero1 over a model-parallel mesh steps each parameter on one rank of its "
-                             f"data group, which hvdtrain supports for "
-                             f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}; "
-                             f"{type(optimizer).__name__} is not one of them: use strategy=ddp")
+        if data_parallel == "zero1":  # the same optimizers as the flat ZeRO strategies
+            check_elementwise(optimizer, "strategy=zero1 over a model-parallel mesh cannot step {name}",
+                              "it steps each parameter on one rank of its data group", "Use strategy=ddp")
         if shape.tensor > 1:
             if plan.tensor_plan is None:
                 raise ValueError(f"train.tensor_parallel={shape.tensor} needs a tensor plan: which layers split by "
@@ -142,7 +129,7 @@ class ModelParallelStrategy(Strategy):
         # Under ddp every data rank steps all of its parameters (and data rank 0's state is written).
         stepping_as = mesh.coordinates.data if data_parallel == "zero1" else 0
         self._owned_names = [[n for n in names if self._owner[n] == stepping_as] for names in self._local_names]
-        self.optimizer = rebuild_optimizer(optimizer, [[live[n] for n in names] for names in self._owned_names])
+        self.optimizer = optimizer_like(optimizer, [[live[n] for n in names] for names in self._owned_names])
         # Decided once: every rank of a data group holds the same names, so all decide alike.
         self._broadcasts = mesh.data.process_set is not None and len(set(self._owner.values())) > 1
         self._model_placements = self._placements_of(model)

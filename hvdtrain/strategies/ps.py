@@ -1,48 +1,17 @@
-"""The parameter server (seed 004) as a strategy: servers hold the optimizer, workers send them
-gradients and receive the updated weights.
+"""A parameter server: ranks 0..K-1 (train.ps_servers) also serve, each holding the averaged gradient
+and the optimizer state of one slice of every flat bucket; every rank is a worker.
 
-Who serves: every rank is a worker (it computes the gradient of its shard of the global batch, as
-under ddp, so the data and the global batch are ddp's and the result is ddp's to the last bits);
-ranks 0..K-1 (``servers=K``, train.ps_servers) also serve. The optimizer's parameters are packed
-into flat buckets (flat_buckets.py) padded to a multiple of K; server s owns slice s of every
-bucket: it alone holds that slice's averaged gradient and optimizer state and steps it. Ranks
-K..N-1 hold no per-element optimizer state (only scalars, such as Adam's step count). One step:
-
-  synchronize  every worker sends server s its slice s of the (accumulated) gradient; server s
-               receives N slices, averages them
-  (the loop)   may unscale (fp16) and clip: the gradient's norm is summed over the servers' slices
-  step         each server steps its slice and sends it to every other rank, which writes it into
-               its parameters (the model's parameters are views of the buckets)
-
-How the bytes move: ``hvd.alltoall`` with explicit splits, both ways. An all-to-all with splits is
-point-to-point in collective form: rank i's chunk j goes to rank j and nowhere else, so splits that
-give a chunk only to a server (gradients) or only from a server (weights) are exactly the seed's
-traffic: everything through the servers, nothing between workers, no relaying ranks (a broadcast
-from the server would be the same logically, but MPI's is a tree whose inner ranks forward the
-slice). It runs on MPI, Gloo and NCCL alike; mpi4py's send/recv would not work under horovodrun
---gloo, where there is no MPI communicator between the processes.
-
-Counted traffic (``traffic()``): the bytes this rank sent to and received from other ranks in the
-last step's all-to-alls, added up from the splits each collective was issued with and the received
-splits it returned, times the element size on the wire; a rank's chunk to itself is a local copy
-and not counted. With N ranks, K servers and S = a slice's bytes (padded Psi / K):
-
-  worker (rank >= K)   sent K x S (its gradient), received K x S (the weights): 2 Psi in all
-  server s (rank < K)  received (N - 1) x S gradients, sent (N - 1) x S weights: the seed's
-                       2 x N x slice for a dedicated server, less its own worker's slice, which
-                       never leaves the rank; plus, as a worker, 2 (K - 1) x S with the other servers
-
-A ring all-reduce moves 2 (N - 1) / N x Psi per rank, spread evenly: the seed's case against this.
-
-Gradients and weights are moved once per step, after the last micro-batch's backward (no overlap
-with backward: this strategy is a measured baseline, not a fast path). ``fp16_allreduce=True``
-sends the gradients as fp16 (cast before, cast back at the server); the weights stay full precision.
-Missing gradients count as zeros (as under zero1/zero2). Optimizers must be elementwise, as under
-ZeRO: a server steps a flat slice that cuts across parameters.
+Every rank computes its shard's gradient as under ddp (the same data and result, to the last bit);
+synchronize sends server s its slice s, which the server averages; step has each server update its
+slice and send it to every other rank. Both moves are ``hvd.alltoall`` with explicit splits: point to
+point in collective form (a chunk goes to its server and nowhere else), on MPI, Gloo and NCCL alike.
+``traffic()`` counts the bytes each rank sent and received in the last step: a worker moves 2 Psi, a
+server (N - 1) x its slice each way, where a ring all-reduce moves 2 (N - 1) / N x Psi per rank. A
+measured baseline, not a fast path: no overlap with backward. Missing gradients count as zeros.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
@@ -50,10 +19,11 @@ import horovod.torch as hvd
 
 from hvdtrain.distributed import startup as dist
 from hvdtrain.distributed.startup import World
+from hvdtrain.strategies.optimizers import check_elementwise
+from hvdtrain.strategies.registry import ADASUM, COMPILE, ELASTIC, MESH, SHARDED_CHECKPOINTS
 from hvdtrain.strategies.sharding import flat_buckets as fb
-from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
-from hvdtrain.strategies.sharding.sliced_state import SlicedOptimizerFullState
-from hvdtrain.strategies.zero import ELEMENTWISE_OPTIMIZERS, shard_optimizer_like
+from hvdtrain.strategies.sharding.sliced import SlicedStateStrategy
+from hvdtrain.strategies.zero import SHARDED_ELASTIC, SHARDED_MESH
 
 
 def check_servers(servers: int, world_size: int) -> None:
@@ -63,35 +33,37 @@ def check_servers(servers: int, world_size: int) -> None:
                          f"servers are ranks 0..ps_servers-1, got {servers!r}")
 
 
-def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-        name = type(optimizer).__name__
-        raise ValueError(
-            f"strategy=ps cannot serve {name}: each server steps a flat slice of the parameters that cuts "
-            f"across tensors, which gives one process's result only for elementwise optimizers "
-            f"({', '.join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)} and their subclasses). "
-            f"Use --train.strategy=ddp with {name}")
-
-
-class PSStrategy(SlicedOptimizerFullState, Strategy):
+class PSStrategy(SlicedStateStrategy):
     """A parameter server on ranks 0..servers-1 (see the module's text). The model's parameters
     become views of flat buckets; parameters not in the optimizer, or frozen, are left alone."""
 
     name = "ps"
-    shards_gradients = True  # the averaged gradient exists only at the servers, a slice each
+    refuses = {
+        ELASTIC: SHARDED_ELASTIC, MESH: SHARDED_MESH,
+        SHARDED_CHECKPOINTS: "the optimizer state lives on the servers only, which the per-rank sharded format "
+                             "(every rank owns 1/N) does not describe",
+        COMPILE: "ps is kept as a measured baseline, and torch.compile is not tested with it",
+        ADASUM: "each server averages the gradients it receives, and Adasum (whole tensors combined pairwise by "
+                "dot products) has no form on a slice",
+    }
+
+    @classmethod
+    def from_config(cls, config, model, optimizer, world, **context) -> "PSStrategy":
+        return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce, servers=config.ps_servers)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool, servers: int = 1,
                  bucket_bytes: int = 25 * 2**20) -> None:
         check_servers(servers, world.size)  # before any collective: the same verdict on every rank
-        check_elementwise(optimizer)
+        check_elementwise(optimizer, "strategy=ps cannot serve {name}",
+                          "each server steps a flat slice of the parameters that cuts across tensors",
+                          "Use --train.strategy=ddp with {name}")
         super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
         self.servers = servers
         self.serving = world.rank < servers
         # world_size=K: every bucket is padded to a multiple of K and cut into K slices.
         self.buckets = fb.bucket_parameters(model, optimizer, bucket_bytes, world.rank if self.serving else 0,
                                             servers)
-        self._group_indices = fb.indices_by_group(optimizer)
         for bucket in self.buckets:
             if not self.serving:  # a worker only: it owns no slice, and its optimizer holds nothing
                 bucket.shard = torch.nn.Parameter(bucket.flat_param[:0])
@@ -99,9 +71,7 @@ class PSStrategy(SlicedOptimizerFullState, Strategy):
             bucket.shard.grad = bucket.shard_grad
         # Every rank's optimizer carries the groups' live hyperparameters (the LR schedule); only
         # the servers' has slices to step and state beyond scalars (Adam's step count).
-        self.optimizer = shard_optimizer_like(optimizer, self.buckets)
-        self._carried_state: Optional[Dict[str, Any]] = optimizer.state_dict()
-        self._load_optimizer_state(self._carried_state)
+        self._take_optimizer(optimizer)
         self._in_flight: Dict[str, Any] = {}  # collective name -> Horovod handle
         self._counting = {"sent": 0, "received": 0}  # this step's, so far
         self._last_step = {"sent": 0, "received": 0}
@@ -208,7 +178,7 @@ class PSStrategy(SlicedOptimizerFullState, Strategy):
                 pass
         return pending
 
-    # Full state (broadcast_from_root, state_dict, load_state_dict): sliced_state.py.
+    # The full state (broadcast_from_root, state_dict, load_state_dict): sharding/sliced.py.
 
     def _gather_optimizer_state(self) -> Dict[str, Any]:
         """The user's optimizer's state_dict, every rank holding all of it (collective): each server
@@ -249,12 +219,5 @@ class PSStrategy(SlicedOptimizerFullState, Strategy):
         self.optimizer.load_state_dict(fb.shard_state_dict(self.buckets, self._group_indices, full))
 
     def _no_shards(self) -> str:
-        return ("strategy ps has no sharded checkpoint: its optimizer state lives on the servers only, "
-                "which the per-rank sharded format does not describe; use checkpoint_format=full")
-
-    def memory_bytes(self) -> Dict[str, int]:
-        params = list(self.model.parameters())
-        shards = [bucket.shard for bucket in self.buckets]
-        grads = [p.grad for p in params] + [b.shard_grad for b in self.buckets]
-        return {"parameters": storage_bytes(params + shards), "gradients": storage_bytes(grads),
-                "optimizer_state": storage_bytes(optimizer_state_tensors(self.optimizer))}
+        return (f"strategy ps has no sharded checkpoint: {self.refuses[SHARDED_CHECKPOINTS]}; "
+                "use checkpoint_format=full")

@@ -1,78 +1,36 @@
 """ZeRO stages 1 and 2 on Horovod: each rank keeps the optimizer state of 1/N of the parameters.
 
-The optimizer's parameters are packed into flat buckets (flat_buckets.py); rank r owns slice r of
-every bucket and its optimizer steps only those slices. One step:
-
-  backward     gradients land in the buckets; a bucket whose gradients are all there starts its
-               reduce-scatter (average over ranks, each rank receives its own slice) at once, so
-               the communication overlaps the rest of backward
-  synchronize  wait for every bucket's reduce-scatter (a bucket that got no gradient, a parameter
-               unused in forward, is started here with zeros, so nothing hangs)
-  step         the shard optimizer updates the own slices; an all-gather of every bucket's slice
-               writes the full parameters back on every rank
-
-Stage 1 keeps a full gradient buffer per bucket (accumulation adds up in place there and only the
-last micro-batch communicates). Stage 2 keeps only shard-sized gradients: every micro-batch
-reduce-scatters and adds its slice into a shard buffer; a bucket's full-size gradient exists only
-from its first gradient until its reduce-scatter has finished.
-
-Missing gradients count as zeros: a parameter that gets no gradient still takes its step (weight
-decay, momentum), where a plain torch optimizer would skip it.
-
-``fp16_allreduce=True``: the reduce-scatter moves fp16 (cast before, cast back after), as the
-data-parallel strategy's all-reduce does; the all-gather of parameters stays in full precision.
+The optimizer's parameters are packed into flat buckets; rank r owns slice r of every bucket and
+steps only those. Backward: a bucket whose gradients are all there starts its reduce-scatter at once
+(overlapping the rest of backward); stage 1 keeps a full gradient buffer per bucket and reduces once
+per step, stage 2 reduces every micro-batch into a shard-sized buffer. Step: the own slices are
+updated, then every bucket is gathered back in place. Missing gradients count as zeros (an unused
+parameter still takes weight decay and momentum, where torch would skip it). fp16_allreduce moves
+the reduce-scatter in fp16; the gathered parameters stay full precision.
 """
 from __future__ import annotations
 
-import inspect
-from typing import Any, ClassVar, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List
 
 import torch
 
 import horovod.torch as hvd
 
 from hvdtrain.distributed.startup import World
+from hvdtrain.strategies.registry import ADASUM, ELASTIC, MESH
 from hvdtrain.strategies.sharding import flat_buckets as fb
-from hvdtrain.strategies.sharding import shard_state as sharded_state
-from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
-from hvdtrain.strategies.sharding.sliced_state import SlicedOptimizerFullState
+from hvdtrain.strategies.sharding.sliced import ShardedStrategy
 
-# Stepping a flat slice that cuts across parameters equals stepping each parameter only when the
-# update of every element depends on that element alone.
-ELEMENTWISE_OPTIMIZERS = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
-    torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.ASGD, torch.optim.Rprop,
-    torch.optim.Adadelta,
-)
+# Why the sharded strategies cannot do what ddp does (their classes' ``refuses``).
+SHARDED_ELASTIC = "its state is cut into one shard per worker, and elastic changes the worker count mid-run"
+SHARDED_ADASUM = ("zero1, zero2 and fsdp reduce-scatter the gradients so that each rank receives only its slice, "
+                  "and Adasum has no reduce-scatter form (it combines whole gradients pairwise, scaled by dot "
+                  "products over each whole tensor)")
+SHARDED_MESH = ("zero2, fsdp and ps cut the state over every rank, and the model-parallel layout averages "
+                "gradients over each data-parallel group")
 
 
-def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer whose result would change on flat shards (a local check, no collective)."""
-    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-        return
-    name = type(optimizer).__name__
-    supported = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
-    raise ValueError(
-        f"ZeRO cannot shard {name}: it steps the optimizer on flat slices that cut across "
-        f"parameters, which gives the same result only for elementwise optimizers ({supported} "
-        f"and their subclasses). {name} is not one of them; optimizers such as LBFGS, Adafactor "
-        "and Muon look at whole tensors (a line search over all of them, a matrix's row and "
-        f"column statistics, its orthogonalisation). Use --train.strategy=ddp with {name}.")
-
-
-def shard_optimizer_like(optimizer: torch.optim.Optimizer,
-                         buckets: List[fb.FlatBucket]) -> torch.optim.Optimizer:
-    """A new optimizer of the user's class and hyperparameters whose parameters are the shards."""
-    groups = [{**{k: v for k, v in group.items() if k != "params"},
-               "params": [b.shard for b in buckets if b.group == g]}
-              for g, group in enumerate(optimizer.param_groups)]
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    # The groups carry every hyperparameter; defaults only serve subclasses that require some.
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return type(optimizer)(groups, **defaults)
-
-
-class ZeroStrategy(SlicedOptimizerFullState, Strategy):
+class ZeroStrategy(ShardedStrategy):
     """ZeRO stage 1 (sharded optimizer state) or 2 (and sharded gradients); see the module text.
 
     Clear gradients with ``zero_grad()``; the model's parameters' .grad are views into the
@@ -81,21 +39,17 @@ class ZeroStrategy(SlicedOptimizerFullState, Strategy):
     """
 
     stage: ClassVar[int]
+    refuses = {ELASTIC: SHARDED_ELASTIC, ADASUM: SHARDED_ADASUM}
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool, bucket_bytes: int = 25 * 2**20) -> None:
-        check_elementwise(optimizer)  # before any collective: the same verdict on every rank
+        self.check_optimizer(optimizer)  # before any collective: the same verdict on every rank
         if accumulation < 1 or bucket_bytes < 1:
             raise ValueError(f"accumulation ({accumulation}) and bucket_bytes ({bucket_bytes}) must be >= 1")
         super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
         self.buckets = fb.bucket_parameters(model, optimizer, bucket_bytes, world.rank, world.size)
-        self._group_indices = fb.indices_by_group(optimizer)
         self._attach_gradient_buffers(fp16_allreduce)
-        self.optimizer = shard_optimizer_like(optimizer, self.buckets)
-        # The user's optimizer's state goes into the shards now; rank 0's copy is what
-        # broadcast_from_root spreads, until a step or a load makes it stale.
-        self._carried_state: Optional[Dict[str, Any]] = optimizer.state_dict()
-        self._load_optimizer_state(self._carried_state)
+        self._take_optimizer(optimizer)
         self._in_flight: Dict[str, Any] = {}  # collective name -> Horovod handle
         self._backwards = 0  # backward passes since the last synchronize
         self._communicate = False  # whether this micro-batch's backward reduce-scatters
@@ -251,7 +205,7 @@ class ZeroStrategy(SlicedOptimizerFullState, Strategy):
     def pending_communication(self) -> List[str]:
         return [name for name, handle in dict(self._in_flight).items() if not _finished(handle)]
 
-    # Full state (broadcast_from_root, state_dict, load_state_dict): sliced_state.py.
+    # The full state (broadcast_from_root, state_dict, load_state_dict): sharding/sliced.py.
 
     def _gather_optimizer_state(self) -> Dict[str, Any]:
         """The user's optimizer's state_dict, assembled from every rank's shards (collective)."""
@@ -266,37 +220,11 @@ class ZeroStrategy(SlicedOptimizerFullState, Strategy):
         return fb.full_state_dict(self.buckets, self._group_indices, self.optimizer.param_groups,
                                   shard_states, gathered)
 
-    def _load_optimizer_state(self, full: Dict[str, Any]) -> None:
-        """Keep this rank's slices of a full optimizer state_dict (local: every rank has it all)."""
-        self.optimizer.load_state_dict(fb.shard_state_dict(self.buckets, self._group_indices, full))
-
-    # Sharded checkpoints: this rank's own part (hvdtrain.strategies.sharding.shard_state).
-
-    def shard_state_dict(self) -> Dict[str, Any]:
-        return sharded_state.shard_state_dict(self.model, self.buckets, self.optimizer, self._group_indices)
-
-    def check_shard_state_dict(self, state: Dict[str, Any]) -> None:
-        sharded_state.check_shard(self.model, self.buckets, self._group_indices, state)
-
-    def load_shard_state_dict(self, state: Dict[str, Any]) -> None:
-        """This rank's slices and state, then one all-gather: every rank holds the full parameters."""
-        sharded_state.load_shard_state_dict(self.model, self.buckets, self.optimizer, self._group_indices, state)
+    def _after_shard_load(self) -> None:
+        """Every rank's own slices into every rank's buckets: the full parameters everywhere."""
         handles = [hvd.allgather_async(bucket.shard.detach(), name=bucket.name("load")) for bucket in self.buckets]
         for bucket, handle in zip(self.buckets, handles):
             bucket.flat_param.copy_(hvd.synchronize(handle))
-        self._carried_state = None
-
-    shards_gradients = True
-
-    def owned_gradients(self) -> List[torch.Tensor]:
-        return [bucket.shard_grad for bucket in self.buckets]
-
-    def memory_bytes(self) -> Dict[str, int]:
-        params = list(self.model.parameters())
-        shards = [bucket.shard for bucket in self.buckets]
-        grads = [p.grad for p in params + shards] + [b.shard_grad for b in self.buckets]
-        return {"parameters": storage_bytes(params + shards), "gradients": storage_bytes(grads),
-                "optimizer_state": storage_bytes(optimizer_state_tensors(self.optimizer))}
 
 
 def gather_in_place(bucket: fb.FlatBucket, flat: torch.Tensor) -> Dict[str, Any]:
@@ -334,3 +262,4 @@ class Zero2Strategy(ZeroStrategy):
 
     name = "zero2"
     stage = 2
+    refuses = {**ZeroStrategy.refuses, MESH: SHARDED_MESH}

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hvdtrain.distributed import startup as dist
-from hvdtrain.strategies.zero import ELEMENTWISE_OPTIMIZERS, Zero1Strategy, Zero2Strategy
+from hvdtrain.strategies.optimizers import ELEMENTWISE_OPTIMIZERS
+from hvdtrain.strategies.zero import Zero1Strategy, Zero2Strategy
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
 
 pytestmark = pytest.mark.mpi

@@ -124,13 +124,6 @@ class ScheduleStats:
     wait_s: float = 0.0
     max_in_flight: int = 0
 
-    @property
-    def idle_fraction(self) -> float:
-        """The share of the run this stage spent waiting: the measured bubble (plus communication),
-        to set beside the ideal (P - 1) / (M + P - 1)."""
-        total = self.compute_s + self.wait_s
-        return self.wait_s / total if total > 0 else 0.0
-
 
 class PipelineStage(nn.Module):
     """This rank's contiguous share of ``layers`` (the model's full layer list, the same on every

@@ -1,32 +1,16 @@
 """Fully sharded data parallelism (ZeRO stage 3, PyTorch FSDP's scheme) on Horovod.
 
-Each rank keeps 1/N of every parameter, gradient and optimizer state: its slices (shards) of the
-units' flat buffers (fsdp_units.py), which its optimizer steps. A unit's full parameters exist
-only while it computes:
+Each rank keeps 1/N of every parameter, gradient and optimizer state: its slices of the units' flat
+buffers (units.py). A unit's full parameters exist only while it computes: gathered before its
+forward (the next one's gather already started), freed after, gathered again for its backward,
+whose gradients are reduce-scattered (averaged, each rank adding its slice) before everything full
+is freed; the root unit stays gathered from the model's forward to the end of its backward. The step
+updates the shards only. Between steps a rank holds 16 Psi / N bytes for fp32 Adam, plus padding.
 
-  forward      before a unit: all-gather its shards into its full buffer (while it computes, the
-               next unit's all-gather is already started); after it: free the full buffer. The root
-               unit is gathered when the model's forward starts and stays until its backward is done.
-  backward     when the gradient of a unit's output arrives: all-gather it again (and start the
-               previous unit's); once all its parameters' gradients are there: reduce-scatter them
-               (averaged over ranks, this rank's slice added to its shard gradient), free the full
-               gradients and parameters. At the end of backward, a buffer that got no gradient (or
-               only part) is reduce-scattered with what it has, missing gradients counting as zeros,
-               so every rank reduce-scatters every buffer once per micro-batch; what is still
-               gathered is freed.
-  synchronize  wait for the reduce-scatters
-  step         the shard optimizer updates the shards; no all-gather: a unit is gathered when it
-               next computes.
-
-Between steps a rank holds its shards only: 16 Psi / N bytes for fp32 Adam, plus padding. While a
-step runs it also holds the root unit, the unit computing and the one prefetched.
-
-Since the gathers are collectives, the model's forward is one: every rank runs it, with the same
-units in the same order (as with PyTorch FSDP), evaluation included. A unit's parameters hold no
-memory outside its forward and backward: read the model through ``state_dict()``, or make it
-whole again with ``unshard_model()`` to use it on one rank. Not supported: a unit's parameters
-used outside its forward, activation checkpointing around a unit (its forward would run again
-in backward). Parameters outside the optimizer, or frozen, stay whole on every rank.
+The gathers are collectives, so every forward is one: every rank runs it, with the same units in
+the same order, evaluation included. Read the model through ``state_dict()``, or make it whole with
+``unshard_model()``. Not supported: a unit's parameters used outside its forward, activation
+checkpointing around a unit. Parameters outside the optimizer, or frozen, stay whole on every rank.
 """
 from __future__ import annotations
 
@@ -39,15 +23,16 @@ import horovod.torch as hvd
 
 from hvdtrain.distributed import startup as dist
 from hvdtrain.distributed.startup import World
-from hvdtrain.strategies.sharding import flat_buckets as fb
+from hvdtrain.strategies.base import optimizer_state_tensors, storage_bytes
 from hvdtrain.strategies.fsdp import units as fu
-from hvdtrain.strategies.sharding import shard_state as sharded_state
 from hvdtrain.strategies.fsdp.communication import UnitCommunication
-from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
-from hvdtrain.strategies.zero import check_elementwise, shard_optimizer_like
+from hvdtrain.strategies.registry import ADASUM, COMPILE, ELASTIC, MESH
+from hvdtrain.strategies.sharding import flat_buckets as fb
+from hvdtrain.strategies.sharding.sliced import ShardedStrategy
+from hvdtrain.strategies.zero import SHARDED_ADASUM, SHARDED_ELASTIC, SHARDED_MESH
 
 
-class FSDPStrategy(Strategy):
+class FSDPStrategy(ShardedStrategy):
     """ZeRO stage 3: parameters, gradients and optimizer state sharded, gathered unit by unit.
 
     ``wrap_policy(module) -> bool`` picks the units (default: the model's blocks, see
@@ -57,11 +42,18 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
     collective_forward = True
+    refuses = {
+        ELASTIC: SHARDED_ELASTIC, ADASUM: SHARDED_ADASUM, MESH: SHARDED_MESH,
+        COMPILE: "fsdp gathers each unit's parameters in hooks that run inside the forward, and torch.compile "
+                 "cannot compile them: Dynamo cannot trace Horovod's collectives (a graph break at every unit), "
+                 "and Inductor fails on the gathered buffer's storage resize (LoweringException: TODO: dynamic "
+                 "shapes, torch 2.13)",
+    }
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool, wrap_policy: Optional[fu.WrapPolicy] = None,
                  prefetch: bool = True) -> None:
-        check_elementwise(optimizer)  # local: the same verdict on every rank
+        self.check_optimizer(optimizer)  # local: the same verdict on every rank
         if accumulation < 1:
             raise ValueError(f"accumulation ({accumulation}) must be >= 1")
         super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
@@ -74,11 +66,8 @@ class FSDPStrategy(Strategy):
         self._initial_pending = True
         self.buckets = [bucket for unit in self.all_units for bucket in unit.buckets]
         self._managed = {id(p) for bucket in self.buckets for p in bucket.params}
-        self._group_indices = fb.indices_by_group(optimizer)
         self._set_gradient_wire(fp16_allreduce)
-        self.optimizer = shard_optimizer_like(optimizer, self.buckets)
-        self._carried_state: Optional[Dict[str, Any]] = optimizer.state_dict()  # as zero.py
-        self._load_optimizer_state(self._carried_state)
+        self._take_optimizer(optimizer)
         self.comm = UnitCommunication(self.buckets)
         self._recording: Optional[List[fu.FSDPUnit]] = None  # the first forward's unit order
         self._next_forward: Dict[fu.FSDPUnit, fu.FSDPUnit] = {}
@@ -310,28 +299,10 @@ class FSDPStrategy(Strategy):
         return fb.full_state_dict(self.buckets, self._group_indices, self.optimizer.param_groups,
                                   shard_states, gathered)
 
-    def _load_optimizer_state(self, full: Dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(fb.shard_state_dict(self.buckets, self._group_indices, full))
-
-    # Sharded checkpoints: this rank's own part (hvdtrain.strategies.sharding.shard_state), no collective.
-
-    def shard_state_dict(self) -> Dict[str, Any]:
-        return sharded_state.shard_state_dict(self.model, self.buckets, self.optimizer, self._group_indices)
-
-    def check_shard_state_dict(self, state: Dict[str, Any]) -> None:
-        sharded_state.check_shard(self.model, self.buckets, self._group_indices, state)
-
-    def load_shard_state_dict(self, state: Dict[str, Any]) -> None:
-        sharded_state.load_shard_state_dict(self.model, self.buckets, self.optimizer, self._group_indices, state)
-        self._carried_state = None
+    def _after_shard_load(self) -> None:
         self._initial_params, self._initial_pending = [], False
 
     # What this rank holds.
-
-    shards_gradients = True
-
-    def owned_gradients(self) -> List[torch.Tensor]:
-        return [bucket.shard_grad for bucket in self.buckets]
 
     def memory_bytes(self) -> Dict[str, int]:
         """Counted from storages: a freed full buffer counts 0 bytes, a gathered one its full size."""
