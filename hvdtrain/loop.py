@@ -55,6 +55,7 @@ class TrainingLoop:
     commit: Optional[Callable[[], None]] = None
 
     def finished(self, until_step: Optional[int]) -> bool:
+        """Preempted, or at the step limit: ``until_step``, else max_steps."""
         limit = self.config.max_steps if until_step is None else until_step
         return self.preempted or (limit is not None and self.position.step >= limit)
 

@@ -114,6 +114,7 @@ class Trainer:
         if not self.elastic_launch:
             self.strategy.broadcast_from_root()
 
+        self.topology.follow(lambda topology: self.strategy.follow_world(topology.world))
         self.faults = FaultHandling(cfg, self.topology)
         self.reporter = Reporter(cfg, self.topology, self.job_config, self.strategy, self.elastic_launch)
         self.reporter.announce(f"{self.batching.describe()}; {self.lr.describe()}; strategy {cfg.strategy}; "
@@ -212,14 +213,15 @@ class Trainer:
         return self.checkpoints.state_dict()
 
     def fit(self, until_step: Optional[int] = None) -> List[Dict[str, float]]:
-        """Train to the configured epochs (or max_steps, or ``until_step``: fit again to go on);
-        returns one metrics dict per epoch, the same on every rank (all reduced across ranks)."""
+        """Train to the configured epochs, or max_steps; ``until_step`` replaces max_steps (fit again
+        with a later one to go on). Returns one metrics dict per epoch, the same on every rank (all
+        reduced across ranks)."""
         history: List[Dict[str, float]] = []
         cfg, loop = self.config, self.loop
         total = cfg.epochs * self.batching.steps_per_epoch
-        for limit in (cfg.max_steps, until_step):
-            if limit is not None:
-                total = min(total, limit)
+        limit = cfg.max_steps if until_step is None else until_step
+        if limit is not None:
+            total = min(total, limit)
         self.reporter.start(total, self.position.step)
         self.faults.start_watchdog(self.strategy.pending_communication)
         explain = lambda error: self._explain_out_of_memory(error, loop.phase, self.optimizer,

@@ -174,10 +174,6 @@ class Mesh:
     def is_last_stage(self) -> bool:
         return self.stage == self.shape.pipeline - 1
 
-    def describe(self, hostname: str) -> str:
-        """Where this rank is, for the start lines: 'rank 5 on node02: data 1/2, stage 0/2, tensor 1/2'."""
-        return describe_rank(self.shape, self.rank, hostname)
-
     def close(self) -> None:
         """Remove the process sets no other live mesh uses (a collective: every rank, in the same order)."""
         for ranks in self._added:

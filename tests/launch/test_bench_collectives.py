@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from hvdtrain.cli import main as cli
+from hvdtrain import cli
 
 from hvdtrain.bench.collectives import driver as collectives
 from tests.launch.helpers import BIN, run

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from hvdtrain.cli import main as cli
+from hvdtrain import cli
 from hvdtrain.bench.strategies import driver as strategies
 from tests.launch.helpers import BIN, run
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from hvdtrain.cli import main as cli
+from hvdtrain import cli
 from hvdtrain.bench.common import jobs as bench_jobs
 from hvdtrain.bench.scaling import driver as scaling
 from hvdtrain.bench.throughput import driver as throughput, worker as throughput_worker

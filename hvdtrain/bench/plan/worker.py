@@ -154,11 +154,7 @@ def build_trainer(args: argparse.Namespace, layout: Dict[str, Any], world):
 
 
 def run_steps(trainer, n: int) -> None:
-    import dataclasses
-
-    # fit() trains until max_steps: raise it by n and continue where the last fit stopped.
-    trainer.config = dataclasses.replace(trainer.config, max_steps=trainer.step + n)
-    trainer.fit()
+    trainer.fit(until_step=trainer.step + n)  # n more steps, continuing where the last fit stopped
 
 
 def run_world(args: argparse.Namespace) -> None:

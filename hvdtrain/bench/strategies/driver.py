@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hvdtrain.bench.common import jobs, report, stats
 from hvdtrain.bench.throughput import driver as throughput
-from hvdtrain.bench.throughput.driver import Job, paired, ratio
+from hvdtrain.bench.throughput.driver import Job, paired_ratio, ratio_of_medians
 from hvdtrain.common.units import MiB, mib
 from hvdtrain.launch.hostfile import Host
 from hvdtrain.common.tables import format_table
@@ -126,7 +126,7 @@ def speed_rows(speed: List[Job]) -> List[Dict[str, Any]]:
     ddp = speed[0]
     rows = []
     for job in speed:
-        s, pairs = job.summary(), paired(job, ddp)
+        s, pairs = job.summary(), paired_ratio(job, ddp)
         wall = [1000 * r["elapsed_s"] / r["steps"] for r in job.runs]
         sync = [_per_step_ms(r, "sync_per_rank_s") for r in job.runs]
         stepped = [_per_step_ms(r, "step_per_rank_s") for r in job.runs]
@@ -138,7 +138,7 @@ def speed_rows(speed: List[Job]) -> List[Dict[str, Any]]:
         inside_step = [g if job.label != "fsdp" else 0.0 for g in gather]
         rows.append({
             "strategy": job.label, "workers": job.np, "samples_per_sec": s.to_dict() if s else None,
-            "ratio_to_ddp": ratio(job, ddp), "paired_ratio_to_ddp": pairs.to_dict() if pairs else None,
+            "ratio_to_ddp": ratio_of_medians(job, ddp), "paired_ratio_to_ddp": pairs.to_dict() if pairs else None,
             "step_ms": stats.median(wall), "gradient_wait_ms": stats.median(sync), "strategy_step_ms": stats.median(stepped),
             "update_ms": stats.median(update), "all_gather_ms": stats.median(gather),
             "exposed_comm_ms": stats.median([w + g for w, g in zip(sync, gather)]),

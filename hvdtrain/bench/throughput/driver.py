@@ -241,13 +241,13 @@ def measure(all_jobs: List[Job], rounds: int, timeout: float) -> None:
                   flush=True)
 
 
-def ratio(a: Optional[Job], b: Optional[Job]) -> float:
+def ratio_of_medians(a: Optional[Job], b: Optional[Job]) -> float:
     if a is None or b is None or not a.runs or not b.runs:
         return float("nan")
     return stats.ratio(a.summary(), b.summary())
 
 
-def paired(a: Optional[Job], b: Optional[Job]) -> Optional[stats.Summary]:
+def paired_ratio(a: Optional[Job], b: Optional[Job]) -> Optional[stats.Summary]:
     """a/b within each round where both ran: robust to the machine's slow drift between rounds."""
     if a is None or b is None:
         return None
@@ -274,7 +274,7 @@ def analyse(all_jobs: List[Job], comparisons, workers: int) -> Dict[str, Any]:
                 "key": job.key, "variant": job.variant.key, "label": job.label, "workers": job.workers,
                 "processes": job.np, "skipped": job.skipped,
                 "samples_per_sec": s.to_dict() if s else None,
-                "vs_ceiling": ratio(job, ceiling) if job.workers == workers else float("nan"),
+                "vs_ceiling": ratio_of_medians(job, ceiling) if job.workers == workers else float("nan"),
                 "efficiency": (rate / (job.workers * single.summary().median)
                                if single is not None and single.runs and s else float("nan")),
                 "best_segment": stats.median([run["best_segment_samples_per_sec"] for run in job.runs]),
@@ -286,17 +286,17 @@ def analyse(all_jobs: List[Job], comparisons, workers: int) -> Dict[str, Any]:
         ratios, paired = {}, {}
         for numerator, denominator in RATIOS:
             a, b = by_key.get(f"{model}/{numerator}"), by_key.get(f"{model}/{denominator}")
-            value = ratio(a, b)
+            value = ratio_of_medians(a, b)
             if value == value:
                 ratios[f"{numerator}/{denominator}"] = value
-                pairs = paired(a, b)
+                pairs = paired_ratio(a, b)
                 paired[f"{numerator}/{denominator}"] = pairs.to_dict() if pairs else None
         tables[model] = {"rows": rows, "ratios": ratios, "paired_ratios": paired}
     knob_rows = [{
         "knob": knob.key, "label": knob.label, "model": knob.model, "variant": knob.variant,
         "default": base.summary().to_dict() if base.runs else None,
         "changed": changed.summary().to_dict() if changed.runs else None,
-        "ratio": ratio(changed, base),
+        "ratio": ratio_of_medians(changed, base),
         "comm_share_default": stats.median([run.get("comm_share") for run in base.runs]),
         "comm_share_changed": stats.median([run.get("comm_share") for run in changed.runs]),
     } for knob, base, changed in comparisons]
