@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # start-up and who this process is
     "init": "hvdtrain.distributed.startup",
-    "World": "hvdtrain.distributed.startup",
+    "World": "hvdtrain.distributed.world",
     # settings
     "TrainConfig": "hvdtrain.config.train",
     "parse_job": "hvdtrain.config.loader",

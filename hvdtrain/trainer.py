@@ -25,7 +25,8 @@ from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.batching import Batching
 from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.distributed import rng
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import startup
+from hvdtrain.distributed.world import World
 from hvdtrain.fault_tolerance import elastic
 from hvdtrain.fault_tolerance import out_of_memory as oom
 from hvdtrain.fault_tolerance.handling import FaultHandling
@@ -64,14 +65,14 @@ class Trainer:
         val_dataset: Optional[Dataset] = None,
         config: Optional[TrainConfig] = None,
         loss_fn: LossFn = F.cross_entropy,
-        world: Optional[dist.World] = None,
+        world: Optional[World] = None,
         job_config: Optional[Mapping[str, Any]] = None,
         step_fn: Optional[StepFn] = None,
         model_plan: Optional[ModelPlan] = None,
     ) -> None:
         self.config = cfg = config or TrainConfig()
         self.job_config = dict(job_config) if job_config is not None else {"train": cfg.to_dict()}
-        world = world or dist.init(seed=cfg.seed, timeline=cfg.timeline_steps > 0,
+        world = world or startup.init(seed=cfg.seed, timeline=cfg.timeline_steps > 0,
                                    hierarchical_allreduce=cfg.hierarchical_allreduce,
                                    dynamic_process_sets=cfg.model_parallel)
         # Under Horovod elastic, set-up runs no collective: a worker that joins later runs this while
@@ -128,12 +129,12 @@ class Trainer:
                                  self.batching, self.lr, self.position, self.reporter,
                                  self.checkpoints if protocol is not None else None, self.faults)
 
-    def _refuse_what_cannot_run(self, world: dist.World, step_fn: Optional[StepFn]) -> None:
+    def _refuse_what_cannot_run(self, world: World, step_fn: Optional[StepFn]) -> None:
         """What this launch cannot do, refused on every rank alike before any collective, instead of
         failing or hanging in the first step."""
         cfg = self.config
         if cfg.hierarchical_allreduce and not world.hierarchical_allreduce:
-            raise ValueError(dist.hierarchical_conflict())
+            raise ValueError(startup.hierarchical_conflict())
         if step_fn is not None and cfg.pipeline_parallel > 1:
             raise ValueError("train.pipeline_parallel > 1 computes the loss on the last stage with loss_fn(outputs, "
                              "targets) and cannot run a step_fn, which needs the whole model: pass loss_fn "
@@ -145,7 +146,7 @@ class Trainer:
     # --- what the parts hold, as attributes of the Trainer ----------------------------------------
 
     @property
-    def world(self) -> dist.World:
+    def world(self) -> World:
         """This process's place in the job now (under Horovod elastic it changes with the world)."""
         return self.topology.world
 

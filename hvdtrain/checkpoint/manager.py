@@ -16,7 +16,7 @@ from hvdtrain.checkpoint.sharded_format import is_sharded
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.batching import Batching
 from hvdtrain.distributed import rng
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies.base import Strategy
 from hvdtrain.training.lr import LearningRate
@@ -47,7 +47,7 @@ class CheckpointManager:
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to continue exactly, in the full format. Every rank calls it: it gathers
         the RNG states, and a sharded strategy gathers the model and optimizer state."""
-        rng_states = dist.allgather_object(rng.capture(), name="checkpoint.rng")
+        rng_states = collectives.allgather_object(rng.capture(), name="checkpoint.rng")
         return {"format": FORMAT_VERSION, **self.strategy.state_dict(), **self.run_state().to_dict(),
                 "rng": rng_states}
 

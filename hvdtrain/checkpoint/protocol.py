@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.checkpoint import sharded_format as sharded
 from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint.run_state import RunState
@@ -41,7 +41,7 @@ class Checkpointing:
                 path, found = newest
                 self.topology.log.info(f"resuming from {path}")
         if broadcast:
-            found = dist.broadcast_state(found, root_rank=0, name="checkpoint")
+            found = collectives.broadcast_state(found, root_rank=0, name="checkpoint")
         if found is not None and sharded.is_sharded(found):  # before any set-up follows from it
             sharded.check_compatible(found, self.config.strategy, self.topology.world.size)
         return found
@@ -74,7 +74,7 @@ class Checkpointing:
         if self.topology.is_root:
             path = self.store.save(state, step)
             self.topology.log.info(f"checkpoint {path}")
-        dist.barrier()
+        collectives.barrier()
 
     def save_sharded(self, shard: Dict[str, Any], run_state: Dict[str, Any], step: int) -> None:
         """Every rank writes its own ``shard``; rank 0 then publishes the directory with the
@@ -86,7 +86,7 @@ class Checkpointing:
         self._agree(self._attempt(lambda: sharded.prepare(temporary)) if world.is_root else None,
                     "checkpoint.sharded.prepare")
         written = self._attempt(lambda: sharded.write_shard(temporary, rank, size, shard))
-        records = dist.allgather_object(written, name="checkpoint.sharded.files")
+        records = collectives.allgather_object(written, name="checkpoint.sharded.files")
         failed = [f"rank {r}: {record}" for r, record in enumerate(records) if isinstance(record, str)]
         if failed:
             raise CheckpointError(f"the sharded checkpoint of step {step} was not written: {'; '.join(failed)}")
@@ -110,7 +110,7 @@ class Checkpointing:
             shard = sharded.read_shard(Path(state["path"]), state, self.topology.world.rank)
             strategy.check_shard_state_dict(shard["strategy"])
         problem = self._attempt(read)
-        problems = [f"rank {r}: {p}" for r, p in enumerate(dist.allgather_object(problem, name="checkpoint.sharded.check")) if p]
+        problems = [f"rank {r}: {p}" for r, p in enumerate(collectives.allgather_object(problem, name="checkpoint.sharded.check")) if p]
         if problems:
             raise CheckpointError(f"the sharded checkpoint {state['path']} cannot be resumed: {'; '.join(problems)}")
         strategy.load_shard_state_dict(shard["strategy"])
@@ -127,6 +127,6 @@ class Checkpointing:
 
     def _agree(self, message: Optional[str], name: str) -> None:
         """Rank 0's outcome on every rank: its error raised everywhere."""
-        message = dist.broadcast_object(message, root_rank=0, name=name)
+        message = collectives.broadcast_object(message, root_rank=0, name=name)
         if isinstance(message, str):
             raise CheckpointError(message)

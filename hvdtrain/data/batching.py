@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler, sharded_loader
-from hvdtrain.distributed.startup import World
+from hvdtrain.distributed.world import World
 
 
 class Batching:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # log files are also written by tools that never import torch or Horovod
-    from hvdtrain.distributed.startup import World
+    from hvdtrain.distributed.world import World
 
 
 def get_logger(world: "World", name: str = "hvdtrain") -> logging.Logger:

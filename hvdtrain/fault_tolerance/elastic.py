@@ -17,7 +17,7 @@ import torch
 import horovod.torch as hvd
 from horovod.common.elastic import State
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.training.position import Position
 
 
@@ -55,8 +55,8 @@ class ElasticState(State):
         self.position.update(**self._saved["position"])
 
     def sync(self) -> None:
-        dist.broadcast_model_and_optimizer(self.model, self.optimizer, root_rank=0)
-        counters: Dict[str, int] = dist.broadcast_state(self.position.as_dict(), root_rank=0, name="elastic.position")
+        collectives.broadcast_model_and_optimizer(self.model, self.optimizer, root_rank=0)
+        counters: Dict[str, int] = collectives.broadcast_state(self.position.as_dict(), root_rank=0, name="elastic.position")
         self.position.update(**counters)
         for callback in self.on_sync:
             callback()

@@ -15,9 +15,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from hvdtrain.distributed import startup as dist
-
-
+from hvdtrain.distributed import collectives
 class PreemptionFlag:
     """Set by ``signal_name`` (e.g. "USR1", as in ``#SBATCH --signal=USR1@90``); empty disables it."""
 
@@ -35,7 +33,7 @@ class PreemptionFlag:
 
     def agreed(self) -> bool:
         """True on every rank if any rank was signalled (a collective: every rank calls it)."""
-        votes = dist.allreduce_sum(torch.tensor([int(self._requested)]), name="preempt.vote")
+        votes = collectives.allreduce_sum(torch.tensor([int(self._requested)]), name="preempt.vote")
         return int(votes[0]) > 0
 
 

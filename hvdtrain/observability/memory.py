@@ -9,7 +9,7 @@ from __future__ import annotations
 import resource
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.common.units import format_bytes
 from hvdtrain.observability.run_directory import RunDirectory
 from hvdtrain.strategies.base import Strategy
@@ -38,7 +38,7 @@ class MemoryReport:
             return
         counted = self.strategy.memory_bytes()
         mine = {**counted, "total": sum(counted.values()), "peak_rss": peak_rss_bytes()}
-        self.per_rank = dist.allgather_object(mine, name="trainer.memory") if self.gather else [mine]
+        self.per_rank = collectives.allgather_object(mine, name="trainer.memory") if self.gather else [mine]
         world = self.topology.world
         if self.gather and not world.is_root:
             return

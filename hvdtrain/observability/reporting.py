@@ -11,7 +11,8 @@ from typing import Any, Dict, List, Mapping, Optional
 import yaml
 
 from hvdtrain.config.train import TrainConfig
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
+from hvdtrain.distributed import startup
 from hvdtrain.observability.memory import MemoryReport
 from hvdtrain.observability.progress import Progress, resolve_mode
 from hvdtrain.observability.run_directory import RunDirectory, default_run_name
@@ -62,7 +63,7 @@ class Reporter:
             return name
         if self.elastic:
             return name if self.topology.is_root or "SLURM_JOB_ID" in os.environ else None
-        return dist.broadcast_object(name, root_rank=0, name="trainer.run_name")
+        return collectives.broadcast_object(name, root_rank=0, name="trainer.run_name")
 
     def _open(self, name: str) -> None:
         path = Path(self.config.run_dir) / name
@@ -77,7 +78,7 @@ class Reporter:
         directory, so that whichever rank is 0 after a lost host keeps the metrics going."""
         if not self.config.run_dir:
             return
-        name = dist.broadcast_object(self.run_name, root_rank=0, name="trainer.run_name")
+        name = collectives.broadcast_object(self.run_name, root_rank=0, name="trainer.run_name")
         if self.run_dir is None and name is not None:
             self.run_name = name
             self._open(name)
@@ -102,7 +103,7 @@ class Reporter:
         log.info(f"{world.size} workers ({world.cross_size} hosts x {world.local_size}) started by {world.launcher}, "
                  f"{world.controller.upper()} controller, {world.threads} threads/rank, device {world.device}")
         if not self.elastic:  # no collective in elastic set-up
-            hosts = dist.allgather_object(world.hostname, name="trainer.hosts")
+            hosts = collectives.allgather_object(world.hostname, name="trainer.hosts")
             ranks_by_host: Dict[str, List[int]] = {}
             for rank, host in enumerate(hosts):
                 ranks_by_host.setdefault(host, []).append(rank)
@@ -116,7 +117,7 @@ class Reporter:
                     log.info(line)
         log.info(setup_line)
         if world.hierarchical_allreduce:
-            log.info(dist.hierarchical_effect(True, dist.nccl_built(), world.device.type, world.cross_size))
+            log.info(startup.hierarchical_effect(True, collectives.nccl_built(), world.device.type, world.cross_size))
         log.info("settings:\n" + yaml.safe_dump(dict(self.job_config), sort_keys=False).rstrip())
 
     # --- during training ---------------------------------------------------------------------

@@ -26,7 +26,7 @@ from hvdtrain.common.atomic import write_text_atomically
 from hvdtrain.distributed.logs import add_file
 
 if TYPE_CHECKING:  # `hvdtrain plot` reads these names on machines without torch or Horovod
-    from hvdtrain.distributed.startup import World
+    from hvdtrain.distributed.world import World
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"

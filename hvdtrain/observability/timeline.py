@@ -6,7 +6,9 @@ import os
 import time
 from typing import Optional, Tuple
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
+
+from hvdtrain.distributed import startup
 from hvdtrain.observability.run_directory import TIMELINE_FILE, RunDirectory
 
 
@@ -23,7 +25,7 @@ class TimelineWindow:
         self._file = ""
         if not steps:
             return
-        if not dist.timeline_armed():
+        if not startup.timeline_armed():
             log.warning(f"train.timeline_steps={steps} ignored: start Horovod with "
                         f"hvdtrain.init(..., timeline=True) to record a timeline")
             return
@@ -42,9 +44,9 @@ class TimelineWindow:
         first, last = self.window
         if step == first:
             self._file = self._path()
-            dist.start_timeline(self._file)
+            collectives.start_timeline(self._file)
         elif step == last:
-            dist.stop_timeline()
+            collectives.stop_timeline()
             self.window = None
             self.log.info(f"Horovod timeline of steps {first + 1}-{last} written to {self._file}: "
                           f"open it in https://ui.perfetto.dev or chrome://tracing (Load)")
@@ -52,5 +54,5 @@ class TimelineWindow:
     def close(self, step: int) -> None:
         """Training ended inside the window: close the file."""
         if self.window is not None and step >= self.window[0]:
-            dist.stop_timeline()
+            collectives.stop_timeline()
             self.window = None

@@ -18,8 +18,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import horovod.torch as hvd
 
-from hvdtrain.distributed import startup as dist
-
+from hvdtrain.distributed import startup
 Ranks = Tuple[int, ...]
 # The process sets meshes made, and how many meshes use each: Horovod refuses a second set of the
 # same ranks, so a mesh built while another lives (a Trainer's, a test's) shares its sets. Every
@@ -149,8 +148,8 @@ class Mesh:
         shape = MeshShape.for_world(world_size, tensor, pipeline)
         sets: Dict[Ranks, hvd.ProcessSet] = {}
         groups = list(shape.all_groups())
-        if any(len(g) < world_size for g in groups) and not dist.dynamic_process_sets_enabled():
-            raise ValueError(dist.dynamic_process_sets_conflict())
+        if any(len(g) < world_size for g in groups) and not startup.dynamic_process_sets_enabled():
+            raise ValueError(startup.dynamic_process_sets_conflict())
         for ranks in groups:
             # The whole world already has a process set; Horovod refuses a second one with its ranks.
             if len(ranks) == world_size:

@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Callable, List, Optional, Tuple
 
 from hvdtrain.distributed import startup
-from hvdtrain.distributed.startup import World
+from hvdtrain.distributed.world import World
 from hvdtrain.distributed.logs import get_logger
 from hvdtrain.parallel.mesh import Mesh
 

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Dict, List, Tuple
 import torch
 
 from hvdtrain.strategies import clipping
-from hvdtrain.distributed.startup import World
+from hvdtrain.distributed.world import World
 
 
 def storage_bytes(tensors) -> int:

@@ -11,7 +11,9 @@ import torch
 
 import horovod.torch as hvd
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
+
+from hvdtrain.distributed.world import World
 from hvdtrain.strategies.reduction import combines_updates
 from hvdtrain.strategies.registry import SHARDED_CHECKPOINTS
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
@@ -85,7 +87,7 @@ class DDPStrategy(Strategy):
     def from_config(cls, config, model, optimizer, world, **context) -> "DDPStrategy":
         return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce, reduction=config.reduction)
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: dist.World,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool, reduction: str = "average") -> None:
         super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
         self.reduction = reduction
@@ -94,12 +96,12 @@ class DDPStrategy(Strategy):
                                                reduction)
 
     def broadcast_from_root(self) -> None:
-        dist.broadcast_model_and_optimizer(self.model, self.optimizer, root_rank=0)
+        collectives.broadcast_model_and_optimizer(self.model, self.optimizer, root_rank=0)
 
     def synchronize(self) -> None:
         if self.combines_updates:
             # Horovod's Adasum synchronize() does nothing: wait here, so the wait is timed as communication.
-            dist.wait([handle for handle, _ in list(self.optimizer._handles.values())])
+            collectives.wait([handle for handle, _ in list(self.optimizer._handles.values())])
         else:
             self.optimizer.synchronize()
 

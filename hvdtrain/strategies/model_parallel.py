@@ -19,7 +19,8 @@ from torch import nn
 import horovod.torch as hvd
 
 from hvdtrain.strategies import clipping
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
+from hvdtrain.distributed.world import World
 from hvdtrain.parallel import gathered_state as full_state
 from hvdtrain.parallel.gathered_state import Placement
 from hvdtrain.parallel.mesh import Mesh
@@ -73,7 +74,7 @@ class ModelParallelStrategy(Strategy):
                    context.get("plan") or ModelPlan(), context.get("loss_fn"), data_parallel=config.strategy,
                    micro_batches=config.micro_batches, schedule=config.pipeline_schedule)
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: dist.World,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool, mesh: Mesh, plan: ModelPlan,
                  loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
                  data_parallel: str = "ddp", micro_batches: int = 1, schedule: str = "1f1b") -> None:
@@ -95,7 +96,7 @@ class ModelParallelStrategy(Strategy):
                                  f"transformer's is hvdtrain.examples.textlm_parallel.tensor_plan)")
             check_sliceable(optimizer)
         # 1. While every rank holds the whole model: rank 0's state everywhere.
-        dist.broadcast_model_and_optimizer(model, optimizer, root_rank=0)
+        collectives.broadcast_model_and_optimizer(model, optimizer, root_rank=0)
         full_sd = model.state_dict()
         self._full_shapes = {name: (t.shape, t.dtype) for name, t in full_sd.items()}
         names_of = self._names_by_tensor(model)
@@ -150,7 +151,7 @@ class ModelParallelStrategy(Strategy):
         into a gathered checkpoint); every rank learns every stage's by one small all-gather."""
         mine = sorted(name for name, t in model.state_dict(keep_vars=True).items() if id(t) in held)
         stages: Dict[str, int] = {}
-        every = dist.allgather_object((self.mesh.stage, mine), name="model_parallel.held_names")
+        every = collectives.allgather_object((self.mesh.stage, mine), name="model_parallel.held_names")
         for stage, names in every:
             for name in names:
                 stages[name] = min(stage, stages.get(name, stage))
@@ -259,7 +260,7 @@ class ModelParallelStrategy(Strategy):
                             if isinstance(v, torch.Tensor) else ("value", v) for key, v in state.items()}
                      for name, state in mine.items()}
         known: Dict[str, Dict[str, Any]] = {}
-        for rank_described in dist.allgather_object(described, name="model_parallel.optimizer_keys"):
+        for rank_described in collectives.allgather_object(described, name="model_parallel.optimizer_keys"):
             for name, keys in rank_described.items():
                 if keys:
                     known.setdefault(name, keys)

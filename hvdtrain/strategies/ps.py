@@ -17,8 +17,8 @@ import torch
 
 import horovod.torch as hvd
 
-from hvdtrain.distributed import startup as dist
-from hvdtrain.distributed.startup import World
+from hvdtrain.distributed import collectives
+from hvdtrain.distributed.world import World
 from hvdtrain.strategies.optimizers import check_elementwise
 from hvdtrain.strategies.registry import ADASUM, COMPILE, ELASTIC, MESH, SHARDED_CHECKPOINTS
 from hvdtrain.strategies.sharding import flat_buckets as fb
@@ -186,7 +186,7 @@ class PSStrategy(SlicedStateStrategy):
         own = [self.optimizer.state.get(bucket.shard, {}) for bucket in self.buckets]
         outline = [{key: (str(value.dtype) if fb.is_elementwise(value) else value) for key, value in state.items()}
                    for state in own]
-        outline = dist.broadcast_object(outline, root_rank=0, name="ps.state.outline")
+        outline = collectives.broadcast_object(outline, root_rank=0, name="ps.state.outline")
         gathered: List[Dict[str, torch.Tensor]] = []
         started = []
         for bucket, state, shape in zip(self.buckets, own, outline):

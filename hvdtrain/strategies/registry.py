@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from hvdtrain.config.train import TrainConfig
-    from hvdtrain.distributed.startup import World
+    from hvdtrain.distributed.world import World
     from hvdtrain.parallel.mesh import Mesh
     from hvdtrain.parallel.model_plan import ModelPlan
     from hvdtrain.strategies.base import Strategy
@@ -116,11 +116,11 @@ def launch_refusal(config: "TrainConfig", world: "World", elastic: bool) -> Opti
             also = "" if config.model_parallel else f"use {_either(supporting(ELASTIC))} under elastic, or "
             return f"{what} support Horovod elastic ({cls.refuses[ELASTIC]}): {also}launch without --min-np/--max-np"
     if config.reduction == "adasum":
-        from hvdtrain.distributed import startup
+        from hvdtrain.distributed import collectives
         from hvdtrain.strategies.reduction import adasum_refusal
 
-        return adasum_refusal(world.size, world.local_size, world.cross_size, startup.mpi_enabled(),
-                              world.device.type == "cuda" and startup.nccl_built(), startup.homogeneous())
+        return adasum_refusal(world.size, world.local_size, world.cross_size, collectives.mpi_enabled(),
+                              world.device.type == "cuda" and collectives.nccl_built(), collectives.homogeneous())
     return None
 
 

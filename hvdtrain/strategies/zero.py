@@ -16,7 +16,7 @@ import torch
 
 import horovod.torch as hvd
 
-from hvdtrain.distributed.startup import World
+from hvdtrain.distributed.world import World
 from hvdtrain.strategies.registry import ADASUM, ELASTIC, MESH
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.sliced import ShardedStrategy

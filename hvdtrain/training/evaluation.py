@@ -6,7 +6,7 @@ from typing import Any, Callable, ContextManager, Dict
 
 import torch
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.training.metrics import RunningMeans
 from hvdtrain.training.steps import StepFn, batch_size, to_device
 
@@ -29,7 +29,7 @@ def evaluate(model: torch.nn.Module, loader, step: StepFn, device: torch.device,
     means = RunningMeans(device)
     extra = 0
     if lockstep:
-        counts = dist.allgather_object(len(loader), name="val.batches")  # every rank decides alike
+        counts = collectives.allgather_object(len(loader), name="val.batches")  # every rank decides alike
         if min(counts) == 0:
             raise ValueError(f"validation batches per rank {counts}: with a sharded model every rank "
                              f"needs at least one; use fewer workers or a larger validation set")

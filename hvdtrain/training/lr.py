@@ -14,8 +14,8 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from hvdtrain.config.train import TrainConfig
-from hvdtrain.distributed import startup
-from hvdtrain.distributed.startup import World
+from hvdtrain.distributed import collectives
+from hvdtrain.distributed.world import World
 
 
 def lr_scale(global_batch: int, base_batch: int, enabled: bool, reduction: str = "average",
@@ -101,7 +101,7 @@ class LearningRate:
         self.scheduler.load_state_dict(state)
 
     def _adasum_factor(self) -> int:
-        return adasum_lr_factor(self.world.device.type, startup.nccl_built(), self.world.local_size)
+        return adasum_lr_factor(self.world.device.type, collectives.nccl_built(), self.world.local_size)
 
     def describe(self) -> str:
         """The start line's part: the rate, its scale and warm-up, and Adasum's rule when it applies."""

@@ -7,9 +7,7 @@ from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 
-from hvdtrain.distributed import startup as dist
-
-
+from hvdtrain.distributed import collectives
 class RunningMeans:
     """Sums of sample-weighted values (the loss, then the step's metrics) and the sample count
     since the last reduction, kept as one tensor on the training device: no .item() in the step,
@@ -39,12 +37,12 @@ class RunningMeans:
         ranks first tell each other the names (another collective)."""
         names = self.names
         if agree_on_names:
-            every = dist.allgather_object(names, name=f"{name}.names")
+            every = collectives.allgather_object(names, name=f"{name}.names")
             names = next((n for n in every if n), [])
             if any(n and n != names for n in every):
                 raise ValueError(f"the ranks' steps returned different metrics: {every}")
         totals = self._totals if self.names else torch.zeros(len(names) + 1, dtype=torch.float64)
-        reduced = dist.allreduce_sum(totals.cpu(), name=name).tolist()
+        reduced = collectives.allreduce_sum(totals.cpu(), name=name).tolist()
         self._totals.zero_()
         return Totals(dict(zip(names, reduced[1:])), reduced[0])
 

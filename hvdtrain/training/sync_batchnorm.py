@@ -18,8 +18,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 import horovod.torch as hvd
 
-from hvdtrain.distributed import startup as dist
-
+from hvdtrain.distributed import collectives
 CONVERTIBLE = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
 # Half-precision statistics would lose the sums: they are computed and all-reduced in float32.
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -37,11 +36,11 @@ class _AllreduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, name: str) -> torch.Tensor:
         ctx.name = name
-        return dist.allreduce_sum(tensor.contiguous(), name=name)
+        return collectives.allreduce_sum(tensor.contiguous(), name=name)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return dist.allreduce_sum(grad.contiguous(), name=f"{ctx.name}.grad"), None
+        return collectives.allreduce_sum(grad.contiguous(), name=f"{ctx.name}.grad"), None
 
 
 def _distributed() -> bool:

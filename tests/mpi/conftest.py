@@ -24,13 +24,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def world(request):
-    from hvdtrain.distributed import startup as dist
-
+    from hvdtrain.distributed import startup
     # Dynamic process sets slow every collective (a small all-reduce at 4 ranks under Gloo on 2
     # cores: 28 ms without, 57 ms with), so they are on only when a collected test builds a mesh.
     # Every rank collects the same tests, so every rank decides alike.
     process_sets = any(item.get_closest_marker("process_sets") for item in request.session.items)
-    return dist.init(seed=1234, threads=1, dynamic_process_sets=process_sets)
+    return startup.init(seed=1234, threads=1, dynamic_process_sets=process_sets)
 
 
 @pytest.fixture
@@ -39,6 +38,6 @@ def shared_tmp_path(world, tmp_path, request):
     is per rank under horovodrun --gloo, where mpi4py sees each process as a world of its own."""
     from pathlib import Path
 
-    from hvdtrain.distributed import startup as dist
+    from hvdtrain.distributed import collectives
 
-    return Path(dist.allgather_object(str(tmp_path), name=f"shared_tmp_path.{request.node.nodeid}")[0])
+    return Path(collectives.allgather_object(str(tmp_path), name=f"shared_tmp_path.{request.node.nodeid}")[0])

@@ -24,7 +24,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils.data import TensorDataset
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.config.train import TrainConfig
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
 
@@ -41,7 +41,7 @@ def config(strategy, batch_size=BATCH, **overrides):
 
 def agreed(values, name):
     """Every rank's row of values (a collective: call it before asserting)."""
-    return dist.allgather_rows(torch.as_tensor(values, dtype=torch.float64).reshape(1, -1), name=name)
+    return collectives.allgather_rows(torch.as_tensor(values, dtype=torch.float64).reshape(1, -1), name=name)
 
 
 def small_cnn(seed):
@@ -90,8 +90,8 @@ def test_compiled_run_trains_what_the_eager_run_trains(world, strategy, kind, sh
     ours, theirs = flat_parameters(compiled), flat_parameters(eager)
     rows = agreed([(ours - theirs).abs().max(), (ours - flat_parameters(MODELS[kind][0](seed=0))).abs().max(),
                    abs(compiled_final["val_loss"] - eager_final["val_loss"]), graphs], name=f"compile.{strategy}.{kind}")
-    replicas = dist.allgather_rows(ours.reshape(1, -1), name=f"compile.{strategy}.{kind}.params")
-    dist.barrier()  # rank 0 wrote the export before its run() returned
+    replicas = collectives.allgather_rows(ours.reshape(1, -1), name=f"compile.{strategy}.{kind}.params")
+    collectives.barrier()  # rank 0 wrote the export before its run() returned
     exported_state = load_file(str(exported))
 
     assert (rows[:, 3] >= 1).all(), "Dynamo compiled nothing: the run was eager, the test proves nothing"

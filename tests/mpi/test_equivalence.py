@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.trainer import Trainer
@@ -68,8 +68,8 @@ def test_n_workers_match_one_process_with_n_times_the_batch(world, optimizer_nam
     difference = (flat_parameters(trainer.model) - expected).abs().max()
     moved = (flat_parameters(trainer.model) - torch.cat([v.reshape(-1) for v in initial.values()])).abs().max()
     name = f"equiv.{strategy}.{optimizer_name}.{accumulation}"
-    everywhere = dist.allgather_rows(torch.stack([difference, moved]), name=name)
-    replicas = dist.allgather_rows(flat_parameters(trainer.model), name=f"{name}.params")
+    everywhere = collectives.allgather_rows(torch.stack([difference, moved]), name=name)
+    replicas = collectives.allgather_rows(flat_parameters(trainer.model), name=f"{name}.params")
 
     assert trainer.step == steps
     assert all(torch.equal(replicas[0], row) for row in replicas), "ranks hold different parameters"

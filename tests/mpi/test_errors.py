@@ -4,8 +4,7 @@ import torch
 
 import horovod.torch as hvd
 
-from hvdtrain.distributed import startup as dist
-
+from hvdtrain.distributed import collectives
 pytestmark = pytest.mark.mpi
 
 
@@ -14,9 +13,9 @@ def test_allreduce_with_different_shapes_raises_on_every_rank(world):
         pytest.skip("needs two ranks to disagree")
     mismatched = torch.ones(world.rank + 1, 3)
     with pytest.raises(RuntimeError, match="(?i)mismatched.*shape"):
-        dist.allreduce_sum(mismatched, name="errors.shape")
+        collectives.allreduce_sum(mismatched, name="errors.shape")
     # The failed collective must leave Horovod working: the next one succeeds everywhere.
-    total = dist.allreduce_sum(torch.ones(2), name="errors.after_shape")
+    total = collectives.allreduce_sum(torch.ones(2), name="errors.after_shape")
     assert total.tolist() == [world.size, world.size]
 
 
@@ -25,8 +24,8 @@ def test_allreduce_with_different_dtypes_raises_on_every_rank(world):
         pytest.skip("needs two ranks to disagree")
     dtype = torch.float32 if world.rank == 0 else torch.float64
     with pytest.raises(RuntimeError, match="(?i)mismatched.*(type|dtype)"):
-        dist.allreduce_sum(torch.ones(4, dtype=dtype), name="errors.dtype")
-    total = dist.allreduce_sum(torch.ones(1), name="errors.after_dtype")
+        collectives.allreduce_sum(torch.ones(4, dtype=dtype), name="errors.dtype")
+    total = collectives.allreduce_sum(torch.ones(1), name="errors.after_dtype")
     assert total.item() == world.size
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
 from hvdtrain.strategies.fsdp import units as fu
 from hvdtrain.strategies.fsdp.strategy import FSDPStrategy
@@ -100,7 +100,7 @@ def test_n_workers_match_one_process_with_the_whole_batch(world, optimizer_name,
     def record(step):
         idle.append(strategy.pending_communication() == [])
         freed.append(all_freed(strategy))
-        every_rank.append(dist.allgather_rows(flat(strategy.state_dict()["model"]), name=f"fsdp.test.{step}"))
+        every_rank.append(collectives.allgather_rows(flat(strategy.state_dict()["model"]), name=f"fsdp.test.{step}"))
 
     fsdp_steps(strategy, data, STEPS, accumulation, world, after_step=record)
     state = strategy.state_dict()
@@ -111,7 +111,7 @@ def test_n_workers_match_one_process_with_the_whole_batch(world, optimizer_name,
         (flat(state["model"]) - flat(initial)).abs().max().item(),
         state_difference(state["optimizer"], reference_optimizer.state_dict()),
     ], dtype=torch.float64)
-    everywhere = dist.allgather_rows(local, name="fsdp.test.result")
+    everywhere = collectives.allgather_rows(local, name="fsdp.test.result")
 
     padding = sum(b.padded_numel for b in strategy.buckets) - sum(p.numel() for p in model.parameters())
     assert [unit.path for unit in strategy.units] == ["blocks.0", "blocks.1", "blocks.2"]
@@ -162,7 +162,7 @@ def test_a_checkpoint_resumes_under_fsdp_zero_and_one_plain_optimizer(world):
     local = torch.tensor([(resumed[0] - continued).abs().max(), (resumed[1] - continued).abs().max(),
                           (flat_parameters(plain) - continued).abs().max(),
                           (flat_parameters(zero_model) - continued).abs().max()], dtype=torch.float64)
-    everywhere = dist.allgather_rows(local, name="fsdp.test.resume")
+    everywhere = collectives.allgather_rows(local, name="fsdp.test.resume")
 
     assert (everywhere[:, 0] == 0).all(), f"fsdp -> fsdp: {everywhere[:, 0].tolist()}"
     assert (everywhere[:, 1] < 1e-10).all(), f"plain -> fsdp: {everywhere[:, 1].tolist()}"
@@ -175,14 +175,14 @@ def test_broadcast_from_root_spreads_rank_0s_parameters_and_optimizer_state(worl
     model = Blocks(seed=100 + world.rank)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     reference_steps(model, optimizer, data, 1, rows=8, first=world.rank)  # a different state on every rank
-    root_state = dist.broadcast_state(copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()}),
+    root_state = collectives.broadcast_state(copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()}),
                                       root_rank=0, name="fsdp.test.root")
     strategy = FSDPStrategy(model, optimizer, world, 1, False)
     strategy.broadcast_from_root()
     state = strategy.state_dict()
     local = torch.tensor([model_difference(state["model"], root_state["model"]),
                           state_difference(state["optimizer"], root_state["optimizer"])], dtype=torch.float64)
-    everywhere = dist.allgather_rows(local, name="fsdp.test.root.result")
+    everywhere = collectives.allgather_rows(local, name="fsdp.test.root.result")
 
     assert (everywhere == 0).all(), f"max |model, state - rank 0's| per rank: {everywhere.tolist()}"
 
@@ -209,7 +209,7 @@ def test_evaluation_gathers_each_unit_only_while_it_computes(world):
     reference_steps(reference, reference_optimizer, data, 2, rows=MICRO_BATCH * world.size)
     local = torch.tensor([(ours - reference(inputs)).abs().max().item(),
                           (alone - ours).abs().max().item()], dtype=torch.float64)
-    everywhere = dist.allgather_rows(local, name="fsdp.test.eval")
+    everywhere = collectives.allgather_rows(local, name="fsdp.test.eval")
 
     # the block computing, the root, and the next block, prefetched: its gather writes into its
     # full buffer in place, so that buffer holds memory from the moment the gather starts
@@ -245,7 +245,7 @@ def test_each_rank_holds_its_share_and_one_unit_at_a_time(world):
     strategy.zero_grad()
     held = strategy.memory_bytes()
     keys = ("parameters", "gradients", "optimizer_state")
-    everywhere = dist.allgather_rows(torch.tensor([held[k] for k in keys] + [max(seen)], dtype=torch.float64),
+    everywhere = collectives.allgather_rows(torch.tensor([held[k] for k in keys] + [max(seen)], dtype=torch.float64),
                                      name="fsdp.test.memory")
 
     # ZeRO-3's figures in fp32 with Adam: parameters 4 Psi / N, gradients 4 Psi / N, exp_avg and
@@ -278,7 +278,7 @@ def test_an_unused_unit_does_not_hang_the_step(world):
     unused = "blocks.1.up.weight"
     local = torch.tensor([model_difference(state, reference.state_dict()),
                           (state[unused] - initial[unused]).abs().max()], dtype=torch.float64)
-    everywhere = dist.allgather_rows(local, name="fsdp.test.unused")
+    everywhere = collectives.allgather_rows(local, name="fsdp.test.unused")
 
     assert (everywhere[:, 1] > 0).all(), "weight decay should have moved the unused block"
     assert (everywhere[:, 0] < 1e-10).all(), f"max |fsdp - one process| per rank: {everywhere[:, 0].tolist()}"
@@ -296,7 +296,7 @@ def test_a_custom_wrap_policy_without_prefetch_matches_one_process(world):
     reference, reference_optimizer = reference_from(initial, make_optimizer)
     reference_steps(reference, reference_optimizer, data, 2, rows=MICRO_BATCH * world.size)
     local = torch.tensor([model_difference(state, reference.state_dict())], dtype=torch.float64)
-    everywhere = dist.allgather_rows(local, name="fsdp.test.policy")
+    everywhere = collectives.allgather_rows(local, name="fsdp.test.policy")
 
     linears = ["embed"] + [f"blocks.{i}.{name}" for i in range(3) for name in ("up", "down")] + ["head"]
     assert [unit.path for unit in strategy.units] == linears
@@ -334,7 +334,7 @@ def test_a_tiny_transformer_with_tied_weights_matches_one_process(world):
     local = torch.tensor([model_difference(state["model"], reference.state_dict()),
                           state_difference(state["optimizer"], reference_optimizer.state_dict()),
                           (flat(state["model"]) - flat(initial)).abs().max().item()], dtype=torch.float64)
-    everywhere = dist.allgather_rows(local, name="fsdp.test.lm")
+    everywhere = collectives.allgather_rows(local, name="fsdp.test.lm")
 
     assert [unit.path for unit in strategy.units] == ["blocks.0", "blocks.1", "blocks.2"]
     assert {id(p) for b in strategy.root.buckets for p in b.params} == \
@@ -356,7 +356,7 @@ def test_fp16_reduction_stays_close_to_full_precision(world):
     reference_steps(reference, reference_optimizer, data, 2, rows=MICRO_BATCH * world.size)
     local = torch.tensor([model_difference(state, reference.state_dict()),
                           (flat(state) - flat(initial)).abs().max().item()], dtype=torch.float64)
-    everywhere = dist.allgather_rows(local, name="fsdp.test.fp16")
+    everywhere = collectives.allgather_rows(local, name="fsdp.test.fp16")
 
     assert all(b.grad_name.endswith(".fp16") for b in strategy.buckets)
     assert (everywhere[:, 1] > 1e-3).all(), "training did not move the parameters: the test proves nothing"

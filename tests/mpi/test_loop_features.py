@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.trainer import Trainer
@@ -44,7 +44,7 @@ def config(strategy, **overrides):
 
 def agreed(values, name):
     """Every rank's row of values (a collective: call it before asserting)."""
-    return dist.allgather_rows(torch.as_tensor(values, dtype=torch.float64).reshape(1, -1), name=name)
+    return collectives.allgather_rows(torch.as_tensor(values, dtype=torch.float64).reshape(1, -1), name=name)
 
 
 # ---- gradient clipping -------------------------------------------------------------------------
@@ -223,7 +223,7 @@ def test_fp16_skips_a_step_with_inf_on_every_rank_alike(world, strategy):
     ours = flat_parameters(trainer.model)
     rows = agreed([trainer.precision.skipped_steps, trainer.precision.scale, float(seen.get("unchanged", False))],
                   name=f"fp16.{strategy}")
-    replicas = dist.allgather_rows(ours.double().reshape(1, -1), name=f"fp16.{strategy}.params")
+    replicas = collectives.allgather_rows(ours.double().reshape(1, -1), name=f"fp16.{strategy}.params")
 
     assert (rows[:, 0] == 1).all(), f"skipped steps per rank: {rows[:, 0].tolist()}"
     assert (rows[:, 1] == 2.0 ** 15).all(), f"the loss scale backs off once, on every rank: {rows[:, 1].tolist()}"
@@ -244,7 +244,7 @@ def test_run_exports_the_trained_model_as_safetensors(world, strategy, shared_tm
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, data, cfg, world=world)
     trainer.run()
     exported = shared_tmp_path / f"export-{strategy}" / "model.safetensors"
-    dist.barrier()
+    collectives.barrier()
     loaded = small_mlp(seed=1)
     loaded.load_state_dict(load_file(str(exported)))
     difference = (flat_parameters(loaded) - flat_parameters(trainer.model)).abs().max()

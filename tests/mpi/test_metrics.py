@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import small_mlp, synthetic_classification
@@ -23,7 +23,7 @@ def test_validation_metrics_cover_the_whole_validation_set(world):
         outputs = trainer.model(val.tensors[0])
         expected_loss = F.cross_entropy(outputs, val.tensors[1]).item()
         expected_accuracy = (outputs.argmax(1) == val.tensors[1]).double().mean().item()
-    agreed = dist.allgather_rows(torch.tensor([metrics["val_accuracy"], metrics["val_loss"]]), name="metrics.val")
+    agreed = collectives.allgather_rows(torch.tensor([metrics["val_accuracy"], metrics["val_loss"]]), name="metrics.val")
 
     assert metrics["val_samples"] == 101
     assert metrics["val_accuracy"] == pytest.approx(expected_accuracy, abs=1e-12)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
@@ -128,8 +128,8 @@ def check_layout(world, layout, max_grad_norm=None, strategy="ddp"):
     data_width = trainer.mesh.shape.data
     # Each data replica's loss; the global batch's loss is their mean (every rank of a replica holds it).
     # Every replica's T x P ranks hold its loss: the world's sum / world size is the mean over replicas.
-    step_losses = dist.allreduce_sum(torch.stack(losses), name=f"mp.{layout_id(layout)}.losses") / world.size
-    memories = dist.allgather_object(trainer.strategy.memory_bytes(), name=f"mp.{layout_id(layout)}.memory")
+    step_losses = collectives.allreduce_sum(torch.stack(losses), name=f"mp.{layout_id(layout)}.losses") / world.size
+    memories = collectives.allgather_object(trainer.strategy.memory_bytes(), name=f"mp.{layout_id(layout)}.memory")
 
     final_optimizer = trainer.strategy.state_dict()["optimizer"]
     expected, expected_optimizer, expected_losses = reference(initial, data, BATCH * data_width, max_grad_norm)
@@ -190,7 +190,7 @@ def test_dropout_masks_agree_within_a_tensor_group(world):
     before = model.norm.weight.detach().clone()
     trainer.fit()
     replicated = torch.cat([model.norm.weight.detach(), model.blocks[0].norm1.bias.detach()])
-    rows = dist.allgather_rows(replicated, name="mp.dropout.replicated")
+    rows = collectives.allgather_rows(replicated, name="mp.dropout.replicated")
     trainer.close_mesh()
     groups = [rows[r:r + 2] for r in range(0, world.size, 2)]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import horovod.torch as hvd
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
 from hvdtrain.examples.textlm_parallel import pipeline_layers
 from hvdtrain.parallel.mesh import Mesh
@@ -38,7 +38,7 @@ def global_batch(step: int, rows: int):
 
 def agreed(values, name):
     """Every rank's row of values (a collective: call it before asserting)."""
-    return dist.allgather_rows(torch.as_tensor(values, dtype=torch.float64).reshape(1, -1), name=name)
+    return collectives.allgather_rows(torch.as_tensor(values, dtype=torch.float64).reshape(1, -1), name=name)
 
 
 def layout(world, pipeline: int) -> Mesh:

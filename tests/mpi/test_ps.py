@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.strategies import build_strategy
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
@@ -104,7 +104,7 @@ def test_ps_takes_one_process_steps_on_the_global_batch(world, optimizer_name, s
     moved = (flat_parameters(model) - torch.cat([v.reshape(-1) for v in initial.values()])).abs().max()
     state = torch.tensor(state_difference(gathered, reference.state_dict()), dtype=torch.float64)
     name = f"ps.equiv.{optimizer_name}.{servers}.{max_norm}"
-    everywhere = dist.allgather_rows(torch.stack([difference, moved, state]), name=name)
+    everywhere = collectives.allgather_rows(torch.stack([difference, moved, state]), name=name)
 
     assert (everywhere[:, 1] > 1e-3).all(), "training did not move the parameters: the test proves nothing"
     assert (everywhere[:, 0] < 1e-10).all(), f"max |ps - one process| per rank: {everywhere[:, 0].tolist()}"
@@ -127,7 +127,7 @@ def test_ps_resumes_one_process_state_and_continues_as_it_would(world, servers):
     strategy.load_state_dict({"model": halfway.state_dict(), "optimizer": optimizer.state_dict()})
     ps_steps(strategy, data, batches[3:], world.rank)
     difference = (flat_parameters(model) - flat_parameters(expected)).abs().max()
-    rows = dist.allgather_rows(difference.reshape(1), name=f"ps.resume.{servers}")
+    rows = collectives.allgather_rows(difference.reshape(1), name=f"ps.resume.{servers}")
     assert (rows < 1e-10).all(), f"max |resumed ps - one process| per rank: {rows.flatten().tolist()}"
 
 
@@ -137,7 +137,7 @@ def test_the_trainer_under_ps_matches_ddp(world, max_grad_norm):
     ddp = train(world, "ddp", max_steps=6, max_grad_norm=max_grad_norm)
     ps = train(world, "ps", max_steps=6, max_grad_norm=max_grad_norm)
     difference = (flat_parameters(ps.model) - flat_parameters(ddp.model)).abs().max()
-    rows = dist.allgather_rows(difference.reshape(1), name=f"ps.trainer.{max_grad_norm}")
+    rows = collectives.allgather_rows(difference.reshape(1), name=f"ps.trainer.{max_grad_norm}")
     assert ps.step == ddp.step == 6
     assert (rows < 1e-10).all(), f"max |ps - ddp| per rank: {rows.flatten().tolist()}"
 
@@ -157,7 +157,7 @@ def test_counted_bytes_per_step_equal_the_formula(world, servers, fp16_allreduce
     strategy.broadcast_from_root()
     ps_steps(strategy, data, global_batches(data, world.size, steps=2), world.rank)
     counted = strategy.traffic()
-    rows = dist.allgather_rows(torch.tensor([counted["sent"], counted["received"]]), name=f"ps.traffic.{servers}")
+    rows = collectives.allgather_rows(torch.tensor([counted["sent"], counted["received"]]), name=f"ps.traffic.{servers}")
 
     n, k = world.size, servers
     psi = sum(p.numel() for p in small_mlp(seed=0).parameters())  # 276: one bucket, one group
@@ -184,7 +184,7 @@ def test_a_server_holds_the_optimizer_state_of_its_slice_only(world):
     strategy.broadcast_from_root()
     ps_steps(strategy, data, global_batches(data, world.size, steps=1), world.rank)
     held = strategy.memory_bytes()
-    rows = dist.allgather_rows(torch.tensor([held["optimizer_state"], held["parameters"]]), name="ps.memory")
+    rows = collectives.allgather_rows(torch.tensor([held["optimizer_state"], held["parameters"]]), name="ps.memory")
 
     psi = sum(p.numel() for p in small_mlp(seed=0).parameters())
     slice_bytes = -(-psi // servers) * 8

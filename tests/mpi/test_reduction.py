@@ -30,7 +30,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
+
+from hvdtrain.distributed import startup
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.strategies.reduction import is_power_of_two
@@ -51,7 +53,7 @@ def config(**overrides):
 
 def agreed(values, name):
     """Every rank's row of values (a collective: call it before asserting)."""
-    return dist.allgather_rows(torch.as_tensor(values, dtype=torch.float64).reshape(1, -1), name=name)
+    return collectives.allgather_rows(torch.as_tensor(values, dtype=torch.float64).reshape(1, -1), name=name)
 
 
 def adasum_pair(a, b):
@@ -131,7 +133,7 @@ def test_adasum_through_the_trainer_equals_horovods_tree_by_hand(world, accumula
     model = small_mlp(seed=100 + world.rank)  # different on every rank: set-up broadcasts rank 0's
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     settings = config(accumulation=accumulation)
-    if not dist.mpi_enabled():  # horovodrun --gloo: Horovod has no Adasum there
+    if not collectives.mpi_enabled():  # horovodrun --gloo: Horovod has no Adasum there
         with pytest.raises(ValueError, match="needs Horovod's MPI operations, and this job runs on Gloo"):
             Trainer(model, optimizer, data, None, settings, world=world)
         return
@@ -173,7 +175,7 @@ def test_adasum_with_fp16_compression_combines_the_fp16_updates(world):
     dot products in double): the result is Adasum's to fp16 precision, not averaging."""
     data = synthetic_classification(samples=192)
     model = small_mlp(seed=100 + world.rank)
-    if not dist.mpi_enabled():
+    if not collectives.mpi_enabled():
         pytest.skip("Horovod has no Adasum over Gloo (the refusal is tested above)")
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=LR), data, None,
                       config(fp16_allreduce=True), world=world)
@@ -197,7 +199,7 @@ def test_adasum_on_a_world_it_cannot_combine_is_refused_before_any_collective(wo
     model = small_mlp(seed=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     data = synthetic_classification(samples=192)
-    if not dist.mpi_enabled():
+    if not collectives.mpi_enabled():
         match = "needs Horovod's MPI operations"
     else:  # this rank's world, as if the launch had started 3 workers (Horovod would fail in backward)
         world = dataclasses.replace(world, size=3)
@@ -218,4 +220,4 @@ def test_hierarchical_allreduce_asked_for_after_hvd_init_is_refused_with_what_to
     with pytest.raises(ValueError, match=expected):
         Trainer(model, optimizer, data, None, settings, world=world)
     with pytest.raises(ValueError, match=expected):  # hvdtrain.init itself, once Horovod runs
-        dist.init(seed=1, threads=1, hierarchical_allreduce=True)
+        startup.init(seed=1, threads=1, hierarchical_allreduce=True)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
@@ -30,8 +30,8 @@ def test_replicas_are_bitwise_identical_after_training(world, fp16_allreduce):
     trainer = Trainer(model, optimizer, data, None, config, world=world)
     history = trainer.fit()
 
-    params = dist.allgather_rows(flat_parameters(trainer.model), name=f"replicas.params.{fp16_allreduce}")
-    state = dist.allgather_rows(flat_optimizer_state(trainer.optimizer), name=f"replicas.state.{fp16_allreduce}")
+    params = collectives.allgather_rows(flat_parameters(trainer.model), name=f"replicas.params.{fp16_allreduce}")
+    state = collectives.allgather_rows(flat_optimizer_state(trainer.optimizer), name=f"replicas.state.{fp16_allreduce}")
 
     assert len(history) == 2 and history[-1]["train_loss"] < history[0]["train_loss"]
     assert rows_identical(params), "ranks hold different parameters after training"
@@ -53,12 +53,12 @@ def test_setup_gives_every_rank_rank0_parameters_and_optimizer_state(world, opti
     optimizer.step()
     optimizer.zero_grad()
 
-    before_params = dist.allgather_rows(flat_parameters(model), name=f"bcast.before.p.{optimizer_name}")
-    before_state = dist.allgather_rows(flat_optimizer_state(optimizer), name=f"bcast.before.s.{optimizer_name}")
+    before_params = collectives.allgather_rows(flat_parameters(model), name=f"bcast.before.p.{optimizer_name}")
+    before_state = collectives.allgather_rows(flat_optimizer_state(optimizer), name=f"bcast.before.s.{optimizer_name}")
     trainer = Trainer(model, optimizer, data, None, TrainConfig(epochs=1, batch_size=8, scale_lr=False),
                       world=world)
-    after_params = dist.allgather_rows(flat_parameters(trainer.model), name=f"bcast.after.p.{optimizer_name}")
-    after_state = dist.allgather_rows(flat_optimizer_state(trainer.optimizer), name=f"bcast.after.s.{optimizer_name}")
+    after_params = collectives.allgather_rows(flat_parameters(trainer.model), name=f"bcast.after.p.{optimizer_name}")
+    after_state = collectives.allgather_rows(flat_optimizer_state(trainer.optimizer), name=f"bcast.after.s.{optimizer_name}")
 
     if world.size > 1:
         assert not rows_identical(before_params), "ranks started equal: the test proves nothing"

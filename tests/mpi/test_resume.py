@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from hvdtrain.distributed import startup as dist, rng
+from hvdtrain.distributed import collectives, rng
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import flat_parameters, synthetic_classification
@@ -28,7 +28,7 @@ def train(world, directory, max_steps, model_seed=0):
 
 
 def test_resume_mid_epoch_continues_bitwise(world, tmp_path):
-    base = dist.allgather_object(str(tmp_path), name="resume.dir")[0]  # rank 0 writes and reads
+    base = collectives.allgather_object(str(tmp_path), name="resume.dir")[0]  # rank 0 writes and reads
     rng.seed_everything(rng.rank_seed(1, world.rank))
     whole = train(world, f"{base}/whole", max_steps=20)
 
@@ -38,7 +38,7 @@ def test_resume_mid_epoch_continues_bitwise(world, tmp_path):
     rng.seed_everything(12345 + world.rank)  # the resumed run must not depend on the RNG it starts with
     resumed = train(world, f"{base}/stopped", max_steps=20, model_seed=99)
 
-    rows = dist.allgather_rows(flat_parameters(resumed.model) - flat_parameters(whole.model), name="resume.diff")
+    rows = collectives.allgather_rows(flat_parameters(resumed.model) - flat_parameters(whole.model), name="resume.diff")
     assert stopped_at[1] != 0, "the stop must fall inside an epoch to test mid-epoch resume"
     assert resumed.step == whole.step == 20
     assert torch.count_nonzero(rows) == 0, f"max difference per rank: {rows.abs().max(dim=1).values.tolist()}"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from hvdtrain.distributed import startup as dist, rng
+from hvdtrain.distributed import collectives, rng
 from hvdtrain.checkpoint import sharded_format as sharded
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.strategies import build_strategy
@@ -74,7 +74,7 @@ def test_a_strategy_resumes_bitwise_from_its_own_part_and_the_parts_consolidate_
     original.broadcast_from_root()
     train_steps(original, data, 2, 1, world)
     own = through_a_file(original.shard_state_dict())
-    every_part = dist.allgather_object(own, name=f"sharded.test.parts.{name}")
+    every_part = collectives.allgather_object(own, name=f"sharded.test.parts.{name}")
     gathered = copy.deepcopy(original.state_dict())  # the full format (zero's model: views of live buffers)
 
     resumed = strategy_for(name, world, seed=7)  # another initialisation, a fresh optimizer
@@ -95,7 +95,7 @@ def test_a_strategy_resumes_bitwise_from_its_own_part_and_the_parts_consolidate_
         state_difference(rebuilt["optimizer"], gathered["optimizer"]),
         (flat(continued["model"]) - flat(gathered["model"])).abs().max().item(),
     ], dtype=torch.float64)
-    everywhere = dist.allgather_rows(local, name=f"sharded.test.result.{name}")
+    everywhere = collectives.allgather_rows(local, name=f"sharded.test.result.{name}")
 
     slices = sum(part.numel() for part in own["params"])
     assert slices == sum(b.padded_numel for b in original.buckets) // world.size, "a rank must hold only its slices"
@@ -124,7 +124,7 @@ def fit(world, strategy, directory, max_steps, **kwargs):
 
 
 def shared_directory(world, tmp_path, name):
-    return dist.allgather_object(str(tmp_path), name=f"sharded.test.dir.{name}")[0]  # rank 0's
+    return collectives.allgather_object(str(tmp_path), name=f"sharded.test.dir.{name}")[0]  # rank 0's
 
 
 @pytest.mark.parametrize("name", SHARDED)
@@ -142,8 +142,8 @@ def test_a_stopped_trainer_resumes_from_its_sharded_checkpoint_bitwise(world, tm
     whole.strategy.whole_model()
     resumed.strategy.whole_model()
     difference = (flat_parameters(resumed.model) - flat_parameters(whole.model)).abs().max().reshape(1)
-    rows = dist.allgather_rows(difference, name=f"sharded.test.resume.{name}")
-    checks = dist.allgather_object([same_model(rebuilt["model"], gathered["model"]),
+    rows = collectives.allgather_rows(difference, name=f"sharded.test.resume.{name}")
+    checks = collectives.allgather_object([same_model(rebuilt["model"], gathered["model"]),
                                     state_difference(rebuilt["optimizer"], gathered["optimizer"])],
                                    name=f"sharded.test.consolidated.{name}")
 
@@ -167,7 +167,7 @@ def test_a_consolidated_checkpoint_resumes_under_another_strategy(world, tmp_pat
     on_root(world, lambda: torch.save(sharded.consolidate(newest), f"{base}/ckpt/{newest.name}.pt"))
     resumed = fit(world, "ddp", f"{base}/ckpt", max_steps=8, model_seed=5, checkpoint_format="full")
     difference = (flat_parameters(resumed.model) - flat_parameters(whole.model)).abs().max().reshape(1)
-    rows = dist.allgather_rows(difference, name="sharded.test.consolidated")
+    rows = collectives.allgather_rows(difference, name="sharded.test.consolidated")
 
     assert resumed.step == 8
     # float64: ZeRO sums the gradients in another order than ddp's all-reduce (1e-16 per step).
@@ -182,7 +182,7 @@ def on_root(world, action) -> None:
             action()
         except Exception as error:  # noqa: BLE001 - reported on every rank below
             problem = repr(error)
-    problem = dist.broadcast_object(problem, root_rank=0, name="sharded.test.on_root")
+    problem = collectives.broadcast_object(problem, root_rank=0, name="sharded.test.on_root")
     assert problem is None, f"rank 0 failed: {problem}"
 
 
@@ -219,7 +219,7 @@ def test_a_sharded_checkpoint_of_another_world_or_strategy_stops_every_rank_with
         outcome = "no error"
     except sharded.ShardedCheckpointMismatch as error:
         outcome = str(error)
-    outcomes = dist.allgather_object(outcome, name=f"sharded.test.mismatch.{claim}")
+    outcomes = collectives.allgather_object(outcome, name=f"sharded.test.mismatch.{claim}")
 
     workers = f"{written_by} worker{'s' if written_by > 1 else ''}"
     assert len(set(outcomes)) == 1, f"the ranks did not agree: {outcomes}"
@@ -241,7 +241,7 @@ def test_a_corrupt_shard_stops_every_rank_naming_the_file(world, tmp_path):
         outcome = "no error"
     except sharded.CheckpointError as error:
         outcome = str(error)
-    outcomes = dist.allgather_object(outcome, name="sharded.test.corrupt")
+    outcomes = collectives.allgather_object(outcome, name="sharded.test.corrupt")
 
     assert len(set(outcomes)) == 1, f"the ranks did not agree: {outcomes}"
     assert f"rank {world.size - 1}: {victim} does not match" in outcomes[0], outcomes[0]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import small_mlp, synthetic_classification
@@ -24,7 +24,7 @@ def test_shards_are_disjoint_cover_the_data_and_reshuffle_per_epoch(world):
                       TrainConfig(seed=5, batch_size=8), world=world)
     mine = {epoch: epoch_indices(trainer, epoch) for epoch in (0, 1)}
     again = epoch_indices(trainer, 0)
-    gathered = {epoch: dist.allgather_object(mine[epoch], name=f"shard.{epoch}") for epoch in (0, 1)}
+    gathered = {epoch: collectives.allgather_object(mine[epoch], name=f"shard.{epoch}") for epoch in (0, 1)}
 
     for epoch, shards in gathered.items():
         assert len(shards) == world.size

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
@@ -34,13 +34,13 @@ def train(world, strategy, max_steps, directory=None, run_dir=None, model=None, 
 def test_a_checkpoint_written_under_one_strategy_resumes_under_another(world, tmp_path, first, then):
     """Checkpoints hold the full model and the plain optimizer's state, whatever wrote them: the
     run continues as if it had never changed strategy (float64: summation order differs at 1e-16)."""
-    base = dist.allgather_object(str(tmp_path), name=f"switch.dir.{first}.{then}")[0]
+    base = collectives.allgather_object(str(tmp_path), name=f"switch.dir.{first}.{then}")[0]
     whole = train(world, then, max_steps=10)
     train(world, first, max_steps=4, directory=f"{base}/switch")
     resumed = train(world, then, max_steps=10, directory=f"{base}/switch", model=small_mlp(seed=77))
 
     difference = (flat_parameters(resumed.model) - flat_parameters(whole.model)).abs().max()
-    rows = dist.allgather_rows(difference.reshape(1), name=f"switch.diff.{first}.{then}")
+    rows = collectives.allgather_rows(difference.reshape(1), name=f"switch.diff.{first}.{then}")
     assert resumed.step == whole.step == 10
     assert (rows < 1e-10).all(), f"max |resumed - uninterrupted| per rank: {rows.flatten().tolist()}"
 
@@ -61,7 +61,7 @@ def wide_mlp():
 def test_every_rank_reports_its_memory_and_sharding_divides_it(world, tmp_path):
     """Adam's state is 2 tensors per parameter: ddp holds all of it on every rank, zero2 a 1/N
     share of it and of the gradients (plus padding of under N elements per bucket)."""
-    base = dist.allgather_object(str(tmp_path), name="memory.dir")[0]
+    base = collectives.allgather_object(str(tmp_path), name="memory.dir")[0]
     held = {}
     for strategy in ("ddp", "zero2"):
         trainer = train(world, strategy, max_steps=1, run_dir=f"{base}/{strategy}", model=wide_mlp())

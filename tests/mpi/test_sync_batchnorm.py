@@ -10,7 +10,7 @@ from torch import nn
 
 import horovod.torch as hvd
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.strategies import build_strategy
 from hvdtrain.training.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
@@ -153,7 +153,7 @@ CHECKED = ["outputs", "input grad", "parameters", "running_mean", "running_var",
 
 def gather_differences(rows: torch.Tensor, name: str) -> torch.Tensor:
     """(ranks, models, CHECKED): every rank's rows of differences, on every rank."""
-    return dist.allgather_rows(rows, name=name).reshape(-1, rows.shape[0], len(CHECKED))
+    return collectives.allgather_rows(rows, name=name).reshape(-1, rows.shape[0], len(CHECKED))
 
 
 def report(differences_per_rank: torch.Tensor) -> str:
@@ -250,7 +250,7 @@ def test_through_the_ddp_strategy_hooks(world):
 
 def test_collective_names_are_the_layers_qualified_names_on_every_rank(world):
     names = [m.name for m in tiny_net(sync=True).modules() if isinstance(m, SyncBatchNorm)]
-    everywhere = dist.allgather_object(names, name="sbn.names")
+    everywhere = collectives.allgather_object(names, name="sbn.names")
 
     assert names == ["bn2d", "bn1d"]
     assert all(other == names for other in everywhere)
@@ -262,4 +262,4 @@ def test_one_value_per_channel_over_all_ranks_raises_on_every_rank(world):
     x = torch.ones(1 if world.rank == 0 else 0, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         layer(x)
-    dist.barrier()  # every rank got here: none is left waiting in the layer's collectives
+    collectives.barrier()  # every rank got here: none is left waiting in the layer's collectives

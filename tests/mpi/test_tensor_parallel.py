@@ -5,7 +5,7 @@ import pytest
 import torch
 import horovod.torch as hvd
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
 from hvdtrain.examples.textlm_parallel import parallelize_tensor
 from hvdtrain.parallel.mesh import Mesh
@@ -64,7 +64,7 @@ def test_tensor_and_data_groups_match_one_process_with_the_whole_batch(world, te
             loss.backward()
             # The claim of the tensor module's docstring: replicated gradients (LayerNorms, embeddings,
             # the tied head, row biases) equal on every rank of a tensor group, before any communication.
-            rows_of_world = dist.allgather_rows(torch.cat([p.grad.reshape(-1) for _, p in replicated]),
+            rows_of_world = collectives.allgather_rows(torch.cat([p.grad.reshape(-1) for _, p in replicated]),
                                                 name=f"tp.test.replicated.{step}")
             mine = rows_of_world[world.rank]
             replica_spread.append(max((rows_of_world[r] - mine).abs().max() for r in mesh.tensor.ranks))
@@ -93,7 +93,7 @@ def test_tensor_and_data_groups_match_one_process_with_the_whole_batch(world, te
         local = torch.stack([torch.stack(loss_errors).max(), torch.stack(grad_errors).max(),
                              torch.stack(gathered_errors).max(), parameter_error,
                              torch.stack(replica_spread).max()]).double()
-        everywhere = dist.allgather_rows(local, name="tp.test.result").max(dim=0).values
+        everywhere = collectives.allgather_rows(local, name="tp.test.result").max(dim=0).values
     finally:
         mesh.close()
     loss_error, grad_error, gathered_error, parameter_error, spread = everywhere.tolist()
@@ -119,7 +119,7 @@ def test_f_copies_forward_and_sums_backward_g_the_reverse(world):
         g_out = reduce_from_tensor_group(x, group, "tp.test.g")
         (g_out * (world.rank + 1)).sum().backward()
         g_grad = x.grad.clone()
-        result = dist.allgather_rows(torch.cat([f_out.detach(), f_grad, g_out.detach(), g_grad]), name="tp.test.fg")
+        result = collectives.allgather_rows(torch.cat([f_out.detach(), f_grad, g_out.detach(), g_grad]), name="tp.test.fg")
     finally:
         mesh.close()
     ranks_sum = size * (size + 1) / 2  # sum of (rank + 1) over the group (the whole world here)

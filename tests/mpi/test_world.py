@@ -4,14 +4,15 @@ import os
 import pytest
 import torch
 
-from hvdtrain.distributed import startup as dist, environments as env
+from hvdtrain.distributed import collectives
+from hvdtrain.distributed import environments as env
 
 pytestmark = pytest.mark.mpi
 
 
 def test_world_matches_the_launcher(world):
     launcher = env.detect()
-    ranks = dist.allgather_rows(torch.tensor([world.rank, world.local_rank]), name="world.ranks")
+    ranks = collectives.allgather_rows(torch.tensor([world.rank, world.local_rank]), name="world.ranks")
     expected_launcher = ("horovodrun (Gloo)" if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
                          else "Open MPI mpirun" if "OMPI_COMM_WORLD_SIZE" in os.environ
                          else "single process")

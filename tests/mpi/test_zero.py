@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.strategies.optimizers import ELEMENTWISE_OPTIMIZERS
 from hvdtrain.strategies.zero import Zero1Strategy, Zero2Strategy
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
@@ -108,7 +108,7 @@ def test_n_workers_match_one_process_with_the_whole_batch(world, stage, optimize
     every_rank, idle = [], []
 
     def record(step):
-        every_rank.append(dist.allgather_rows(flat_parameters(model), name=f"zero.test.{step}"))
+        every_rank.append(collectives.allgather_rows(flat_parameters(model), name=f"zero.test.{step}"))
         idle.append(strategy.pending_communication() == [])
 
     zero_steps(strategy, data, STEPS, accumulation, world, after_step=record)
@@ -120,7 +120,7 @@ def test_n_workers_match_one_process_with_the_whole_batch(world, stage, optimize
         (flat_parameters(model) - torch.cat([v.reshape(-1) for v in initial.values()])).abs().max().item(),
         state_difference(state, reference_optimizer.state_dict()),
     ], dtype=torch.float64)
-    everywhere = dist.allgather_rows(local, name="zero.test.result")
+    everywhere = collectives.allgather_rows(local, name="zero.test.result")
 
     padding = sum(b.padded_numel for b in strategy.buckets) - sum(p.numel() for p in model.parameters())
     assert len(strategy.buckets) >= 3
@@ -152,7 +152,7 @@ def test_every_accepted_optimizer_matches_one_process(world, stage):
         reference_steps(reference, reference_optimizer, data, 2, rows=MICRO_BATCH * 2 * world.size)
         differences.append([(flat_parameters(model) - flat_parameters(reference)).abs().max().item(),
                             state_difference(state, reference_optimizer.state_dict())])
-    everywhere = dist.allgather_rows(torch.tensor(differences, dtype=torch.float64), name="zero.test.classes")
+    everywhere = collectives.allgather_rows(torch.tensor(differences, dtype=torch.float64), name="zero.test.classes")
 
     worst = everywhere.reshape(world.size, len(ELEMENTWISE_OPTIMIZERS), 2).amax(dim=0)
     failing = {cls.__name__: row.tolist() for cls, row in zip(ELEMENTWISE_OPTIMIZERS, worst) if (row >= 1e-10).any()}
@@ -187,7 +187,7 @@ def test_a_checkpoint_resumes_under_zero_and_under_one_plain_optimizer(world, st
     continued = flat_parameters(model)
     local = torch.tensor([(resumed[0] - continued).abs().max(), (resumed[1] - continued).abs().max(),
                           (flat_parameters(plain) - continued).abs().max()], dtype=torch.float64)
-    everywhere = dist.allgather_rows(local, name="zero.test.resume")
+    everywhere = collectives.allgather_rows(local, name="zero.test.resume")
 
     assert (everywhere[:, 0] == 0).all(), f"zero -> zero: {everywhere[:, 0].tolist()}"
     assert (everywhere[:, 1] < 1e-10).all(), f"plain -> zero: {everywhere[:, 1].tolist()}"
@@ -199,12 +199,12 @@ def test_broadcast_from_root_spreads_rank_0s_optimizer_state(world):
     model = small_mlp(seed=100 + world.rank, classes=CLASSES)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     reference_steps(model, optimizer, data, 1, rows=8, first=world.rank)  # a different state on every rank
-    root_state = dist.broadcast_state(copy.deepcopy(optimizer.state_dict()), root_rank=0, name="zero.test.root")
+    root_state = collectives.broadcast_state(copy.deepcopy(optimizer.state_dict()), root_rank=0, name="zero.test.root")
     strategy = Zero1Strategy(model, optimizer, world, 1, False, bucket_bytes=BUCKET_BYTES)
     strategy.broadcast_from_root()
     state = strategy.state_dict()["optimizer"]
     local = torch.tensor([state_difference(state, root_state)], dtype=torch.float64)
-    everywhere = dist.allgather_rows(local, name="zero.test.root.result")
+    everywhere = collectives.allgather_rows(local, name="zero.test.root.result")
 
     assert (everywhere == 0).all(), f"max |state - rank 0's| per rank: {everywhere.tolist()}"
 
@@ -241,7 +241,7 @@ def test_an_unused_parameter_does_not_hang_the_step(world, stage):
     reference_steps(reference, reference_optimizer, data, 2, rows=MICRO_BATCH * 2 * world.size)
     local = torch.tensor([(flat_parameters(model) - flat_parameters(reference)).abs().max(),
                           (model.unused.weight.detach() - initial["unused.weight"]).abs().max()], dtype=torch.float64)
-    everywhere = dist.allgather_rows(local, name="zero.test.unused")
+    everywhere = collectives.allgather_rows(local, name="zero.test.unused")
 
     assert (everywhere[:, 1] > 0).all(), "weight decay should have moved the unused layer"
     assert (everywhere[:, 0] < 1e-10).all(), f"max |zero - one process| per rank: {everywhere[:, 0].tolist()}"
@@ -260,7 +260,7 @@ def test_fp16_reduction_stays_close_to_full_precision(world, stage):
     reference_steps(reference, reference_optimizer, data, 2, rows=MICRO_BATCH * world.size)
     local = torch.stack([(flat_parameters(model) - flat_parameters(reference)).abs().max(),
                          (flat_parameters(model) - torch.cat([v.reshape(-1) for v in initial.values()])).abs().max()])
-    everywhere = dist.allgather_rows(local.double(), name="zero.test.fp16")
+    everywhere = collectives.allgather_rows(local.double(), name="zero.test.fp16")
 
     assert (everywhere[:, 1] > 1e-3).all(), "training did not move the parameters: the test proves nothing"
     assert (everywhere[:, 0] < 1e-3).all(), f"max |fp16 zero - fp32 one process| per rank: {everywhere[:, 0].tolist()}"
@@ -280,7 +280,7 @@ def test_each_rank_holds_its_share_of_the_state(world, stage):
     strategy.zero_grad()
     held = strategy.memory_bytes()
     keys = ("parameters", "gradients", "optimizer_state")
-    everywhere = dist.allgather_rows(torch.tensor([held[k] for k in keys], dtype=torch.float64),
+    everywhere = collectives.allgather_rows(torch.tensor([held[k] for k in keys], dtype=torch.float64),
                                      name="zero.test.memory")
 
     # ZeRO's figures in fp32 with Adam: parameters 4 Psi; exp_avg and exp_avg_sq 8 Psi / N; gradients

@@ -117,15 +117,14 @@ def start_horovod(mode: str) -> Tuple[Any, Any]:
         os.environ["HOROVOD_CPU_OPERATIONS"] = "mpi"
     import horovod.torch as hvd
 
-    from hvdtrain.distributed import startup as dist
-
-    world = dist.init(threads=1)  # one thread per rank: 2 ranks on 2 cores
+    from hvdtrain.distributed import collectives, startup
+    world = startup.init(threads=1)  # one thread per rank: 2 ranks on 2 cores
     wanted = (True, False) if mode == "mpi" else (False, True)
     if (hvd.mpi_enabled(), hvd.gloo_enabled()) != wanted:
         raise SystemExit(f"--mode {mode}: Horovod runs with MPI {'on' if hvd.mpi_enabled() else 'off'} and "
                          f"Gloo {'on' if hvd.gloo_enabled() else 'off'}; launch --mode mpi with mpirun "
                          "and --mode gloo with horovodrun --gloo")
-    return hvd, coordinator if mode == "mpi" else HorovodCoordinator(dist, world.rank, world.size)
+    return hvd, coordinator if mode == "mpi" else HorovodCoordinator(collectives, world.rank, world.size)
 
 
 def start_torch_gloo(coordinator: Any) -> Any:

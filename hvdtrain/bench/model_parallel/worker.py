@@ -39,7 +39,7 @@ from hvdtrain.bench.common.lm_workload import build_model, dims, token_batch
 
 MODES = ("pipeline", "tensor", "memory")
 SCHEDULES = ("gpipe", "1f1b")
-# What shapes the timings besides the model: recorded with them (hvdtrain's dist.init sets the first).
+# What shapes the timings besides the model: recorded with them (hvdtrain's startup.init sets the first).
 ENVIRONMENT = ("OMPI_MCA_mpi_yield_when_idle", "HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "OMP_NUM_THREADS")
 
 
@@ -86,8 +86,7 @@ def rotated(items: List[Any], start: int) -> List[Any]:
 # ---- the modes --------------------------------------------------------------------------------
 
 def run_pipeline(args: argparse.Namespace, world) -> Dict[str, Any]:
-    from hvdtrain.distributed import startup as dist
-
+    from hvdtrain.distributed import collectives
     trainer = make_trainer(args, world, tensor=1, pipeline=world.size)
     strategy, pipeline = trainer.strategy, trainer.strategy.pipeline
     batch = token_batch(args, args.batch)
@@ -98,7 +97,7 @@ def run_pipeline(args: argparse.Namespace, world) -> Dict[str, Any]:
             pipeline.schedule, pipeline.micro_batches = schedule, m
             for i in range(args.warmup + args.steps):
                 strategy.zero_grad()
-                dist.barrier()
+                collectives.barrier()
                 started = time.perf_counter()
                 pipeline.train_batch(batch, contextlib.nullcontext, 1)
                 wall = time.perf_counter() - started
@@ -107,7 +106,7 @@ def run_pipeline(args: argparse.Namespace, world) -> Dict[str, Any]:
                     steps[f"{schedule}/{m}"].append([wall, stats.compute_s, stats.wait_s, stats.max_in_flight])
     mine = {"rank": world.rank, "stage": strategy.mesh.stage, "layers": list(pipeline.module.indices),
             "steps": steps}
-    return {"pipeline": world.size, "per_rank": dist.allgather_object(mine, name="bench.mp.pipeline")}
+    return {"pipeline": world.size, "per_rank": collectives.allgather_object(mine, name="bench.mp.pipeline")}
 
 
 class AllreduceTimer:
@@ -144,7 +143,8 @@ class AllreduceTimer:
 def run_tensor(args: argparse.Namespace, world) -> Dict[str, Any]:
     import torch
 
-    from hvdtrain.distributed import startup as dist
+    from hvdtrain.distributed import collectives
+
     from hvdtrain.examples.textlm import lm_loss
 
     timer = AllreduceTimer()
@@ -165,7 +165,7 @@ def run_tensor(args: argparse.Namespace, world) -> Dict[str, Any]:
                     # transfer without the wait for a peer still computing.
                     seconds = 0.0
                     for call in range(step_calls):
-                        dist.barrier()
+                        collectives.barrier()
                         started = time.perf_counter()
                         timer.original(payload, group, f"bench.mp.isolated.{call}")
                         seconds += time.perf_counter() - started
@@ -174,7 +174,7 @@ def run_tensor(args: argparse.Namespace, world) -> Dict[str, Any]:
                                              step_calls])
                     continue
                 model.zero_grad(set_to_none=True)
-                dist.barrier()
+                collectives.barrier()
                 timer.take()
                 started = time.perf_counter()
                 lm_loss(model(inputs), targets).backward()
@@ -184,12 +184,11 @@ def run_tensor(args: argparse.Namespace, world) -> Dict[str, Any]:
                     steps[name].append([wall, seconds, moved, calls])
     timer.close()
     mine = {"rank": world.rank, "steps": steps}
-    return {"tensor": world.size, "per_rank": dist.allgather_object(mine, name="bench.mp.tensor")}
+    return {"tensor": world.size, "per_rank": collectives.allgather_object(mine, name="bench.mp.tensor")}
 
 
 def run_memory(args: argparse.Namespace, world) -> Dict[str, Any]:
-    from hvdtrain.distributed import startup as dist
-
+    from hvdtrain.distributed import collectives
     layouts = []
     for text in args.layouts.split(","):
         tensor, pipeline = (int(v) for v in text.lower().split("x"))
@@ -202,7 +201,7 @@ def run_memory(args: argparse.Namespace, world) -> Dict[str, Any]:
         mine = {"rank": world.rank, "coordinates": coordinates, "layers": held,
                 "parameters": strategy.memory_bytes()["parameters"]}
         layouts.append({"tensor": tensor, "pipeline": pipeline,
-                        "per_rank": dist.allgather_object(mine, name=f"bench.mp.memory.{text}")})
+                        "per_rank": collectives.allgather_object(mine, name=f"bench.mp.memory.{text}")})
         trainer.close()
         if mesh is not None:
             mesh.close()
@@ -210,10 +209,9 @@ def run_memory(args: argparse.Namespace, world) -> Dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from hvdtrain.distributed import startup as dist
-
+    from hvdtrain.distributed import startup
     args = parse_args(argv)
-    world = dist.init(seed=args.seed, threads=1, dynamic_process_sets=True)
+    world = startup.init(seed=args.seed, threads=1, dynamic_process_sets=True)
     result = {"pipeline": run_pipeline, "tensor": run_tensor, "memory": run_memory}[args.mode](args, world)
     if world.is_root:
         jobs.write_result(args.out, {"mode": args.mode, "np": world.size, "dims": dims(args), "batch": args.batch,

@@ -161,11 +161,12 @@ def run_world(args: argparse.Namespace) -> None:
     import horovod.torch as hvd
     import torch
 
-    from hvdtrain.distributed import startup as dist
+    from hvdtrain.distributed import collectives
 
-    world = dist.init(seed=args.seed, threads=1, dynamic_process_sets=True)
+    from hvdtrain.distributed import startup
+    world = startup.init(seed=args.seed, threads=1, dynamic_process_sets=True)
     # 1. the plain step on every rank at once, a ddp rank's batch: compute under this launch's load
-    local = plain_step_s(args, max(1, args.batch // world.size), dist.barrier)
+    local = plain_step_s(args, max(1, args.batch // world.size), collectives.barrier)
     slowest = {key: hvd.allreduce(torch.tensor(values, dtype=torch.float64), op=hvd.Max,
                                   name=f"plan_check.local.{key}").tolist()
                for key, values in sorted(local.items())}
@@ -185,7 +186,7 @@ def run_world(args: argparse.Namespace) -> None:
             trainer = trainers[name]
             run_steps(trainer, args.warmup)
             for _ in range(args.segments):
-                dist.barrier()
+                collectives.barrier()
                 start = time.perf_counter()
                 run_steps(trainer, args.steps)
                 mine = (time.perf_counter() - start) / args.steps

@@ -85,11 +85,11 @@ def measure(strategy, model, inputs, labels, steps: int) -> float:
     """Median samples/s of the job (global batch over rank 0's step time)."""
     import torch.nn.functional as F
 
-    from hvdtrain.distributed import startup as dist
+    from hvdtrain.distributed import collectives
 
     rates = []
     for step in range(steps + 3):  # 3 warm-up steps
-        dist.barrier()
+        collectives.barrier()
         started = time.perf_counter()
         strategy.zero_grad()
         strategy.backward(F.cross_entropy(model(inputs), labels))
@@ -104,7 +104,9 @@ def worker(argv: Sequence[str]) -> int:
     import torch
     from torch import nn
 
-    from hvdtrain.distributed import startup as dist
+    from hvdtrain.distributed import collectives
+
+    from hvdtrain.distributed import startup
     from hvdtrain.config.train import TrainConfig
     from hvdtrain.strategies import build_strategy
 
@@ -114,7 +116,7 @@ def worker(argv: Sequence[str]) -> int:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
-    world = dist.init(seed=0, threads=1)
+    world = startup.init(seed=0, threads=1)
     generator = torch.Generator().manual_seed(world.rank)
     inputs = torch.randn(BATCH, FEATURES, generator=generator)
     labels = torch.randint(0, CLASSES, (BATCH,), generator=generator)
@@ -130,7 +132,7 @@ def worker(argv: Sequence[str]) -> int:
         rates[name] = measure(strategy, model, inputs, labels, args.steps)
         if name == "ps":
             counted = strategy.traffic()
-            rows = dist.allgather_rows(torch.tensor([counted["sent"], counted["received"]]), name="bench.ps.traffic")
+            rows = collectives.allgather_rows(torch.tensor([counted["sent"], counted["received"]]), name="bench.ps.traffic")
             traffic = [[int(v) for v in row] for row in rows]
             psi = sum(bucket.padded_numel * bucket.flat_param.element_size() for bucket in strategy.buckets)
     if world.is_root:

@@ -84,7 +84,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="set before anything starts (Horovod and Open MPI read them at init); "
                              "set here rather than by the launcher, so they reach every host")
     parser.add_argument("--hvdtrain-defaults", action="store_true",
-                        help="horovod variant: apply hvdtrain's environment defaults first, as dist.init does")
+                        help="horovod variant: apply hvdtrain's environment defaults first, as startup.init does")
     parser.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="trainer variant: train.strategy")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help=f"trainer variant: SGD with momentum {MOMENTUM} (lr {LR}) or Adam (lr {ADAM_LR})")
@@ -345,11 +345,12 @@ def run_horovod(args) -> None:
 
 
 def run_trainer(args) -> None:
-    from hvdtrain.distributed import startup as dist
+    from hvdtrain.distributed import collectives
+    from hvdtrain.distributed import startup
     from hvdtrain.config.train import TrainConfig
     from hvdtrain.trainer import Trainer
 
-    world = dist.init(seed=args.seed, threads=1)
+    world = startup.init(seed=args.seed, threads=1)
     model = workloads.build_model(args.model, args.seed)
     dataset = workloads.synthetic_dataset(args.model, args.samples, args.seed)
     if args.optimizer == "adam":
@@ -385,11 +386,11 @@ def run_trainer(args) -> None:
     # The first fit() runs the warm-up steps after the Trainer's set-up (broadcast, loaders):
     # neither is timed, as for the other variants. Each timed fit() pays fit()'s own start and
     # end again (watchdog thread, loader iterator, the epoch's loss reduction): charged to it.
-    measured = timed(dist.barrier, steps, args, sync, (step_timer, update_timer, gather_timer))
+    measured = timed(collectives.barrier, steps, args, sync, (step_timer, update_timer, gather_timer))
     mine = {**rank_record(measured), "step_s": step_timer.seconds, "update_s": update_timer.seconds,
             "gather_s": gather_timer.seconds if gather_timer else 0.0, "step_peak": step_peak,
             "minor_faults": sum(u[0] for u in usage[1:]), "system_s": sum(u[1] for u in usage[1:])}
-    per_rank = dist.allgather_object(mine, name="bench.result")
+    per_rank = collectives.allgather_object(mine, name="bench.result")
     if world.is_root:
         jobs.write_result(args.out, result(args, world.size, per_rank, model, {
             "controller": world.controller, "steps_taken": trainer.step,

@@ -21,8 +21,8 @@ import torch
 
 import horovod.torch as hvd
 
-from hvdtrain.distributed import startup as dist
-from hvdtrain.distributed.startup import World
+from hvdtrain.distributed import collectives
+from hvdtrain.distributed.world import World
 from hvdtrain.strategies.base import optimizer_state_tensors, storage_bytes
 from hvdtrain.strategies.fsdp import units as fu
 from hvdtrain.strategies.fsdp.communication import UnitCommunication
@@ -257,7 +257,7 @@ class FSDPStrategy(ShardedStrategy):
         if self._initial_pending:
             self._broadcast_initial_parameters()
         full = self._carried_state if self._carried_state is not None else self._gather_optimizer_state()
-        self._load_optimizer_state(dist.broadcast_state(full, root_rank=0, name="fsdp.optimizer"))
+        self._load_optimizer_state(collectives.broadcast_state(full, root_rank=0, name="fsdp.optimizer"))
         self._carried_state = None
 
     def _broadcast_initial_parameters(self) -> None:

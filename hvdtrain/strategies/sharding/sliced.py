@@ -10,7 +10,7 @@ import torch
 
 import horovod.torch as hvd
 
-from hvdtrain.distributed import startup as dist
+from hvdtrain.distributed import collectives
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
 from hvdtrain.strategies.optimizers import check_elementwise, optimizer_like
 from hvdtrain.strategies.sharding import flat_buckets as fb
@@ -48,7 +48,7 @@ class SlicedStateStrategy(Strategy):
     def broadcast_from_root(self) -> None:
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)  # in place: into the buckets
         full = self._carried_state if self._carried_state is not None else self._gather_optimizer_state()
-        self._load_optimizer_state(dist.broadcast_state(full, root_rank=0, name=f"{self.name}.optimizer"))
+        self._load_optimizer_state(collectives.broadcast_state(full, root_rank=0, name=f"{self.name}.optimizer"))
         self._carried_state = None
 
     def state_dict(self) -> Dict[str, Any]:
