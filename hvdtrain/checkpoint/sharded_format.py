@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from hvdtrain.checkpoint import FORMAT_VERSION, CheckpointError
+from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint.run_state import RunState, missing_keys
 from hvdtrain.common.atomic import fsync_directory, write_atomically
 
@@ -221,22 +221,6 @@ def read_shard(path: Path, manifest: Dict[str, Any], rank: int) -> Dict[str, Any
             or "strategy" not in state or "rng" not in state:
         raise CheckpointError(f"{file} is not rank {rank}'s shard of an hvdtrain sharded checkpoint")
     return state
-
-
-def consolidate(path: Path) -> Dict[str, Any]:
-    """The full checkpoint (hvdtrain.checkpoint.store's format, which any strategy and worker count
-    resumes) from a sharded one, in one process: every rank's file is read and checked."""
-    from hvdtrain.strategies.sharding.shard_state import consolidate as assemble
-
-    manifest = read_manifest(Path(path))
-    shards = [read_shard(Path(path), manifest, rank) for rank in range(manifest["world_size"])]
-    try:
-        full = assemble([shard["strategy"] for shard in shards])
-    except (KeyError, ValueError) as error:
-        raise CheckpointError(f"{path}: the shards do not fit together: {error}") from None
-    return {"format": FORMAT_VERSION, **full, **{key: manifest[key] for key in RUN_KEYS},
-            "world_size": manifest["world_size"], "strategy": manifest["strategy"],
-            "rng": [shard["rng"] for shard in shards]}
 
 
 def newest_in(directory: Path) -> Optional[Path]:

@@ -42,6 +42,7 @@ def default_output(directory: Path) -> Path:
 
 def consolidate_checkpoint(args: argparse.Namespace) -> int:
     from hvdtrain.checkpoint import sharded_format as sharded  # imports torch: only when running
+    from hvdtrain.checkpoint.consolidate import consolidate
     from hvdtrain.checkpoint import CheckpointError
     from hvdtrain.common.atomic import write_atomically
 
@@ -52,7 +53,7 @@ def consolidate_checkpoint(args: argparse.Namespace) -> int:
         print(f"hvdtrain checkpoint consolidate: {problem}", file=sys.stderr)
         return 1
     try:
-        full = sharded.consolidate(directory)
+        full = consolidate(directory)
     except CheckpointError as error:
         print(f"hvdtrain checkpoint consolidate: {error}", file=sys.stderr)
         return 1

@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
 def _read(given: Path) -> Tuple[Path, Dict[str, Any]]:
     """(the checkpoint's path, its full state): a sharded checkpoint is consolidated in memory."""
     from hvdtrain.checkpoint import sharded_format as sharded
+    from hvdtrain.checkpoint.consolidate import consolidate
     from hvdtrain.checkpoint.store import CheckpointStore
     from hvdtrain.checkpoint import CheckpointError
 
@@ -63,5 +64,5 @@ def _read(given: Path) -> Tuple[Path, Dict[str, Any]]:
         if newest is None:
             raise CheckpointError(f"{given} holds no valid checkpoint (ckpt-NNNNNNNNN.pt or ckpt-NNNNNNNNN/)")
         path = newest[0]
-    state = sharded.consolidate(path) if path.is_dir() else CheckpointStore.read(path)
+    state = consolidate(path) if path.is_dir() else CheckpointStore.read(path)
     return path, state

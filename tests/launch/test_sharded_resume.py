@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from hvdtrain.checkpoint import sharded_format as sharded
+from hvdtrain.checkpoint.consolidate import consolidate
 from tests.launch.helpers import BIN, PYTHON, run
 from tests.launch.test_resume import kill_when
 
@@ -40,7 +41,7 @@ def test_killed_resumed_refused_elsewhere_consolidated_and_resumed_by_another_st
     final = sharded.directory_name(LAST_STEP)
     assert final not in at_kill, f"the kill came too late to prove anything: {at_kill}"
     assert f"resuming from {killed}/ckpt-" in out
-    expected, resumed = sharded.consolidate(whole / final), sharded.consolidate(killed / final)
+    expected, resumed = consolidate(whole / final), consolidate(killed / final)
     assert expected["model"]["features.0.weight"].dtype == torch.float64
     for key, tensor in expected["model"].items():
         assert torch.equal(tensor, resumed["model"][key]), f"model {key} differs after resume"

@@ -13,9 +13,10 @@ from torch import nn
 
 from hvdtrain.distributed import collectives, rng
 from hvdtrain.checkpoint import sharded_format as sharded
+from hvdtrain.checkpoint.consolidate import consolidate
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.strategies import build_strategy
-from hvdtrain.strategies.sharding.shard_state import consolidate
+from hvdtrain.strategies.sharding.shard_state import assemble_full_state
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import flat_parameters, synthetic_classification
 from tests.mpi.test_fsdp import FEATURES, Blocks, flat
@@ -86,7 +87,7 @@ def test_a_strategy_resumes_bitwise_from_its_own_part_and_the_parts_consolidate_
     train_steps(resumed, data, 2, 1, world, first=2)
     continued, resumed_state = copy.deepcopy(original.state_dict()), resumed.state_dict()
 
-    rebuilt = consolidate(every_part)
+    rebuilt = assemble_full_state(every_part)
     local = torch.tensor([
         float(same_model(after_load, gathered["model"])),
         float(same_model(resumed_state["model"], continued["model"])),
@@ -134,7 +135,7 @@ def test_a_stopped_trainer_resumes_from_its_sharded_checkpoint_bitwise(world, tm
     whole = fit(world, name, f"{base}/whole", max_steps=10)
     gathered = copy.deepcopy(whole.state_dict())  # every rank, before any assertion
     newest = Path(f"{base}/whole/{sharded.directory_name(10)}")
-    rebuilt = sharded.consolidate(newest)  # in this process, from the files and the manifest
+    rebuilt = consolidate(newest)  # in this process, from the files and the manifest
 
     fit(world, name, f"{base}/stopped", max_steps=3)
     rng.seed_everything(12345 + world.rank)  # the resumed run must not depend on the RNG it starts with
@@ -164,7 +165,7 @@ def test_a_consolidated_checkpoint_resumes_under_another_strategy(world, tmp_pat
     whole = fit(world, "ddp", None, max_steps=8, checkpoint_format="full")
     fit(world, "zero2", f"{base}/ckpt", max_steps=4)
     newest = Path(f"{base}/ckpt/{sharded.directory_name(4)}")
-    on_root(world, lambda: torch.save(sharded.consolidate(newest), f"{base}/ckpt/{newest.name}.pt"))
+    on_root(world, lambda: torch.save(consolidate(newest), f"{base}/ckpt/{newest.name}.pt"))
     resumed = fit(world, "ddp", f"{base}/ckpt", max_steps=8, model_seed=5, checkpoint_format="full")
     difference = (flat_parameters(resumed.model) - flat_parameters(whole.model)).abs().max().reshape(1)
     rows = collectives.allgather_rows(difference, name="sharded.test.consolidated")

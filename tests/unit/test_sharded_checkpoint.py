@@ -11,6 +11,7 @@ from torch import nn
 
 from hvdtrain import cli
 from hvdtrain.checkpoint import sharded_format as sharded
+from hvdtrain.checkpoint.consolidate import consolidate
 from hvdtrain.checkpoint.store import FORMAT_VERSION, CheckpointError, CheckpointStore
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed.startup import World
@@ -98,7 +99,7 @@ def same_optimizer_state(ours, theirs):
 def test_the_parts_of_every_rank_consolidate_into_exactly_the_full_state(tmp_path, trained):
     parts = parts_of(trained)
     path = save_sharded(tmp_path, 30, parts)
-    full = sharded.consolidate(path)
+    full = consolidate(path)
 
     assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "rank-00000-of-00002.pt", "rank-00001-of-00002.pt"]
     assert list(full["model"]) == list(trained["model"])  # the BatchNorm's buffers included
@@ -181,7 +182,7 @@ def test_at_the_same_step_the_full_checkpoint_wins(tmp_path, trained):
     store = CheckpointStore(tmp_path)
     path = save_sharded(tmp_path, 20, parts_of(trained), store)
     assert store.read_newest_valid()[1]["kind"] == "sharded"
-    CheckpointStore(tmp_path).save(sharded.consolidate(path), 20)
+    CheckpointStore(tmp_path).save(consolidate(path), 20)
     newest, state = store.read_newest_valid()
     assert newest.name == "ckpt-000000020.pt" and "kind" not in state and state["step"] == 20
 

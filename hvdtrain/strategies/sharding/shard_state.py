@@ -12,7 +12,7 @@ owns slice r of every bucket. A rank's part (``shard_state_dict``) holds, with n
              in model.state_dict()), shapes, offsets, padded size, dtype, parameter group and the
              user's optimizer's parameter indices; the model's keys in order; the groups' indices
 
-``consolidate`` assembles every rank's parts into the full {"model", "optimizer"} state in the
+``assemble_full_state`` assembles every rank's parts into the full {"model", "optimizer"} state in the
 plain formats, as ``Strategy.state_dict()`` gathers it (flat_buckets.full_state_dict does the
 optimizer's part for both). Imports neither Horovod nor the strategies: it runs in one process.
 """
@@ -127,7 +127,7 @@ def load_shard_state_dict(model: torch.nn.Module, buckets: Sequence[fb.FlatBucke
     optimizer.load_state_dict(state["optimizer"])
 
 
-def consolidate(shards: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+def assemble_full_state(shards: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """The full {"model", "optimizer"} state from every rank's part, in rank order: the model's
     state_dict and the user's optimizer's state_dict, as the strategy's state_dict() gathers them."""
     if not shards:
