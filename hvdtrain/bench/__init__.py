@@ -1,6 +1,7 @@
-"""``hvdtrain bench``: collective sweeps, training throughput against the peers, scaling, projection.
+"""``hvdtrain bench``: measurements that put figures beside the peers' and the models'.
 
-Layout: ``stats``/``report``/``jobs`` are the shared plumbing (robust statistics, tables/JSON/PNG,
-launching a measured worker job with a time limit); each benchmark is one module with a
-``add_arguments(parser)`` / ``run(args) -> int`` pair that ``hvdtrain.cli.bench`` registers.
+One package per benchmark: its driver (``add_arguments(parser)`` / ``run(args) -> int``, registered
+by hvdtrain.cli.bench) and, where it launches measured jobs, its worker; common/ is the shared
+plumbing. A leaf: it may import anything in hvdtrain, and nothing but hvdtrain.cli imports it
+(tests/unit/test_architecture.py checks it).
 """

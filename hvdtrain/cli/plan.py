@@ -1,5 +1,5 @@
 """Which strategy and mesh to run, for a model on a cluster: every layout that fits, its memory per
-rank and step time (MODELLED, not measured: hvdtrain.planner.plan says how), and the fastest one.
+rank and step time (MODELLED, not measured: hvdtrain.planner says how), and the fastest one.
 
     hvdtrain plan --example textlm --workers 4 --memory 2GiB
     hvdtrain plan --layers 48 --d-model 1600 --seq-len 1024 --vocab 50257 --heads 25 \\
@@ -16,7 +16,7 @@ from typing import List
 from hvdtrain.common import units
 from hvdtrain.common.tables import format_table
 from hvdtrain.common.units import MiB, format_bytes
-from hvdtrain.planner import plan
+from hvdtrain import planner
 from hvdtrain.planner.network import LABEL, NETWORKS
 
 
@@ -48,45 +48,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=1, help="workers per node (default 1)")
     parser.add_argument("--intra", choices=[n for n, v in NETWORKS.items() if v.intra_node], default="pcie3",
                         help="link between the workers of one node (default pcie3)")
-    parser.add_argument("--optimizer", choices=list(plan.OPTIMIZERS), default="adam",
+    parser.add_argument("--optimizer", choices=list(planner.OPTIMIZERS), default="adam",
                         help="adam (2 state tensors) or sgd with momentum (1); state in fp32 (default adam)")
-    parser.add_argument("--precision", choices=list(plan.PRECISIONS), default="fp32",
+    parser.add_argument("--precision", choices=list(planner.PRECISIONS), default="fp32",
                         help="parameters, gradients and activations; bf16 adds an fp32 master copy (default fp32)")
-    parser.add_argument("--flops", type=float, default=plan.DEFAULT_FLOPS,
-                        help=f"FLOP/s one device achieves (default {plan.DEFAULT_FLOPS:.3g}: assumed, not measured)")
-    parser.add_argument("--update-bandwidth", type=float, default=plan.DEFAULT_UPDATE_BANDWIDTH,
+    parser.add_argument("--flops", type=float, default=planner.DEFAULT_FLOPS,
+                        help=f"FLOP/s one device achieves (default {planner.DEFAULT_FLOPS:.3g}: assumed, not measured)")
+    parser.add_argument("--update-bandwidth", type=float, default=planner.DEFAULT_UPDATE_BANDWIDTH,
                         help=f"bytes/s one device's optimizer update streams (default "
-                             f"{plan.DEFAULT_UPDATE_BANDWIDTH:.3g}: assumed, not measured)")
+                             f"{planner.DEFAULT_UPDATE_BANDWIDTH:.3g}: assumed, not measured)")
     parser.add_argument("--micro-batches", type=int,
                         help="pipeline micro-batches (default: the most, up to 4 x stages, dividing a replica's batch)")
     parser.add_argument("--ps-servers", type=int, default=1, help="strategy ps: server ranks (default 1)")
     parser.add_argument("--fusion-mb", type=float, default=128.0, help="Horovod fusion threshold, MiB (default 128)")
 
 
-def _shape(args: argparse.Namespace) -> plan.ModelShape:
+def _shape(args: argparse.Namespace) -> planner.ModelShape:
     given = {name: getattr(args, name) for name in ("layers", "d_model", "seq_len", "vocab", "heads")}
     if args.example:
         if any(value is not None for value in given.values()) or args.params is not None:
             raise ValueError("give --example or the model's shape, not both")
-        return plan.textlm_shape()
+        return planner.textlm_shape()
     missing = [f"--{name.replace('_', '-')}" for name, value in given.items() if value is None]
     if missing:
         raise ValueError(f"give --example textlm, or the model's shape: missing {', '.join(missing)}")
-    return plan.ModelShape(**given, params=args.params)
+    return planner.ModelShape(**given, params=args.params)
 
 
-def setup_from(args: argparse.Namespace) -> plan.Setup:
-    return plan.Setup(_shape(args), args.batch, args.memory, args.workers, args.network, args.optimizer,
+def setup_from(args: argparse.Namespace) -> planner.Setup:
+    return planner.Setup(_shape(args), args.batch, args.memory, args.workers, args.network, args.optimizer,
                       args.precision, args.flops, args.micro_batches, args.gpus_per_node, args.intra,
                       args.ps_servers, args.fusion_mb * MiB, update_bandwidth=args.update_bandwidth)
 
 
-def table_lines(result: plan.Plan) -> List[str]:
+def table_lines(result: planner.Plan) -> List[str]:
     setup, shape = result.setup, result.setup.shape
     rows = [[e.layout.strategy, e.layout.tensor, e.layout.pipeline, e.layout.data, e.layout.micro_batches,
              e.states / MiB, e.activations / MiB, e.total / MiB, e.step_s * 1e3, e.samples_per_s]
             for e in result.fitting]
-    title = (f"{LABEL}: {plan.format_count(shape.total)} parameters ({shape.layers} layers, d_model {shape.d_model}, "
+    title = (f"{LABEL}: {planner.format_count(shape.total)} parameters ({shape.layers} layers, d_model {shape.d_model}, "
              f"seq {shape.seq_len}, vocab {shape.vocab}, heads {shape.heads}), {setup.optimizer}, {setup.precision}, "
              f"global batch {setup.batch}, {setup.workers} workers x {format_bytes(setup.memory)}, {setup.network}, "
              f"{setup.flops / 1e12:.3g} TFLOP/s and an update at {setup.update_bandwidth / 1e12:.3g} TB/s per device "
@@ -103,7 +103,7 @@ def table_lines(result: plan.Plan) -> List[str]:
     return lines
 
 
-def _how_to_run(layout: plan.Layout, batch: int) -> str:
+def _how_to_run(layout: planner.Layout, batch: int) -> str:
     flags = [f"--train.strategy={layout.strategy}", f"--train.batch_size={batch // layout.data}"]
     if layout.tensor > 1:
         flags.append(f"--train.tensor_parallel={layout.tensor}")
@@ -114,7 +114,7 @@ def _how_to_run(layout: plan.Layout, batch: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        result = plan.make_plan(setup_from(args))
+        result = planner.make_plan(setup_from(args))
     except ValueError as error:  # NothingFits included
         print(f"hvdtrain plan: {error}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 import torch
 
 from hvdtrain.strategies.registry import STRATEGY_NAMES as STRATEGIES
-from hvdtrain.planner.plan import sharded_state_bytes
+from hvdtrain.planner.memory import sharded_state_bytes
 from hvdtrain.common.units import format_bytes, parse_bytes
 
 # Optimizer state, in parameter-sized tensors, of the usual optimizers (exp_avg and exp_avg_sq...).
@@ -75,7 +75,7 @@ def state_tensors_per_parameter(optimizer: torch.optim.Optimizer) -> int:
 
 
 def bytes_per_rank(strategy: str, parameters: int, element_size: int, state_tensors: int, workers: int) -> int:
-    """The ZeRO arithmetic (hvdtrain.planner.plan's): what a rank holds in parameters, gradients and optimizer state."""
+    """The ZeRO arithmetic (hvdtrain.planner.memory's): what a rank holds in parameters, gradients and optimizer state."""
     held = sharded_state_bytes(strategy, parameters, element_size, element_size, state_tensors * element_size, workers)
     return int(sum(held.values()))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from hvdtrain.planner import plan
+from hvdtrain import planner
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
 from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
@@ -20,7 +20,7 @@ from hvdtrain.trainer import Trainer
 
 pytestmark = [pytest.mark.mpi, pytest.mark.process_sets]
 
-SHAPE = plan.ModelShape(layers=2, d_model=32, seq_len=8, vocab=11, heads=4)
+SHAPE = planner.ModelShape(layers=2, d_model=32, seq_len=8, vocab=11, heads=4)
 BATCH, MICRO = 4, 2  # per data replica; micro-batches when pipelined
 # (strategy, tensor, pipeline): each runs where tensor x pipeline divides the world.
 LAYOUTS = [("ddp", 1, 1), ("zero1", 1, 1), ("zero2", 1, 1), ("fsdp", 1, 1), ("ps", 1, 1), ("ddp", 2, 1),
@@ -58,9 +58,9 @@ def test_predicted_memory_within_ten_percent_of_counted(world, layout):
     trainer.fit()  # the MemoryReport gathers every rank's counts after the first step (a collective)
     counted = max(r["parameters"] + r["gradients"] + r["optimizer_state"] for r in trainer.memory.per_rank)
     trainer.close_mesh()
-    setup = plan.Setup(SHAPE, batch=BATCH * data, memory=2 ** 40, workers=world.size)
-    predicted = plan.memory(setup, plan.Layout(strategy, tensor, pipeline, data, micro)).states
-    ROWS.append((plan.Layout(strategy, tensor, pipeline, data, micro).name, predicted, counted))
+    setup = planner.Setup(SHAPE, batch=BATCH * data, memory=2 ** 40, workers=world.size)
+    predicted = planner.memory(setup, planner.Layout(strategy, tensor, pipeline, data, micro)).states
+    ROWS.append((planner.Layout(strategy, tensor, pipeline, data, micro).name, predicted, counted))
 
     assert trainer.step == 1
     assert abs(predicted - counted) <= 0.10 * counted, (

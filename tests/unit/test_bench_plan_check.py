@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from hvdtrain.planner import plan
+from hvdtrain import planner
 from hvdtrain.bench.plan import driver as plan_check, worker as plan_check_worker
 from hvdtrain.planner.network import CALIBRATION, ring_bandwidth_s, ring_latency_s
 
-SHAPE = plan.ModelShape(layers=2, d_model=32, seq_len=8, vocab=11, heads=4)
+SHAPE = planner.ModelShape(layers=2, d_model=32, seq_len=8, vocab=11, heads=4)
 
 
 def args(**overrides):
@@ -34,9 +34,9 @@ def test_fit_link_reads_plans_ring_terms_backwards():
     assert fit.alpha_s == pytest.approx(alpha, rel=1e-6)
     # and plan, given the fitted link, predicts those same times
     link = plan_check.measured_network(fit)
-    setup = plan.Setup(SHAPE, 16, 2.0 ** 40, workers, link=link)
+    setup = planner.Setup(SHAPE, 16, 2.0 ** 40, workers, link=link)
     for size, t in zip(sizes, seconds):
-        assert plan.allreduce_s(setup, size, workers, 1) == pytest.approx(t, rel=1e-6)
+        assert planner.allreduce_s(setup, size, workers, 1) == pytest.approx(t, rel=1e-6)
 
 
 def test_fit_link_refuses_too_little_and_clamps_noise():
@@ -47,7 +47,7 @@ def test_fit_link_refuses_too_little_and_clamps_noise():
 
 
 def test_layout_strings_round_trip_between_driver_and_worker():
-    for layout in plan.layouts(plan.Setup(SHAPE, 16, 2.0 ** 40, 4)):
+    for layout in planner.layouts(planner.Setup(SHAPE, 16, 2.0 ** 40, 4)):
         parsed = plan_check_worker.parse_layout(plan_check.layout_key(layout))
         assert parsed == {"strategy": layout.strategy, "tensor": layout.tensor, "pipeline": layout.pipeline,
                           "micro_batches": layout.micro_batches}
@@ -132,5 +132,5 @@ def test_calibrate_from_worker_results():
 
 
 def test_plan_setup_defaults_unchanged_by_the_link_option():
-    setup = plan.Setup(SHAPE, 16, 2.0 ** 40, 4)
+    setup = planner.Setup(SHAPE, 16, 2.0 ** 40, 4)
     assert setup.link is None and setup.calibration == CALIBRATION

@@ -8,17 +8,17 @@ import pytest
 import torch
 
 from hvdtrain import cli
-from hvdtrain.planner import plan
+from hvdtrain import planner
 from hvdtrain.examples.textlm import TinyTransformerLM
 from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
 from hvdtrain.parallel.pipeline.schedule import split_layers
 from hvdtrain.parallel.tensor import parallelize
 from hvdtrain.cli.plan import parse_bytes
 
-SMALL = plan.ModelShape(layers=2, d_model=32, seq_len=8, vocab=11, heads=4)
+SMALL = planner.ModelShape(layers=2, d_model=32, seq_len=8, vocab=11, heads=4)
 
 
-def real_model(shape: plan.ModelShape) -> TinyTransformerLM:
+def real_model(shape: planner.ModelShape) -> TinyTransformerLM:
     torch.manual_seed(0)
     return TinyTransformerLM(shape.vocab, seq_len=shape.seq_len, d_model=shape.d_model, layers=shape.layers,
                              heads=shape.heads)
@@ -30,31 +30,31 @@ def count(parameters) -> int:
 
 def test_zero_paper_example():
     # Rajbhandari et al. 2020, Figure 1: 7.5B parameters, 64 GPUs, mixed-precision Adam (2 + 2 + 12 bytes).
-    state = plan.state_bytes_per_parameter("adam", "bf16")
+    state = planner.state_bytes_per_parameter("adam", "bf16")
     assert state == 12
-    per_rank = {s: sum(plan.sharded_state_bytes(s, 7.5e9, 2, 2, state, 64).values()) / 1e9
+    per_rank = {s: sum(planner.sharded_state_bytes(s, 7.5e9, 2, 2, state, 64).values()) / 1e9
                 for s in ("ddp", "zero1", "zero2", "fsdp")}
     assert {s: round(v, 1) for s, v in per_rank.items()} == {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "fsdp": 1.9}
 
 
 def test_fp32_adam_and_the_parameter_server():
     psi, n = 1000, 4
-    held = lambda s, servers=1: sum(plan.sharded_state_bytes(s, psi, 4, 4, 8, n, servers).values())
+    held = lambda s, servers=1: sum(planner.sharded_state_bytes(s, psi, 4, 4, 8, n, servers).values())
     assert held("ddp") == 16 * psi and held("zero1") == 8 * psi + 8 * psi / n
     assert held("zero2") == 4 * psi + 12 * psi / n and held("fsdp") == 16 * psi / n
     # A server: its parameters and gradients, the summed gradients of its slice, the state of its slice.
     assert held("ps") == 4 * psi + 4 * psi + 4 * psi + 8 * psi
     assert held("ps", servers=2) == 4 * psi + 4 * psi + 2 * psi + 4 * psi
-    assert plan.state_bytes_per_parameter("sgd", "fp32") == 4
+    assert planner.state_bytes_per_parameter("sgd", "fp32") == 4
 
 
-@pytest.mark.parametrize("shape", [SMALL, plan.ModelShape(3, 48, 16, 29, 6)], ids=["small", "three-blocks"])
+@pytest.mark.parametrize("shape", [SMALL, planner.ModelShape(3, 48, 16, 29, 6)], ids=["small", "three-blocks"])
 def test_parameter_count_formula_equals_the_real_model(shape):
     assert shape.shape_params == shape.total == count(real_model(shape).parameters())
 
 
 def test_example_shape_is_the_default_textlm():
-    shape = plan.textlm_shape()
+    shape = planner.textlm_shape()
     model = TinyTransformerLM(shape.vocab)  # the example's default config
     assert shape.total == count(model.parameters())
     assert (shape.layers, shape.d_model, shape.seq_len, shape.heads) == (2, 128, 64, 4)
@@ -65,10 +65,10 @@ def test_stages_are_hvdtrains_split(pipeline):
     model = real_model(SMALL)
     layers = pipeline_layers(model)
     stages = split_layers(layers, pipeline)
-    assert [list(s) for s in plan.stage_layers(SMALL, pipeline)] == stages
+    assert [list(s) for s in planner.stage_layers(SMALL, pipeline)] == stages
     # Per stage: its layers' distinct parameters (the tied matrix on both ends, once in a stage with both).
     real = [count(p for i in stage for p in layers[i].parameters()) for stage in stages]
-    assert plan.stage_elements(SMALL, 1, pipeline) == real
+    assert planner.stage_elements(SMALL, 1, pipeline) == real
 
 
 @pytest.mark.parametrize("tensor", [2, 4])
@@ -76,46 +76,46 @@ def test_tensor_rank_elements_are_hvdtrains_split(tensor):
     model = real_model(SMALL)
     group = SimpleNamespace(size=tensor, index=0, ranks=tuple(range(tensor)), process_set=object())
     parallelize(model, tensor_plan(model), group)  # builds the slices; nothing communicates
-    assert plan.stage_elements(SMALL, tensor, 1) == [count(model.parameters())]
+    assert planner.stage_elements(SMALL, tensor, 1) == [count(model.parameters())]
 
 
 def test_layouts_respect_heads_layers_and_batch():
-    setup = plan.Setup(plan.ModelShape(2, 36, 8, 11, 3), batch=8, memory=1e9, workers=4)
-    found = plan.layouts(setup)
+    setup = planner.Setup(planner.ModelShape(2, 36, 8, 11, 3), batch=8, memory=1e9, workers=4)
+    found = planner.layouts(setup)
     assert {(l.tensor, l.pipeline) for l in found} == {(1, 1), (1, 2), (1, 4)}  # heads 3: no T=2 or 4
-    assert {l.strategy for l in found if l.tensor * l.pipeline == 1} == set(plan.STRATEGIES)
+    assert {l.strategy for l in found if l.tensor * l.pipeline == 1} == set(planner.STRATEGIES)
     # Over a mesh: ddp, and zero1 where there are data groups to shard over (not at D=1).
     assert sorted(l.strategy for l in found if l.pipeline == 2) == ["ddp", "zero1"]
     assert [l.strategy for l in found if l.pipeline == 4] == ["ddp"]
     assert {l.micro_batches for l in found if l.pipeline == 2} == {4}  # replica batch 4: at most 4
-    uneven = plan.layouts(plan.Setup(SMALL, batch=6, memory=1e9, workers=4))  # 4 replicas cannot share 6
+    uneven = planner.layouts(planner.Setup(SMALL, batch=6, memory=1e9, workers=4))  # 4 replicas cannot share 6
     assert uneven and all(6 % l.data == 0 for l in uneven) and all(l.data < 4 for l in uneven)
 
 
 def test_recommendation_is_the_fastest_that_fits():
-    setup = plan.Setup(plan.textlm_shape(), batch=64, memory=2 * 2 ** 30, workers=4)
-    everything = [plan.estimate(setup, layout) for layout in plan.layouts(setup)]
-    result = plan.make_plan(setup)
+    setup = planner.Setup(planner.textlm_shape(), batch=64, memory=2 * 2 ** 30, workers=4)
+    everything = [planner.estimate(setup, layout) for layout in planner.layouts(setup)]
+    result = planner.make_plan(setup)
     assert result.recommended.step_s == min(e.step_s for e in everything)
     assert [e.step_s for e in result.fitting] == sorted(e.step_s for e in result.fitting)
     # Memory just below the fastest layout's total: the next fastest that fits is chosen.
     fastest = result.recommended
-    tight = plan.make_plan(plan.Setup(setup.shape, 64, fastest.total - 1, 4))
+    tight = planner.make_plan(planner.Setup(setup.shape, 64, fastest.total - 1, 4))
     assert fastest.layout not in [e.layout for e in tight.fitting]
     assert tight.recommended.step_s == min(e.step_s for e in everything if e.total <= fastest.total - 1)
     assert "fastest modelled step" in tight.why()
 
 
 def test_nothing_fits_says_what_would():
-    setup = plan.Setup(plan.textlm_shape(), batch=64, memory=8 * 2 ** 20, workers=4)
-    with pytest.raises(plan.NothingFits) as caught:
-        plan.make_plan(setup)
+    setup = planner.Setup(planner.textlm_shape(), batch=64, memory=8 * 2 ** 20, workers=4)
+    with pytest.raises(planner.NothingFits) as caught:
+        planner.make_plan(setup)
     text = str(caught.value)
-    least = min(plan.memory(setup, layout).total for layout in plan.layouts(setup))
-    more = plan.fewest_workers(setup)
+    least = min(planner.memory(setup, layout).total for layout in planner.layouts(setup))
+    more = planner.fewest_workers(setup)
     workers = more.layout.data * more.layout.tensor * more.layout.pipeline
     assert workers > 4 and more.total <= setup.memory
-    assert all(plan.memory(setup, l).total > setup.memory for w in range(5, workers) for l in plan.layouts(setup, w))
+    assert all(planner.memory(setup, l).total > setup.memory for w in range(5, workers) for l in planner.layouts(setup, w))
     assert "no layout fits 8.0 MiB per worker at 4 workers" in text
     assert f"the least any layout needs is {least / 2 ** 20:.1f} MiB per worker" in text
     assert f"the fewest workers that fit are {workers} ({more.layout.name}" in text
@@ -126,7 +126,7 @@ def test_cli_prints_the_table_and_the_error(capsys):
     assert cli.main(["plan", "--example", "textlm", "--workers", "4", "--memory", "2GiB"]) == 0
     out = capsys.readouterr().out
     assert "MODELLED (not measured)" in out and "step ms (modelled)" in out
-    best = plan.make_plan(plan.Setup(plan.textlm_shape(), 64, 2 * 2 ** 30, 4)).recommended.layout
+    best = planner.make_plan(planner.Setup(planner.textlm_shape(), 64, 2 * 2 ** 30, 4)).recommended.layout
     assert f"recommended (modelled): {best.name}" in out and f"--train.strategy={best.strategy}" in out
     assert cli.main(["plan", "--example", "textlm", "--workers", "4", "--memory", "8MiB"]) == 2
     assert "the fewest workers that fit are" in capsys.readouterr().err
@@ -142,32 +142,32 @@ def test_parse_bytes():
 
 
 def test_time_model_terms():
-    setup = plan.Setup(SMALL, batch=32, memory=1e9, workers=4, network="10gbe")
-    piped = plan.estimate(setup, plan.Layout("ddp", 1, 2, 2, 8))
+    setup = planner.Setup(SMALL, batch=32, memory=1e9, workers=4, network="10gbe")
+    piped = planner.estimate(setup, planner.Layout("ddp", 1, 2, 2, 8))
     assert piped.bubble_s == pytest.approx(piped.compute_s * (2 - 1) / 8)  # (P-1)/(M+P-1) of the whole
-    single = plan.estimate(setup, plan.Layout("ddp", 1, 1, 4))
+    single = planner.estimate(setup, planner.Layout("ddp", 1, 1, 4))
     # 6 x parameters x tokens of a replica, at the device rate.
-    assert single.compute_s == pytest.approx(6 * SMALL.total * (32 / 4) * SMALL.seq_len / plan.DEFAULT_FLOPS)
+    assert single.compute_s == pytest.approx(6 * SMALL.total * (32 / 4) * SMALL.seq_len / planner.DEFAULT_FLOPS)
     # Same bytes for ddp and zero, but zero's all-gather is not hidden; fsdp moves 1.5x; one server moves 2 N x.
-    estimates = {s: plan.estimate(setup, plan.Layout(s, 1, 1, 4)) for s in plan.STRATEGIES}
+    estimates = {s: planner.estimate(setup, planner.Layout(s, 1, 1, 4)) for s in planner.STRATEGIES}
     comm = {s: e.comm_s for s, e in estimates.items()}
     assert comm["ddp"] <= comm["zero1"] == comm["zero2"] < comm["ps"]
     # The update streams 28 bytes per parameter (Adam) on every ddp rank; zero1, zero2 and fsdp shard
     # it over the 4 data ranks, and the one server of ps updates the whole model.
     update = {s: e.update_s for s, e in estimates.items()}
-    assert update["ddp"] == pytest.approx(SMALL.total * 28 / plan.DEFAULT_UPDATE_BANDWIDTH)
+    assert update["ddp"] == pytest.approx(SMALL.total * 28 / planner.DEFAULT_UPDATE_BANDWIDTH)
     assert update["zero1"] == update["zero2"] == update["fsdp"] == pytest.approx(update["ddp"] / 4)
     assert update["ps"] == pytest.approx(update["ddp"])
-    two_servers = plan.estimate(replace(setup, ps_servers=2), plan.Layout("ps", 1, 1, 4))
+    two_servers = planner.estimate(replace(setup, ps_servers=2), planner.Layout("ps", 1, 1, 4))
     assert two_servers.update_s == pytest.approx(update["ddp"] / 2)
     for e in estimates.values():
         assert e.step_s >= e.compute_s + e.bubble_s + e.update_s + e.comm_s  # plus the straggler
-    assert plan.estimate(setup, plan.Layout("ddp", 2, 1, 2)).comm_s > 0  # tensor all-reduces, every block
+    assert planner.estimate(setup, planner.Layout("ddp", 2, 1, 2)).comm_s > 0  # tensor all-reduces, every block
 
 
 def test_zero1_over_a_mesh_shards_the_state_and_pays_the_parameters_broadcast():
-    setup = plan.Setup(plan.textlm_shape(), batch=16, memory=2 ** 40, workers=4)
-    ddp, zero1 = (plan.estimate(setup, plan.Layout(s, 2, 1, 2, 1)) for s in ("ddp", "zero1"))
+    setup = planner.Setup(planner.textlm_shape(), batch=16, memory=2 ** 40, workers=4)
+    ddp, zero1 = (planner.estimate(setup, planner.Layout(s, 2, 1, 2, 1)) for s in ("ddp", "zero1"))
     assert zero1.optimizer_state == ddp.optimizer_state / 2  # over D = 2 data groups
     assert (zero1.parameters, zero1.gradients) == (ddp.parameters, ddp.gradients)
     assert zero1.update_s == ddp.update_s / 2

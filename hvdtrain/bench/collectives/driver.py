@@ -11,7 +11,7 @@ for moving bytes on one host). Each round runs three jobs, in rotating order:
 Horovod Gloo needs its own job: Horovod 0.28.1 creates the Gloo context its operations use only
 under its Gloo controller, so HOROVOD_CPU_OPERATIONS=gloo under mpirun crashes on the first
 collective; and a horovodrun --gloo job has no MPI world to run raw MPI in. Horovod MPI is compared
-with raw MPI of the same processes (the issue's target); Horovod Gloo with raw MPI of the mpirun
+with raw MPI of the same processes (the target: TARGET_RATIO); Horovod Gloo with raw MPI of the mpirun
 jobs of the same rounds. Raw MPI alone shows what Horovod's background thread, which shares the
 cores with the raw MPI calls in the first job, costs that baseline.
 
@@ -36,7 +36,7 @@ from hvdtrain.observability.figures import new_figure, save_figure
 WORKER = "hvdtrain.bench.collectives.worker"
 OPS = ("allreduce", "broadcast", "allgather")
 DEFAULT_SIZES = tuple(4096 * 4 ** k for k in range(8))  # 4K, 16K, ... 64M
-TARGET_RATIO, TARGET_FROM = 0.9, MiB  # Horovod-MPI all-reduce vs raw MPI, at >= 1 MiB (issue 5)
+TARGET_RATIO, TARGET_FROM = 0.9, MiB  # Horovod-MPI all-reduce vs raw MPI, at >= 1 MiB
 BACKENDS = ("mpi", "mpi_alone", "horovod_mpi", "horovod_gloo", "torch_gloo", "memcpy")
 LABELS = {"mpi": "raw MPI", "mpi_alone": "raw MPI alone", "horovod_mpi": "Horovod MPI",
           "horovod_gloo": "Horovod Gloo*", "torch_gloo": "torch gloo", "memcpy": "memcpy (limit)"}
@@ -179,7 +179,7 @@ def op_table(op: str, rows: Sequence[Dict[str, Any]], ranks: int) -> str:
 
 
 def target(rows: Sequence[Dict[str, Any]], ranks: int) -> Dict[str, Any]:
-    """The issue's target: Horovod-MPI all-reduce at >= TARGET_RATIO x raw MPI (same job) at every size
+    """The target: Horovod-MPI all-reduce at >= TARGET_RATIO x raw MPI (same job) at every size
     >= 1 MiB; the same ratios against raw MPI alone are given beside it."""
     mine = [r for r in rows
             if r["op"] == "allreduce" and r["backend"] == "horovod_mpi" and r["size"] >= TARGET_FROM]

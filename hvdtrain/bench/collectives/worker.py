@@ -8,7 +8,7 @@ Run by ``collectives.py`` through ``jobs.run_job`` as ``python -m hvdtrain.bench
   gloo and the memory copy. Horovod 0.28.1 cannot run Gloo operations under its MPI controller:
   with ``HOROVOD_CPU_OPERATIONS=gloo`` under mpirun the first Gloo collective dereferences the
   process set's Gloo context, which only the Gloo controller creates (segfault in
-  ``GlooAlgorithms<float>::Allreduce`` or ``::Broadcast``, seen here). A horovodrun --gloo job has no
+  ``GlooAlgorithms<float>::Allreduce`` or ``::Broadcast``). A horovodrun --gloo job has no
   MPI world, so no raw MPI there;
 - ``--mode mpi_alone`` under mpirun: raw MPI only, in processes without Horovod, whose background
   thread otherwise shares the cores and the MPI library with the raw MPI calls.
@@ -266,7 +266,7 @@ def check(backend: str, op: str, call: Call, buf: Buffers, coordinator: Any) -> 
 
 def iterations(size: int, iters: int, warmup: int) -> Tuple[int, int]:
     """(warm-up, timed) calls: ``iters`` up to 1 MiB, then fewer so each figure moves about as many
-    bytes as at 1 MiB (20 x 64 MiB per back-end would take minutes here), never fewer than 3 timed."""
+    bytes as at 1 MiB (20 x 64 MiB per back-end would take minutes on a small CPU host), never fewer than 3 timed."""
     scale = min(1.0, MiB / size)
     return max(min(warmup, 1), round(warmup * scale)), max(min(iters, 3), round(iters * scale))
 

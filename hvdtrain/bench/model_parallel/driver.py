@@ -10,11 +10,11 @@ Trainer's ModelParallelStrategy, one mpirun job per part (hvdtrain.bench.model_p
    worker (a micro-batch shrinks as M grows), configurations interleaved in rounds. Per stage:
    measured idle share = 1 - compute_s / the schedule's wall time (ScheduleStats; median over the
    measured steps), beside the theory (P - 1) / (M + P - 1). The idle share holds the bubble and
-   the exchanges' own cost (each a Horovod all-to-all: ~1 ms of cycle time here, whatever the
-   size), so it sits above the theory, the more the more exchanges (2M per stage pair and step).
+   the exchanges' own cost (each a Horovod all-to-all: at least one cycle, 1 ms by default, whatever
+   the size), so it sits above the theory, the more the more exchanges (2M per stage pair and step).
    Also the most micro-batches a stage held at once: GPipe M, 1F1B min(M, P - stage).
-   P = 2 on 2 ranks is the honest configuration on 2 cores; P = 4 on 4 ranks is OVERSUBSCRIBED
-   (an idle stage's core goes to another stage, so idle is not free there: the bubble is distorted).
+   More ranks than cores (P = 4 on a 2-core host) is OVERSUBSCRIBED: an idle stage's core goes to
+   another stage, so idle is not free there and the bubble is distorted.
 2. Tensor-parallel communication share, T ranks: the time of a forward + backward spent in the
    tensor group's all-reduces (Megatron's f and g, timed around each hvd.allreduce: a direct
    measurement; waiting for the peer included), and the bytes they move, counted, beside the
@@ -27,8 +27,8 @@ Trainer's ModelParallelStrategy, one mpirun job per part (hvdtrain.bench.model_p
    matrices (and column-parallel biases) / T; LayerNorms, row-parallel biases, the embeddings
    replicated over the tensor group; the tied token matrix held by both ends of a pipeline.
 
-On CPU the all-reduces and exchanges run on the cores that compute: nothing overlaps here as it
-would on GPUs. The machine is shared: read ratios measured in one job, not absolute times.
+On CPUs the all-reduces and exchanges run on the cores that compute: nothing overlaps as it would
+on GPUs. Read ratios measured in one job, not absolute times.
 """
 from __future__ import annotations
 

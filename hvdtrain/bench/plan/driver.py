@@ -103,20 +103,20 @@ def layout_key(layout) -> str:
 
 def predictions(shape, args, rates: Dict[str, float], link,
                 update_bandwidths: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
-    """Variant -> plan.Plan (memory unlimited: every layout 'fits'). ``rates`` and
+    """Variant -> planner.Plan (memory unlimited: every layout 'fits'). ``rates`` and
     ``update_bandwidths``: one_process and under_load, as ``calibrate`` measured them (without
     update bandwidths, plan's assumed one)."""
-    from hvdtrain.planner import plan
+    from hvdtrain import planner
     from hvdtrain.planner.network import CALIBRATION
 
-    updates = update_bandwidths or {key: plan.DEFAULT_UPDATE_BANDWIDTH for key in ("one_process", "under_load")}
+    updates = update_bandwidths or {key: planner.DEFAULT_UPDATE_BANDWIDTH for key in ("one_process", "under_load")}
     out = {}
     for variant, measured, overlap in (("A", "one_process", CALIBRATION.overlap),
                                        ("B", "under_load", CALIBRATION.overlap),
                                        ("C", "under_load", 0.0)):
-        setup = plan.Setup(shape, args.batch, 2.0 ** 50, args.workers, flops=rates[measured], link=link,
+        setup = planner.Setup(shape, args.batch, 2.0 ** 50, args.workers, flops=rates[measured], link=link,
                            calibration=replace(CALIBRATION, overlap=overlap), update_bandwidth=updates[measured])
-        out[variant] = plan.make_plan(setup)
+        out[variant] = planner.make_plan(setup)
     return out
 
 
@@ -223,12 +223,12 @@ def worker_args(args: argparse.Namespace, mode: str, layouts: Sequence[str] = ()
 def calibrate(shape, args, single: Dict[str, Any], world: Dict[str, Any]) -> Dict[str, Any]:
     """Device rate from the plain step less its update (plan's compute is forward + backward), and
     update bandwidth from the update alone: the bytes Adam streams over the whole model / its seconds."""
-    from hvdtrain.planner import plan
+    from hvdtrain import planner
 
     plain = single["plain_step_s"][str(args.batch)]
     one, one_update = statistics.median(plain["step_s"]), statistics.median(plain["update_s"])
     loaded, loaded_update = statistics.median(world["local_step_s"]), statistics.median(world["local_update_s"])
-    streamed = max(plan.stage_elements(shape, 1, 1)) * plan.update_bytes_per_element("adam")
+    streamed = max(planner.stage_elements(shape, 1, 1)) * planner.update_bytes_per_element("adam")
     sizes = sorted(int(s) for s in world["allreduce_s"])
     medians = [statistics.median(world["allreduce_s"][str(s)]) for s in sizes]
     fit = fit_link(sizes, medians, args.workers)
@@ -259,12 +259,12 @@ def calibration_lines(cal: Dict[str, Any], args, cpus: int) -> List[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hvdtrain.planner import plan
+    from hvdtrain import planner
 
     try:
-        shape = plan.ModelShape(args.layers, args.d_model, args.seq_len, args.vocab, args.heads)
-        base = plan.Setup(shape, args.batch, 2.0 ** 50, args.workers)
-        keys = [layout_key(layout) for layout in plan.layouts(base)]
+        shape = planner.ModelShape(args.layers, args.d_model, args.seq_len, args.vocab, args.heads)
+        base = planner.Setup(shape, args.batch, 2.0 ** 50, args.workers)
+        keys = [layout_key(layout) for layout in planner.layouts(base)]
     except ValueError as error:
         print(f"hvdtrain bench plan: {error}", file=sys.stderr)
         return 2
@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
     plans = predictions(shape, args, cal["rates"], link, cal["update_bandwidths"])
     rows = build_rows(plans, world["layout_step_s"])
     oversubscribed = args.workers > cpus
-    title = (f"hvdtrain plan, MODELLED (calibrated here) vs MEASURED: TinyTransformerLM {plan.format_count(shape.total)} "
+    title = (f"hvdtrain plan, MODELLED (calibrated here) vs MEASURED: TinyTransformerLM {planner.format_count(shape.total)} "
              f"parameters ({args.layers} blocks, d_model {args.d_model}, seq {args.seq_len}, heads {args.heads}, vocab "
              f"{args.vocab}), float32, Adam, global batch {args.batch}, {args.workers} ranks"
              f"{f' OVERSUBSCRIBED on {cpus} cores' if oversubscribed else ''}, one thread each; measured = median of "

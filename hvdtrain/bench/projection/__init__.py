@@ -1,1 +1,1 @@
-"""TODO"""
+"""``hvdtrain bench project``: the planner's data-parallel projection as tables and plots (driver.py)."""

@@ -8,7 +8,7 @@ splits of the all-to-alls it issues and the received splits they return (PSStrat
 and from other ranks; a rank's chunk to itself is a local copy). Beside them, the formulas with
 Psi = the padded parameter bytes, N ranks, K servers, S = Psi / K:
 
-  ps server     2 (N - 1) S + 2 (K - 1) S: the seed's 2 x N x slice for a dedicated server, less
+  ps server     2 (N - 1) S + 2 (K - 1) S: a dedicated server's 2 x N x slice, less
                 its own worker's slice, which never leaves the rank
   ps worker     2 K S = 2 Psi
   ddp (ring)    2 (N - 1) / N x Psi per rank, every rank alike

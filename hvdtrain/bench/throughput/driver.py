@@ -1,7 +1,7 @@
 """``hvdtrain bench throughput``: training samples/s of hvdtrain against its peers, side by side.
 
 Every variant trains the same model on the same synthetic data with the same batch per worker
-and one thread per rank; each is its own job (``throughput_worker``). Rounds interleave the
+and one thread per rank; each is its own job (hvdtrain.bench.throughput.worker). Rounds interleave the
 variants (A B C D, then B C D A, ...), so a busy spell on a shared machine hits every variant
 alike; figures are medians over the rounds, with their spread, and every comparison is a ratio
 of medians from the same run, also given per round (paired within a round) with its range.
@@ -19,7 +19,7 @@ the plain loop with hvdtrain's defaults, the same with Horovod's timeline armed 
 
 On CPU, communication uses the same cores as compute, so overlapping the all-reduce with
 backward cannot hide it as on a GPU: the comm share reported is the exposed wait in
-synchronize(), and the efficiencies here are not what a GPU cluster would show.
+synchronize(), and CPU efficiencies are not what a GPU cluster would show.
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ VARIANTS: Dict[str, Variant] = {v.key: v for v in (
     Variant("horovod-hvdenv", "plain Horovod loop, hvdtrain's env defaults", "horovod",
             args=("--hvdtrain-defaults",)),
     Variant("ddp", "PyTorch DDP (gloo)", "ddp"),
-    # A baseline from the seed texts (one process funnelling through GPU 0), not an hvdtrain strategy.
+    # A baseline (one process funnelling through GPU 0), not an hvdtrain strategy.
     Variant("dataparallel", "torch.nn.DataParallel, one process over N GPUs", "dataparallel", launcher="none",
             one_process=True, skip_reason=dataparallel_skip_reason),
     Variant("horovod-gloo", "plain Horovod loop over Gloo (horovodrun --gloo)", "horovod",

@@ -1,1 +1,4 @@
-"""TODO"""
+"""What the sharded strategies share: flat, padded buckets of parameters cut into one slice per
+rank (flat_buckets.py), the base classes of the strategies that step slices (sliced.py), and a
+rank's own part of a sharded checkpoint, put back together without the model's class
+(shard_state.py). Internal."""

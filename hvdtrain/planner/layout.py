@@ -1,0 +1,127 @@
+"""What the planner chooses among: the setup it plans for (model, batch, memory, workers, network),
+the layouts that run on it (a strategy over D data groups of a model split T x P), and the estimate
+of one layout (every figure MODELLED)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional
+
+from hvdtrain.common.units import MiB
+from hvdtrain.planner.model_shape import ModelShape
+from hvdtrain.planner.network import CALIBRATION, NETWORKS, Calibration, Network
+
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "ps")
+PRECISIONS = {"fp32": 4, "bf16": 2}          # bytes of a parameter, a gradient and an activation
+OPTIMIZERS = {"adam": 2, "sgd": 1}           # fp32 state tensors per parameter (sgd: with momentum)
+# Assumed, not measured: what one device achieves on a transformer's matrix products (set --flops).
+DEFAULT_FLOPS = 50e12
+# Assumed, not measured: bytes per second a device's optimizer update streams (set --update-bandwidth;
+# ``hvdtrain bench plan`` measures it on its host).
+DEFAULT_UPDATE_BANDWIDTH = 1e12
+
+
+@dataclass(frozen=True)
+class Setup:
+    shape: ModelShape
+    batch: int                      # global batch, samples per step
+    memory: float                   # bytes per worker
+    workers: int
+    network: str = "25gbe"
+    optimizer: str = "adam"
+    precision: str = "fp32"
+    flops: float = DEFAULT_FLOPS
+    micro_batches: Optional[int] = None
+    gpus_per_node: int = 1
+    intra: str = "pcie3"
+    ps_servers: int = 1
+    fusion_bytes: float = 128 * MiB
+    # Measured in place of the presets (``hvdtrain bench plan`` calibrates both on one host): ``link``
+    # carries every group (one node: bandwidth and per-step latency as measured); ``calibration`` the
+    # overlap and jitter (CPU: communication hides nothing behind backward, overlap 0).
+    link: Optional[Network] = None
+    calibration: Calibration = CALIBRATION
+    update_bandwidth: float = DEFAULT_UPDATE_BANDWIDTH
+
+    def __post_init__(self) -> None:
+        if (self.batch < 1 or self.workers < 1 or self.memory <= 0 or self.flops <= 0 or self.gpus_per_node < 1
+                or self.update_bandwidth <= 0):
+            raise ValueError("batch, workers, gpus per node, memory, flops and update bandwidth must be > 0")
+        if self.network not in NETWORKS or self.intra not in NETWORKS:
+            raise ValueError(f"unknown network: choose from {', '.join(NETWORKS)}")
+        if self.optimizer not in OPTIMIZERS or self.precision not in PRECISIONS:
+            raise ValueError(f"optimizer: {', '.join(OPTIMIZERS)}; precision: {', '.join(PRECISIONS)}")
+        if not 1 <= self.ps_servers <= self.workers:
+            raise ValueError(f"ps servers must be between 1 and the {self.workers} workers")
+
+
+@dataclass(frozen=True)
+class Layout:
+    strategy: str
+    tensor: int
+    pipeline: int
+    data: int
+    micro_batches: int = 1
+
+    @property
+    def name(self) -> str:
+        micro = f" M={self.micro_batches}" if self.pipeline > 1 else ""
+        return f"{self.strategy} T={self.tensor} P={self.pipeline} D={self.data}{micro}"
+
+
+def _divisors(n: int) -> List[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def default_micro_batches(replica_batch: int, pipeline: int) -> int:
+    """The most micro-batches, up to 4P, that divide a replica's batch (1 without a pipeline)."""
+    if pipeline == 1:
+        return 1
+    return max(m for m in range(1, min(4 * pipeline, replica_batch) + 1) if replica_batch % m == 0)
+
+
+def layouts(setup: Setup, workers: Optional[int] = None) -> List[Layout]:
+    """Every layout hvdtrain runs on ``workers``: T divides the heads, P at most the layers + 2, the
+    data replicas share the global batch evenly, and the micro-batches divide a replica's batch."""
+    n, shape = setup.workers if workers is None else workers, setup.shape
+    found = []
+    for tensor in (t for t in _divisors(n) if shape.heads % t == 0):
+        for pipeline in (p for p in _divisors(n // tensor) if p <= shape.layers + 2):
+            data = n // (tensor * pipeline)
+            if setup.batch % data:
+                continue
+            replica = setup.batch // data
+            micro = setup.micro_batches or default_micro_batches(replica, pipeline)
+            if pipeline > 1 and replica % micro:
+                continue
+            if tensor * pipeline == 1:
+                strategies = STRATEGIES if n > 1 else ("ddp",)
+            else:  # over a mesh: plain replicas, or ZeRO-1 over each data group when there are several
+                strategies = ("ddp", "zero1") if data > 1 else ("ddp",)
+            found += [Layout(s, tensor, pipeline, data, micro if pipeline > 1 else 1) for s in strategies]
+    return found
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One layout, every figure modelled. Memory is the busiest rank's."""
+
+    layout: Layout
+    parameters: float
+    gradients: float
+    optimizer_state: float
+    activations: float
+    gathered: float
+    total: float
+    compute_s: float = 0.0
+    bubble_s: float = 0.0
+    update_s: float = 0.0
+    comm_s: float = 0.0
+    step_s: float = 0.0
+    samples_per_s: float = 0.0
+
+    @property
+    def states(self) -> float:
+        """Parameters + gradients + optimizer state: what the strategies count."""
+        return self.parameters + self.gradients + self.optimizer_state

@@ -1,0 +1,64 @@
+"""Memory per rank, MODELLED: the ZeRO arithmetic over the data ranks of what each stage's rank holds
+(parameters, gradients, optimizer state: what the strategies count, tests/mpi/test_plan_memory.py
+checks it against their counts), activations (Korthikanti et al. 2022, no recomputation), and under
+fsdp the largest unit gathered while it computes."""
+from __future__ import annotations
+
+from typing import Dict
+
+from hvdtrain.planner.layout import OPTIMIZERS, PRECISIONS, Estimate, Layout, Setup
+from hvdtrain.planner.model_shape import stage_elements, stage_layers
+
+# Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"):
+# activation bytes per block = seq x batch x d_model x (10 + 24/T + 5 heads seq / (d_model T)), 16-bit.
+ACTIVATION_FIXED, ACTIVATION_SPLIT, ACTIVATION_ATTENTION = 10, 24, 5
+
+
+def sharded_state_bytes(strategy: str, parameters: float, param_bytes: float, grad_bytes: float,
+                        state_bytes: float, data_ranks: int, ps_servers: int = 1) -> Dict[str, float]:
+    """What the busiest rank holds in parameters, gradients and optimizer state (Rajbhandari et al.
+    2020): ``state_bytes`` per parameter of optimizer state (Adam in fp32: 8; mixed precision: 12,
+    the fp32 master copy included). A parameter server also receives the summed gradients of its
+    slice, and holds the optimizer state of its slice (1/``ps_servers`` of the parameters)."""
+    p, g, k = parameters * param_bytes, parameters * grad_bytes, parameters * state_bytes
+    n, servers = data_ranks, ps_servers
+    shares = {"ddp": (p, g, k), "zero1": (p, g, k / n), "zero2": (p, g / n, k / n),
+              "fsdp": (p / n, g / n, k / n), "ps": (p, g + g / servers, k / servers)}[strategy]
+    return dict(zip(("parameters", "gradients", "optimizer_state"), shares))
+
+
+def state_bytes_per_parameter(optimizer: str, precision: str) -> int:
+    """fp32 optimizer state, plus an fp32 master copy when the parameters are 16-bit."""
+    return 4 * OPTIMIZERS[optimizer] + (4 if PRECISIONS[precision] < 4 else 0)
+
+
+def _activation_bytes(setup: Setup, layout: Layout, blocks: int, held: int, last: bool) -> float:
+    s, d, heads = setup.shape.seq_len, setup.shape.d_model, setup.shape.heads
+    width = PRECISIONS[setup.precision]
+    micro = setup.batch / layout.data / layout.micro_batches
+    per_block = s * micro * d * (ACTIVATION_FIXED + ACTIVATION_SPLIT / layout.tensor
+                                 + ACTIVATION_ATTENTION * heads * s / (d * layout.tensor)) * width / 2
+    logits = 2 * micro * s * setup.shape.vocab * width if last else 0.0  # logits and their gradient
+    return blocks * held * per_block + logits
+
+
+def memory(setup: Setup, layout: Layout) -> Estimate:
+    """The busiest rank's modelled bytes (no time)."""
+    shape, width = setup.shape, PRECISIONS[setup.precision]
+    state = state_bytes_per_parameter(setup.optimizer, setup.precision)
+    layers = shape.pipeline_layers()
+    rows = []
+    for index, (stage, elements) in enumerate(zip(stage_layers(shape, layout.pipeline),
+                                                  stage_elements(shape, layout.tensor, layout.pipeline))):
+        held = sharded_state_bytes(layout.strategy, elements, width, width, state, layout.data, setup.ps_servers)
+        blocks = sum(layers[i].block for i in stage)
+        in_flight = min(layout.micro_batches, layout.pipeline - index)
+        activations = _activation_bytes(setup, layout, blocks, in_flight, index == layout.pipeline - 1)
+        rows.append((held, activations))
+    gathered = 0.0
+    if layout.strategy == "fsdp":  # the largest unit whole while it computes: a block, or the root
+        gathered = width * max(layers[1].split + layers[1].replicated, layers[0].replicated + 2 * shape.d_model)
+    held, _ = max(rows, key=lambda row: sum(row[0].values()))
+    total = max(sum(h.values()) + a for h, a in rows) + gathered
+    return Estimate(layout, held["parameters"], held["gradients"], held["optimizer_state"],
+                    max(a for _, a in rows), gathered, total)

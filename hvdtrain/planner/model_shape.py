@@ -1,0 +1,109 @@
+"""The model the planner models: a GPT-style decoder's shape, its layers as hvdtrain's pipeline cuts
+them, and the elements one rank of each stage holds under a tensor x pipeline split."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import List, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One pipeline layer: elements split over the tensor group, and elements every tensor rank keeps
+    whole (``tied`` of them the token matrix, shared by the first and the last layer)."""
+
+    split: float
+    replicated: float
+    tied: float = 0.0
+    block: bool = False
+
+    def parameters(self) -> List["_Count"]:
+        """What ``hvdtrain.parallel.pipeline.schedule.split_layers`` weighs a layer by."""
+        return [_Count(self.split + self.replicated)]
+
+
+@dataclass(frozen=True)
+class _Count:
+    elements: float
+
+    def numel(self) -> float:
+        return self.elements
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A GPT-style decoder as hvdtrain.examples.textlm builds it: token and position embeddings,
+    pre-norm blocks (qkv, proj, 4x MLP, biases, two LayerNorms), a final LayerNorm, the output layer
+    tied to the token embedding. ``params``, when given, replaces the count this shape gives; the
+    blocks take up the difference."""
+
+    layers: int
+    d_model: int
+    seq_len: int
+    vocab: int
+    heads: int
+    params: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "d_model", "seq_len", "vocab", "heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model {name} must be a whole number >= 1, got {value!r}")
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model {self.d_model} must be a multiple of heads {self.heads}")
+        if self.params is not None and self.params <= self._outside_blocks():
+            raise ValueError(f"--params {self.params:.4g} leaves nothing for the blocks: the embeddings and "
+                             f"final norm of this shape already hold {self._outside_blocks():.4g}")
+
+    def _outside_blocks(self) -> int:
+        return (self.vocab + self.seq_len) * self.d_model + 2 * self.d_model
+
+    @property
+    def shape_params(self) -> int:
+        """V d + S d + L (12 d^2 + 13 d) + 2 d: the exact count of TinyTransformerLM (head tied)."""
+        d = self.d_model
+        return self._outside_blocks() + self.layers * (12 * d * d + 13 * d)
+
+    @property
+    def total(self) -> float:
+        return self.shape_params if self.params is None else self.params
+
+    def pipeline_layers(self) -> Tuple[LayerCost, ...]:
+        """[embedding, each block, head], as textlm_parallel.pipeline_layers cuts the model. A block's
+        qkv (weight and bias), proj weight, MLP weights and first bias split; its norms and the
+        row-parallel biases (proj, second MLP linear) stay whole."""
+        d, v = self.d_model, self.vocab
+        split, replicated = 12 * d * d + 7 * d, 6 * d
+        scale = (self.total - self._outside_blocks()) / (self.layers * (split + replicated))
+        block = LayerCost(split * scale, replicated * scale, block=True)
+        return (LayerCost(0, (v + self.seq_len) * d, tied=v * d), *([block] * self.layers),
+                LayerCost(0, 2 * d + v * d, tied=v * d))
+
+
+def textlm_shape(vocab: Optional[int] = None) -> ModelShape:
+    """The example's TinyTransformerLM with its default config; the vocabulary from its corpus."""
+    from hvdtrain.examples.textlm import TextLMModelConfig, load_corpus
+
+    config = TextLMModelConfig()
+    vocab = len(set(load_corpus())) if vocab is None else vocab
+    return ModelShape(config.layers, config.d_model, config.seq_len, vocab, config.heads)
+
+
+@lru_cache(maxsize=None)
+def stage_layers(shape: ModelShape, pipeline: int) -> Tuple[Tuple[int, ...], ...]:
+    """The layer indices of every stage: hvdtrain's own split (balanced by parameter count)."""
+    from hvdtrain.parallel.pipeline.schedule import split_layers  # imports torch and Horovod
+
+    return tuple(tuple(stage) for stage in split_layers(shape.pipeline_layers(), pipeline))
+
+
+def stage_elements(shape: ModelShape, tensor: int, pipeline: int) -> List[float]:
+    """The parameter elements one rank of each stage holds."""
+    layers = shape.pipeline_layers()
+    out = []
+    for stage in stage_layers(shape, pipeline):
+        held = [layers[i] for i in stage]
+        both_ends = len(stage) and stage[0] == 0 and stage[-1] == len(layers) - 1
+        tied_once = layers[0].tied if both_ends else 0.0  # one Parameter when a stage holds both ends
+        out.append(sum(layer.split / tensor + layer.replicated for layer in held) - tied_once)
+    return out

@@ -1,0 +1,110 @@
+"""Step time, MODELLED: compute (6 x the elements a rank holds x its replica's tokens / the device's
+rate), stretched by the pipeline's bubble (M + P - 1) / M; the optimizer's update, bound by memory
+bandwidth (28 bytes per element for Adam, 20 for SGD with momentum) and shared by the ranks that
+shard it; and communication by the network model (hvdtrain.planner.network): the data-parallel
+exchange of each strategy (partly hidden behind backward), the tensor group's 4 all-reduces per block
+and micro-batch, and the pipeline's sends between neighbouring stages."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Tuple
+
+from hvdtrain.planner.layout import OPTIMIZERS, PRECISIONS, Estimate, Layout, Setup
+from hvdtrain.planner.memory import memory
+from hvdtrain.planner.model_shape import stage_elements, stage_layers
+from hvdtrain.planner.network import NETWORKS, bytes_per_s, expected_max_normal, ring_bandwidth_s, ring_latency_s
+
+
+def _group_link(setup: Setup, size: int, stride: int) -> Tuple[int, float, float, float]:
+    """(nodes, bytes/s, network alpha, intra-node alpha) of a group of ``size`` ranks ``stride`` apart
+    (ranks fill nodes in order, ``gpus_per_node`` each), by bench project's rules."""
+    if setup.link is not None:  # one measured link, one node
+        alpha = setup.link.alpha_us * 1e-6
+        return 1, bytes_per_s(setup.link, setup.calibration), alpha, alpha
+    network, intra = NETWORKS[setup.network], NETWORKS[setup.intra]
+    if network.intra_node:
+        nodes, intra = 1, network
+    elif stride >= setup.gpus_per_node:
+        nodes = size
+    else:
+        nodes = math.ceil(size / (setup.gpus_per_node // stride))
+    hops = [intra] if nodes == 1 else [network] + ([intra] if setup.gpus_per_node > 1 else [])
+    bandwidth = min(bytes_per_s(link, setup.calibration) for link in hops)
+    return nodes, bandwidth, network.alpha_us * 1e-6, intra.alpha_us * 1e-6
+
+
+def allreduce_s(setup: Setup, nbytes: float, size: int, stride: int, calls: int = 1) -> float:
+    """``calls`` ring all-reduces of ``nbytes`` each over the group, fused up to the threshold."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    nodes, bandwidth, net_alpha, intra_alpha = _group_link(setup, size, stride)
+    buffers = math.ceil(nbytes / setup.fusion_bytes)
+    return calls * (ring_bandwidth_s(nbytes, size, bandwidth)
+                    + buffers * ring_latency_s(size, nodes, net_alpha, intra_alpha))
+
+
+def _gradient_comm_s(setup: Setup, layout: Layout, elements: float) -> Tuple[float, float]:
+    """(hideable behind backward, exposed) seconds of the data-parallel exchange."""
+    grads = elements * PRECISIONS[setup.precision]
+    ring = allreduce_s(setup, grads, layout.data, layout.tensor * layout.pipeline)
+    if layout.strategy == "ddp":
+        return ring, 0.0
+    if layout.strategy == "zero1" and layout.tensor * layout.pipeline > 1:
+        return ring, ring / 2  # the gradients all-reduced whole, then each parameter from its owner
+    if layout.strategy in ("zero1", "zero2"):  # reduce-scatter in backward, all-gather after the step
+        return ring / 2, ring / 2
+    if layout.strategy == "fsdp":  # per unit: all-gather forward, all-gather backward, reduce-scatter
+        units = setup.shape.layers + 1
+        per_unit = allreduce_s(setup, grads / units, layout.data, 1)
+        return 1.5 * units * per_unit, 0.0
+    # ps: the busiest server receives every worker's gradients of its slice and sends the weights back.
+    nodes, bandwidth, net_alpha, intra_alpha = _group_link(setup, layout.data, 1)
+    slice_bytes = grads / setup.ps_servers
+    return 0.0, 2 * layout.data * slice_bytes / bandwidth + ring_latency_s(layout.data, nodes, net_alpha, intra_alpha)
+
+
+def update_bytes_per_element(optimizer: str) -> int:
+    """Bytes an elementwise update reads and writes per parameter element, fp32: the parameter (read
+    and written), its gradient (read) and each state tensor (read and written)."""
+    return 4 * (3 + 2 * OPTIMIZERS[optimizer])
+
+
+def update_s(setup: Setup, layout: Layout, elements: float) -> float:
+    """Seconds of the optimizer's update on the busiest rank, which holds ``elements`` of the model."""
+    if layout.strategy in ("zero1", "zero2", "fsdp"):
+        updated = elements / layout.data  # each rank updates its slice
+    elif layout.strategy == "ps":
+        updated = elements / setup.ps_servers  # a server updates its slice; workers none
+    else:
+        updated = elements
+    return updated * update_bytes_per_element(setup.optimizer) / setup.update_bandwidth
+
+
+def estimate(setup: Setup, layout: Layout) -> Estimate:
+    """Memory and step time of one layout."""
+    held = memory(setup, layout)
+    shape, width = setup.shape, PRECISIONS[setup.precision]
+    elements = max(stage_elements(shape, layout.tensor, layout.pipeline))
+    blocks = max(sum(shape.pipeline_layers()[i].block for i in stage)
+                 for stage in stage_layers(shape, layout.pipeline))
+    replica_batch = setup.batch / layout.data
+    ideal = 6 * elements * replica_batch * shape.seq_len / setup.flops
+    m, p = layout.micro_batches, layout.pipeline
+    bubble = ideal * (p - 1) / m
+    compute = ideal + bubble
+    activation = replica_batch / m * shape.seq_len * shape.d_model * width
+    tensor_s = allreduce_s(setup, activation, layout.tensor, 1, calls=4 * blocks * m)
+    pipe_s = 0.0
+    if p > 1:
+        nodes, bandwidth, net_alpha, intra_alpha = _group_link(setup, 2, layout.tensor)  # stage -> next stage
+        pipe_s = 2 * m * (activation / bandwidth + (net_alpha if nodes > 1 else intra_alpha))
+    hideable, exposed = _gradient_comm_s(setup, layout, elements)
+    window = ideal if layout.strategy == "fsdp" else 2 / 3 * ideal  # fsdp prefetches in forward too
+    hidden = min(setup.calibration.overlap * hideable, window)
+    straggler = compute * setup.calibration.jitter * expected_max_normal(setup.workers)
+    comm = tensor_s + pipe_s + hideable + exposed
+    update = update_s(setup, layout, elements)
+    step = compute + update + straggler + comm - hidden
+    return replace(held, compute_s=ideal, bubble_s=bubble, update_s=update, comm_s=comm - hidden, step_s=step,
+                   samples_per_s=setup.batch / step)
