@@ -1,15 +1,8 @@
-"""The whole model's and optimizer's state from a model split over a mesh, and back.
-
-A full checkpoint holds what one process training alone would hold: every parameter whole, under
-the full model's state_dict names, and the optimizer's state in the plain torch format, indexed
-by the full model's parameter order. Written under any layout, it resumes under any other.
-
-Gathering: every rank allocates each tensor at full size, filled with zeros; exactly one rank
-writes each element (the first data replica; within it, the first stage that holds the tensor,
-and every tensor rank its own slice of a split tensor, or tensor rank 0 for a replicated one);
-one all-reduce sum over the world then gives every rank the whole tensor. Adding zeros is exact,
-so the result is bitwise the trained values. It holds the whole state on every rank while it
-runs: a checkpoint of a model too large for one rank needs a sharded format (not here yet).
+"""The whole model's and optimizer's state from a model split over a mesh, and back: what one process
+would hold, under the full model's names and parameter order, so that a checkpoint written under
+any layout resumes under any other. Gathering: every rank allocates each tensor whole, in zeros;
+exactly one rank writes each element; one all-reduce sum gives every rank the exact values. It holds
+the whole state on every rank while it runs.
 """
 from __future__ import annotations
 

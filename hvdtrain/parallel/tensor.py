@@ -1,23 +1,12 @@
 """Megatron-LM tensor parallelism on a Horovod process set (the mesh's tensor group).
 
-An MLP's first linear is split by output columns, its second by input rows; attention is split by
-heads (qkv column-parallel, the output projection row-parallel). Between the two halves each rank
-holds its slice of the hidden activations, so a block needs one all-reduce forward (operator g,
-after the row-parallel layer) and one backward (operator f, before the column-parallel layer):
-
-    x --f--> ColumnParallelLinear --(split activations)--> RowParallelLinear --g--> y
-
-Everything else (embeddings, LayerNorms, the tied head, the row-parallel bias) is replicated in the
-tensor group. Its gradients are identical on every tensor rank with no communication of their own:
-a replicated module sees the same inputs everywhere (g ended the block with the same sum on every
-rank) and the same output gradient everywhere (f's backward all-reduce sums the split branches'
-contributions before they reach it), so a replicated parameter needs only the data-parallel average.
-
-Every split parameter carries a ``tensor_shard`` attribute (a TensorShard) saying which slice of
-the full parameter it is; the full parameter's state_dict key is kept, so a full checkpoint is the
-places of every rank's slices. Dropout inside a tensor group needs the same random stream on every
-rank for replicated activations: the Trainer seeds a tensor group's ranks alike (its first rank's
-seed); without the Trainer, do the same or use dropout 0 with T > 1.
+An MLP's first linear is split by output columns, its second by input rows; attention by heads. A
+block then needs one all-reduce forward (g, after the row-parallel layer) and one backward (f,
+before the column-parallel layer): x --f--> ColumnParallel --> RowParallel --g--> y. Everything else
+is replicated, and its gradients agree on every tensor rank with no communication of their own.
+A split parameter carries ``tensor_shard`` (which slice of the full parameter it is) under the full
+state_dict key. Dropout on replicated activations needs one random stream per tensor group (the
+Trainer seeds a group's ranks alike).
 """
 from __future__ import annotations
 

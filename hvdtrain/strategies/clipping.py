@@ -1,17 +1,7 @@
-"""Gradient clipping by the global norm, applied to the averaged gradients (after synchronize).
-
-Replicated gradients (ddp): every rank holds the same averaged gradients, so torch's own
-clip_grad_norm_ gives every rank the same norm and the same scaled gradients.
-
-Sharded gradients (zero1, zero2, fsdp): each rank holds the averaged gradient of its slice only;
-the squares of its slices are summed, the sums all-reduced (one scalar) and the norm taken from
-the total, so every rank scales its slice by the same factor: the norm of the whole model's
-gradient, as one process would compute it (zero padding adds nothing). The squares are summed in
-float64, so the sharded sum differs from one process's only in its last bits.
-
-A model split over a mesh (tensor and pipeline parallel) is sharded too, with some gradients held
-alike by several ranks (replicated parameters, a tied weight, every data replica): one rank counts
-each, every rank scales all of its own.
+"""Clipping by the global norm, applied to the averaged gradients (after synchronize). Replicated
+gradients (ddp): torch's own arithmetic, the same on every rank. Sharded gradients (zero, fsdp, ps,
+a model split over a mesh): each rank's squared slices summed in float64 and all-reduced, each
+element counted by exactly one rank, so every rank scales its own by the factor one process would.
 """
 from __future__ import annotations
 

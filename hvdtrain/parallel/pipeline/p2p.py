@@ -1,21 +1,9 @@
-"""Point-to-point between neighbouring pipeline stages, through Horovod collectives.
-
-Horovod has no send or receive. In the 2-rank process set of two neighbouring stages, an
-``hvd.alltoall`` with int32 splits ``[0, n]`` on one side and ``[n, 0]`` on the other moves ``n``
-rows to the peer, and both ways at once when both sides send. So one call is an *exchange*: each
-side says what it sends (or nothing) and gets what the peer sent (or nothing).
-
-The receiver cannot know the shape and dtype in advance (the last micro-batch may be smaller, a
-stage may change dtype), so every tensor travels as one row of bytes led by its own header
-(``[dtype code, ndim, *shape]``, int64): one collective per exchange, any shape, any dtype, and
-an empty row for "nothing". The copy into bytes is small beside the wait for a neighbour.
-
-An exchange is a rendezvous: it returns when both sides made it. A schedule must therefore issue
-the same exchanges, in the same order, on both sides of a pair; 1F1B does that by pairing "send
-my activation" with "receive the gradient of an earlier one" in one exchange (as Megatron-LM's
-send_forward_recv_backward). Every collective is named by the step, the pair's ranks and what
-moves (``f3``: micro-batch 3's activation forward, ``b1``: micro-batch 1's gradient backward), so
-the two sides agree on the name without talking.
+"""Point-to-point between neighbouring stages through Horovod, which has no send or receive: in the
+pair's 2-rank process set an ``hvd.alltoall`` with splits ``[0, n]`` / ``[n, 0]`` is an exchange
+(each side sends what it has, or nothing, and gets the peer's). Every tensor travels as one row of
+bytes behind a header of its dtype and shape, so any shape and dtype fits one collective. An
+exchange is a rendezvous: both sides must issue the same exchanges in the same order (1F1B pairs
+"send my activation" with "receive an earlier gradient"), under names both derive alone.
 """
 from __future__ import annotations
 

@@ -1,22 +1,8 @@
-"""Pipeline parallelism: a model's layers split into contiguous stages, one per rank of a pipeline,
-run over micro-batches by the GPipe or the 1F1B schedule.
-
-    layers = pipeline_layers(model)                  # every rank: the full list, same weights
-    stage = PipelineStage(layers, mesh)              # this rank's layers (an nn.Module)
-    optimizer = torch.optim.Adam(stage.parameters())
-    optimizer.zero_grad()
-    loss = run_schedule("1f1b", stage, mesh, split_micro_batches(batch, 4), loss_fn)
-    optimizer.step()
-
-GPipe (Huang et al. 2019) runs every micro-batch forward, then every one backward: M micro-batches'
-activations held. 1F1B (PipeDream-Flush, Narayanan et al. 2021) runs P - 1 - stage forwards to
-fill the pipe, then alternates one forward and one backward, then drains: at most P held. Both
-have the bubble (P - 1) / (M + P - 1) and give the same gradients: the sum over micro-batches of
-``loss_fn(outputs, targets) / M``, i.e. the gradient of the mean loss.
-
-A parameter object found in the layers of two stages (a tied embedding: the token embedding in
-the first stage, the output layer in the last) is a copy on each of the two ranks; after the
-backward passes their gradients are summed over ``mesh.ends``, so both copies step alike.
+"""Pipeline parallelism: a model's layers cut into contiguous stages, one per rank of a pipeline, run
+over micro-batches by GPipe (every forward, then every backward: M micro-batches held) or 1F1B
+(PipeDream-Flush: at most P held). Both have the bubble (P - 1) / (M + P - 1) and the same gradient,
+that of the mean loss. A parameter in two stages (a tied embedding) is a copy on each end; their
+gradients are summed over ``mesh.ends`` so both step alike.
 """
 from __future__ import annotations
 
