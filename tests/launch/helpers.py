@@ -1,8 +1,9 @@
-"""Running launches from tests: own process group, hard timeout, root-aware environment."""
+"""Running launches from tests: own session, hard timeout, root-aware environment."""
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,15 +22,43 @@ def launch_env(extra_env=None):
     return env
 
 
+def kill_session(session, timeout=30.0):
+    """SIGKILL every process of a launch started with ``start_new_session`` (its session id is the
+    launcher's pid) and wait until none is left. Killing the launcher's process group is not enough:
+    mpirun puts each rank in a process group of its own, and a rank whose mpirun died goes on
+    training (and writing checkpoints) until it notices."""
+    deadline = time.monotonic() + timeout
+    while True:
+        members = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z" and os.getsid(int(entry.name)) == session:
+                    members.append(int(entry.name))
+            except (OSError, IndexError):  # gone meanwhile
+                continue
+        if not members:
+            return
+        assert time.monotonic() < deadline, f"processes {members} of session {session} outlived SIGKILL"
+        for pid in members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+
+
 def run(argv, timeout=LAUNCH_TIMEOUT, extra_env=None):
-    """Run a launch in its own process group, so a timeout kills every rank it started."""
+    """Run a launch in its own session, so a timeout kills every rank it started."""
     env = launch_env(extra_env)
     process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_session(process.pid)
         out, err = process.communicate()
         pytest.fail(f"{' '.join(argv)} did not finish in {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
     return process.returncode, out, err

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.helpers import BIN, PYTHON, ROOT
+from tests.launch.helpers import BIN, PYTHON, ROOT, kill_session
 
 HOST = socket.gethostname()
 TIMEOUT = 420
@@ -86,7 +86,7 @@ def test_losing_rank_0s_host_keeps_checkpoints_and_metrics_going_and_the_host_re
         process.wait(timeout=max(1, deadline - time.monotonic()))
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_session(process.pid)
             process.wait()
         reader.join(timeout=10)
     output = "".join(lines)

@@ -10,7 +10,6 @@ above any fixed float32 tolerance on some CPU; in float64 the same growth stays 
 A resume that is wrong (global batch, sample order, learning rate, optimizer state) moves the
 parameters by 1e-4 or more. So the bound, 1e-10, sits orders of magnitude from both.
 """
-import os
 import re
 import shutil
 import signal
@@ -20,7 +19,7 @@ import time
 import pytest
 import torch
 
-from tests.launch.helpers import PYTHON, ROOT, launch_env, run
+from tests.launch.helpers import PYTHON, ROOT, kill_session, launch_env, run
 
 EPOCHS, EVERY = 3, 10
 LAST_STEP = EPOCHS * 22  # 1438 digits hold 22 whole global batches of 64
@@ -55,7 +54,7 @@ def kill_when(argv, path, timeout=240):
             assert time.monotonic() < deadline, f"{path.name} did not appear in {timeout} s"
             time.sleep(0.02)
     finally:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_session(process.pid)
         process.wait()
 
 
@@ -122,7 +121,7 @@ def test_a_preemption_signal_checkpoints_at_a_step_boundary_and_the_rerun_ends_b
         out, err = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_session(process.pid)
     assert process.returncode == 0, err[-3000:]
     stopped = re.search(r"preempted at step (\d+); run again to resume", out)
     assert stopped, out[-3000:]
