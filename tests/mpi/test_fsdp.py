@@ -176,7 +176,7 @@ def test_broadcast_from_root_spreads_rank_0s_parameters_and_optimizer_state(worl
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     reference_steps(model, optimizer, data, 1, rows=8, first=world.rank)  # a different state on every rank
     root_state = collectives.broadcast_state(copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()}),
-                                      root_rank=0, name="fsdp.test.root")
+                                             root_rank=0, name="fsdp.test.root")
     strategy = FSDPStrategy(model, optimizer, world, 1, False)
     strategy.broadcast_from_root()
     state = strategy.state_dict()
@@ -246,7 +246,7 @@ def test_each_rank_holds_its_share_and_one_unit_at_a_time(world):
     held = strategy.memory_bytes()
     keys = ("parameters", "gradients", "optimizer_state")
     everywhere = collectives.allgather_rows(torch.tensor([held[k] for k in keys] + [max(seen)], dtype=torch.float64),
-                                     name="fsdp.test.memory")
+                                            name="fsdp.test.memory")
 
     # ZeRO-3's figures in fp32 with Adam: parameters 4 Psi / N, gradients 4 Psi / N, exp_avg and
     # exp_avg_sq 8 Psi / N: 16 Psi / N in all. The root unit (1% of Psi here) is freed after

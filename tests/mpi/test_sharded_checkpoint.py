@@ -145,8 +145,8 @@ def test_a_stopped_trainer_resumes_from_its_sharded_checkpoint_bitwise(world, tm
     difference = (flat_parameters(resumed.model) - flat_parameters(whole.model)).abs().max().reshape(1)
     rows = collectives.allgather_rows(difference, name=f"sharded.test.resume.{name}")
     checks = collectives.allgather_object([same_model(rebuilt["model"], gathered["model"]),
-                                    state_difference(rebuilt["optimizer"], gathered["optimizer"])],
-                                   name=f"sharded.test.consolidated.{name}")
+                                          state_difference(rebuilt["optimizer"], gathered["optimizer"])],
+                                         name=f"sharded.test.consolidated.{name}")
 
     manifest = json.loads((newest / sharded.MANIFEST).read_text())
     assert sorted(p.name for p in newest.iterdir()) == \

@@ -65,7 +65,7 @@ def test_tensor_and_data_groups_match_one_process_with_the_whole_batch(world, te
             # The claim of the tensor module's docstring: replicated gradients (LayerNorms, embeddings,
             # the tied head, row biases) equal on every rank of a tensor group, before any communication.
             rows_of_world = collectives.allgather_rows(torch.cat([p.grad.reshape(-1) for _, p in replicated]),
-                                                name=f"tp.test.replicated.{step}")
+                                                       name=f"tp.test.replicated.{step}")
             mine = rows_of_world[world.rank]
             replica_spread.append(max((rows_of_world[r] - mine).abs().max() for r in mesh.tensor.ranks))
             # Data parallelism by hand: average the loss and every gradient over the data group.

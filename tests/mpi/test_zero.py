@@ -281,7 +281,7 @@ def test_each_rank_holds_its_share_of_the_state(world, stage):
     held = strategy.memory_bytes()
     keys = ("parameters", "gradients", "optimizer_state")
     everywhere = collectives.allgather_rows(torch.tensor([held[k] for k in keys], dtype=torch.float64),
-                                     name="zero.test.memory")
+                                            name="zero.test.memory")
 
     # ZeRO's figures in fp32 with Adam: parameters 4 Psi; exp_avg and exp_avg_sq 8 Psi / N; gradients
     # 4 Psi (stage 1) or 4 Psi / N (stage 2). The rest is padding (under N elements a bucket) and
