@@ -144,10 +144,10 @@ def test_pipeline_trains_below_the_data_parallel_bound(tmp_path):
     final_bpc(out)
 
 
-# Each rank waits a few seconds after its error before it exits: mpirun kills the other ranks as
-# soon as one exits non-zero, and a rank a moment behind would die before it could print. A rank
-# that hangs instead is killed without its message, and the test fails.
-EACH_RANK_THEN_EXIT = 'python "$@"; code=$?; sleep 5; exit $code'
+# Each rank writes its exit code and ends with 0: mpirun kills the other ranks as soon as one exits
+# non-zero, and a rank a moment behind would die before it could print its error. A rank that hangs
+# instead makes the launch time out, and the test fails.
+EACH_RANK_WRITES_ITS_EXIT = 'python "$@"; echo $? > "$EXITS/$OMPI_COMM_WORLD_RANK"'
 
 BAD_INPUT = {
     "mesh does not divide the world": (
@@ -171,10 +171,15 @@ BAD_INPUT = {
 @pytest.mark.parametrize("case", sorted(BAD_INPUT))
 def test_a_layout_that_cannot_run_stops_every_rank_before_training(case, tmp_path):
     ranks, layout, message = BAD_INPUT[case]
-    argv = ["mpirun", "-np", str(ranks), "--oversubscribe", "sh", "-c", EACH_RANK_THEN_EXIT, "sh",
-            "train_lm.py", "--config", "configs/textlm.yaml", *SMALL, *layout, "--train.max_steps=3",
-            f"--train.run_dir={tmp_path}"]
+    exits = tmp_path / "exits"
+    exits.mkdir()
+    argv = ["mpirun", "-np", str(ranks), "--oversubscribe", "-x", f"EXITS={exits}", "sh", "-c",
+            EACH_RANK_WRITES_ITS_EXIT, "sh", "train_lm.py", "--config", "configs/textlm.yaml", *SMALL, *layout,
+            "--train.max_steps=3", f"--train.run_dir={tmp_path}"]
     code, out, err = run(argv, timeout=120)  # a hang fails here
-    assert code != 0, out[-3000:]
+    assert code == 0, f"a rank ended without writing its exit code:\n{err[-3000:]}"
+    rank_exits = {path.name: int(path.read_text()) for path in exits.iterdir()}
+    assert sorted(rank_exits) == [str(rank) for rank in range(ranks)], rank_exits
+    assert all(exit_code != 0 for exit_code in rank_exits.values()), rank_exits
     assert err.count(message) == ranks, f"expected the error once per rank ({ranks}):\n{err[-3000:]}"
     assert not re.search(r"step \d+/\d+|train_loss", out), f"training started:\n{out[-3000:]}"
