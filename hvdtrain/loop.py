@@ -183,8 +183,8 @@ class TrainingLoop:
                         lockstep=strategy.collective_forward, counts_samples=strategy.counts_samples)
 
     def save_checkpoint(self) -> None:
-        self.checkpoints.save()
-        self.faults.beat(self.position.step)  # a large checkpoint may take longer than a step
+        with self.faults.checkpoint_io():
+            self.checkpoints.save()
 
     def stop_for_preemption(self) -> None:
         """Every rank agreed to stop: checkpoint now, requeue the job (rank 0), and return from fit."""

@@ -90,44 +90,48 @@ class Trainer:
         if self.topology.mesh is not None:  # every rank, so that a group's first rank starts its stream anew too
             rng.seed_everything(rng.rank_seed(cfg.seed, self.topology.rng_rank))
 
-        # Read before the loaders are built: a run resumed on another worker count keeps the
-        # checkpoint's global batch, so its batch per worker follows from it.
-        protocol = Checkpointing(cfg, self.topology) if cfg.checkpoint_dir else None
-        resumed = protocol.read_newest(broadcast=not self.elastic_launch) if protocol and cfg.resume else None
-        batch_size = protocol.batch_per_worker(resumed, self.elastic_launch) if protocol else cfg.batch_size
-        if self.topology.mesh is not None and batch_size % cfg.micro_batches:
-            raise ValueError(f"each worker's batch of {batch_size} (from the checkpoint's global batch) cannot be "
-                             f"cut into train.micro_batches={cfg.micro_batches}: choose a divisor of {batch_size}")
-        self.batching = Batching(cfg, self.topology.data_world, batch_size, train_dataset, val_dataset)
-
-        # 4. The strategy wraps the optimizer: for ddp, Horovod's hooks start each gradient's
-        #    all-reduce as soon as backward produces it (overlap, tensor fusion).
-        with oom.explained(lambda error: self._explain_out_of_memory(error, "set-up (sharding the model and "
-                                                                            "optimizer)", optimizer, held={})):
-            self.strategy = build_strategy(cfg, self.model, optimizer, world, mesh=self.topology.mesh,
-                                           plan=model_plan, loss_fn=loss_fn)
-        if cfg.compile:  # the forward only, in place: hooks, state_dict keys, checkpoints unchanged
-            compile_forward(self.model, world.device)
-        self.position = Position()
-        self.lr = LearningRate(cfg, self.strategy.optimizer)
-        self.restart_schedule()
-        # 1. Rank 0's parameters and optimizer state, everywhere, before the first step.
-        if not self.elastic_launch:
-            self.strategy.broadcast_from_root()
-
-        self.topology.follow(lambda topology: self.strategy.follow_world(topology.world))
+        # The stall watchdog guards the set-up's collectives too (a rank stuck in one ends the job).
         self.faults = FaultHandling(cfg, self.topology)
-        self.reporter = Reporter(cfg, self.topology, self.job_config, self.strategy, self.elastic_launch)
-        self.reporter.announce(f"{self.batching.describe()}; {self.lr.describe()}; strategy {cfg.strategy}; "
-                               f"reduction {cfg.reduction}")
-        self.checkpoints = CheckpointManager(cfg, self.topology, protocol, self.strategy, self.position, self.lr,
-                                             self.precision, self.batching, self.job_config)
-        if resumed is not None:
-            self.checkpoints.load(resumed)
-        self.reporter.open_timeline(self.position.step)
-        self.loop = TrainingLoop(cfg, self.topology, self.model, self.strategy, self.step_fn, self.precision,
-                                 self.batching, self.lr, self.position, self.reporter,
-                                 self.checkpoints if protocol is not None else None, self.faults)
+        with self.faults.guarding_setup():
+            # Read before the loaders are built: a run resumed on another worker count keeps the
+            # checkpoint's global batch, so its batch per worker follows from it.
+            protocol = Checkpointing(cfg, self.topology, self.job_config) if cfg.checkpoint_dir else None
+            with self.faults.checkpoint_io():
+                resumed = protocol.start(broadcast=not self.elastic_launch) if protocol else None
+            batch_size = protocol.batch_per_worker(resumed, self.elastic_launch) if protocol else cfg.batch_size
+            if self.topology.mesh is not None and batch_size % cfg.micro_batches:
+                raise ValueError(f"each worker's batch of {batch_size} (from the checkpoint's global batch) cannot be "
+                                 f"cut into train.micro_batches={cfg.micro_batches}: choose a divisor of {batch_size}")
+            self.batching = Batching(cfg, self.topology.data_world, batch_size, train_dataset, val_dataset)
+
+            # 4. The strategy wraps the optimizer: for ddp, Horovod's hooks start each gradient's
+            #    all-reduce as soon as backward produces it (overlap, tensor fusion).
+            with oom.explained(lambda error: self._explain_out_of_memory(error, "set-up (sharding the model and "
+                                                                                "optimizer)", optimizer, held={})):
+                self.strategy = build_strategy(cfg, self.model, optimizer, world, mesh=self.topology.mesh,
+                                               plan=model_plan, loss_fn=loss_fn)
+            if cfg.compile:  # the forward only, in place: hooks, state_dict keys, checkpoints unchanged
+                compile_forward(self.model, world.device)
+            self.position = Position()
+            self.lr = LearningRate(cfg, self.strategy.optimizer)
+            self.restart_schedule()
+            # 1. Rank 0's parameters and optimizer state, everywhere, before the first step.
+            if not self.elastic_launch:
+                self.strategy.broadcast_from_root()
+
+            self.topology.follow(lambda topology: self.strategy.follow_world(topology.world))
+            self.reporter = Reporter(cfg, self.topology, self.job_config, self.strategy, self.elastic_launch)
+            self.reporter.announce(f"{self.batching.describe()}; {self.lr.describe()}; strategy {cfg.strategy}; "
+                                   f"reduction {cfg.reduction}")
+            self.checkpoints = CheckpointManager(cfg, self.topology, protocol, self.strategy, self.position, self.lr,
+                                                 self.precision, self.batching, self.job_config)
+            if resumed is not None:
+                with self.faults.checkpoint_io():
+                    self.checkpoints.load(resumed)
+            self.reporter.open_timeline(self.position.step)
+            self.loop = TrainingLoop(cfg, self.topology, self.model, self.strategy, self.step_fn, self.precision,
+                                     self.batching, self.lr, self.position, self.reporter,
+                                     self.checkpoints if protocol is not None else None, self.faults)
 
     def _refuse_what_cannot_run(self, world: World, step_fn: Optional[StepFn]) -> None:
         """What this launch cannot do, refused on every rank alike before any collective, instead of
@@ -230,7 +234,8 @@ class Trainer:
         try:
             with oom.explained(explain):
                 if self.elastic_launch:
-                    state = elastic.ElasticState(self.model, self.optimizer, self.position, on_reset=self.follow_world,
+                    state = elastic.ElasticState(self.model, self.optimizer, self.position, self.precision,
+                                                 on_reset=self.follow_world,
                                                  on_sync=[self.restart_schedule, self.reporter.agree_run_directory])
                     loop.commit = state.commit
                     elastic.run(state, lambda: loop.run(history, until_step))
@@ -282,8 +287,11 @@ class Trainer:
         return self.loop.evaluate()
 
     def close(self) -> None:
-        """Close the run directory's files (the metrics, TensorBoard and log files)."""
+        """Close the run directory's files (the metrics, TensorBoard and log files) and let the
+        checkpoint directory go (another run may own it; a later fit() claims it again)."""
         self.reporter.close()
+        if self.checkpoints.protocol is not None:
+            self.checkpoints.protocol.close()
 
     def close_mesh(self) -> None:
         """Remove the model-parallel mesh's Horovod process sets (a collective: every rank calls it).

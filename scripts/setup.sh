@@ -67,6 +67,12 @@ install_torch() {
   fi
   local cuda
   read -r TORCH_VERSION cuda < <("$PY" -W ignore -c 'import torch; print(torch.__version__, torch.version.cuda or "none")')
+  # Checkpoints are read with torch.load(weights_only=True), which runs no pickled code only from 2.6 on.
+  if ! "$PY" -W ignore -c 'import sys, torch; sys.exit(tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 6))'; then
+    die "torch $TORCH_VERSION is installed, hvdtrain needs torch >= 2.6: older torch.load(weights_only=True)" \
+        "can run code hidden in a checkpoint (CVE-2025-32434). Upgrade it (pip install 'torch>=2.6'), or set" \
+        "up with a Python without it (PYTHON=/path/to/python make setup)"
+  fi
   # NCCL support needs a CUDA build of torch and the CUDA toolkit, not a visible GPU: a login
   # node without GPUs builds the same wheel as the compute nodes.
   HAS_CUDA=0

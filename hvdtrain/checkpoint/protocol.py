@@ -1,20 +1,25 @@
 """Checkpoints across ranks: who reads and writes, and every rank reaching the same outcome.
 
-Full format: rank 0 reads and writes, every rank receives by broadcast. Sharded format: every rank
-writes and reads its own file, and every rank decides from the same data (the manifest rank 0 read
-and broadcast, or every rank's outcome, all-gathered): all succeed, or all raise the same error.
-Files themselves are store.py's and sharded_format.py's.
+Rank 0 owns the directory for the run (hvdtrain.checkpoint.ownership), reads the newest valid
+checkpoint and checks it belongs to this run (hvdtrain.checkpoint.compatibility). Full format:
+rank 0 writes, every rank receives by broadcast. Sharded format: every rank writes and reads its
+own file. Either way every rank decides from the same data (rank 0's outcome, broadcast, or every
+rank's, all-gathered): all succeed, or all raise the same error. Files themselves are store.py's
+and sharded_format.py's.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from hvdtrain.distributed import collectives
 from hvdtrain.checkpoint import sharded_format as sharded
 from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.checkpoint.compatibility import check_settings
+from hvdtrain.checkpoint.ownership import Ownership
 from hvdtrain.checkpoint.run_state import RunState
 from hvdtrain.checkpoint.store import CheckpointStore
+from hvdtrain.common.units import format_bytes
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies.base import Strategy
@@ -24,27 +29,66 @@ class Checkpointing:
     """The checkpoints of one run, as seen by every rank of it (the world read from ``topology``
     at each call: under Horovod elastic, whichever rank is 0 now writes)."""
 
-    def __init__(self, config: TrainConfig, topology: Topology) -> None:
-        self.config, self.topology = config, topology
+    def __init__(self, config: TrainConfig, topology: Topology, job_config: Mapping[str, Any]) -> None:
+        self.config, self.topology, self.job_config = config, topology, job_config
         self.store = CheckpointStore(config.checkpoint_dir, keep=config.keep_checkpoints, log=topology.log)
+        self.ownership: Optional[Ownership] = None
 
-    def read_newest(self, broadcast: bool) -> Optional[Dict[str, Any]]:
-        """Rank 0 reads the newest valid checkpoint; every rank receives it by broadcast.
+    def start(self, broadcast: bool) -> Optional[Dict[str, Any]]:
+        """Rank 0 claims the directory for this run, removes what killed saves left, and reads the
+        newest valid checkpoint (train.resume), which every rank receives by broadcast. A refusal (a
+        live owner, a checkpoint of other settings, resume=false over checkpoints) is raised on
+        every rank.
 
         Without ``broadcast`` (Horovod elastic set-up, which must run no collective) only rank 0
-        holds it; the elastic sync gives the others rank 0's state instead.
+        holds the checkpoint, or raises; the elastic sync gives the others rank 0's state instead.
         """
-        found = None
-        if self.topology.is_root:
-            newest = self.store.read_newest_valid()
-            if newest is not None:
-                path, found = newest
-                self.topology.log.info(f"resuming from {path}")
+        outcome = self._attempt(self._open) if self.topology.is_root else None
         if broadcast:
-            found = collectives.broadcast_state(found, root_rank=0, name="checkpoint")
-        if found is not None and sharded.is_sharded(found):  # before any set-up follows from it
-            sharded.check_compatible(found, self.config.strategy, self.topology.world.size)
+            outcome = collectives.broadcast_state(outcome, root_rank=0, name="checkpoint")
+        try:
+            if isinstance(outcome, str):
+                raise CheckpointError(outcome)
+            if outcome is not None:  # every rank alike, before any set-up follows from it
+                check_settings(outcome, self.job_config, force=self.config.resume == "force", log=self.topology.log)
+                if sharded.is_sharded(outcome):
+                    sharded.check_compatible(outcome, self.config.strategy, self.topology.world.size)
+        except (CheckpointError, ValueError):
+            self.close()  # refused: the directory stays its previous owner's to resume
+            raise
+        return outcome
+
+    def _open(self) -> Optional[Dict[str, Any]]:
+        self._own()
+        log = self.topology.log
+        freed = self.store.remove_leftovers()
+        if freed:
+            log.info(f"removed {format_bytes(freed)} that killed saves left in {self.store.directory}")
+        if self.config.resume == "false":
+            existing = self.store.steps()
+            if existing:
+                raise CheckpointError(
+                    f"checkpoint_dir {self.store.directory} holds checkpoints already (newest: {existing[0][1].name}) "
+                    f"and train.resume=false: this run's checkpoints would be mixed with them. Give this run another "
+                    f"checkpoint_dir, move those away, or continue them with train.resume=true")
+            return None
+        newest = self.store.read_newest_valid()
+        if newest is None:
+            return None
+        path, found = newest
+        log.info(f"resuming from {path}")
         return found
+
+    def _own(self) -> None:
+        """This process owns the directory (under Horovod elastic, whichever rank is 0 now)."""
+        if self.ownership is None:
+            self.ownership = Ownership.claim(self.store.directory, self.topology.log)
+
+    def close(self) -> None:
+        """Let the directory go (the run is over in this process)."""
+        if self.ownership is not None:
+            self.ownership.release()
+            self.ownership = None
 
     def batch_per_worker(self, resumed: Optional[Dict[str, Any]], elastic: bool) -> int:
         """A run resumed on another worker count keeps the checkpoint's global batch, so each
@@ -70,11 +114,13 @@ class Checkpointing:
         return per_worker
 
     def save(self, state: Dict[str, Any], step: int) -> None:
-        """Rank 0 writes; the others wait at the barrier, so no rank runs ahead of a save."""
-        if self.topology.is_root:
+        """Rank 0 writes; the others wait for its outcome, so no rank runs ahead of a save, and a
+        failed save (a full disk, a permission) is raised on every rank."""
+        def write() -> None:
+            self._own()
             path = self.store.save(state, step)
             self.topology.log.info(f"checkpoint {path}")
-        collectives.barrier()
+        self._agree(self._attempt(write) if self.topology.is_root else None, "checkpoint.save")
 
     def save_sharded(self, shard: Dict[str, Any], run_state: Dict[str, Any], step: int) -> None:
         """Every rank writes its own ``shard``; rank 0 then publishes the directory with the
@@ -83,7 +129,10 @@ class Checkpointing:
         directory, rank, size = Path(self.store.directory), world.rank, world.size
         temporary = sharded.temporary_directory(directory, step)
         # Rank 0 empties the temporary directory before anyone writes into it.
-        self._agree(self._attempt(lambda: sharded.prepare(temporary)) if world.is_root else None,
+        def prepare() -> None:
+            self._own()
+            sharded.prepare(temporary)
+        self._agree(self._attempt(prepare) if world.is_root else None,
                     "checkpoint.sharded.prepare")
         written = self._attempt(lambda: sharded.write_shard(temporary, rank, size, shard))
         records = collectives.allgather_object(written, name="checkpoint.sharded.files")
@@ -94,7 +143,7 @@ class Checkpointing:
         if world.is_root:
             def publish() -> None:
                 path = sharded.publish(directory, step, self.config.strategy, records, run_state)
-                self.store.point_latest_at(path)
+                self.store.point_latest_at(path, step)
                 self.topology.log.info(f"checkpoint {path} ({size} shards, {sum(r['bytes'] for r in records)} bytes)")
             published = self._attempt(publish)
         self._agree(published, "checkpoint.sharded.publish")
@@ -125,8 +174,9 @@ class Checkpointing:
             return f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
         return result
 
-    def _agree(self, message: Optional[str], name: str) -> None:
-        """Rank 0's outcome on every rank: its error raised everywhere."""
+    def _agree(self, outcome: Any, name: str) -> None:
+        """Rank 0's outcome on every rank: its error (a message) raised everywhere."""
+        message = outcome if isinstance(outcome, str) else None
         message = collectives.broadcast_object(message, root_rank=0, name=name)
         if isinstance(message, str):
             raise CheckpointError(message)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -22,6 +23,8 @@ from hvdtrain.common.atomic import write_atomically
 
 LATEST = "latest"
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
+# hvdtrain.common.atomic's temporary file of a save (or of `latest`) that was killed before its rename.
+_UNFINISHED = re.compile(r"^\.(ckpt-\d{9}\.pt|latest)\.tmp-\d+$")
 REQUIRED_KEYS = ("format", "model", "optimizer") + RunState.FULL
 __all__ = ["FORMAT_VERSION", "CheckpointError", "CheckpointStore", "checkpoint_name"]
 
@@ -46,13 +49,13 @@ class CheckpointStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / checkpoint_name(step)
         write_atomically(path, lambda handle: torch.save(state, handle))
-        self.point_latest_at(path)
+        self.point_latest_at(path, step)
         return path
 
-    def point_latest_at(self, path: Path) -> None:
-        """``latest`` names the checkpoint just written (a file or a directory); the oldest go."""
+    def point_latest_at(self, path: Path, step: int) -> None:
+        """``latest`` names the checkpoint of ``step`` just written (a file or a directory); older ones go."""
         write_atomically(self.directory / LATEST, lambda handle: handle.write(path.name.encode() + b"\n"))
-        self._prune()
+        self._prune(step)
 
     def steps(self) -> List[Tuple[int, Path]]:
         """Checkpoints of both kinds, newest first, a full one before a sharded one of the same step
@@ -66,18 +69,32 @@ class CheckpointStore:
                 found.append((int(match.group(1)), path.is_file(), path))
         return [(step, path) for step, _, path in sorted(found, reverse=True)]
 
-    def _prune(self) -> None:
-        """Keep the checkpoints of the newest ``keep`` steps, of either kind (a consolidated file
-        stays with the directory it came from); remove what interrupted saves left."""
-        kept = sorted({step for step, _ in self.steps()}, reverse=True)[:self.keep]
+    def _prune(self, written: int) -> None:
+        """Keep the newest ``keep`` steps up to the one just ``written`` (itself always), of either kind
+        (a consolidated file stays with the directory it came from). A newer checkpoint than the one
+        written is not this run's to delete (an unreadable one it fell back from): it stays."""
+        kept = sorted({step for step, _ in self.steps() if step <= written} | {written}, reverse=True)[:self.keep]
         for step, path in self.steps():
-            if step in kept:
+            if step > written or step in kept:
                 continue
             if path.is_dir():
                 sharded.remove(path)
             else:
                 path.unlink(missing_ok=True)
         sharded.remove_leftovers(self.directory)
+
+    def remove_leftovers(self) -> int:
+        """Delete what killed saves left (temporary files and directories, never read as checkpoints;
+        each can be a whole checkpoint's size); the bytes freed. Only while no save runs: at start."""
+        freed = 0
+        for path in self.directory.iterdir():
+            if _UNFINISHED.match(path.name) and path.is_file():
+                freed += path.stat().st_size
+                path.unlink(missing_ok=True)
+            elif sharded.LEFTOVER.match(path.name) and path.is_dir():
+                freed += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+                shutil.rmtree(path, ignore_errors=True)
+        return freed
 
     def latest_pointer(self) -> Optional[str]:
         try:

@@ -67,7 +67,9 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
         return value
     if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if base is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+    if base is str and isinstance(value, bool):  # YAML's true/false for a setting of words (train.resume)
+        return "true" if value else "false"
+    if base is str and isinstance(value, (str, int, float)):
         return str(value)
     raise ConfigError(f"{where}: expected {_type_name(hint)}, got {value!r}")
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -16,6 +17,7 @@ CHECKPOINT_FORMATS = ("full", "sharded")
 PRECISIONS = ("fp32", "bf16", "fp16")
 REDUCTIONS = ("average", "adasum")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+RESUME_MODES = ("true", "false", "force")
 
 
 @dataclass
@@ -53,7 +55,7 @@ class TrainConfig:
     checkpoint_every: int = field(default=0, metadata={"help": "steps between checkpoints (0: at the end of each epoch only)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "checkpoints kept; older ones are deleted"})
     checkpoint_format: str = field(default="full", metadata={"help": "full: rank 0 gathers and writes the whole model and optimizer state in one file, which resumes under any strategy and worker count; sharded (zero1, zero2, fsdp): every rank writes its own slices, nothing is gathered, and it resumes on the same worker count and strategy (hvdtrain checkpoint consolidate makes it a full one); see README, Checkpoints", "choices": CHECKPOINT_FORMATS})
-    resume: bool = field(default=True, metadata={"help": "continue from the newest valid checkpoint in checkpoint_dir"})
+    resume: str = field(default="true", metadata={"help": "true: continue from the newest valid checkpoint in checkpoint_dir, refused when it was written with settings that define another run (the model, the data, and train's batch_size, lr, scale_lr, warmup_epochs, reduction, precision, max_grad_norm, sync_batchnorm, seed); force: continue it all the same, with this run's settings; false: start anew, refused when checkpoint_dir already holds checkpoints; see README, Checkpoints", "choices": RESUME_MODES})
     preempt_signal: str = field(default="USR1", metadata={"help": "signal that asks for checkpoint + requeue ('' disables)"})
     stall_timeout: float = field(default=600.0, metadata={"help": "seconds without a finished step before a rank ends the job, naming where it is stuck (0: never)"})
     elastic_commit_every: int = field(default=10, metadata={"help": "steps between in-memory commits under Horovod elastic (what a worker loss rolls back to)"})
@@ -64,16 +66,30 @@ class TrainConfig:
     tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard event files into the run directory"})
     timeline_steps: int = field(default=0, metadata={"help": "record the Horovod timeline for this many steps, after 5 warm-up steps, into the run directory (0: off)"})
 
+    # The settings a resumed run must share with its checkpoint (beside every other section of the
+    # job: the model, the data): changed, the run would continue another run's training. The rest
+    # (length, strategy and layout, checkpointing, reporting) may change between a run and its resume.
+    DEFINES_THE_RUN = ("batch_size", "lr", "scale_lr", "warmup_epochs", "reduction", "precision",
+                       "max_grad_norm", "sync_batchnorm", "seed")
+
     def __post_init__(self) -> None:
+        if isinstance(self.resume, bool):  # TrainConfig(resume=False) from Python
+            self.resume = "true" if self.resume else "false"
+        if self.resume not in RESUME_MODES:
+            raise ValueError(f"TrainConfig.resume must be one of {', '.join(RESUME_MODES)}, got {self.resume!r}")
+        for name in ("checkpoint_dir", "run_dir"):
+            if getattr(self, name) == "":
+                raise ValueError(f"TrainConfig.{name} must be a directory, or null for none, got ''")
         check_whole_numbers(self, ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints",
                                    "preempt_check_every", "elastic_commit_every"))
         check_whole_numbers(self, ("num_workers", "checkpoint_every", "timeline_steps"), minimum=0)
-        if not self.lr > 0:
-            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr!r}")
-        if self.stall_timeout < 0:
-            raise ValueError(f"TrainConfig.stall_timeout must be >= 0, got {self.stall_timeout!r}")
-        if self.warmup_epochs < 0:
-            raise ValueError(f"TrainConfig.warmup_epochs must be >= 0, got {self.warmup_epochs!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"TrainConfig.lr must be a finite number > 0, got {self.lr!r}")
+        if not (math.isfinite(self.stall_timeout) and self.stall_timeout >= 0):
+            raise ValueError(f"TrainConfig.stall_timeout must be a finite number of seconds >= 0 (0: no watchdog), "
+                             f"got {self.stall_timeout!r}")
+        if not (math.isfinite(self.warmup_epochs) and self.warmup_epochs >= 0):
+            raise ValueError(f"TrainConfig.warmup_epochs must be a finite number >= 0, got {self.warmup_epochs!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps!r}")
         if self.strategy not in STRATEGIES:
@@ -91,7 +107,7 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.reduction must be one of {', '.join(REDUCTIONS)}, got {self.reduction!r}")
         if self.reduction == "adasum":
             self._check_adasum()
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ValueError(f"TrainConfig.max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm!r}")
         check_whole_numbers(self, ("tensor_parallel", "pipeline_parallel", "micro_batches"))
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:

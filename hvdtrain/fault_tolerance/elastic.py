@@ -19,6 +19,7 @@ from horovod.common.elastic import State
 
 from hvdtrain.distributed import collectives
 from hvdtrain.training.position import Position
+from hvdtrain.training.precision import Precision
 
 
 def is_elastic_launch(environ: Mapping[str, str] = os.environ) -> bool:
@@ -26,7 +27,8 @@ def is_elastic_launch(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 class ElasticState(State):
-    """The model, the optimizer and the position, committed in memory and synced from rank 0.
+    """The model, the optimizer, the position and fp16's loss scale, committed in memory and synced
+    from rank 0 (a joining worker with its own scale would skip other steps than the rest).
 
     Not Horovod's TorchState: its optimizer sync initialises an empty optimizer state with a
     zero-gradient step (which moves parameters under weight decay); hvdtrain's broadcast does not.
@@ -35,9 +37,9 @@ class ElasticState(State):
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, position: Position,
-                 on_reset: Callable[[], None], on_sync: Sequence[Callable[[], None]]) -> None:
+                 precision: Precision, on_reset: Callable[[], None], on_sync: Sequence[Callable[[], None]]) -> None:
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
-        self.model, self.optimizer, self.position = model, optimizer, position
+        self.model, self.optimizer, self.position, self.precision = model, optimizer, position, precision
         self.on_sync = list(on_sync)
         self.register_reset_callbacks([on_reset])
         self.save()
@@ -47,17 +49,21 @@ class ElasticState(State):
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "position": self.position.as_dict(),
+            "precision": self.precision.state_dict(),
         })
 
     def restore(self) -> None:
         self.model.load_state_dict(self._saved["model"])
         self.optimizer.load_state_dict(self._saved["optimizer"])
         self.position.update(**self._saved["position"])
+        self.precision.load_state_dict(self._saved["precision"])
 
     def sync(self) -> None:
         collectives.broadcast_model_and_optimizer(self.model, self.optimizer, root_rank=0)
         counters: Dict[str, int] = collectives.broadcast_state(self.position.as_dict(), root_rank=0, name="elastic.position")
         self.position.update(**counters)
+        self.precision.load_state_dict(collectives.broadcast_object(self.precision.state_dict(), root_rank=0,
+                                                                    name="elastic.precision"))
         for callback in self.on_sync:
             callback()
         # A rollback after this point returns to the synced state, not to this worker's own start.

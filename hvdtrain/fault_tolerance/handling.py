@@ -8,7 +8,8 @@ the third kind, is hvdtrain.fault_tolerance.elastic.)
 from __future__ import annotations
 
 import os
-from typing import Callable, List, Optional
+from contextlib import contextmanager, nullcontext
+from typing import Callable, ContextManager, Iterator, List, Optional
 
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.fault_tolerance.preemption import PreemptionFlag, requeue, requeue_command
@@ -29,14 +30,31 @@ class FaultHandling:
         if self.watchdog is not None:
             self.watchdog.rank = topology.world.rank
 
-    def start_watchdog(self, pending: Callable[[], List[str]]) -> None:
+    def start_watchdog(self, pending: Optional[Callable[[], List[str]]], phase: str = "training") -> None:
         if self.config.stall_timeout:
             world = self.topology.world
-            self.watchdog = StallWatchdog(self.config.stall_timeout, world.rank, world.hostname, pending).start()
+            self.watchdog = StallWatchdog(self.config.stall_timeout, world.rank, world.hostname, pending,
+                                          phase=phase).start()
 
     def stop_watchdog(self) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
+            self.watchdog = None
+
+    @contextmanager
+    def guarding_setup(self) -> Iterator[None]:
+        """The watchdog over the Trainer's set-up: a rank stuck in one of its collectives ends the job
+        too. Stopped after, so that the caller's own code between set-up and fit() is never timed."""
+        self.start_watchdog(None, phase="set-up")
+        try:
+            yield
+        finally:
+            self.stop_watchdog()
+
+    def checkpoint_io(self) -> ContextManager[None]:
+        """Writing or reading a large checkpoint is slow, not stuck: the watchdog is paused while every
+        rank saves or resumes."""
+        return self.watchdog.paused() if self.watchdog is not None else nullcontext()
 
     def beat(self, step: int) -> None:
         if self.watchdog is not None:

@@ -4,7 +4,9 @@ Horovod alone turns a rank that stops calling collectives into a silent hang (it
 does not fire under Gloo, nor for a frozen rank under MPI). Every rank runs this watchdog: the
 training loop beats after each step; when no beat comes for ``timeout`` seconds, the watchdog
 names the rank, host and last step, and the all-reduces this rank waits in, then ends the
-process, and the launcher ends the job. The rank that stopped is the one waiting in none.
+process, and the launcher ends the job. The rank that stopped is the one waiting in none. It also
+guards the Trainer's set-up (its collectives), and it is paused while a checkpoint is written:
+a large save is slow, not stuck.
 """
 from __future__ import annotations
 
@@ -12,21 +14,24 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, List
+from contextlib import contextmanager
+from typing import Callable, Iterator, List, Optional
 
 
 STALL_EXIT_CODE = 75
 
 
 class StallWatchdog:
-    def __init__(self, timeout: float, rank: int, host: str, pending: Callable[[], List[str]],
-                 exit_process: Callable[[int], None] = os._exit) -> None:
+    def __init__(self, timeout: float, rank: int, host: str, pending: Optional[Callable[[], List[str]]],
+                 exit_process: Callable[[int], None] = os._exit, phase: str = "training") -> None:
         self.timeout = timeout
         self.rank, self.host = rank, host
-        self._pending = pending
+        self._pending = pending  # None: the collectives in flight are not known (set-up)
         self._exit = exit_process
+        self.phase = phase
         self._last_beat = time.monotonic()
         self._step = 0
+        self._paused = False
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hvdtrain-watchdog", daemon=True)
 
@@ -43,14 +48,29 @@ class StallWatchdog:
     def stop(self) -> None:
         self._stopped.set()
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No stall is counted inside (every rank pauses alike: a checkpoint save); the clock
+        restarts when it ends."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self.beat(self._step)
+            self._paused = False
+
     def report(self, silent_for: float) -> str:
-        waiting = self._pending()
-        where = (f"waiting in the all-reduce of {', '.join(waiting[:10])}"
-                 + (f" and {len(waiting) - 10} more" if len(waiting) > 10 else "")
-                 if waiting else
-                 "not waiting in any collective: THIS rank stopped calling them (stuck in data loading, "
-                 "in user code, or in I/O)")
-        return (f"[hvdtrain] STALL rank {self.rank} on {self.host}: no step finished for "
+        if self._pending is None:
+            where = "in the Trainer's set-up (its broadcasts, the mesh, reading the checkpoint)"
+        else:
+            waiting = self._pending()
+            where = (f"waiting in the all-reduce of {', '.join(waiting[:10])}"
+                     + (f" and {len(waiting) - 10} more" if len(waiting) > 10 else "")
+                     if waiting else
+                     "not waiting in any collective: THIS rank stopped calling them (stuck in data loading, "
+                     "in user code, or in I/O)")
+        finished = "nothing finished" if self.phase == "set-up" else "no step finished"
+        return (f"[hvdtrain] STALL rank {self.rank} on {self.host}: {finished} for "
                 f"{silent_for:.0f} s after step {self._step}; {where}. Ending the job "
                 f"(stall_timeout={self.timeout:g} s).")
 
@@ -58,7 +78,7 @@ class StallWatchdog:
         interval = max(0.1, min(5.0, self.timeout / 5))
         while not self._stopped.wait(interval):
             silent_for = time.monotonic() - self._last_beat
-            if silent_for > self.timeout:
+            if silent_for > self.timeout and not self._paused:
                 print(self.report(silent_for), file=sys.stderr, flush=True)
                 # The other ranks' watchdogs fire within one interval: let them report too before
                 # this exit makes the launcher kill them.

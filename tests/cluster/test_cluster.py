@@ -109,31 +109,6 @@ def assert_placed_and_logged(output, script, run_dir, context):
         assert f" rank {rank}@{host} INFO " in (run_dir / "logs" / f"rank-{rank}.log").read_text(), context
 
 
-# slurm/train.sbatch and train-mpirun.sbatch run on two nodes in the preemption test below, which
-# checks the same (and more): one run of each script serves both.
-@pytest.mark.parametrize("script", ["slurm/train-horovodrun.sbatch"])
-def test_sbatch_script_on_two_nodes(cluster, script):
-    jobs = cluster.state / f"jobs-{Path(script).stem}"
-    jobs.mkdir()
-    log = jobs / "train-%j.out"
-    # HVDTRAIN_NIC: the horovodrun script's interface common to both hosts.
-    env = cluster.env(VENV=sys.prefix, HVDTRAIN_NIC="eth0")
-    result = cluster.run_on(cluster.head, [
-        "sbatch", "--wait", "--nodes=2", "--ntasks-per-node=2", "--time=00:15:00", f"--output={log}",
-        script, *TRAIN_ARGS[1:], f"--train.run_dir={jobs / 'runs'}"], LAUNCH_TIMEOUT, cwd=ROOT, env=env)
-    job_logs = sorted(jobs.glob("train-*.out"))
-    context = "\n".join([result.describe(), *map(log_tail, job_logs), *map(log_tail, cluster.slurm_logs)])
-    if result.timed_out:
-        cancel_jobs(cluster, result)
-    assert not result.timed_out, f"sbatch --wait did not return in {LAUNCH_TIMEOUT} s\n{context}"
-    assert result.returncode == 0, context
-    assert len(job_logs) == 1, f"expected one job log in {jobs}\n{context}"
-    output = job_logs[0].read_text()
-    job_id = re.search(r"train-(\d+)\.out$", str(job_logs[0])).group(1)
-    assert_placed_and_logged(output, script, jobs / "runs" / f"slurm-{job_id}", context)
-    assert_trained_on_two_hosts(output, context)
-
-
 def sbatch_language_model(cluster, name: str, options: list[str]):
     """train_lm.py through slurm/train.sbatch (SCRIPT=train_lm.py) as a 4-task job on 2 nodes,
     required to reach 4.0 bits/char, well below the unigram model's 4.67: (the sbatch result, the
@@ -200,9 +175,11 @@ def test_doctor_names_the_host_whose_sshd_is_stopped(cluster):
 # How SLURM's preemption warning reaches each script's ranks, sent at once here (the scripts'
 # --signal=...@90 arrives 60-90 s before the end, too late for a test to wait on):
 # srun tasks directly (--signal=USR1), or the batch shell, which passes it to mpirun (B:USR1).
+# Each script runs once, here: the test checks its placement and logs too.
 PREEMPTION_SIGNALS = {
     "slurm/train.sbatch": ["scancel", "-s", "USR1"],
     "slurm/train-mpirun.sbatch": ["scancel", "--batch", "-s", "USR1"],
+    "slurm/train-horovodrun.sbatch": ["scancel", "--batch", "-s", "USR1"],
 }
 
 
@@ -216,7 +193,8 @@ def test_sbatch_job_preempted_with_usr1_checkpoints_requeues_and_resumes(cluster
     argv = ["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=2", "--time=00:15:00", f"--output={log}",
             script, *TRAIN_ARGS[1:], "--checkpoint-dir", str(checkpoints),
             "--checkpoint-every", "10", f"--train.run_dir={jobs / 'runs'}"]
-    waiting = subprocess.Popen(cluster.head.enter() + argv, cwd=ROOT, env=cluster.env(VENV=sys.prefix),
+    # HVDTRAIN_NIC: the horovodrun script's interface common to both hosts.
+    waiting = subprocess.Popen(cluster.head.enter() + argv, cwd=ROOT, env=cluster.env(VENV=sys.prefix, HVDTRAIN_NIC="eth0"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:

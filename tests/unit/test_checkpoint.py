@@ -88,3 +88,27 @@ def test_no_checkpoint_at_all_is_none_not_an_error(tmp_path):
     assert CheckpointStore(tmp_path / "new").read_newest_valid() is None
     with pytest.raises(ValueError, match="keep must be >= 1"):
         CheckpointStore(tmp_path, keep=0)
+
+
+def test_pruning_keeps_the_save_just_written_and_never_touches_newer_steps(tmp_path):
+    """A run that fell back from an unreadable newer checkpoint (or started below another run's
+    steps) used to see each save deleted at once: the highest step numbers were kept."""
+    store = CheckpointStore(tmp_path, keep=2)
+    for step in (10, 20, 30):
+        store.save(state(step), step)
+    for step in (4, 8, 12):
+        store.save(state(step), step)
+    assert [step for step, _ in store.steps()] == [30, 20, 12, 8]
+    assert store.latest_pointer() == "ckpt-000000012.pt"
+
+
+def test_what_killed_saves_left_is_removed_and_counted(tmp_path):
+    store = CheckpointStore(tmp_path)
+    store.save(state(10), 10)
+    (tmp_path / ".ckpt-000000020.pt.tmp-1234").write_bytes(b"x" * 1000)
+    (tmp_path / ".latest.tmp-99").write_bytes(b"ckpt")
+    (tmp_path / ".ckpt-000000030.tmp").mkdir()
+    (tmp_path / ".ckpt-000000030.tmp" / "rank-00000-of-00002.pt").write_bytes(b"y" * 500)
+    (tmp_path / "notes.txt").write_text("the user's own file")
+    assert store.remove_leftovers() == 1504
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000010.pt", "latest", "notes.txt"]

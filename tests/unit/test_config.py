@@ -13,7 +13,9 @@ from hvdtrain.config.loader import ConfigError, job_argument_parser, load_job, p
     ("epochs", 0), ("batch_size", -4), ("accumulation", 0), ("log_every", 0),
     ("lr", 0.0), ("warmup_epochs", -1.0), ("max_steps", 0), ("num_workers", -1),
     ("batch_size", 2.5), ("progress", "fancy"), ("timeline_steps", -1), ("run_name", "a/b"),
-    ("strategy", "zero4"),
+    ("strategy", "zero4"), ("lr", float("inf")), ("lr", float("nan")), ("stall_timeout", float("nan")),
+    ("stall_timeout", float("inf")), ("checkpoint_dir", ""), ("run_dir", ""), ("resume", "maybe"),
+    ("max_grad_norm", float("inf")),
 ])
 def test_invalid_settings_name_the_field_and_the_value(field_name, value):
     with pytest.raises(ValueError, match=rf"TrainConfig\.{field_name} must be .*{value!r}"):
@@ -129,3 +131,9 @@ def test_reference_lists_every_key_with_type_default_and_choices():
     assert "| `epochs` | a whole number | `3` |" in text
     assert "| `dropout` | a number or null | `null` |" in text
     assert "(one of: auto, bar, log, off)" in text
+
+
+def test_resume_takes_true_false_and_force_from_yaml_the_command_line_and_python(tmp_path):
+    assert load_job(Job, write(tmp_path, "train:\n  resume: false\n")).train.resume == "false"
+    assert load_job(Job, overrides=["--train.resume=force"]).train.resume == "force"
+    assert TrainConfig(resume=False).resume == "false" and TrainConfig().resume == "true"
