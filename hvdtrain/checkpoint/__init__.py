@@ -3,7 +3,10 @@
     run_state.py       RunState: where a run is and what it was (one definition, both formats)
     store.py           a checkpoint directory: the full format (one file), listing, ``latest``, pruning
     sharded_format.py  the sharded format: one file per rank and a manifest, published as a directory
+    ownership.py       one live run per checkpoint directory: its lock and owner record
+    compatibility.py   whether a checkpoint's settings are this run's
     protocol.py        who reads and writes across ranks, and every rank agreeing on failures
+    resharding.py      a sharded checkpoint read at another worker count or under another strategy
     manager.py         the Trainer's part: the state it saves, resume, the save on preemption
     consolidate.py     a sharded checkpoint made full, in one process
     export.py          the trained model as safetensors, loadable without hvdtrain

@@ -12,7 +12,7 @@ from typing import Any, Dict, Mapping
 from hvdtrain.checkpoint import FORMAT_VERSION
 from hvdtrain.checkpoint.protocol import Checkpointing
 from hvdtrain.checkpoint.run_state import RunState
-from hvdtrain.checkpoint.sharded_format import is_sharded
+from hvdtrain.checkpoint.sharded_format import is_sharded, resumes_as_written
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.batching import Batching
 from hvdtrain.distributed import rng
@@ -56,8 +56,10 @@ class CheckpointManager:
         reads its own file: its slices and its RNG states)."""
         saved = RunState.from_checkpoint(state)
         own_rng = None
-        if is_sharded(state):
+        if is_sharded(state) and resumes_as_written(state, self.config.strategy, self.topology.world.size):
             own_rng = self.protocol.load_own_shard(state, self.strategy)
+        elif is_sharded(state):  # another worker count or strategy: each rank's RNG is seeded anew below
+            self.protocol.load_resharded(state, self.strategy)
         else:
             self.strategy.load_state_dict(state)
             if saved.world_size == self.topology.world.size and saved.mesh == self.topology.mesh_shape:

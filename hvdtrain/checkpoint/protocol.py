@@ -15,6 +15,7 @@ from typing import Any, Dict, Mapping, Optional
 from hvdtrain.distributed import collectives
 from hvdtrain.checkpoint import sharded_format as sharded
 from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.checkpoint import resharding
 from hvdtrain.checkpoint.compatibility import check_settings
 from hvdtrain.checkpoint.ownership import Ownership
 from hvdtrain.checkpoint.run_state import RunState
@@ -23,6 +24,7 @@ from hvdtrain.common.units import format_bytes
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies.base import Strategy
+from hvdtrain.strategies.sharding.sliced import ShardedStrategy
 
 
 class Checkpointing:
@@ -51,8 +53,6 @@ class Checkpointing:
                 raise CheckpointError(outcome)
             if outcome is not None:  # every rank alike, before any set-up follows from it
                 check_settings(outcome, self.job_config, force=self.config.resume == "force", log=self.topology.log)
-                if sharded.is_sharded(outcome):
-                    sharded.check_compatible(outcome, self.config.strategy, self.topology.world.size)
         except (CheckpointError, ValueError):
             self.close()  # refused: the directory stays its previous owner's to resume
             raise
@@ -164,6 +164,37 @@ class Checkpointing:
             raise CheckpointError(f"the sharded checkpoint {state['path']} cannot be resumed: {'; '.join(problems)}")
         strategy.load_shard_state_dict(shard["strategy"])
         return shard["rng"]
+
+    def load_resharded(self, state: Dict[str, Any], strategy: Strategy) -> None:
+        """The sharded checkpoint ``state`` (a manifest) written at another worker count or under
+        another strategy: every file is checked against the manifest (each by one rank), then a
+        sharded strategy's ranks each read their own part in their own layout, any other strategy
+        the whole state; only when every rank's part is ready does any rank load."""
+        world, path = self.topology.world, Path(state["path"])
+        part = None
+
+        def prepare() -> None:
+            nonlocal part
+            resharding.verify(path, state, resharding.files_to_verify(world.size, world.rank, len(state["files"])))
+            source = resharding.ShardedSource(path, state)
+            try:
+                if isinstance(strategy, ShardedStrategy):
+                    part = resharding.own_part(source, strategy.shard_layout(), world.rank, world.size)
+                else:
+                    part = source.full_state()
+            except (KeyError, IndexError, TypeError) as error:
+                raise CheckpointError(f"its shards do not fit together: {type(error).__name__}: {error}") from None
+        problems = [f"rank {r}: {p}" for r, p in enumerate(collectives.allgather_object(
+            self._attempt(prepare), name="checkpoint.resharded.check")) if p]
+        if problems:
+            raise CheckpointError(f"the sharded checkpoint {path} cannot be resumed: {'; '.join(problems)}")
+        ranks = lambda count: f"{count} rank{'s' if count != 1 else ''}"  # noqa: E731
+        self.topology.log.info(f"resharding {path} ({ranks(state['world_size'])}, {state['strategy']}) for "
+                               f"{ranks(world.size)} under {self.config.strategy}")
+        if isinstance(strategy, ShardedStrategy):
+            strategy.load_shard_state_dict(part)
+        else:
+            strategy.load_state_dict(part)
 
     @staticmethod
     def _attempt(action) -> Any:

@@ -33,10 +33,6 @@ RUN_KEYS = RunState.SHARDED
 _MANIFEST_KEYS = ("format", "kind", "strategy", "world_size", "step", "files") + RUN_KEYS
 
 
-class ShardedCheckpointMismatch(CheckpointError):
-    """A sharded checkpoint resumed on another worker count or under another strategy."""
-
-
 def directory_name(step: int) -> str:
     return f"ckpt-{step:09d}"
 
@@ -186,33 +182,27 @@ def check_manifest(manifest: Any, path: Path) -> None:
             raise CheckpointError(f"{file} has {file.stat().st_size} bytes, {where} says {entry['bytes']}")
 
 
-def check_compatible(state: Dict[str, Any], strategy: str, world_size: int) -> None:
-    """ShardedCheckpointMismatch unless this run can resume the sharded checkpoint ``state``: the
-    same decision on every rank, since every rank holds the same manifest."""
-    if state["world_size"] == world_size and state["strategy"] == strategy:
-        return
-    path = state["path"]
-    raise ShardedCheckpointMismatch(
-        f"the sharded checkpoint {path} was written by {_workers(state['world_size'])} under strategy "
-        f"{state['strategy']}; this run has {_workers(world_size)} under strategy {strategy}. A sharded "
-        f"checkpoint resumes only on the worker count and strategy that wrote it: run again with "
-        f"{_workers(state['world_size'])} and --train.strategy={state['strategy']}, or make it a full "
-        f"checkpoint, which any strategy and worker count resumes: hvdtrain checkpoint consolidate {path}")
+def resumes_as_written(state: Dict[str, Any], strategy: str, world_size: int) -> bool:
+    """Whether each rank of this run takes back its own file of the sharded checkpoint ``state``
+    (the same worker count and strategy), rather than a resharded part (hvdtrain.checkpoint.resharding)."""
+    return state["world_size"] == world_size and state["strategy"] == strategy
 
 
-def _workers(count: int) -> str:
-    return f"{count} worker{'s' if count != 1 else ''}"
+def check_file(path: Path, manifest: Dict[str, Any], rank: int) -> Path:
+    """Rank ``rank``'s file, there and as the manifest says (size and sha256)."""
+    entry = manifest["files"][rank]
+    file = path / entry["name"]
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing (listed in {path / MANIFEST})")
+    if file.stat().st_size != entry["bytes"] or _sha256(file) != entry["sha256"]:
+        raise CheckpointError(f"{file} does not match {path / MANIFEST} (size or sha256): it is "
+                              "corrupt, or from another checkpoint")
+    return file
 
 
 def read_shard(path: Path, manifest: Dict[str, Any], rank: int) -> Dict[str, Any]:
     """Rank ``rank``'s file, checked against the manifest (size and sha256), tensors only."""
-    entry = manifest["files"][rank]
-    file = Path(path) / entry["name"]
-    if not file.is_file():
-        raise CheckpointError(f"{file} is missing (listed in {Path(path) / MANIFEST})")
-    if file.stat().st_size != entry["bytes"] or _sha256(file) != entry["sha256"]:
-        raise CheckpointError(f"{file} does not match {Path(path) / MANIFEST} (size or sha256): it is "
-                              "corrupt, or from another checkpoint")
+    file = check_file(Path(path), manifest, rank)
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle

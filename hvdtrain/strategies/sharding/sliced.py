@@ -81,6 +81,10 @@ class ShardedStrategy(SlicedStateStrategy):
     def shard_state_dict(self) -> Dict[str, Any]:
         return shard_state.shard_state_dict(self.model, self.buckets, self.optimizer, self._group_indices)
 
+    def shard_layout(self) -> Dict[str, Any]:
+        """Where every element of this rank's part belongs (the ``layout`` of its shard_state_dict)."""
+        return shard_state.layout(self.model, self.buckets, self._group_indices)
+
     def check_shard_state_dict(self, state: Dict[str, Any]) -> None:
         shard_state.check_shard(self.model, self.buckets, self._group_indices, state)
 

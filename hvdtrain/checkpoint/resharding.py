@@ -1,0 +1,138 @@
+"""A sharded checkpoint resumed at another worker count or under another strategy, without
+consolidating it first.
+
+Each rank's file holds its slice of every flat bucket and the layout (per bucket: the parameters'
+names, shapes and offsets), so every element has a global position: bucket, offset, rank. A rank
+of the new run asks for the elements its own part needs (its slice of each of its buckets, under
+its own layout) and reads just those: the files are memory-mapped, so only the pages asked for
+are read. A sharded strategy (zero1, zero2, fsdp) receives its part in its own layout and holds
+no more than that part and one bucket's slice; any other (ddp, ps, model parallel) holds the
+whole state anyway and receives it whole.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
+
+import torch
+
+from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.checkpoint import sharded_format as sharded
+from hvdtrain.strategies.sharding import flat_buckets as fb
+from hvdtrain.strategies.sharding.shard_state import assemble_full_state
+
+
+def files_to_verify(world_size: int, rank: int, files: int) -> List[int]:
+    """The files of the checkpoint this rank checks against the manifest (sha256): each file by
+    exactly one rank, so verifying costs one read of the checkpoint across all ranks."""
+    return list(range(rank, files, world_size))
+
+
+class ShardedSource:
+    """Every rank's part of one sharded checkpoint, memory-mapped, read by parameter and element."""
+
+    def __init__(self, path: Path, manifest: Mapping[str, Any]) -> None:
+        self.path = Path(path)
+        self.parts = []
+        for entry in manifest["files"]:
+            file = self.path / entry["name"]
+            try:
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
+                raise CheckpointError(f"{file} is unreadable: {type(error).__name__}: {error}") from None
+            if not isinstance(state, dict) or state.get("rank") != entry["rank"] or "strategy" not in state:
+                raise CheckpointError(f"{file} is not rank {entry['rank']}'s shard of an hvdtrain sharded checkpoint")
+            self.parts.append(state["strategy"])
+        self.world_size = len(self.parts)
+        self.layout = self.parts[0]["layout"]
+        # name -> (bucket position, bucket index, offset in the bucket, elements)
+        self._where: Dict[str, Tuple[int, int, int, int]] = {}
+        for position, entry in enumerate(self.layout["buckets"]):
+            for names, shape, offset in zip(entry["names"], entry["shapes"], entry["offsets"]):
+                for name in names:
+                    self._where[name] = (position, entry["index"], offset, math.prod(shape))
+        self._slice = [entry["padded_numel"] // self.world_size for entry in self.layout["buckets"]]
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def read(self, name: str, start: int, stop: int, key: str = "") -> torch.Tensor:
+        """Elements [start, stop) of parameter ``name`` (flattened), or of its optimizer state ``key``."""
+        position, index, offset, _ = self._where[name]
+        low, high, size = offset + start, offset + stop, self._slice[position]
+        pieces = []
+        for rank in range(low // size, (high - 1) // size + 1):
+            part = self.parts[rank]
+            flat = part["params"][position] if not key else part["optimizer"]["state"][index][key]
+            pieces.append(flat[max(low, rank * size) - rank * size:min(high, (rank + 1) * size) - rank * size])
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
+
+    def optimizer_state(self, name: str) -> Dict[str, Any]:
+        """The optimizer's state of the bucket holding ``name`` (rank 0's: the scalars are every rank's)."""
+        _, index, _, _ = self._where[name]
+        return self.parts[0]["optimizer"]["state"].get(index, {})
+
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.parts[0]["optimizer"]["param_groups"]
+
+    def unmanaged(self) -> Dict[str, torch.Tensor]:
+        return self.parts[0]["unmanaged"]
+
+    def full_state(self) -> Dict[str, Any]:
+        """The whole {"model", "optimizer"} state, as consolidation makes it."""
+        return assemble_full_state(self.parts)
+
+
+def own_part(source: ShardedSource, layout: Mapping[str, Any], rank: int, world_size: int) -> Dict[str, Any]:
+    """Rank ``rank``'s part under ``layout`` (a sharded strategy's own, for ``world_size`` ranks),
+    filled from ``source``: what that strategy's shard_state_dict() would hold had it written it."""
+    _check_same_model(source.layout, layout)
+    params: List[torch.Tensor] = []
+    states: Dict[int, Dict[str, Any]] = {}
+    for entry in layout["buckets"]:
+        size = entry["padded_numel"] // world_size
+        low, high = rank * size, (rank + 1) * size
+        flat = torch.zeros(size, dtype=getattr(torch, entry["dtype"]))  # padding stays zero, as when written
+        state: Dict[str, Any] = {}
+        for names, shape, offset in zip(entry["names"], entry["shapes"], entry["offsets"]):
+            start, stop = max(low, offset), min(high, offset + math.prod(shape))
+            if start >= stop:
+                continue
+            name = names[0]
+            flat[start - low:stop - low] = source.read(name, start - offset, stop - offset)
+            for key, value in source.optimizer_state(name).items():
+                if fb.is_elementwise(value):
+                    state.setdefault(key, torch.zeros(size, dtype=value.dtype))
+                    state[key][start - low:stop - low] = source.read(name, start - offset, stop - offset, key)
+                else:
+                    state.setdefault(key, value.clone() if isinstance(value, torch.Tensor) else value)
+        params.append(flat)
+        if state:
+            states[entry["index"]] = state
+    groups = [{**{key: value for key, value in group.items() if key != "params"},
+               "params": [entry["index"] for entry in layout["buckets"] if entry["group"] == g]}
+              for g, group in enumerate(source.param_groups())]
+    return {"rank": rank, "world_size": world_size, "params": params,
+            "optimizer": {"state": states, "param_groups": groups},
+            "unmanaged": {name: tensor.clone() for name, tensor in source.unmanaged().items()}, "layout": layout}
+
+
+def _check_same_model(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
+    if saved["model_keys"] != mine["model_keys"]:
+        extra = sorted(set(saved["model_keys"]) ^ set(mine["model_keys"]))[:5]
+        raise CheckpointError(f"it was written for another model: the keys differ ({', '.join(extra) or 'their order'})")
+    if saved["group_indices"] != mine["group_indices"]:
+        raise CheckpointError(f"it was written for other parameter groups ({saved['group_indices']} saved, "
+                              f"{mine['group_indices']} here)")
+    trained = {name for entry in saved["buckets"] for names in entry["names"] for name in names}
+    missing = [names[0] for entry in mine["buckets"] for names in entry["names"] if names[0] not in trained]
+    if missing:
+        raise CheckpointError(f"its optimizer did not train {', '.join(missing[:5])}, which this run's does")
+
+
+def verify(path: Path, manifest: Mapping[str, Any], indices: Sequence[int]) -> None:
+    """The files ``indices`` of the checkpoint, checked against the manifest (size and sha256),
+    read in blocks: nothing is loaded."""
+    for index in indices:
+        sharded.check_file(Path(path), manifest, index)
