@@ -51,6 +51,7 @@ class TrainingLoop:
     phase: str = "set-up"  # what the loop is doing, for an out-of-memory message
     grad_norm: float = float("nan")  # before clipping, at the last step (train.max_grad_norm)
     preempted: bool = False
+    saved_at: Optional[int] = None  # the step of the last checkpoint, until the next step is taken
     # Under Horovod elastic: commits the state survivors roll back to (hvdtrain.fault_tolerance.elastic).
     commit: Optional[Callable[[], None]] = None
 
@@ -85,6 +86,9 @@ class TrainingLoop:
                 self.save_checkpoint()
             if self.commit is not None:
                 self.commit()
+        if self.checkpoints is not None:  # an asynchronous save's write, done before the run returns
+            with self.faults.checkpoint_io():
+                self.checkpoints.finish()
 
     def train_epoch(self, until_step: Optional[int] = None) -> Tuple[Dict[str, float], float]:
         """One pass over this rank's shard; returns (mean train metrics over all ranks, global samples)."""
@@ -125,6 +129,7 @@ class TrainingLoop:
             self.lr.step()
             position.step += 1
             position.epoch_position += self.batching.global_batch_size
+            self.saved_at = None  # (under elastic a rollback can bring the same step number back)
             self.faults.beat(position.step)
             self.reporter.after_step(position.step)
             if self.commit is not None and position.step % cfg.elastic_commit_every == 0:
@@ -183,8 +188,13 @@ class TrainingLoop:
                         lockstep=strategy.collective_forward, counts_samples=strategy.counts_samples)
 
     def save_checkpoint(self) -> None:
+        """A checkpoint of this step, unless it was just written, no step since (max_steps ending a
+        run on a checkpoint_every step reaches the epoch's end save too)."""
+        if self.saved_at == self.position.step:
+            return
         with self.faults.checkpoint_io():
             self.checkpoints.save()
+        self.saved_at = self.position.step
 
     def stop_for_preemption(self) -> None:
         """Every rank agreed to stop: checkpoint now, requeue the job (rank 0), and return from fit."""
@@ -192,5 +202,7 @@ class TrainingLoop:
             self.topology.log.warning("preemption signal, but no checkpoint_dir: this run cannot be resumed")
         else:
             self.save_checkpoint()
+            with self.faults.checkpoint_io():
+                self.checkpoints.finish()  # written before the job is requeued (and killed)
         self.preempted = True
         self.faults.requeue_after_preemption(self.position.step)

@@ -143,6 +143,10 @@ class Trainer:
             raise ValueError("train.pipeline_parallel > 1 computes the loss on the last stage with loss_fn(outputs, "
                              "targets) and cannot run a step_fn, which needs the whole model: pass loss_fn "
                              "(and (inputs, targets) batches), or use tensor_parallel instead of a pipeline")
+        if cfg.checkpoint_async and self.elastic_launch:
+            raise ValueError("train.checkpoint_async is not supported under Horovod elastic (a world change while a "
+                             "write is in flight is not handled): launch without --min-np/--max-np, or "
+                             "set train.checkpoint_async=false")
         refusal = launch_refusal(cfg, world, self.elastic_launch)
         if refusal:
             raise ValueError(refusal)

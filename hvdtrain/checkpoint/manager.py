@@ -77,10 +77,17 @@ class CheckpointManager:
 
     def save(self) -> None:
         """Every rank calls it. Full: the state is gathered, rank 0 writes, the others wait.
-        Sharded: every rank writes its own part, nothing is gathered; rank 0 adds the manifest."""
+        Sharded: every rank writes its own part, nothing is gathered; rank 0 adds the manifest.
+        Asynchronous (train.checkpoint_async): the writes run in the background; see finish()."""
         step = self.position.step
         if self.config.checkpoint_format == "sharded":
             own = {"strategy": self.strategy.shard_state_dict(), "rng": rng.capture()}
             self.protocol.save_sharded(own, self.run_state().shared(), step)
         else:
             self.protocol.save(self.state_dict(), step)
+
+    def finish(self) -> None:
+        """Every rank calls it: the background write in flight (train.checkpoint_async) is done, and
+        its failure on any rank raised on every rank. Nothing to wait for otherwise."""
+        if self.protocol is not None:
+            self.protocol.finish()

@@ -6,9 +6,14 @@ rank 0 writes, every rank receives by broadcast. Sharded format: every rank writ
 own file. Either way every rank decides from the same data (rank 0's outcome, broadcast, or every
 rank's, all-gathered): all succeed, or all raise the same error. Files themselves are store.py's
 and sharded_format.py's.
+
+train.checkpoint_async: a save copies the state to host memory (hvdtrain.checkpoint.snapshot) and
+returns; a background thread writes, fsyncs and moves ``latest`` (hvdtrain.checkpoint.background).
+The next save, and the end of the run, wait for it and agree on its outcome.
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
@@ -16,9 +21,11 @@ from hvdtrain.distributed import collectives
 from hvdtrain.checkpoint import sharded_format as sharded
 from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint import resharding
+from hvdtrain.checkpoint.background import BackgroundWrite
 from hvdtrain.checkpoint.compatibility import check_settings
 from hvdtrain.checkpoint.ownership import Ownership
 from hvdtrain.checkpoint.run_state import RunState
+from hvdtrain.checkpoint.snapshot import HostSnapshot
 from hvdtrain.checkpoint.store import CheckpointStore
 from hvdtrain.common.units import format_bytes
 from hvdtrain.config.train import TrainConfig
@@ -35,6 +42,9 @@ class Checkpointing:
         self.config, self.topology, self.job_config = config, topology, job_config
         self.store = CheckpointStore(config.checkpoint_dir, keep=config.keep_checkpoints, log=topology.log)
         self.ownership: Optional[Ownership] = None
+        self.background = BackgroundWrite() if config.checkpoint_async else None
+        self.snapshot = HostSnapshot()
+        self._abandoned = threading.Event()  # set when the run ends with a write in flight
 
     def start(self, broadcast: bool) -> Optional[Dict[str, Any]]:
         """Rank 0 claims the directory for this run, removes what killed saves left, and reads the
@@ -61,9 +71,9 @@ class Checkpointing:
     def _open(self) -> Optional[Dict[str, Any]]:
         self._own()
         log = self.topology.log
-        freed = self.store.remove_leftovers()
-        if freed:
-            log.info(f"removed {format_bytes(freed)} that killed saves left in {self.store.directory}")
+        removed, freed = self.store.remove_leftovers()
+        if removed:
+            log.info(f"removed {removed} file(s) ({format_bytes(freed)}) that killed saves left in {self.store.directory}")
         if self.config.resume == "false":
             existing = self.store.steps()
             if existing:
@@ -85,7 +95,14 @@ class Checkpointing:
             self.ownership = Ownership.claim(self.store.directory, self.topology.log)
 
     def close(self) -> None:
-        """Let the directory go (the run is over in this process)."""
+        """Let the directory go (the run is over in this process). A write still in flight (the run
+        ended by an error before finish()) completes if it can, or stops waiting for other ranks."""
+        if self.background is not None and self.background.in_flight:
+            self._abandoned.set()
+            failure = self.background.wait()
+            if failure:
+                self.topology.log.warning(f"the checkpoint written in the background when the run stopped failed: {failure}")
+            self._abandoned.clear()
         if self.ownership is not None:
             self.ownership.release()
             self.ownership = None
@@ -115,38 +132,74 @@ class Checkpointing:
 
     def save(self, state: Dict[str, Any], step: int) -> None:
         """Rank 0 writes; the others wait for its outcome, so no rank runs ahead of a save, and a
-        failed save (a full disk, a permission) is raised on every rank."""
-        def write() -> None:
+        failed save (a full disk, a permission) is raised on every rank. Asynchronous: rank 0 copies
+        ``state`` and writes the copy in the background; its outcome is agreed at finish()."""
+        def write(state: Dict[str, Any]) -> None:
             self._own()
             path = self.store.save(state, step)
             self.topology.log.info(f"checkpoint {path}")
-        self._agree(self._attempt(write) if self.topology.is_root else None, "checkpoint.save")
+        if self.background is None:
+            self._agree(self._attempt(lambda: write(state)) if self.topology.is_root else None, "checkpoint.save")
+            return
+        self.finish()
+        if self.topology.is_root:
+            copied = self.snapshot.copy(state)
+            self.background.start(lambda: write(copied))
 
     def save_sharded(self, shard: Dict[str, Any], run_state: Dict[str, Any], step: int) -> None:
         """Every rank writes its own ``shard``; rank 0 then publishes the directory with the
-        manifest (holding ``run_state``). An error anywhere is raised on every rank."""
+        manifest (holding ``run_state``). An error anywhere is raised on every rank (asynchronous:
+        at finish(); the ranks then tell rank 0 their file is written through a record file)."""
         world = self.topology.world
         directory, rank, size = Path(self.store.directory), world.rank, world.size
         temporary = sharded.temporary_directory(directory, step)
+        self.finish()
         # Rank 0 empties the temporary directory before anyone writes into it.
         def prepare() -> None:
             self._own()
             sharded.prepare(temporary)
         self._agree(self._attempt(prepare) if world.is_root else None,
                     "checkpoint.sharded.prepare")
+
+        def publish(records) -> None:
+            path = sharded.publish(directory, step, self.config.strategy, records, run_state)
+            self.store.point_latest_at(path, step)
+            self.topology.log.info(f"checkpoint {path} ({size} shards, {sum(r['bytes'] for r in records)} bytes)")
+        if self.background is not None:
+            copied = self.snapshot.copy(shard)
+            self.background.start(lambda: self._write_shard_in_background(temporary, copied, publish))
+            return
         written = self._attempt(lambda: sharded.write_shard(temporary, rank, size, shard))
         records = collectives.allgather_object(written, name="checkpoint.sharded.files")
         failed = [f"rank {r}: {record}" for r, record in enumerate(records) if isinstance(record, str)]
         if failed:
             raise CheckpointError(f"the sharded checkpoint of step {step} was not written: {'; '.join(failed)}")
-        published = None
+        self._agree(self._attempt(lambda: publish(records)) if world.is_root else None, "checkpoint.sharded.publish")
+
+    def _write_shard_in_background(self, temporary: Path, shard: Dict[str, Any], publish) -> None:
+        """In the writer thread: this rank's file, then its record; rank 0 then waits for every
+        rank's record and publishes (no collective: this is not the training thread)."""
+        world = self.topology.world
+        try:
+            record = sharded.write_shard(temporary, world.rank, world.size, shard)
+        except Exception as error:
+            sharded.write_record(temporary, world.rank, f"{type(error).__name__}: {error}")
+            raise
+        sharded.write_record(temporary, world.rank, record)
         if world.is_root:
-            def publish() -> None:
-                path = sharded.publish(directory, step, self.config.strategy, records, run_state)
-                self.store.point_latest_at(path, step)
-                self.topology.log.info(f"checkpoint {path} ({size} shards, {sum(r['bytes'] for r in records)} bytes)")
-            published = self._attempt(publish)
-        self._agree(published, "checkpoint.sharded.publish")
+            timeout = self.config.stall_timeout or 600.0
+            publish(sharded.wait_for_records(temporary, world.size, timeout, stop=self._abandoned.is_set))
+
+    def finish(self) -> None:
+        """Every rank: wait for this rank's background write (if any); a failure on any rank is
+        raised on every rank. The next save and the end of the run call it."""
+        if self.background is None:
+            return
+        failure = self.background.wait()
+        failures = collectives.allgather_object(failure, name="checkpoint.async.outcome")
+        problems = [f"rank {r}: {f}" for r, f in enumerate(failures) if f]
+        if problems:
+            raise CheckpointError(f"a checkpoint written in the background failed: {'; '.join(problems)}")
 
     def load_own_shard(self, state: Dict[str, Any], strategy: Strategy) -> Dict[str, Any]:
         """Every rank reads its own file of the sharded checkpoint ``state`` (a manifest) and checks

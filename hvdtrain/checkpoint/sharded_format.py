@@ -6,7 +6,8 @@
 
 Every rank writes its file into a hidden ``.ckpt-000000030.tmp/``; rank 0 checks them, writes the
 manifest and renames the directory into place, then ``latest`` moves: a kill leaves no directory or
-a complete one. Which rank does what is hvdtrain.checkpoint.protocol's.
+a complete one. An asynchronous save's ranks tell rank 0 their file is written through a record
+beside it (``rank-00001.json``: its bytes and sha256, or why it failed), not a collective. Which rank does what is hvdtrain.checkpoint.protocol's.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -85,6 +87,46 @@ def write_shard(temporary: Path, rank: int, world_size: int, state: Dict[str, An
         size = os.fstat(handle.fileno()).st_size
     digest = writer.sha256.hexdigest() if size == writer.size else _sha256(path)
     return {"name": path.name, "rank": rank, "bytes": size, "sha256": digest}
+
+
+def record_name(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def write_record(temporary: Path, rank: int, record: "Dict[str, Any] | str") -> None:
+    """Rank ``rank``'s word to rank 0 that its file is written (write_shard's record) or failed (why)."""
+    text = json.dumps(record if isinstance(record, dict) else {"rank": rank, "failure": record})
+    write_atomically(Path(temporary) / record_name(rank), lambda handle: handle.write(text.encode()))
+
+
+def wait_for_records(temporary: Path, world_size: int, timeout: float,
+                     stop: Callable[[], bool] = lambda: False, poll: float = 0.02) -> List[Dict[str, Any]]:
+    """Rank 0: every rank's record, in rank order, once all are there; CheckpointError naming the ranks
+    that failed, that wrote nothing within ``timeout`` seconds (a directory not shared by every rank),
+    or when ``stop()`` says the run has ended."""
+    deadline = time.monotonic() + timeout
+    records: Dict[int, Dict[str, Any]] = {}
+    while True:
+        for rank in range(world_size):
+            path = Path(temporary) / record_name(rank)
+            if rank not in records and path.is_file():
+                records[rank] = json.loads(path.read_text())
+        failed = [f"rank {rank}: {record['failure']}" for rank, record in sorted(records.items()) if "failure" in record]
+        if failed:
+            raise CheckpointError("; ".join(failed))
+        if len(records) == world_size:
+            for rank in range(world_size):
+                (Path(temporary) / record_name(rank)).unlink()
+            return [records[rank] for rank in range(world_size)]
+        if stop():
+            raise CheckpointError(f"the run ended before every rank had written its file into {temporary}")
+        if time.monotonic() > deadline:
+            silent = [rank for rank in range(world_size) if rank not in records]
+            raise CheckpointError(
+                f"rank 0 saw no word from rank(s) {silent} in {temporary} after {timeout:.0f} s: checkpoint_dir is "
+                f"not one directory shared by every rank, or they are stuck. Put it on a filesystem every host "
+                f"mounts (hvdtrain doctor --checkpoint-dir DIR checks it), or use checkpoint_format=full")
+        time.sleep(poll)
 
 
 def _sha256(path: Path) -> str:

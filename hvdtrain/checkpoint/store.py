@@ -83,10 +83,11 @@ class CheckpointStore:
                 path.unlink(missing_ok=True)
         sharded.remove_leftovers(self.directory)
 
-    def remove_leftovers(self) -> int:
+    def remove_leftovers(self) -> Tuple[int, int]:
         """Delete what killed saves left (temporary files and directories, never read as checkpoints;
-        each can be a whole checkpoint's size); the bytes freed. Only while no save runs: at start."""
-        freed = 0
+        each can be a whole checkpoint's size); how many, and the bytes freed. Only while no save
+        runs: at start."""
+        removed = freed = 0
         for path in self.directory.iterdir():
             if _UNFINISHED.match(path.name) and path.is_file():
                 freed += path.stat().st_size
@@ -94,7 +95,10 @@ class CheckpointStore:
             elif sharded.LEFTOVER.match(path.name) and path.is_dir():
                 freed += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
                 shutil.rmtree(path, ignore_errors=True)
-        return freed
+            else:
+                continue
+            removed += 1
+        return removed, freed
 
     def latest_pointer(self) -> Optional[str]:
         try:

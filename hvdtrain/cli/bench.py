@@ -18,10 +18,12 @@ BENCHMARKS = {
     "model-parallel": ("hvdtrain.bench.model_parallel.driver", "pipeline bubble against (P-1)/(M+P-1), tensor-parallel all-reduce share, parameter bytes per rank against model/(TxP)"),
     "plan": ("hvdtrain.bench.plan.driver", "hvdtrain plan's modelled step times against measured ones, every layout, at N ranks on this host"),
     "ps": ("hvdtrain.bench.ps.driver", "parameter server against ddp: bytes per rank per step, counted, and samples/s"),
+    "checkpoint": ("hvdtrain.bench.checkpoint.driver",
+                   "the step's stall per checkpoint, synchronous against train.checkpoint_async, full and sharded"),
 }
 
 
-HELP = "benchmarks: collectives, throughput, strategies, scaling, projection, model-parallel, ps, plan"
+HELP = "benchmarks: collectives, throughput, strategies, scaling, projection, model-parallel, ps, plan, checkpoint"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

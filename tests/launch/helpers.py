@@ -62,3 +62,22 @@ def run(argv, timeout=LAUNCH_TIMEOUT, extra_env=None):
         out, err = process.communicate()
         pytest.fail(f"{' '.join(argv)} did not finish in {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
     return process.returncode, out, err
+
+
+def kill_when(argv, ready, what=None, timeout=240.0, poll=0.02):
+    """Start the launch ``argv`` and SIGKILL every process of it as soon as ``ready()`` is true (or
+    the path ``ready`` exists); fail if it ends first or ``what`` (the awaited moment, for the
+    message) has not come in time."""
+    if isinstance(ready, Path):
+        ready, what = ready.exists, what or ready.name
+    process = subprocess.Popen(argv, cwd=ROOT, env=launch_env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready():
+            assert process.poll() is None, f"the run ended (exit {process.returncode}) before {what}"
+            assert time.monotonic() < deadline, f"{what} did not come in {timeout:.0f} s"
+            time.sleep(poll)
+    finally:
+        kill_session(process.pid)
+        process.wait()

@@ -22,9 +22,8 @@ import shutil
 import pytest
 import torch
 
-from tests.launch.helpers import BIN, PYTHON, run
+from tests.launch.helpers import BIN, PYTHON, kill_when, run
 from tests.launch.test_lm_example import FINAL, STEPS
-from tests.launch.test_resume import kill_when
 
 BOUND = 3.5  # bits/char: test_lm_example's bound for the data-parallel run at the same STEPS (150)
 EVERY = 50  # checkpoint every 50 steps: a kill after step 50, a resume under ddp from step 100

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from tests.launch.helpers import PYTHON, ROOT, kill_session, launch_env, run
+from tests.launch.helpers import PYTHON, ROOT, kill_session, kill_when, launch_env, run
 
 EPOCHS, EVERY = 3, 10
 LAST_STEP = EPOCHS * 22  # 1438 digits hold 22 whole global batches of 64
@@ -40,22 +40,6 @@ def final_state(checkpoint_dir):
     # Another global batch or sample order ends the run at another step.
     assert path.exists(), f"the run did not end with {path.name}; it wrote {written}"
     return torch.load(path, weights_only=True)
-
-
-def kill_when(argv, path, timeout=240):
-    """Start argv, SIGKILL every process of it as soon as ``path`` exists."""
-    env = launch_env()
-    process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    try:
-        while not path.exists():
-            assert process.poll() is None, f"the run ended (exit {process.returncode}) before {path.name}"
-            assert time.monotonic() < deadline, f"{path.name} did not appear in {timeout} s"
-            time.sleep(0.02)
-    finally:
-        kill_session(process.pid)
-        process.wait()
 
 
 @pytest.fixture(scope="module")

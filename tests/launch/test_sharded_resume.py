@@ -9,8 +9,7 @@ from safetensors.torch import load_file
 
 from hvdtrain.checkpoint import sharded_format as sharded
 from hvdtrain.checkpoint.consolidate import consolidate
-from tests.launch.helpers import BIN, PYTHON, run
-from tests.launch.test_resume import kill_when
+from tests.launch.helpers import BIN, PYTHON, kill_when, run
 
 LAST_STEP, EVERY = 22, 5  # one epoch: 1438 digits hold 22 whole global batches of 64
 

@@ -109,6 +109,7 @@ def test_what_killed_saves_left_is_removed_and_counted(tmp_path):
     (tmp_path / ".latest.tmp-99").write_bytes(b"ckpt")
     (tmp_path / ".ckpt-000000030.tmp").mkdir()
     (tmp_path / ".ckpt-000000030.tmp" / "rank-00000-of-00002.pt").write_bytes(b"y" * 500)
+    (tmp_path / ".ckpt-000000040.pt.tmp-77").touch()  # killed right after it was opened: still removed
     (tmp_path / "notes.txt").write_text("the user's own file")
-    assert store.remove_leftovers() == 1504
+    assert store.remove_leftovers() == (4, 1504)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000010.pt", "latest", "notes.txt"]

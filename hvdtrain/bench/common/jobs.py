@@ -6,6 +6,7 @@ result as JSON to FILE. Each job is its own launch, so variants that cannot shar
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 from hvdtrain.common.atomic import write_text_atomically
 from hvdtrain.launch.commands import LaunchSpec, exports_present, horovodrun_argv, openmpi_argv
@@ -73,3 +74,15 @@ def run_job(module: str, args: Sequence[str], np: int, launcher: str, timeout: f
 def write_result(out: Path, payload: Dict[str, Any]) -> None:
     """Rank 0 of a worker job: leave the result where ``run_job`` reads it (whole or not at all)."""
     write_text_atomically(Path(out), json.dumps(payload))
+
+
+def driver_or_worker(argv: Sequence[str], worker: Callable[[Sequence[str]], int],
+                     add_arguments: Callable[[argparse.ArgumentParser], None],
+                     run: Callable[[argparse.Namespace], int], description: str, worker_flag: str = "--out") -> int:
+    """The main of a module that is both a benchmark's driver and its worker: ``run_job`` starts the
+    worker with ``worker_flag`` among its arguments (--out FILE, unless the driver takes --out too)."""
+    if worker_flag in argv:
+        return worker(argv)
+    parser = argparse.ArgumentParser(description=description.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

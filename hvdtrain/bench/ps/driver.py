@@ -142,11 +142,7 @@ def worker(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    if "--out" in argv:
-        return worker(argv)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return jobs.driver_or_worker(argv, worker, add_arguments, run, __doc__)
 
 
 if __name__ == "__main__":
