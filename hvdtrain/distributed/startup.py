@@ -14,6 +14,7 @@ import torch
 
 import horovod.torch as hvd
 
+from hvdtrain.distributed import devices
 from hvdtrain.distributed import environments as launcher_env
 from hvdtrain.distributed import rng
 from hvdtrain.distributed.world import World
@@ -152,11 +153,15 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
     hvd.init()
     launcher_env.check_world(launcher, hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(hvd.local_rank())
-        device = torch.device("cuda", hvd.local_rank())
-    else:
-        device = torch.device("cpu")
+    hostname = socket.gethostname()
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = torch.device(devices.choose_device(hvd.local_rank(), hvd.local_size(), visible, hostname))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        problems = devices.shared_gpus(hvd.allgather_object((hvd.rank(), hostname, uuid), name="hvdtrain.gpus"))
+        if problems:
+            raise ValueError(devices.sharing_refusal(problems))
     if threads is None:
         threads = threads_set_by_user() or threads_per_rank(
             hvd.local_size(), len(os.sched_getaffinity(0)), os.cpu_count() or 1
@@ -166,7 +171,7 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
 
     return World(
         **_horovod_ranks(),
-        hostname=socket.gethostname(),
+        hostname=hostname,
         controller="gloo" if hvd.gloo_enabled() else "mpi",
         launcher=launcher.name,
         threads=threads,

@@ -21,6 +21,7 @@ import torch
 from hvdtrain.strategies.registry import STRATEGY_NAMES as STRATEGIES
 from hvdtrain.planner.memory import sharded_state_bytes
 from hvdtrain.common.units import format_bytes, parse_bytes
+from hvdtrain.distributed.devices import device_peaks
 
 # Optimizer state, in parameter-sized tensors, of the usual optimizers (exp_avg and exp_avg_sq...).
 STATE_TENSORS_PER_PARAMETER = {
@@ -111,7 +112,7 @@ def explain(error: BaseException, *, rank: int, host: str, phase: str, strategy:
     needs = {name: bytes_per_rank(name, parameters, element, states, workers) for name in STRATEGIES}
     tried = tried_bytes(str(error))
     limit, source = memory_limit(device)
-    holding = ", ".join(f"{key} {format_bytes(value)}" for key, value in held.items())
+    holding = ", ".join(f"{key} {format_bytes(value)}" for key, value in {**held, **device_peaks(device)}.items())
     options = "; ".join(f"{name} {format_bytes(value)}" for name, value in needs.items())
     smaller = [name for name in STRATEGIES if needs[name] < needs[strategy]]
     hint = (f"try --train.strategy={smaller[-1]} (it holds the least), or more workers"

@@ -1,5 +1,6 @@
 """What each rank holds: bytes in parameters, gradients and optimizer state (counted from the
-tensors' storages by the strategy) and the process's peak resident memory, once per start.
+tensors' storages by the strategy), the process's peak resident memory and, on a GPU, the peak
+memory torch's allocator handed out and reserved (what a GPU user reads), once per start.
 
 Taken after the first optimizer step, before its gradients are cleared: the moment a rank
 holds the most of all three (the optimizer state exists from the first step on).
@@ -10,6 +11,7 @@ import resource
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from hvdtrain.distributed import collectives
+from hvdtrain.distributed.devices import device_peaks
 from hvdtrain.common.units import format_bytes
 from hvdtrain.observability.run_directory import RunDirectory
 from hvdtrain.strategies.base import Strategy
@@ -37,7 +39,8 @@ class MemoryReport:
         if self.per_rank is not None:
             return
         counted = self.strategy.memory_bytes()
-        mine = {**counted, "total": sum(counted.values()), "peak_rss": peak_rss_bytes()}
+        mine = {**counted, "total": sum(counted.values()), "peak_rss": peak_rss_bytes(),
+                **device_peaks(self.topology.world.device)}
         self.per_rank = collectives.allgather_object(mine, name="trainer.memory") if self.gather else [mine]
         world = self.topology.world
         if self.gather and not world.is_root:
@@ -46,7 +49,7 @@ class MemoryReport:
         lines = [f"rank {rank}: " + ", ".join(f"{key} {format_bytes(value)}" for key, value in held.items())
                  for rank, held in enumerate(self.per_rank, start=first)]
         self.topology.log.info(f"memory held per rank ({self.strategy.name}, counted from tensor storages; "
-                               f"peak RSS of the process):\n  " + "\n  ".join(lines))
+                               f"peak RSS of the process; on a GPU, torch's peak allocated and reserved):\n  " + "\n  ".join(lines))
         if run_dir is not None:
             run_dir.record("memory", {"step": step, "strategy": self.strategy.name,
                                       "per_rank": self.per_rank}, started)
