@@ -73,7 +73,8 @@ class Checkpointing:
         log = self.topology.log
         removed, freed = self.store.remove_leftovers()
         if removed:
-            log.info(f"removed {removed} file(s) ({format_bytes(freed)}) that killed saves left in {self.store.directory}")
+            log.info(f"removed {removed} file(s) ({format_bytes(freed)}) that killed saves left in "
+                     f"{self.store.directory}")
         if self.config.resume == "false":
             existing = self.store.steps()
             if existing:
@@ -101,7 +102,8 @@ class Checkpointing:
             self._abandoned.set()
             failure = self.background.wait()
             if failure:
-                self.topology.log.warning(f"the checkpoint written in the background when the run stopped failed: {failure}")
+                self.topology.log.warning(f"the checkpoint written in the background when the run stopped "
+                                          f"failed: {failure}")
             self._abandoned.clear()
         if self.ownership is not None:
             self.ownership.release()

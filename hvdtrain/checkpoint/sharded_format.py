@@ -7,7 +7,8 @@
 Every rank writes its file into a hidden ``.ckpt-000000030.tmp/``; rank 0 checks them, writes the
 manifest and renames the directory into place, then ``latest`` moves: a kill leaves no directory or
 a complete one. An asynchronous save's ranks tell rank 0 their file is written through a record
-beside it (``rank-00001.json``: its bytes and sha256, or why it failed), not a collective. Which rank does what is hvdtrain.checkpoint.protocol's.
+beside it (``rank-00001.json``: its bytes and sha256, or why it failed), not a collective. Which
+rank does what is hvdtrain.checkpoint.protocol's.
 """
 from __future__ import annotations
 
@@ -111,7 +112,8 @@ def wait_for_records(temporary: Path, world_size: int, timeout: float,
             path = Path(temporary) / record_name(rank)
             if rank not in records and path.is_file():
                 records[rank] = json.loads(path.read_text())
-        failed = [f"rank {rank}: {record['failure']}" for rank, record in sorted(records.items()) if "failure" in record]
+        failed = [f"rank {rank}: {record['failure']}" for rank, record in sorted(records.items())
+                  if "failure" in record]
         if failed:
             raise CheckpointError("; ".join(failed))
         if len(records) == world_size:

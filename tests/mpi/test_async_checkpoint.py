@@ -125,7 +125,8 @@ def fail_when_writing(step, rank, monkeypatch, world):
         raise OSError(28, "No space left on device")
 
     def failing_shard(temporary, *args):
-        return full_disk() if temporary.name == f".{sharded.directory_name(step)}.tmp" else write_shard(temporary, *args)
+        failing = temporary.name == f".{sharded.directory_name(step)}.tmp"
+        return full_disk() if failing else write_shard(temporary, *args)
 
     def failing_save(store, state, written_step):
         return full_disk() if written_step == step else save(store, state, written_step)
