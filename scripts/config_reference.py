@@ -29,7 +29,10 @@ def generate() -> str:
     parts = [
         "Every script takes `--config FILE.yaml` and `--section.key=value` overrides; "
         "`--print-config` shows the resolved settings. The `train` section is the Trainer's; "
-        "these are its library defaults (each example script sets its own, shown by `--print-config`).",
+        "these are its library defaults (each example script sets its own, shown by `--print-config`). "
+        "A script's own sections may also hold lists, tuples and mappings of these types (`List[float]`, "
+        "`Tuple[float, float]`, `Dict[str, float]`): in YAML as lists and mappings, on the command line in "
+        "YAML's flow style (`--optim.betas=[0.9,0.95]`); a wrong element is named by its position.",
         "",
         reference(_LibraryDefaults),
         "The digits example (`train.py`, `configs/digits.yaml`) adds:",

@@ -1,6 +1,10 @@
 """A job's settings: a dataclass of sections (``train`` is hvdtrain's TrainConfig, the script adds its
 own), filled from the defaults, then a YAML file, then ``--section.key=value`` overrides.
 
+A setting is a whole number, a number, true/false, text, or a list (``List[float]``), a tuple
+(``Tuple[float, float]``, ``Tuple[int, ...]``) or a mapping (``Dict[str, float]``) of them: in YAML
+as YAML writes them, on the command line in YAML's flow style (``--optim.betas=[0.9,0.95]``).
+
 An unknown section or key, or a value of the wrong type, is an error naming the key, where it came
 from and what is accepted; nothing is silently ignored.
 """
@@ -43,10 +47,40 @@ def _suggest(word: str, choices: Sequence[str]) -> str:
 
 
 def _type_name(hint: Any) -> str:
-    if typing.get_origin(hint) is typing.Union:
-        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:
+        inner = [a for a in args if a is not type(None)]
         return f"{_type_name(inner[0])} or null"
+    if origin is list or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
+        return f"a list of ({_type_name(args[0])})"
+    if origin is tuple:
+        return f"a list of {len(args)}: " + ", ".join(f"({_type_name(a)})" for a in args)
+    if origin is dict:
+        return f"a mapping of text to ({_type_name(args[1])})"
     return {int: "a whole number", float: "a number", bool: "true or false", str: "text"}.get(hint, str(hint))
+
+
+def _coerce_container(value: Any, hint: Any, where: str) -> Any:
+    """A list, tuple or mapping setting: each element as its type asks, named by its position."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if isinstance(value, str):  # from the command line: YAML's flow style, [0.9, 0.95] or {a: 1}
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{where}: expected {_type_name(hint)}, got {value!r} ({error.problem})") from None
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected {_type_name(hint)}, got {value!r}")
+        return {coerce(key, args[0], f"{where} key {key!r}"): coerce(item, args[1], f"{where}.{key}")
+                for key, item in value.items()}
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where}: expected {_type_name(hint)}, got {value!r}")
+    if origin is list or args[1:] == (Ellipsis,):
+        items = [coerce(item, args[0], f"{where}[{index}]") for index, item in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if len(value) != len(args):
+        raise ConfigError(f"{where}: expected {_type_name(hint)}, got {len(value)} value(s): {value!r}")
+    return tuple(coerce(item, arg, f"{where}[{index}]") for index, (item, arg) in enumerate(zip(value, args)))
 
 
 def coerce(value: Any, hint: Any, where: str) -> Any:
@@ -55,6 +89,8 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
     base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
     if isinstance(value, str) and optional and value.strip().lower() in _NONE_WORDS:
         return None  # `--train.run_dir=null` on a command line, as in YAML
+    if typing.get_origin(base) in (list, tuple, dict):
+        return None if value is None and optional else _coerce_container(value, base, where)
     if isinstance(value, str) and base is not str:
         value = _from_text(value, base, optional, where)
     if value is None:
@@ -191,7 +227,16 @@ def load_job(job_cls: type, path: Optional[str] = None, overrides: Sequence[str]
 
 
 def to_dict(job: Any) -> Dict[str, Any]:
-    return dataclasses.asdict(job)
+    """The job as plain values (tuples as lists: YAML and JSON have lists)."""
+    return _plain(dataclasses.asdict(job))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
 
 
 def to_yaml(job: Any) -> str:
@@ -212,7 +257,7 @@ def reference(job_cls: type, skip: Sequence[str] = ()) -> str:
         for f in dataclasses.fields(cls):
             hint = section_keys(cls)[f.name]
             default = getattr(section_default, f.name)
-            shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+            shown = yaml.safe_dump(_plain(default), default_flow_style=True).strip().removesuffix("...").strip()
             meaning = f.metadata.get("help", "")
             choices = f.metadata.get("choices")
             if choices:

@@ -1,6 +1,6 @@
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import yaml
@@ -137,3 +137,51 @@ def test_resume_takes_true_false_and_force_from_yaml_the_command_line_and_python
     assert load_job(Job, write(tmp_path, "train:\n  resume: false\n")).train.resume == "false"
     assert load_job(Job, overrides=["--train.resume=force"]).train.resume == "force"
     assert TrainConfig(resume=False).resume == "false" and TrainConfig().resume == "true"
+
+
+@dataclass
+class OptimSection:
+    """An optimizer's settings, with the containers a real one needs."""
+
+    betas: Tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "Adam's betas"})
+    milestones: List[int] = field(default_factory=lambda: [30, 60])
+    widths: Tuple[int, ...] = (64, 32)
+    lr_by_group: Dict[str, float] = field(default_factory=dict)
+    clip: Optional[List[float]] = None
+
+
+@dataclass
+class OptimJob:
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimSection = field(default_factory=OptimSection)
+
+
+def test_lists_tuples_and_mappings_come_from_yaml_and_the_command_line(tmp_path):
+    path = write(tmp_path, "optim:\n  betas: [0.9, 0.95]\n  milestones: [10, 20, 30]\n"
+                           "  lr_by_group: {decay: 0.1, no_decay: 1}\n")
+    job = load_job(OptimJob, str(path), ["--optim.widths=[128, 64, 32]", "--optim.clip", "[0.5,1]"])
+    assert job.optim.betas == (0.9, 0.95) and isinstance(job.optim.betas[1], float)
+    assert job.optim.milestones == [10, 20, 30]
+    assert job.optim.widths == (128, 64, 32)
+    assert job.optim.lr_by_group == {"decay": 0.1, "no_decay": 1.0}
+    assert job.optim.clip == [0.5, 1.0]
+    assert load_job(OptimJob, None, ["--optim.clip=null"]).optim.clip is None
+    # The resolved config is plain YAML (tuples written as lists) and loads back to the same job.
+    again = write(tmp_path, to_yaml(job))
+    assert load_job(OptimJob, str(again)) == job
+    shown = reference(OptimJob, skip=("train",))
+    assert "| `betas` | a list of 2: (a number), (a number) | `[0.9, 0.999]` | Adam's betas |" in shown
+    assert "| `lr_by_group` | a mapping of text to (a number) | `{}` |" in shown
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--optim.betas=[0.9]", r"--optim.betas: expected a list of 2: \(a number\), \(a number\), got 1 value"),
+    ("--optim.betas=[0.9, fast]", r"--optim.betas\[1\]: expected a number, got 'fast'"),
+    ("--optim.milestones=10", r"--optim.milestones: expected a list of \(a whole number\), got 10"),
+    ("--optim.milestones=[1, 2.5]", r"--optim.milestones\[1\]: expected a whole number, got 2.5"),
+    ("--optim.lr_by_group=[1, 2]", r"--optim.lr_by_group: expected a mapping of text to \(a number\)"),
+    ("--optim.widths=[1, 2", r"--optim.widths: expected a list of \(a whole number\), got '\[1, 2'"),
+])
+def test_a_bad_element_is_named_by_its_position(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_job(OptimJob, None, [override])
