@@ -202,7 +202,7 @@ class Trainer:
     def restart_schedule(self) -> None:
         """The LR scaled to the current global batch, warmed up, continuing at the current step."""
         self.lr.start(self.batching.global_batch_size, self.batching.warmup_steps, self.topology.data_world,
-                      self.position.step)
+                      self.position.step, self.batching.total_steps)
 
     def follow_world(self) -> None:
         """Horovod elastic formed a new world: the topology follows it (and with it every part that

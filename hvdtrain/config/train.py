@@ -18,6 +18,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 REDUCTIONS = ("average", "adasum")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 RESUME_MODES = ("true", "false", "force")
+LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 
 
 @dataclass
@@ -33,6 +34,9 @@ class TrainConfig:
     lr: float = field(default=0.01, metadata={"help": "learning rate of ONE worker (scaled by the world size)"})
     scale_lr: bool = field(default=True, metadata={"help": "multiply the LR by workers x accumulation"})
     warmup_epochs: float = field(default=1.0, metadata={"help": "linear warm-up to the scaled LR, in epochs"})
+    lr_schedule: str = field(default="constant", metadata={"help": "after the warm-up: constant; linear or cosine decay to min_lr_ratio at the run's last step (epochs, or max_steps); wsd: constant, then a linear decay over the last decay_fraction of the steps", "choices": LR_SCHEDULES})
+    min_lr_ratio: float = field(default=0.0, metadata={"help": "where linear, cosine and wsd end, as a fraction of each parameter group's peak rate"})
+    decay_fraction: float = field(default=0.2, metadata={"help": "wsd: the share of the run's steps spent decaying, at its end"})
     accumulation: int = field(default=1, metadata={"help": "micro-batches per optimizer step (backward_passes_per_step)"})
     strategy: str = field(default="ddp", metadata={"help": "how model state is spread over the ranks: ddp replicates it (all-reduce); zero1 shards the optimizer state, zero2 also the gradients (reduce-scatter + all-gather), fsdp also the parameters (each block gathered while it computes); ps: a parameter server, every rank sends its gradients to the servers, which step and send the weights back (a baseline); see README, Strategies", "choices": STRATEGIES})
     ps_servers: int = field(default=1, metadata={"help": "strategy=ps: ranks 0..ps_servers-1 also serve, each holding the optimizer state of one contiguous slice of the parameters (at most the world size)"})
@@ -56,7 +60,7 @@ class TrainConfig:
     keep_checkpoints: int = field(default=3, metadata={"help": "checkpoints kept; older ones are deleted"})
     checkpoint_format: str = field(default="full", metadata={"help": "full: rank 0 gathers and writes the whole model and optimizer state in one file, which resumes under any strategy and worker count; sharded (zero1, zero2, fsdp): every rank writes its own slices, nothing is gathered; it resumes at any worker count and under any strategy, resharded on load (each rank reads only the slices it needs), and hvdtrain checkpoint consolidate makes it a full one; see README, Checkpoints", "choices": CHECKPOINT_FORMATS})
     checkpoint_async: bool = field(default=False, metadata={"help": "a save stalls training only while the state is copied to host memory; a background thread writes it, and the next save (or the end of the run) waits for that write. Costs one more host copy of what this rank writes; see README, Checkpoints"})
-    resume: str = field(default="true", metadata={"help": "true: continue from the newest valid checkpoint in checkpoint_dir, refused when it was written with settings that define another run (the model, the data, and train's batch_size, lr, scale_lr, warmup_epochs, reduction, precision, max_grad_norm, sync_batchnorm, seed); force: continue it all the same, with this run's settings; false: start anew, refused when checkpoint_dir already holds checkpoints; see README, Checkpoints", "choices": RESUME_MODES})
+    resume: str = field(default="true", metadata={"help": "true: continue from the newest valid checkpoint in checkpoint_dir, refused when it was written with settings that define another run (the model, the data, and train's batch_size, lr, scale_lr, warmup_epochs, lr_schedule, min_lr_ratio, decay_fraction, reduction, precision, max_grad_norm, sync_batchnorm, seed); force: continue it all the same, with this run's settings; false: start anew, refused when checkpoint_dir already holds checkpoints; see README, Checkpoints", "choices": RESUME_MODES})
     preempt_signal: str = field(default="USR1", metadata={"help": "signal that asks for checkpoint + requeue ('' disables)"})
     stall_timeout: float = field(default=600.0, metadata={"help": "seconds without a finished step before a rank ends the job, naming where it is stuck (0: never)"})
     elastic_commit_every: int = field(default=10, metadata={"help": "steps between in-memory commits under Horovod elastic (what a worker loss rolls back to)"})
@@ -70,8 +74,8 @@ class TrainConfig:
     # The settings a resumed run must share with its checkpoint (beside every other section of the
     # job: the model, the data): changed, the run would continue another run's training. The rest
     # (length, strategy and layout, checkpointing, reporting) may change between a run and its resume.
-    DEFINES_THE_RUN = ("batch_size", "lr", "scale_lr", "warmup_epochs", "reduction", "precision",
-                       "max_grad_norm", "sync_batchnorm", "seed")
+    DEFINES_THE_RUN = ("batch_size", "lr", "scale_lr", "warmup_epochs", "lr_schedule", "min_lr_ratio",
+                       "decay_fraction", "reduction", "precision", "max_grad_norm", "sync_batchnorm", "seed")
 
     def __post_init__(self) -> None:
         if isinstance(self.resume, bool):  # TrainConfig(resume=False) from Python
@@ -91,6 +95,12 @@ class TrainConfig:
                              f"got {self.stall_timeout!r}")
         if not (math.isfinite(self.warmup_epochs) and self.warmup_epochs >= 0):
             raise ValueError(f"TrainConfig.warmup_epochs must be a finite number >= 0, got {self.warmup_epochs!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"TrainConfig.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"TrainConfig.min_lr_ratio must be a fraction in [0, 1], got {self.min_lr_ratio!r}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ValueError(f"TrainConfig.decay_fraction must be a fraction in (0, 1], got {self.decay_fraction!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps!r}")
         if self.strategy not in STRATEGIES:

@@ -38,6 +38,9 @@ class Batching:
         # Whole global batches only: every step is B x accumulation full micro-batches per rank.
         self.steps_per_epoch = self.dataset_size // self.global_batch_size
         self.warmup_steps = round(config.warmup_epochs * self.steps_per_epoch)
+        # The run's last step, where a decaying LR schedule ends: the epochs', or max_steps if sooner.
+        every_epoch = config.epochs * self.steps_per_epoch
+        self.total_steps = every_epoch if config.max_steps is None else min(config.max_steps, every_epoch)
 
     @property
     def global_batch_size(self) -> int:

@@ -1,4 +1,6 @@
-"""The learning rate of data parallelism: one worker's rate scaled to the global batch, warmed up.
+"""The learning rate of data parallelism: one worker's rate scaled to the global batch, warmed up,
+then held (constant) or decayed to a fraction of it by the run's last step (linear, cosine, or wsd:
+warm-up, stable, then a linear decay over the last part of the run).
 
 One step over N workers x batch B sees N*B samples: the linear scaling rule (Goyal et al. 2017)
 multiplies the rate by N (and by the accumulated micro-batches), reached by a linear warm-up from
@@ -8,6 +10,7 @@ host with NCCL).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, List, Sequence
 
 import torch
@@ -60,6 +63,28 @@ def warmup_factor(scale: float, warmup_steps: int) -> Callable[[int], float]:
     return factor
 
 
+def decay_factor(schedule: str, warmup_steps: int, total_steps: int, min_ratio: float,
+                 decay_fraction: float) -> Callable[[int], float]:
+    """Multiplier on the peak LR after the warm-up: 1 until the decay starts (at the warm-up's end;
+    wsd: at the last ``decay_fraction`` of ``total_steps``), then down to ``min_ratio`` at
+    ``total_steps``, and ``min_ratio`` beyond it (a run extended past its planned end)."""
+    if schedule == "constant":
+        return lambda step: 1.0
+    start = max(warmup_steps, total_steps - round(decay_fraction * total_steps)) if schedule == "wsd" else warmup_steps
+    length = total_steps - start
+
+    def factor(step: int) -> float:
+        if step <= start:
+            return 1.0
+        if length <= 0 or step >= total_steps:
+            return min_ratio
+        progress = (step - start) / length
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+        return min_ratio + (1.0 - min_ratio) * shape
+
+    return factor
+
+
 def set_scaled_lr(optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], scale: float) -> None:
     """Each group's rate = its one-worker rate x scale (also as the scheduler's initial_lr)."""
     for group, base in zip(optimizer.param_groups, base_lrs):
@@ -68,7 +93,8 @@ def set_scaled_lr(optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], s
 
 class LearningRate:
     """The optimizer's rates for one global batch: one worker's rates (as the user built the
-    optimizer) times the scale, warmed up; started again when the global batch changes."""
+    optimizer) times the scale, warmed up, then following train.lr_schedule; started again when
+    the global batch changes."""
 
     def __init__(self, config: TrainConfig, optimizer: torch.optim.Optimizer) -> None:
         self.config = config
@@ -77,15 +103,18 @@ class LearningRate:
         self.scale = 1.0
         self.scheduler: LambdaLR
 
-    def start(self, global_batch: int, warmup_steps: int, world: World, step: int) -> None:
-        """Scale to ``global_batch`` over ``world`` (the data-parallel view), continuing at ``step``."""
+    def start(self, global_batch: int, warmup_steps: int, world: World, step: int, total_steps: int) -> None:
+        """Scale to ``global_batch`` over ``world`` (the data-parallel view), continuing at ``step``
+        of a run of ``total_steps``."""
         config = self.config
         self.world = world
         adasum = self._adasum_factor() if config.reduction == "adasum" else 1
         self.scale = lr_scale(global_batch, config.batch_size, config.scale_lr, config.reduction, world.size, adasum)
-        self.warmup_steps = warmup_steps
+        self.warmup_steps, self.total_steps = warmup_steps, total_steps
         set_scaled_lr(self.optimizer, self.base_lrs, self.scale)
-        self.scheduler = LambdaLR(self.optimizer, warmup_factor(self.scale, warmup_steps), last_epoch=step - 1)
+        warmup = warmup_factor(self.scale, warmup_steps)
+        decay = decay_factor(config.lr_schedule, warmup_steps, total_steps, config.min_lr_ratio, config.decay_fraction)
+        self.scheduler = LambdaLR(self.optimizer, lambda at: warmup(at) * decay(at), last_epoch=step - 1)
 
     def step(self) -> None:
         self.scheduler.step()
@@ -107,6 +136,8 @@ class LearningRate:
         """The start line's part: the rate, its scale and warm-up, and Adasum's rule when it applies."""
         config = self.config
         text = f"lr {config.lr:g} x {self.scale:g} after {self.warmup_steps} warm-up steps"
+        if config.lr_schedule != "constant":
+            text += f", {config.lr_schedule} decay to x {config.min_lr_ratio:g} at step {self.total_steps}"
         if config.reduction != "adasum" or not config.scale_lr:
             return text
         factor = self._adasum_factor()

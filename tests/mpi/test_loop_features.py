@@ -9,6 +9,7 @@ what a missing feature changes (clipping, a wrong statistic or a lost metric mov
 or more, checked in each test so that it proves something).
 """
 import copy
+import math
 
 import pytest
 import torch
@@ -271,3 +272,40 @@ def test_fp16_loss_scale_resumes_from_a_checkpoint(world, strategy, checkpoint_f
     assert (rows[:, 0] == STEPS).all(), "the second run did not resume from the first's checkpoint"
     assert (rows[:, 1] == saved["scale"]).all() and (rows[:, 2] == saved["good_steps"]).all(), rows.tolist()
     assert saved["scale"] == 512.0 and saved["good_steps"] == 3 + STEPS
+
+
+# ---- the learning-rate schedule ----------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_a_cosine_schedule_steps_as_one_process_stepping_at_those_rates(world, strategy):
+    """train.lr_schedule=cosine drives the optimizer the strategy steps (zero's is over its shards):
+    over the run's 4 steps (max_steps), rate 0.5 x (1 + cos(pi s / 4)) / 2 at step s."""
+    data = synthetic_classification(samples=96)
+    model = small_mlp(seed=100 + world.rank)
+    make = lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)  # noqa: E731
+    trainer = Trainer(model, make(model.parameters(), 0.5), data, None, config(strategy, lr_schedule="cosine"),
+                      world=world)
+    initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
+    trainer.fit()
+    trainer.strategy.whole_model()
+
+    runs = {}
+    for name, rates in (("cosine", [0.5 * 0.5 * (1 + math.cos(math.pi * s / STEPS)) for s in range(STEPS)]),
+                        ("constant", [0.5] * STEPS)):
+        reference = small_mlp(seed=0)
+        reference.load_state_dict(initial)
+        optimizer = make(reference.parameters(), rates[0])
+        inputs, labels = data.tensors
+        for rate, batch in zip(rates, global_batches(len(data), world.size)):
+            for group in optimizer.param_groups:
+                group["lr"] = rate
+            optimizer.zero_grad()
+            F.cross_entropy(reference(inputs[batch]), labels[batch]).backward()
+            optimizer.step()
+        runs[name] = flat_parameters(reference)
+    ours = flat_parameters(trainer.model)
+    rows = agreed([(ours - runs["cosine"]).abs().max(), (ours - runs["constant"]).abs().max(),
+                   trainer.optimizer.param_groups[0]["lr"]], name=f"schedule.{strategy}")
+    assert (rows[:, 0] < BOUND).all(), f"max |trainer - one process at the cosine rates| per rank: {rows[:, 0].tolist()}"
+    assert (rows[:, 1] > 1e-3).all(), "the schedule changed nothing: the test would not see it missing"
+    assert (rows[:, 2] == 0.0).all(), f"the rate after the last step must be min_lr_ratio x peak = 0: {rows[:, 2]}"

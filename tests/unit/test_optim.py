@@ -1,6 +1,12 @@
 import pytest
+import torch
 
-from hvdtrain.training.lr import lr_scale, warmup_factor
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.distributed.world import World
+from hvdtrain.training.lr import LearningRate, decay_factor, lr_scale, warmup_factor
+
+FOUR_WORKERS = World(rank=0, size=4, local_rank=0, local_size=4, cross_rank=0, cross_size=1, hostname="node1",
+                     controller="mpi", launcher="test", threads=1, device=torch.device("cpu"))
 
 
 def test_scale_is_global_batch_over_one_worker_batch_or_one_when_disabled():
@@ -26,3 +32,45 @@ def test_no_warmup_when_nothing_is_scaled_or_no_steps_are_asked(scale, steps):
 def test_a_non_positive_scale_is_refused():
     with pytest.raises(ValueError, match="LR scale must be positive"):
         warmup_factor(0.0, 10)
+
+
+def test_each_schedule_holds_then_decays_to_the_minimum_at_the_last_step():
+    """100 steps, 10 of warm-up, ending at 10% of the peak: the shapes by their defining points."""
+    points = {name: decay_factor(name, warmup_steps=10, total_steps=100, min_ratio=0.1, decay_fraction=0.2)
+              for name in ("constant", "linear", "cosine", "wsd")}
+    assert [points["constant"](s) for s in (0, 10, 55, 100, 150)] == [1.0] * 5
+    assert points["linear"](10) == 1.0 and points["linear"](55) == pytest.approx(0.55)  # halfway: (1 + 0.1) / 2
+    assert points["cosine"](10) == 1.0 and points["cosine"](55) == pytest.approx(0.55)  # cos(pi/2) = 0
+    assert points["cosine"](30) > points["linear"](30)  # cosine stays high first, then falls faster
+    assert points["wsd"](80) == 1.0 and points["wsd"](90) == pytest.approx(0.55)  # the last 20 steps decay
+    for name in ("linear", "cosine", "wsd"):
+        assert points[name](100) == pytest.approx(0.1) and points[name](150) == pytest.approx(0.1)
+        rates = [points[name](s) for s in range(10, 101)]
+        assert all(a >= b for a, b in zip(rates, rates[1:])), f"{name} must never rise after the warm-up"
+
+
+def test_the_optimizer_steps_at_the_warmed_up_decayed_rate_of_each_group():
+    """Two groups at 0.1 and 0.01, scaled x4, 4 warm-up steps, cosine over 12 steps to 0."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD([{"params": [model.weight], "lr": 0.1}, {"params": [model.bias], "lr": 0.01}])
+    config = TrainConfig(batch_size=8, lr=0.1, lr_schedule="cosine", min_lr_ratio=0.0)
+    rate = LearningRate(config, optimizer)
+    rate.start(global_batch=32, warmup_steps=4, world=FOUR_WORKERS, step=0, total_steps=12)
+    seen = []
+    for _ in range(12):
+        seen.append([group["lr"] for group in optimizer.param_groups])
+        optimizer.step()
+        rate.step()
+    seen.append([group["lr"] for group in optimizer.param_groups])
+    assert seen[0] == pytest.approx([0.1, 0.01])  # one worker's rates
+    assert seen[4] == pytest.approx([0.4, 0.04])  # the scaled peak
+    assert seen[8] == pytest.approx([0.2, 0.02])  # halfway through the decay: cos(pi/2)
+    assert seen[12] == pytest.approx([0.0, 0.0], abs=1e-15)
+    assert "cosine decay to x 0 at step 12" in rate.describe()
+
+
+@pytest.mark.parametrize("name,value", [("lr_schedule", "step"), ("min_lr_ratio", 1.5), ("min_lr_ratio", float("nan")),
+                                        ("decay_fraction", 0.0)])
+def test_a_bad_schedule_setting_is_refused(name, value):
+    with pytest.raises(ValueError, match=rf"TrainConfig\.{name} must be"):
+        TrainConfig(**{name: value})

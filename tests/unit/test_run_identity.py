@@ -65,6 +65,14 @@ def test_only_the_settings_that_define_the_run_must_match():
         "model.dropout: '(absent)' -> 0.1", "model.hidden: 32 -> 64", "train.lr: 0.05 -> 0.1"]
 
 
+def test_a_setting_newer_than_the_checkpoint_is_compared_with_its_default():
+    """A checkpoint written before train.lr_schedule existed trained at a constant rate."""
+    assert "lr_schedule" not in SAVED["train"]
+    assert differing_settings(SAVED, {"train": {**SAVED["train"], "lr_schedule": "constant"}, "model": {"hidden": 32}}) == []
+    assert differing_settings(SAVED, {"train": {**SAVED["train"], "lr_schedule": "cosine"}, "model": {"hidden": 32}}) == [
+        "train.lr_schedule: 'constant' -> 'cosine'"]
+
+
 def test_a_checkpoint_of_other_settings_is_refused_unless_forced(caplog):
     other = {"train": {**SAVED["train"], "lr": 0.1}, "model": {"hidden": 32}}
     checkpoint = {"config": SAVED, "step": 30}
