@@ -135,7 +135,9 @@ class LearningRate:
     def describe(self) -> str:
         """The start line's part: the rate, its scale and warm-up, and Adasum's rule when it applies."""
         config = self.config
-        text = f"lr {config.lr:g} x {self.scale:g} after {self.warmup_steps} warm-up steps"
+        # The optimizer's own rates are what is scaled (train.lr is the examples' way to set them).
+        rates = "/".join(f"{rate:g}" for rate in dict.fromkeys(self.base_lrs))
+        text = f"lr {rates} x {self.scale:g} after {self.warmup_steps} warm-up steps"
         if config.lr_schedule != "constant":
             text += f", {config.lr_schedule} decay to x {config.min_lr_ratio:g} at step {self.total_steps}"
         if config.reduction != "adasum" or not config.scale_lr:

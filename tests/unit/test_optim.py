@@ -66,7 +66,7 @@ def test_the_optimizer_steps_at_the_warmed_up_decayed_rate_of_each_group():
     assert seen[4] == pytest.approx([0.4, 0.04])  # the scaled peak
     assert seen[8] == pytest.approx([0.2, 0.02])  # halfway through the decay: cos(pi/2)
     assert seen[12] == pytest.approx([0.0, 0.0], abs=1e-15)
-    assert "cosine decay to x 0 at step 12" in rate.describe()
+    assert rate.describe() == "lr 0.1/0.01 x 4 after 4 warm-up steps, cosine decay to x 0 at step 12"
 
 
 @pytest.mark.parametrize("name,value", [("lr_schedule", "step"), ("min_lr_ratio", 1.5), ("min_lr_ratio", float("nan")),
