@@ -132,6 +132,9 @@ class TrainingLoop:
             self.saved_at = None  # (under elastic a rollback can bring the same step number back)
             self.faults.beat(position.step)
             self.reporter.after_step(position.step)
+            if (cfg.eval_every and position.step % cfg.eval_every == 0 and not self.finished(until_step)
+                    and self.batching.has_steps_left(position.epoch_position)):  # else the epoch's end evaluates
+                self.evaluate_between_steps()
             if self.commit is not None and position.step % cfg.elastic_commit_every == 0:
                 self.commit()  # the point survivors roll back to; may raise to resize
             # The last step of an epoch is saved by the epoch's end, as the start of the next.
@@ -186,6 +189,20 @@ class TrainingLoop:
                         lambda _, batch: strategy.forward_only(self.step_fn, batch), self.topology.world.device,
                         self.precision.autocast, after_batch=lambda: self.faults.beat(self.position.step),
                         lockstep=strategy.collective_forward, counts_samples=strategy.counts_samples)
+
+    def evaluate_between_steps(self) -> None:
+        """train.eval_every: the validation metrics now, recorded and printed; training then goes on
+        in train mode, with the random streams it had (a model or step that draws random numbers
+        while it evaluates does not change the masks training draws next)."""
+        if self.batching.val_loader is None:
+            return
+        device = self.topology.world.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            metrics = self.evaluate()
+        self.model.train()
+        position = self.position
+        self.reporter.evaluation({"epoch": position.epoch + position.epoch_position / self.batching.dataset_size,
+                                  "step": position.step, **metrics})
 
     def save_checkpoint(self) -> None:
         """A checkpoint of this step, unless it was just written, no step since (max_steps ending a

@@ -52,6 +52,7 @@ class TrainConfig:
     micro_batches: int = field(default=1, metadata={"help": "micro-batches each worker's batch is cut into for the pipeline (pipeline_parallel > 1); must divide batch_size; more micro-batches, a smaller idle bubble: (stages - 1) / (micro_batches + stages - 1)"})
     pipeline_schedule: str = field(default="1f1b", metadata={"help": "gpipe: every micro-batch forward, then every one backward (holds all micro-batches' activations); 1f1b: one forward, one backward in turn after a warm-up (holds at most pipeline_parallel micro-batches'); the same bubble, the same result", "choices": PIPELINE_SCHEDULES})
     seed: int = field(default=42, metadata={"help": "one seed for the job; ranks derive theirs from it"})
+    eval_every: int = field(default=0, metadata={"help": "steps between evaluations on the validation set, besides the one at each epoch's end (0: at epoch ends only)"})
     log_every: int = field(default=20, metadata={"help": "steps between log lines (rank 0)"})
     max_steps: Optional[int] = field(default=None, metadata={"help": "stop after this many optimizer steps"})
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank"})
@@ -87,7 +88,7 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be a directory, or null for none, got ''")
         check_whole_numbers(self, ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints",
                                    "preempt_check_every", "elastic_commit_every"))
-        check_whole_numbers(self, ("num_workers", "checkpoint_every", "timeline_steps"), minimum=0)
+        check_whole_numbers(self, ("num_workers", "checkpoint_every", "timeline_steps", "eval_every"), minimum=0)
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"TrainConfig.lr must be a finite number > 0, got {self.lr!r}")
         if not (math.isfinite(self.stall_timeout) and self.stall_timeout >= 0):

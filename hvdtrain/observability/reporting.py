@@ -152,6 +152,13 @@ class Reporter:
         self.record("epoch", record)
         self.progress.message(epoch_line(record, self.config.epochs))
 
+    def evaluation(self, record: Mapping[str, Any]) -> None:
+        """An evaluation between steps (train.eval_every): an ``evaluation`` record and a line."""
+        self.record("evaluation", record)
+        metrics = " ".join(f"{key} {value:.4f}" for key, value in record.items()
+                           if key.startswith("val_") and key != "val_samples")
+        self.progress.message(f"evaluation at step {record['step']}: {metrics}")
+
     def finish(self, step: int) -> None:
         """fit() ends (normally or not)."""
         self.progress.close()

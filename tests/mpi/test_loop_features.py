@@ -9,7 +9,9 @@ what a missing feature changes (clipping, a wrong statistic or a lost metric mov
 or more, checked in each test so that it proves something).
 """
 import copy
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from hvdtrain.distributed import collectives
+from hvdtrain.distributed import collectives, rng
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.trainer import Trainer
@@ -39,8 +41,8 @@ def global_batches(samples, world_size, steps=STEPS):
 
 
 def config(strategy, **overrides):
-    return TrainConfig(epochs=1, batch_size=BATCH, strategy=strategy, scale_lr=False, warmup_epochs=0,
-                       max_steps=STEPS, seed=SEED, log_every=1000, **overrides)
+    return TrainConfig(**{"epochs": 1, "batch_size": BATCH, "strategy": strategy, "scale_lr": False,
+                          "warmup_epochs": 0, "max_steps": STEPS, "seed": SEED, "log_every": 1000, **overrides})
 
 
 def agreed(values, name):
@@ -309,3 +311,49 @@ def test_a_cosine_schedule_steps_as_one_process_stepping_at_those_rates(world, s
     assert (rows[:, 0] < BOUND).all(), f"max |trainer - one process at the cosine rates| per rank: {rows[:, 0].tolist()}"
     assert (rows[:, 1] > 1e-3).all(), "the schedule changed nothing: the test would not see it missing"
     assert (rows[:, 2] == 0.0).all(), f"the rate after the last step must be min_lr_ratio x peak = 0: {rows[:, 2]}"
+
+
+# ---- evaluation between steps ------------------------------------------------------------------
+
+class DrawsWhenEvaluating(nn.Module):
+    """Identity, but it draws a random number in eval mode (as test-time augmentation or Monte-Carlo
+    sampling in a user's model would): an evaluation must not move training's random stream."""
+
+    def forward(self, x):
+        if not self.training:
+            torch.rand(1)
+        return x
+
+
+def with_dropout(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), DrawsWhenEvaluating(), nn.Dropout(0.3),
+                         nn.Linear(16, 4)).to(torch.float64)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_an_evaluation_between_steps_measures_the_model_there_and_changes_nothing_of_training(world, tmp_path,
+                                                                                              strategy):
+    """eval_every=2 over 4 steps: the step-2 record is the evaluation of a run stopped at step 2, and
+    the run ends bitwise where a run without it ends (dropout on again, its random stream untouched)."""
+    base = collectives.allgather_object(str(tmp_path), name=f"eval.dir.{strategy}")[0]
+    data, held_out = synthetic_classification(samples=96), synthetic_classification(samples=40)
+    runs = {}
+    for name, steps, extra in (("between", STEPS, {"eval_every": 2, "run_dir": base, "run_name": "between"}),
+                               ("plain", STEPS, {}), ("stopped", 2, {})):
+        rng.seed_everything(rng.rank_seed(SEED, world.rank))
+        model = with_dropout(seed=7)
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), data, held_out,
+                          config(strategy, **{**extra, "max_steps": steps}), world=world)
+        history = trainer.fit()
+        trainer.close()
+        trainer.strategy.whole_model()
+        runs[name] = (flat_parameters(trainer.model), history[-1])
+    records = [json.loads(line) for line in (Path(base) / "between" / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in records if r["kind"] == "evaluation"]
+    rows = agreed([(runs["between"][0] - runs["plain"][0]).abs().max()], name=f"eval.{strategy}")
+
+    assert [r["step"] for r in evaluations] == [2], "one evaluation between steps; step 4 is the epoch record's"
+    assert evaluations[0]["val_loss"] == runs["stopped"][1]["val_loss"], (evaluations[0], runs["stopped"][1])
+    assert evaluations[0]["val_accuracy"] == runs["stopped"][1]["val_accuracy"]
+    assert (rows == 0).all(), f"the evaluation changed training: max |with - without| per rank {rows.tolist()}"
