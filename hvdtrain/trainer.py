@@ -54,7 +54,9 @@ class Trainer:
     (loss, metrics)`` computes both from a batch of any structure (hvdtrain.training.steps), every
     metric reported as a mean over every rank's samples. ``job_config``: the script's whole resolved
     configuration, recorded in the run directory and every checkpoint (default: the ``train`` section).
-    ``model_plan``: how one replica is split under tensor or pipeline parallelism.
+    ``model_plan``: how one replica is split under tensor or pipeline parallelism. ``collate_fn``:
+    how the loaders make a batch of samples, for training and evaluation (as DataLoader's, e.g. a
+    Hugging Face DataCollatorWithPadding: each batch padded only to its own longest sample).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class Trainer:
         job_config: Optional[Mapping[str, Any]] = None,
         step_fn: Optional[StepFn] = None,
         model_plan: Optional[ModelPlan] = None,
+        collate_fn: Optional[Callable[[List[Any]], Any]] = None,
     ) -> None:
         self.config = cfg = config or TrainConfig()
         self.job_config = dict(job_config) if job_config is not None else {"train": cfg.to_dict()}
@@ -102,7 +105,8 @@ class Trainer:
             if self.topology.mesh is not None and batch_size % cfg.micro_batches:
                 raise ValueError(f"each worker's batch of {batch_size} (from the checkpoint's global batch) cannot be "
                                  f"cut into train.micro_batches={cfg.micro_batches}: choose a divisor of {batch_size}")
-            self.batching = Batching(cfg, self.topology.data_world, batch_size, train_dataset, val_dataset)
+            self.batching = Batching(cfg, self.topology.data_world, batch_size, train_dataset, val_dataset,
+                                     collate_fn)
 
             # 4. The strategy wraps the optimizer: for ddp, Horovod's hooks start each gradient's
             #    all-reduce as soon as backward produces it (overlap, tensor fusion).

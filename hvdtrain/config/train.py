@@ -56,6 +56,8 @@ class TrainConfig:
     log_every: int = field(default=20, metadata={"help": "steps between log lines (rank 0)"})
     max_steps: Optional[int] = field(default=None, metadata={"help": "stop after this many optimizer steps"})
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank"})
+    eval_batch_size: Optional[int] = field(default=None, metadata={"help": "samples per worker per evaluation batch (null: batch_size)"})
+    prefetch_factor: Optional[int] = field(default=None, metadata={"help": "batches each DataLoader worker process loads ahead (null: torch's default, 2); needs num_workers > 0"})
     checkpoint_dir: Optional[str] = field(default=None, metadata={"help": "where rank 0 writes checkpoints (none: no checkpoints)"})
     checkpoint_every: int = field(default=0, metadata={"help": "steps between checkpoints (0: at the end of each epoch only)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "checkpoints kept; older ones are deleted"})
@@ -96,6 +98,13 @@ class TrainConfig:
                              f"got {self.stall_timeout!r}")
         if not (math.isfinite(self.warmup_epochs) and self.warmup_epochs >= 0):
             raise ValueError(f"TrainConfig.warmup_epochs must be a finite number >= 0, got {self.warmup_epochs!r}")
+        for name in ("eval_batch_size", "prefetch_factor"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"TrainConfig.{name} must be a whole number >= 1 or None, got {value!r}")
+        if self.prefetch_factor is not None and self.num_workers == 0:
+            raise ValueError(f"TrainConfig.prefetch_factor={self.prefetch_factor!r} needs DataLoader worker processes "
+                             f"to load ahead: set num_workers > 0 too, or leave prefetch_factor null")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"TrainConfig.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

@@ -3,7 +3,7 @@ shards, the global batch and the steps per epoch. Built at start, and again when
 re-forms the world (the global batch then follows the world, and so do the shards)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, List, Optional
 
 from torch.utils.data import DataLoader, Dataset
 
@@ -16,8 +16,8 @@ class Batching:
     """This rank's view of the data for one world: loaders over its shards, whole global batches."""
 
     def __init__(self, config: TrainConfig, world: World, batch_size: int, train_dataset: Dataset,
-                 val_dataset: Optional[Dataset]) -> None:
-        self.config = config
+                 val_dataset: Optional[Dataset], collate_fn: Optional[Callable[[List[Any]], Any]] = None) -> None:
+        self.config, self.collate_fn = config, collate_fn
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self.dataset_size = len(train_dataset)  # type: ignore[arg-type]
         self.rebuild(world, batch_size)
@@ -26,15 +26,16 @@ class Batching:
         """Shards, loaders and steps for ``world`` (the data-parallel view) and this batch per worker."""
         config = self.config
         self.world, self.batch_size = world, batch_size
-        pin = world.device.type == "cuda"
+        loading = {"num_workers": config.num_workers, "pin_memory": world.device.type == "cuda",
+                   "collate_fn": self.collate_fn, "prefetch_factor": config.prefetch_factor}
         self.train_loader: DataLoader = sharded_loader(
             self.train_dataset, batch_size, world.rank, world.size, config.seed,
-            global_batch=self.global_batch_size, num_workers=config.num_workers, pin_memory=pin,
+            global_batch=self.global_batch_size, **loading,
         )
         self.val_loader: Optional[DataLoader] = None
         if self.val_dataset is not None:
-            self.val_loader = sharded_loader(self.val_dataset, batch_size, world.rank, world.size, config.seed,
-                                             num_workers=config.num_workers, pin_memory=pin)
+            self.val_loader = sharded_loader(self.val_dataset, config.eval_batch_size or batch_size, world.rank,
+                                             world.size, config.seed, **loading)
         # Whole global batches only: every step is B x accumulation full micro-batches per rank.
         self.steps_per_epoch = self.dataset_size // self.global_batch_size
         self.warmup_steps = round(config.warmup_epochs * self.steps_per_epoch)

@@ -7,7 +7,7 @@ resuming on another world size), and a start position inside an epoch for exact 
 """
 from __future__ import annotations
 
-from typing import Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -96,12 +96,15 @@ def sharded_loader(
     global_batch: Optional[int] = None,
     num_workers: int = 0,
     pin_memory: bool = False,
+    collate_fn: Optional[Callable[[List[Any]], Any]] = None,
+    prefetch_factor: Optional[int] = None,
 ) -> DataLoader:
     """A DataLoader over this rank's shard.
 
     With ``global_batch`` (training): shuffled per epoch, whole global batches only. Without
     (evaluation): in order, every sample exactly once across ranks, so metrics summed across
-    ranks count each sample once.
+    ranks count each sample once. ``collate_fn`` makes a batch of samples (torch's default
+    stacks them; a padding collate keeps each batch only as long as its longest sample).
     """
     sampler = ShardedSampler(
         len(dataset), rank, world_size, seed=seed,  # type: ignore[arg-type]
@@ -114,6 +117,8 @@ def sharded_loader(
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
+        collate_fn=collate_fn,
+        prefetch_factor=prefetch_factor,
         # Its own generator: otherwise starting each epoch's iterator draws from the global torch
         # RNG (for worker seeds), and a resumed run's dropout masks would shift by one draw.
         generator=torch.Generator().manual_seed(seed + rank),

@@ -24,6 +24,7 @@ from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
+from tests.unit.test_batching import Sentences, pad
 
 pytestmark = pytest.mark.mpi
 
@@ -357,3 +358,25 @@ def test_an_evaluation_between_steps_measures_the_model_there_and_changes_nothin
     assert evaluations[0]["val_loss"] == runs["stopped"][1]["val_loss"], (evaluations[0], runs["stopped"][1])
     assert evaluations[0]["val_accuracy"] == runs["stopped"][1]["val_accuracy"]
     assert (rows == 0).all(), f"the evaluation changed training: max |with - without| per rank {rows.tolist()}"
+
+
+# ---- the user's collate_fn (dynamic padding) ---------------------------------------------------
+
+def test_the_trainer_batches_with_the_user_s_collate_fn(world):
+    """Sequences of 1 to 7 tokens, padded per batch by the user's collate (torch's default cannot
+    stack them): the Trainer's loaders use it for training and evaluation, and every step and
+    evaluation sees batches padded to their own longest sample."""
+    widths = []
+    embedding = nn.EmbeddingBag(64, 4, mode="mean").to(torch.float64)
+
+    def step(model, batch):
+        widths.append(batch["tokens"].shape[1])
+        logits = model(batch["tokens"])
+        return F.cross_entropy(logits, batch["labels"] % 4), {}
+    torch.manual_seed(0)
+    trainer = Trainer(embedding, torch.optim.SGD(embedding.parameters(), lr=0.1), Sentences(), Sentences(),
+                      config("ddp", eval_batch_size=16), world=world, step_fn=step, collate_fn=pad)
+    history = trainer.fit()
+    rows = agreed([trainer.step, history[-1]["val_loss"], min(widths), max(widths)], name="collate")
+    assert (rows[:, 0] == STEPS).all() and torch.isfinite(rows[:, 1]).all(), rows.tolist()
+    assert (rows[:, 2] < rows[:, 3]).all(), f"every batch padded to one width: {rows.tolist()}"
