@@ -38,8 +38,10 @@ def differing_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
     # A train setting added after the checkpoint was written had its default then (the behaviour
     # that hvdtrain had before the setting existed).
     defaults = TrainConfig()
-    before.update({key: getattr(defaults, key.partition(".")[2]) for key in after
-                   if key.startswith("train.") and key not in before and hasattr(defaults, key.partition(".")[2])})
+    for key in after:
+        section, _, name = key.partition(".")
+        if section == "train" and key not in before and hasattr(defaults, name):
+            before[key] = getattr(defaults, name)
     keys = sorted(key for key in set(before) | set(after) if _defines_the_run(key))
     return [f"{key}: {before.get(key, _ABSENT)!r} -> {after.get(key, _ABSENT)!r}"
             for key in keys if before.get(key, _ABSENT) != after.get(key, _ABSENT)]

@@ -53,16 +53,15 @@ class HostSnapshot:
     def _tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         buffer = self._reusable(tensor)
         if buffer is None:
-            pinned = tensor.device.type == "cuda"
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
             if self._used < len(self._buffers):
                 self._buffers[self._used] = buffer
             else:
                 self._buffers.append(buffer)
         self._used += 1
-        on_device = tensor.device.type != "cpu"
-        buffer.copy_(tensor, non_blocking=on_device)
-        self._device_copies |= on_device and tensor.device.type == "cuda"
+        from_gpu = tensor.device.type == "cuda"  # into pinned memory: asynchronous, waited for in copy()
+        buffer.copy_(tensor, non_blocking=from_gpu)
+        self._device_copies |= from_gpu
         return buffer
 
     def _reusable(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
