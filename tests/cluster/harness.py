@@ -7,14 +7,17 @@
 What it builds (as root, on Linux):
   * two test hosts, hostA (10.99.0.1) and hostB (10.99.0.2): each a network + UTS namespace with
     its own hostname and its own sshd; a veth pair joins them, both ends named eth0, because
-    horovodrun needs one interface name common to every host;
+    horovodrun needs one interface name common to every host. Each host also has a mount
+    namespace, where the test hosts' hosts file is bind-mounted over /etc/hosts: the names
+    resolve there, and the machine's /etc/hosts is never edited;
   * a two-node SLURM cluster on them: munged and slurmctld on hostA, one slurmd on each host.
 
 Everything is torn down on exit, also when a step fails half-way: the daemons it started (and
 only those, by the process handles it holds), whatever still runs inside its namespaces (only
-the harness starts processes there), the namespaces, and the lines it added to /etc/hosts.
-All state lives in one temporary directory, removed at the end. Network traffic stays on the
-veth pair between the two namespaces and on loopback.
+the harness starts processes there) and the namespaces. All state lives in one temporary
+directory, removed at the end. Network traffic stays on the veth pair between the
+two namespaces and on loopback. Each cluster's namespaces carry its own session name, so several
+test sessions (two checkouts, CI beside a developer) can run on one machine at once.
 
 Missing system packages are installed with apt-get (openssh-server; slurmd slurmctld
 slurm-client munge, without recommends). Every subprocess has a timeout; a failing step raises
@@ -37,8 +40,8 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set
 
 ETC_HOSTS = Path("/etc/hosts")
-HOSTS_MARK = "# hvdtrain cluster tests"  # marks the /etc/hosts lines this harness adds
-NETNS_PREFIX = "hvdtrain-"  # namespace names: hvdtrain-hostA, hvdtrain-hostB
+NETNS_PREFIX = "hvdtrain-"  # namespace names: hvdtrain-<session>-hostA, hvdtrain-<session>-hostB
+HOST_NAMES = ("hostA", "hostB")
 STATE_PREFIX = "hvdtrain-cluster-"
 SSHD_PRIVSEP_DIR = Path("/run/sshd")  # compiled into Debian's sshd; must exist
 POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
@@ -134,7 +137,7 @@ def skip_reason() -> Optional[str]:
     if not sys.platform.startswith("linux"):
         return f"the test cluster needs Linux network namespaces (this is {sys.platform})"
     if os.geteuid() != 0:
-        return (f"the test cluster needs root (network namespaces, /etc/hosts, daemons on port 22); "
+        return (f"the test cluster needs root (network namespaces, /etc/netns, daemons on port 22); "
                 f"this runs as uid {os.geteuid()}")
     for tool in ("ip", "nsenter", "unshare"):
         if shutil.which(tool) is None:
@@ -186,15 +189,17 @@ def ensure_packages() -> List[str]:
 
 @dataclass
 class Host:
-    name: str  # hostname inside the UTS namespace, and its /etc/hosts name
+    name: str  # hostname inside the UTS namespace, and its name in the namespaces' hosts files
     address: str
     netns: str
     sshd: Optional[subprocess.Popen] = None
 
     def enter(self) -> List[str]:
-        """Prefix that runs a command on this host: its network and UTS namespaces."""
+        """Prefix that runs a command on this host: its network, UTS and mount namespaces (the
+        mount namespace holds the hosts file). `--wd=.` keeps the caller's directory, which
+        entering a mount namespace would otherwise reset to /."""
         assert self.sshd is not None, f"{self.name} is not up yet"
-        return ["nsenter", "-t", str(self.sshd.pid), "-n", "-u", "--"]
+        return ["nsenter", "-t", str(self.sshd.pid), "-n", "-u", "-m", "--wd=.", "--"]
 
 
 @dataclass
@@ -208,18 +213,20 @@ class Daemon:
 class Cluster:
     """The two test hosts and the SLURM cluster on them; build() then teardown()."""
 
-    state: Path
+    state: Path  # a fresh directory named STATE_PREFIX + session
     python_bin: Path = field(default_factory=lambda: Path(sys.executable).parent)
-    hosts: List[Host] = field(default_factory=lambda: [
-        Host("hostA", "10.99.0.1", NETNS_PREFIX + "hostA"),
-        Host("hostB", "10.99.0.2", NETNS_PREFIX + "hostB")])
+    hosts: List[Host] = field(default_factory=list)
     timings: Dict[str, float] = field(default_factory=dict)
     installed: List[str] = field(default_factory=list)
     _daemons: List[Daemon] = field(default_factory=list)
     _namespaces: List[str] = field(default_factory=list)
-    _hosts_original: Optional[bytes] = None
-    _hosts_written: Optional[bytes] = None
     _made_privsep_dir: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.hosts:
+            session = self.state.name[len(STATE_PREFIX):] if self.state.name.startswith(STATE_PREFIX) else self.state.name
+            self.hosts = [Host(name, f"10.99.0.{i}", f"{NETNS_PREFIX}{session}-{name}")
+                          for i, name in enumerate(HOST_NAMES, start=1)]
 
     # ----- paths and environments the tests use
 
@@ -234,6 +241,10 @@ class Cluster:
     @property
     def hostfile(self) -> Path:
         return self.state / "hostfile"
+
+    @property
+    def hosts_file(self) -> Path:
+        return self.state / "hosts"
 
     @property
     def slurm_conf(self) -> Path:
@@ -270,7 +281,6 @@ class Cluster:
                     lambda: self.installed.extend(ensure_packages()))
         self._timed("ssh keys and wrappers", self._write_ssh_files)
         self._timed("network namespaces", self._make_network)
-        self._timed("/etc/hosts entries", self._add_hosts_entries)
         self._timed("sshd on both hosts", self._start_sshds)
         self._timed("munged", self._start_munged)
         self._timed("slurmctld + slurmd x2", self._start_slurm)
@@ -310,13 +320,7 @@ class Cluster:
         path.chmod(0o755)
 
     def _make_network(self) -> None:
-        existing = run_step("ip netns list", ["ip", "netns", "list"]).stdout.split()
-        for host in self.hosts:
-            if host.netns in existing:
-                raise ClusterError(
-                    f"network namespace {host.netns} exists already: another cluster test session is "
-                    "running, or a killed one left it behind. If none is running, remove the leftovers "
-                    "with: python tests/cluster/harness.py --cleanup-leftovers")
+        self.hosts_file.write_text(hosts_file_text(ETC_HOSTS.read_text(errors="replace"), self.hosts))
         for host in self.hosts:
             run_step(f"create namespace {host.netns}", ["ip", "netns", "add", host.netns])
             self._namespaces.append(host.netns)
@@ -330,34 +334,20 @@ class Cluster:
             run_step(f"lo up on {host.name}", ns + ["link", "set", "lo", "up"])
             run_step(f"eth0 up on {host.name}", ns + ["link", "set", "eth0", "up"])
 
-    def _add_hosts_entries(self) -> None:
-        original = ETC_HOSTS.read_bytes()
-        names = {h.name.lower() for h in self.hosts}
-        for line in original.decode(errors="replace").splitlines():
-            listed = set(line.split("#", 1)[0].lower().split()[1:])
-            if listed & names:
-                raise ClusterError(
-                    f"/etc/hosts already names {sorted(listed & names)} ({line.strip()!r}); the test "
-                    "hosts would be shadowed. If a killed test run left it: "
-                    "python tests/cluster/harness.py --cleanup-leftovers")
-        (self.state / "hosts.orig").write_bytes(original)  # a copy for a human, should all else fail
-        block = "".join(f"{h.address} {h.name} {HOSTS_MARK}\n" for h in self.hosts).encode()
-        separator = b"" if not original or original.endswith(b"\n") else b"\n"
-        self._hosts_original = original
-        self._hosts_written = original + separator + block
-        _write_in_place(ETC_HOSTS, self._hosts_written)
-
     def _start_sshds(self) -> None:
         if not SSHD_PRIVSEP_DIR.exists():
             SSHD_PRIVSEP_DIR.mkdir(mode=0o755)
             self._made_privsep_dir = True
         ssh = self.state / "ssh"
         for host in self.hosts:
-            # `ip netns exec`, `unshare` and `exec` all replace themselves, so the process we
-            # hold IS sshd, and it holds the host's namespaces open for nsenter.
-            argv = ["ip", "netns", "exec", host.netns, "unshare", "--uts", "--", "sh", "-c",
-                    'hostname "$0" && exec /usr/sbin/sshd -D -f "$1" -E "$2"',
-                    host.name, str(ssh / f"sshd_config.{host.name}"), str(ssh / f"sshd-{host.name}.log")]
+            # `nsenter`, `unshare` and `exec` all replace themselves, so the process we hold IS
+            # sshd, and it holds the host's namespaces open for nsenter. Not `ip netns exec`: it
+            # mounts a fresh /sys, without the cgroup filesystem slurmd insists on. unshare makes
+            # the new mount namespace private: the bind mount stays inside it.
+            argv = ["nsenter", f"--net=/run/netns/{host.netns}", "unshare", "--mount", "--uts", "--",
+                    "sh", "-c", 'mount --bind "$1" /etc/hosts && hostname "$0" && exec /usr/sbin/sshd -D -f "$2" -E "$3"',
+                    host.name, str(self.hosts_file), str(ssh / f"sshd_config.{host.name}"),
+                    str(ssh / f"sshd-{host.name}.log")]
             host.sshd = self._start_daemon(f"sshd on {host.name}", argv, ssh / f"sshd-{host.name}.out").process
         for host in self.hosts:  # on-hostA, on-hostB: for a person debugging with --hold
             self._write_script(f"on-{host.name}", " ".join(host.enter()) + ' "$@"')
@@ -436,7 +426,7 @@ class Cluster:
         """Undo everything build() did, as far as it got. Every step is attempted; returns problems."""
         problems: List[str] = []
         for step in (self._stop_daemons, self._empty_namespaces, self._delete_namespaces,
-                     self._restore_etc_hosts, self._remove_privsep_dir):
+                     self._remove_privsep_dir):
             try:
                 problems.extend(step())
             except Exception as exc:  # keep tearing down; report all of it at the end
@@ -487,19 +477,6 @@ class Cluster:
             else:
                 problems.append(f"could not delete namespace {netns}: {result.stderr.strip()}")
         return problems
-
-    def _restore_etc_hosts(self) -> List[str]:
-        if self._hosts_original is None:
-            return []
-        current = ETC_HOSTS.read_bytes()
-        if current == self._hosts_written:
-            _write_in_place(ETC_HOSTS, self._hosts_original)
-            self._hosts_original = None
-            return []
-        # Someone else edited /etc/hosts meanwhile: keep their edit, drop only our lines.
-        _remove_marked_hosts_lines()
-        self._hosts_original = None
-        return ["/etc/hosts changed during the tests; removed only the harness's lines"]
 
     def _remove_privsep_dir(self) -> List[str]:
         if self._made_privsep_dir:
@@ -558,19 +535,19 @@ def _wait_reaped(pids: Set[int], timeout: float) -> None:
         time.sleep(0.1)
 
 
-def _write_in_place(path: Path, data: bytes) -> None:
-    """Rewrite a file keeping its inode: /etc/hosts is often a bind mount in containers."""
-    with open(path, "r+b") as handle:
-        handle.write(data)
-        handle.truncate()
+def hosts_file_text(machine_hosts: str, hosts: Sequence[Host]) -> str:
+    """The test hosts' hosts file: the machine's own (localhost and the rest), without lines
+    that name a test host, which would shadow it, then one line per test host."""
+    names = {h.name.lower() for h in hosts}
+    kept = [line for line in machine_hosts.splitlines()
+            if not names & set(line.split("#", 1)[0].lower().split()[1:])]
+    return "".join(f"{line}\n" for line in kept) + "".join(f"{h.address} {h.name}\n" for h in hosts)
 
 
-def _remove_marked_hosts_lines() -> bool:
-    text = ETC_HOSTS.read_bytes()
-    kept = b"".join(line for line in text.splitlines(keepends=True) if HOSTS_MARK.encode() not in line)
-    if kept != text:
-        _write_in_place(ETC_HOSTS, kept)
-    return kept != text
+def namespaces_on_machine() -> List[str]:
+    # `ip netns list` prints "name" or "name (id: 3)" per line
+    listed = run_bounded(["ip", "netns", "list"], 10).stdout.splitlines()
+    return [line.split()[0] for line in listed if line.strip()]
 
 
 @contextlib.contextmanager
@@ -613,18 +590,15 @@ def running_cluster() -> Iterator[Cluster]:
 
 
 def cleanup_leftovers() -> List[str]:
-    """Remove what a run killed with SIGKILL left: processes in our namespaces (only the harness
-    starts processes there), the namespaces, our /etc/hosts lines and state directories."""
+    """Remove what runs killed with SIGKILL left: processes in the harness's namespaces (only the
+    harness starts processes there), the namespaces and the state directories.
+    Every session's, so only when no cluster test runs on this machine."""
     done = []
-    existing = run_bounded(["ip", "netns", "list"], 10).stdout.split()
-    for name in ("hostA", "hostB"):
-        netns = NETNS_PREFIX + name
-        if netns in existing:
-            leftover = Cluster(Path(tempfile.gettempdir()), _namespaces=[netns])
+    for netns in namespaces_on_machine():
+        if netns.startswith(NETNS_PREFIX) and netns.endswith(tuple(f"-{name}" for name in HOST_NAMES)):
+            leftover = Cluster(Path(tempfile.gettempdir()), hosts=[Host("", "", netns)], _namespaces=[netns])
             problems = leftover._empty_namespaces() + leftover._delete_namespaces()
             done.append(f"namespace {netns}: " + ("; ".join(problems) if problems else "emptied and deleted"))
-    if _remove_marked_hosts_lines():
-        done.append(f"/etc/hosts: removed the lines marked {HOSTS_MARK!r}")
     for state in Path(tempfile.gettempdir()).glob(STATE_PREFIX + "*"):
         shutil.rmtree(state, ignore_errors=True)
         done.append(f"removed {state}")
@@ -635,7 +609,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hold", action="store_true", help="keep the cluster up until Enter is pressed")
     parser.add_argument("--cleanup-leftovers", action="store_true",
-                        help="remove what a killed run left (only when no cluster test is running)")
+                        help="remove what killed runs left (only when no cluster test is running)")
     args = parser.parse_args(argv)
     reason = skip_reason()
     if reason:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster import harness
 from tests.cluster.harness import Cluster, Result, log_tail
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -268,3 +269,22 @@ def test_language_model_pipeline_across_nodes_tensor_inside_each_as_a_slurm_job(
         assert where in output, f"no start line '{where}'\n{context}"
     final = re.search(r"= ([0-9.]+) bits/char on \d+ held-out characters, 4 workers", output)
     assert final and float(final.group(1)) <= 4.0, context
+
+
+def test_a_second_cluster_runs_beside_the_first(cluster):
+    """Two test sessions on one machine (CI beside a developer's run) each get their own
+    namespaces and hosts files; the machine's /etc/hosts is never touched, and tearing one
+    cluster down leaves the other working."""
+    etc_hosts = Path("/etc/hosts").read_bytes()
+    with harness.running_cluster() as second:  # its build checks ssh between its hosts and SLURM
+        assert {h.netns for h in second.hosts}.isdisjoint(h.netns for h in cluster.hosts)
+        assert Path("/etc/hosts").read_bytes() == etc_hosts
+        both_idle = "hostA idle\nhostB idle\n"
+        for built in (cluster, second):
+            assert built.run_on(built.head, ["ssh", "hostB", "hostname"], 30).stdout == "hostB\n"
+            assert built.run_on(built.head, ["sinfo", "-h", "-N", "-o", "%N %t"], 30).stdout == both_idle
+    assert not {h.netns for h in second.hosts} & set(harness.namespaces_on_machine())
+    assert not second.state.exists()
+    assert cluster.run_on(cluster.head, ["ssh", "hostB", "hostname"], 30).stdout == "hostB\n"
+    assert cluster.run_on(cluster.head, ["sinfo", "-h", "-N", "-o", "%N %t"], 30).stdout == both_idle
+    assert Path("/etc/hosts").read_bytes() == etc_hosts
