@@ -52,8 +52,10 @@ class TrainingLoop:
     grad_norm: float = float("nan")  # before clipping, at the last step (train.max_grad_norm)
     preempted: bool = False
     saved_at: Optional[int] = None  # the step of the last checkpoint, until the next step is taken
-    # Under Horovod elastic: commits the state survivors roll back to (hvdtrain.fault_tolerance.elastic).
+    # Under Horovod elastic: commits the state survivors roll back to (hvdtrain.fault_tolerance.elastic),
+    # every elastic_commit_every steps, or right after each checkpoint when the checkpoints are the commits.
     commit: Optional[Callable[[], None]] = None
+    commit_with_checkpoints: bool = False
 
     def finished(self, until_step: Optional[int]) -> bool:
         """Preempted, or at the step limit: ``until_step``, else max_steps."""
@@ -135,12 +137,15 @@ class TrainingLoop:
             if (cfg.eval_every and position.step % cfg.eval_every == 0 and not self.finished(until_step)
                     and self.batching.has_steps_left(position.epoch_position)):  # else the epoch's end evaluates
                 self.evaluate_between_steps()
-            if self.commit is not None and position.step % cfg.elastic_commit_every == 0:
+            if (self.commit is not None and not self.commit_with_checkpoints
+                    and position.step % cfg.elastic_commit_every == 0):
                 self.commit()  # the point survivors roll back to; may raise to resize
             # The last step of an epoch is saved by the epoch's end, as the start of the next.
             if (self.checkpoints is not None and cfg.checkpoint_every and position.step % cfg.checkpoint_every == 0
                     and self.batching.has_steps_left(position.epoch_position)):
                 self.save_checkpoint()
+                if self.commit is not None and self.commit_with_checkpoints:
+                    self.commit()
             if self.faults.preemption_agreed(position.step):
                 self.stop_for_preemption()
                 break

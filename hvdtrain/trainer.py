@@ -129,7 +129,8 @@ class Trainer:
                                    f"reduction {cfg.reduction}")
             self.checkpoints = CheckpointManager(cfg, self.topology, protocol, self.strategy, self.position, self.lr,
                                                  self.precision, self.batching, self.job_config)
-            if resumed is not None:
+            # Under elastic, a sharded strategy's first sync loads the checkpoint (every rank reads its part).
+            if resumed is not None and not (self.elastic_launch and self.strategy.elastic_from_checkpoint):
                 with self.faults.checkpoint_io():
                     self.checkpoints.load(resumed)
             self.reporter.open_timeline(self.position.step)
@@ -215,9 +216,32 @@ class Trainer:
         previous = self.topology.reform()
         self.batching.rebuild(self.topology.data_world, self.config.batch_size)
         self.restart_schedule()
+        where = ("from the newest checkpoint" if self.strategy.elastic_from_checkpoint
+                 else f"at step {self.position.step}")
         self.topology.log.info(f"world changed from {previous} to {self.world.size} workers: global batch "
-                               f"{self.batching.global_batch_size}, lr x {self.lr.scale:g}; continuing at step "
-                               f"{self.position.step}")
+                               f"{self.batching.global_batch_size}, lr x {self.lr.scale:g}; continuing {where}")
+
+    def continue_from_newest_checkpoint(self) -> None:
+        """Under elastic, a sharded strategy's sync (every rank of the new world): the newest
+        checkpoint, resharded for this world; at a fresh start, rank 0's state everywhere and a
+        step-0 checkpoint, so that a worker lost before the first save has one to come back to."""
+        with self.faults.checkpoint_io():
+            newest = self.checkpoints.protocol.read_newest()
+            if newest is not None:
+                self.checkpoints.load(newest)
+        if newest is None:
+            self.strategy.broadcast_from_root()
+            self.loop.save_checkpoint()
+
+    def _elastic_state(self):
+        """What Horovod elastic commits, rolls back to and syncs (hvdtrain.fault_tolerance.elastic)."""
+        on_sync = [self.restart_schedule, self.reporter.agree_run_directory]
+        if self.strategy.elastic_from_checkpoint:
+            self.loop.commit_with_checkpoints = True
+            return elastic.CheckpointedElasticState(self.continue_from_newest_checkpoint, on_reset=self.follow_world,
+                                                    on_sync=on_sync)
+        return elastic.ElasticState(self.model, self.optimizer, self.position, self.precision,
+                                    on_reset=self.follow_world, on_sync=on_sync)
 
     # --- the public calls -------------------------------------------------------------------------
 
@@ -242,9 +266,7 @@ class Trainer:
         try:
             with oom.explained(explain):
                 if self.elastic_launch:
-                    state = elastic.ElasticState(self.model, self.optimizer, self.position, self.precision,
-                                                 on_reset=self.follow_world,
-                                                 on_sync=[self.restart_schedule, self.reporter.agree_run_directory])
+                    state = self._elastic_state()
                     loop.commit = state.commit
                     elastic.run(state, lambda: loop.run(history, until_step))
                 else:

@@ -83,12 +83,28 @@ class Checkpointing:
                     f"and train.resume=false: this run's checkpoints would be mixed with them. Give this run another "
                     f"checkpoint_dir, move those away, or continue them with train.resume=true")
             return None
+        return self._read_newest()
+
+    def _read_newest(self) -> Optional[Dict[str, Any]]:
         newest = self.store.read_newest_valid()
         if newest is None:
             return None
         path, found = newest
-        log.info(f"resuming from {path}")
+        self.topology.log.info(f"resuming from {path}")
         return found
+
+    def read_newest(self) -> Optional[Dict[str, Any]]:
+        """Every rank: the newest valid checkpoint of this run (a sharded one's manifest), read by
+        rank 0 (which owns the directory from now on) and broadcast; None when there is none yet.
+        Under Horovod elastic, what a sharded strategy continues from after a world change."""
+        def read() -> Optional[Dict[str, Any]]:
+            self._own()
+            return self._read_newest()
+        outcome = self._attempt(read) if self.topology.is_root else None
+        outcome = collectives.broadcast_state(outcome, root_rank=0, name="checkpoint.newest")
+        if isinstance(outcome, str):
+            raise CheckpointError(outcome)
+        return outcome
 
     def _own(self) -> None:
         """This process owns the directory (under Horovod elastic, whichever rank is 0 now)."""

@@ -66,7 +66,7 @@ class TrainConfig:
     resume: str = field(default="true", metadata={"help": "true: continue from the newest valid checkpoint in checkpoint_dir, refused when it was written with settings that define another run (the model, the data, and train's batch_size, lr, scale_lr, warmup_epochs, lr_schedule, min_lr_ratio, decay_fraction, reduction, precision, max_grad_norm, sync_batchnorm, seed); force: continue it all the same, with this run's settings; false: start anew, refused when checkpoint_dir already holds checkpoints; see README, Checkpoints", "choices": RESUME_MODES})
     preempt_signal: str = field(default="USR1", metadata={"help": "signal that asks for checkpoint + requeue ('' disables)"})
     stall_timeout: float = field(default=600.0, metadata={"help": "seconds without a finished step before a rank ends the job, naming where it is stuck (0: never)"})
-    elastic_commit_every: int = field(default=10, metadata={"help": "steps between in-memory commits under Horovod elastic (what a worker loss rolls back to)"})
+    elastic_commit_every: int = field(default=10, metadata={"help": "steps between in-memory commits under Horovod elastic (what a worker loss rolls back to; zero1/zero2 commit at each checkpoint instead)"})
     preempt_check_every: int = field(default=10, metadata={"help": "steps between the ranks' vote on a preemption signal"})
     run_dir: Optional[str] = field(default=None, metadata={"help": "parent of the run directories (resolved config, metrics.jsonl, TensorBoard events, per-rank logs); null: no files"})
     run_name: Optional[str] = field(default=None, metadata={"help": "this run's directory under run_dir; null: slurm-<job id> under SLURM (a requeued job appends to it), else the start time"})

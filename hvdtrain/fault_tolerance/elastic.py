@@ -16,6 +16,7 @@ import torch
 
 import horovod.torch as hvd
 from horovod.common.elastic import State
+from horovod.common.exceptions import HostsUpdatedInterrupt
 
 from hvdtrain.distributed import collectives
 from hvdtrain.training.position import Position
@@ -70,6 +71,43 @@ class ElasticState(State):
         self.save()
 
 
-def run(state: ElasticState, body: Callable[[], None]) -> None:
+class CheckpointedElasticState(State):
+    """Under zero1 and zero2, whose state is cut into one shard per worker: a lost worker takes its
+    shard along, and every shard changes with the world, so a world change continues from the newest
+    checkpoint, resharded for the new world, instead of an in-memory commit. The checkpoints are the
+    commits: the loop commits (and so learns of added or removed hosts) right after each save.
+
+    ``continue_from_checkpoint`` (every rank, collectives allowed) loads the newest checkpoint; at a
+    fresh start, with none yet, it spreads rank 0's state and writes step 0's.
+    """
+
+    def __init__(self, continue_from_checkpoint: Callable[[], None], on_reset: Callable[[], None],
+                 on_sync: Sequence[Callable[[], None]]) -> None:
+        super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
+        self.continue_from_checkpoint = continue_from_checkpoint
+        self.on_sync = list(on_sync)
+        self.register_reset_callbacks([on_reset])
+
+    def save(self) -> None:
+        """Nothing to copy: the checkpoint just written is the commit."""
+
+    def restore(self) -> None:
+        """Nothing yet: the sync loads the newest checkpoint once the new world is formed."""
+
+    def sync(self) -> None:
+        self.continue_from_checkpoint()
+        for callback in self.on_sync:
+            callback()
+
+    def check_host_updates(self) -> None:
+        """Horovod skips the sync after hosts were only removed (the survivors' state is whole under
+        ddp); here every survivor's shard changes with the world, so the sync runs then too."""
+        try:
+            super().check_host_updates()
+        except HostsUpdatedInterrupt:
+            raise HostsUpdatedInterrupt(False) from None
+
+
+def run(state: State, body: Callable[[], None]) -> None:
     """Run ``body`` (the training loop) until it returns, through every worker loss and join."""
     hvd.elastic.run(lambda _state: body())(state)

@@ -47,6 +47,10 @@ class Strategy(ABC):
     # Whether every forward is a collective (fsdp gathers each block's parameters): then every
     # rank must run the same number of forwards, evaluation included.
     collective_forward: ClassVar[bool] = False
+    # Under Horovod elastic, whether a world change continues from the newest checkpoint instead of
+    # the state committed in memory: a strategy whose state is cut into one shard per worker (a lost
+    # worker takes its shard along) and that cuts it anew for the new world in follow_world.
+    elastic_from_checkpoint: ClassVar[bool] = False
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool) -> None:

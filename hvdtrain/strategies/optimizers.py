@@ -40,3 +40,11 @@ def optimizer_like(optimizer: torch.optim.Optimizer,
     # The groups carry every hyperparameter; defaults only serve subclasses that require some.
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     return type(optimizer)(param_groups, **defaults)
+
+
+def repoint_optimizer(optimizer: torch.optim.Optimizer, groups: Sequence[List[torch.nn.Parameter]]) -> None:
+    """``optimizer`` over ``groups[g]`` in place of group g's parameters, its state dropped: the
+    same object, so what drives it (the LR schedule) goes on driving it."""
+    for group, params in zip(optimizer.param_groups, groups):
+        group["params"] = list(params)
+    optimizer.state.clear()

@@ -23,7 +23,7 @@ from hvdtrain.strategies.optimizers import check_elementwise
 from hvdtrain.strategies.registry import ADASUM, COMPILE, ELASTIC, MESH, SHARDED_CHECKPOINTS
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.sliced import SlicedStateStrategy
-from hvdtrain.strategies.zero import SHARDED_ELASTIC, SHARDED_MESH
+from hvdtrain.strategies.zero import SHARDED_MESH
 
 
 def check_servers(servers: int, world_size: int) -> None:
@@ -39,7 +39,10 @@ class PSStrategy(SlicedStateStrategy):
 
     name = "ps"
     refuses = {
-        ELASTIC: SHARDED_ELASTIC, MESH: SHARDED_MESH,
+        ELASTIC: "the servers (ranks 0..ps_servers-1) hold the only copy of the optimizer state, and a lost server "
+                 "takes its part along; continuing from the newest checkpoint, as zero1 and zero2 do, is not built "
+                 "for ps",
+        MESH: SHARDED_MESH,
         SHARDED_CHECKPOINTS: "the optimizer state lives on the servers only, which the per-rank sharded format "
                              "(every rank owns 1/N) does not describe",
         COMPILE: "ps is kept as a measured baseline, and torch.compile is not tested with it",

@@ -115,6 +115,10 @@ def launch_refusal(config: "TrainConfig", world: "World", elastic: bool) -> Opti
                     else f"train.strategy={config.strategy} does not")
             also = "" if config.model_parallel else f"use {_either(supporting(ELASTIC))} under elastic, or "
             return f"{what} support Horovod elastic ({cls.refuses[ELASTIC]}): {also}launch without --min-np/--max-np"
+        if cls.elastic_from_checkpoint and not config.checkpoint_dir:
+            return (f"train.strategy={config.strategy} under Horovod elastic continues from the newest checkpoint "
+                    "after a world change (a lost worker takes its shard of the optimizer state along): set "
+                    "train.checkpoint_dir, on storage every host reads")
     if config.reduction == "adasum":
         from hvdtrain.distributed import collectives
         from hvdtrain.strategies.reduction import adasum_refusal

@@ -17,12 +17,12 @@ import torch
 import horovod.torch as hvd
 
 from hvdtrain.distributed.world import World
-from hvdtrain.strategies.registry import ADASUM, ELASTIC, MESH
+from hvdtrain.strategies.optimizers import repoint_optimizer
+from hvdtrain.strategies.registry import ADASUM, MESH
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.sliced import ShardedStrategy
 
 # Why the sharded strategies cannot do what ddp does (their classes' ``refuses``).
-SHARDED_ELASTIC = "its state is cut into one shard per worker, and elastic changes the worker count mid-run"
 SHARDED_ADASUM = ("zero1, zero2 and fsdp reduce-scatter the gradients so that each rank receives only its slice, "
                   "and Adasum has no reduce-scatter form (it combines whole gradients pairwise, scaled by dot "
                   "products over each whole tensor)")
@@ -35,11 +35,13 @@ class ZeroStrategy(ShardedStrategy):
 
     Clear gradients with ``zero_grad()``; the model's parameters' .grad are views into the
     buckets (stage 1) or absent between steps (stage 2). Parameters not in the optimizer, or
-    frozen when the strategy is built, are left alone.
+    frozen when the strategy is built, are left alone. Under Horovod elastic the buckets are cut
+    anew for every new world, and the state comes back from the newest checkpoint.
     """
 
     stage: ClassVar[int]
-    refuses = {ELASTIC: SHARDED_ELASTIC, ADASUM: SHARDED_ADASUM}
+    refuses = {ADASUM: SHARDED_ADASUM}
+    elastic_from_checkpoint = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool, bucket_bytes: int = 25 * 2**20) -> None:
@@ -47,14 +49,36 @@ class ZeroStrategy(ShardedStrategy):
         if accumulation < 1 or bucket_bytes < 1:
             raise ValueError(f"accumulation ({accumulation}) and bucket_bytes ({bucket_bytes}) must be >= 1")
         super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
+        # The user's optimizer names the parameters and their groups: a new world's buckets are cut from it.
+        self._user_optimizer, self._bucket_bytes = optimizer, bucket_bytes
         self.buckets = fb.bucket_parameters(model, optimizer, bucket_bytes, world.rank, world.size)
         self._attach_gradient_buffers(fp16_allreduce)
         self._take_optimizer(optimizer)
+        self._start_fresh()
+
+    def _start_fresh(self) -> None:
         self._in_flight: Dict[str, Any] = {}  # collective name -> Horovod handle
         self._backwards = 0  # backward passes since the last synchronize
         self._communicate = False  # whether this micro-batch's backward reduce-scatters
         self._unreduced = False  # gradients produced since the last reduction
         self._hooks = self._register_hooks()
+
+    def follow_world(self, world: World) -> None:
+        """Horovod elastic formed a new world: the buckets are cut for its ranks (each parameter
+        keeps its value), the optimizer steps the new slices and its state is dropped (other workers
+        held most of it, a lost one took its part along): the elastic sync loads the newest
+        checkpoint into them. Handles of collectives the old world did not finish are dropped."""
+        super().follow_world(world)
+        self.close()
+        for param in self.model.parameters():
+            param.grad = None  # views of the old buckets' gradient buffers
+        self.buckets = fb.bucket_parameters(self.model, self._user_optimizer, self._bucket_bytes, world.rank,
+                                            world.size)
+        self._attach_gradient_buffers(self.fp16_allreduce)
+        repoint_optimizer(self.optimizer, [[b.shard for b in self.buckets if b.group == group]
+                                           for group in range(len(self.optimizer.param_groups))])
+        self._carried_state = None
+        self._start_fresh()
 
     # Construction: everything a step needs is laid out once, here.
 

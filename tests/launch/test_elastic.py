@@ -51,14 +51,19 @@ def workers(marker, **environment):
 
 
 def checkpoint_steps(directory):
-    return sorted(int(p.name[5:14]) for p in directory.glob("ckpt-*.pt"))
+    """Steps of the complete checkpoints: ckpt-N.pt (full), ckpt-N/ (sharded, published)."""
+    return sorted(int(p.name[5:14]) for p in directory.glob("ckpt-*"))
 
 
 # The test's own deadline must fire before pytest-timeout's default (300 s), or a slow machine
 # ends the test with a stack dump instead of the run's output.
 @pytest.mark.timeout(TIMEOUT + 60)
 @pytest.mark.skipif(HOST in ("localhost", ""), reason="needs a hostname other than localhost")
-def test_losing_rank_0s_host_keeps_checkpoints_and_metrics_going_and_the_host_rejoins(tmp_path):
+@pytest.mark.parametrize("strategy,checkpoint_format", [("ddp", "full"), ("zero2", "sharded")])
+def test_losing_rank_0s_host_keeps_checkpoints_and_metrics_going_and_the_host_rejoins(tmp_path, strategy,
+                                                                                      checkpoint_format):
+    """ddp rolls back to its in-memory commit; zero2, whose lost worker took its shard along, to the
+    newest checkpoint, resharded for 2 workers, then for 3 when the host is back."""
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\nprintf 'localhost:1\\n127.0.0.1:1\\n{HOST}:1\\n'\n")
     discover.chmod(0o755)
@@ -68,7 +73,7 @@ def test_losing_rank_0s_host_keeps_checkpoints_and_metrics_going_and_the_host_re
             "--gloo-timeout-seconds", "5", "--blacklist-cooldown-range", "1", "2",
             PYTHON, "train.py", "--epochs", "25", "--elastic-commit-every", "5", "--require-accuracy", "0.95",
             f"--train.run_dir={runs}", f"--train.checkpoint_dir={checkpoints}", "--train.checkpoint_every=10",
-            "--train.log_every=5"]
+            "--train.log_every=5", f"--train.strategy={strategy}", f"--train.checkpoint_format={checkpoint_format}"]
     process = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
@@ -100,6 +105,10 @@ def test_losing_rank_0s_host_keeps_checkpoints_and_metrics_going_and_the_host_re
     assert grow > 0, f"the killed host did not rejoin:\n{output[-4000:]}"
     final = re.search(r"final validation accuracy: ([0-9.]+) on 359 held-out digits, 3 workers", output)
     assert final and float(final.group(1)) >= 0.95, output[-2000:]
+    if strategy == "zero2":  # back to the checkpoint written last before the kill, cut for the new world
+        resharded = re.findall(r"resharding \S*ckpt-(\d{9}) \((\d) ranks, zero2\) for (\d) ranks under zero2", output)
+        assert resharded[:1] == [(f"{killed_after:09d}", "3", str(survivors))], (killed_after, resharded, output[-4000:])
+        assert (str(survivors), "3") in [(old, new) for _, old, new in resharded[1:]], resharded
 
     # Rank 0's successor went on writing checkpoints and metrics, into the one run directory.
     written = checkpoint_steps(checkpoints)

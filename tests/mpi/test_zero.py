@@ -194,6 +194,35 @@ def test_a_checkpoint_resumes_under_zero_and_under_one_plain_optimizer(world, st
     assert (everywhere[:, 2] < 1e-10).all(), f"zero -> plain: {everywhere[:, 2].tolist()}"
 
 
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_after_a_world_change_the_buckets_are_cut_anew_and_a_checkpoint_continues_them(world, stage):
+    """What Horovod elastic does to a ZeRO strategy (here re-formed at the same world, the one a
+    test process can re-form to): follow_world cuts new buckets, the same optimizer object steps
+    them with its state dropped, and the checkpoint loaded then continues exactly as before."""
+    data = synthetic_classification(samples=192, classes=CLASSES)
+    make_optimizer = OPTIMIZERS["two_groups"]
+    model = small_mlp(seed=0, classes=CLASSES)
+    strategy = STAGES[stage](model, make_optimizer(model), world, 1, False, bucket_bytes=BUCKET_BYTES)
+    zero_steps(strategy, data, 2, 1, world)
+    checkpoint = copy.deepcopy(strategy.state_dict())
+    zero_steps(strategy, data, 2, 1, world, first=2)
+    continued = flat_parameters(model)
+
+    optimizer, old_buckets, values = strategy.optimizer, strategy.buckets, flat_parameters(model)
+    strategy.follow_world(world)
+    relaid = [strategy.optimizer is optimizer, not optimizer.state,
+              not {id(b) for b in strategy.buckets} & {id(b) for b in old_buckets},
+              [p for g in optimizer.param_groups for p in g["params"]] == [b.shard for b in strategy.buckets],
+              torch.equal(flat_parameters(model), values)]
+    strategy.load_state_dict(checkpoint)
+    zero_steps(strategy, data, 2, 1, world, first=2)
+    difference = (flat_parameters(model) - continued).abs().max().reshape(1).double()
+    everywhere = collectives.allgather_rows(difference, name=f"zero.test.relaid.{stage}")
+
+    assert relaid == [True] * 5, "same optimizer, state dropped, new buckets, stepping them, values kept"
+    assert (everywhere == 0).all(), f"max |continued after the re-cut - continued| per rank: {everywhere.tolist()}"
+
+
 def test_broadcast_from_root_spreads_rank_0s_optimizer_state(world):
     data = synthetic_classification(samples=192, classes=CLASSES)
     model = small_mlp(seed=100 + world.rank, classes=CLASSES)

@@ -270,3 +270,35 @@ def test_consolidate_of_a_checkpoint_dir_points_at_its_newest_sharded_checkpoint
     save_sharded(tmp_path, 30, parts_of(trained))
     assert cli.main(["checkpoint", "consolidate", str(tmp_path)]) == 1
     assert f"the newest sharded checkpoint in it is {tmp_path / 'ckpt-000000030'}" in capsys.readouterr().err
+
+
+def test_a_zero_strategy_cut_anew_for_another_world_holds_that_worlds_part(trained):
+    """Horovod elastic's world change, rank 0 of 2 becoming rank 1 of 3: follow_world cuts the
+    buckets for 3 ranks (each parameter keeps its value), the same optimizer object steps the new
+    slice with its state dropped, and the full state loaded then is exactly what a strategy built
+    as rank 1 of 3 holds."""
+    net = model(seed=10)
+    strategy = Zero2Strategy(net, optimizer_for(net), world(0, 2), 1, False, bucket_bytes=15 * 8)
+    strategy.load_state_dict(trained)
+    optimizer, hooks, values = strategy.optimizer, len(strategy._hooks), [p.detach().clone() for p in net.parameters()]
+
+    strategy.follow_world(world(1, 3))
+    assert strategy.optimizer is optimizer and not optimizer.state
+    assert [p for g in optimizer.param_groups for p in g["params"]] == [b.shard for b in strategy.buckets]
+    assert all(b.padded_numel % 3 == 0 and b.rank == 1 for b in strategy.buckets)
+    assert all(torch.equal(p, v) for p, v in zip(net.parameters(), values))
+    assert len(strategy._hooks) == hooks
+    strategy.load_state_dict(trained)
+    assert identical(strategy.shard_state_dict(), parts_of(trained, size=3)[1])
+    strategy.close()
+
+
+def identical(ours, theirs) -> bool:
+    """The same structure, and tensors equal bit for bit in the same dtype."""
+    if isinstance(ours, torch.Tensor):
+        return isinstance(theirs, torch.Tensor) and ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    if isinstance(ours, dict):
+        return isinstance(theirs, dict) and ours.keys() == theirs.keys() and all(identical(ours[k], theirs[k]) for k in ours)
+    if isinstance(ours, (list, tuple)):
+        return type(ours) is type(theirs) and len(ours) == len(theirs) and all(map(identical, ours, theirs))
+    return ours == theirs

@@ -29,7 +29,7 @@ from hvdtrain.strategies.fsdp.communication import UnitCommunication
 from hvdtrain.strategies.registry import ADASUM, COMPILE, ELASTIC, MESH
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.sliced import ShardedStrategy
-from hvdtrain.strategies.zero import SHARDED_ADASUM, SHARDED_ELASTIC, SHARDED_MESH
+from hvdtrain.strategies.zero import SHARDED_ADASUM, SHARDED_MESH
 
 
 class FSDPStrategy(ShardedStrategy):
@@ -43,7 +43,9 @@ class FSDPStrategy(ShardedStrategy):
     name = "fsdp"
     collective_forward = True
     refuses = {
-        ELASTIC: SHARDED_ELASTIC, ADASUM: SHARDED_ADASUM, MESH: SHARDED_MESH,
+        ELASTIC: "a lost worker takes its shard of the parameters along, and fsdp's units are cut for the world it "
+                 "is built in (cutting them anew mid-run, as zero1 and zero2 do under elastic, is not built for fsdp)",
+        ADASUM: SHARDED_ADASUM, MESH: SHARDED_MESH,
         COMPILE: "fsdp gathers each unit's parameters in hooks that run inside the forward, and torch.compile "
                  "cannot compile them: Dynamo cannot trace Horovod's collectives (a graph break at every unit), "
                  "and Inductor fails on the gathered buffer's storage resize (LoweringException: TODO: dynamic "
