@@ -35,6 +35,7 @@ from hvdtrain.observability.reporting import Reporter
 from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies import build_strategy, launch_refusal
+from hvdtrain.training.activation_checkpointing import checkpoint_activations
 from hvdtrain.training.compiling import compile_forward
 from hvdtrain.training.lr import LearningRate
 from hvdtrain.training.position import Position
@@ -86,6 +87,8 @@ class Trainer:
         self.step_fn = step_fn or supervised_step(loss_fn)
         # Before the strategy wraps it: the converted layers keep the same parameter objects.
         self.model = (convert_sync_batchnorm(model) if cfg.sync_batchnorm else model).to(world.device)
+        self.recomputed_blocks = checkpoint_activations(self.model, cfg.activation_checkpointing,
+                                                        cfg.activation_checkpointing_every)
         self.precision = Precision(cfg.precision, world.device)
 
         # The mesh is a collective, refused on every rank alike when it does not divide the world.
@@ -125,8 +128,10 @@ class Trainer:
 
             self.topology.follow(lambda topology: self.strategy.follow_world(topology.world))
             self.reporter = Reporter(cfg, self.topology, self.job_config, self.strategy, self.elastic_launch)
+            recomputed = (f"; activation checkpointing: {len(self.recomputed_blocks)} blocks ({cfg.activation_checkpointing})"
+                          if self.recomputed_blocks else "")
             self.reporter.announce(f"{self.batching.describe()}; {self.lr.describe()}; strategy {cfg.strategy}; "
-                                   f"reduction {cfg.reduction}")
+                                   f"reduction {cfg.reduction}{recomputed}")
             self.checkpoints = CheckpointManager(cfg, self.topology, protocol, self.strategy, self.position, self.lr,
                                                  self.precision, self.batching, self.job_config)
             # Under elastic, a sharded strategy's first sync loads the checkpoint (every rank reads its part).

@@ -20,10 +20,13 @@ BENCHMARKS = {
     "ps": ("hvdtrain.bench.ps.driver", "parameter server against ddp: bytes per rank per step, counted, and samples/s"),
     "checkpoint": ("hvdtrain.bench.checkpoint.driver",
                    "the step's stall per checkpoint, synchronous against train.checkpoint_async, full and sharded"),
+    "activations": ("hvdtrain.bench.activations.driver",
+                    "train.activation_checkpointing: activation bytes kept for backward and step time, against none"),
 }
 
 
-HELP = "benchmarks: collectives, throughput, strategies, scaling, projection, model-parallel, ps, plan, checkpoint"
+HELP = ("benchmarks: collectives, throughput, strategies, scaling, projection, model-parallel, ps, plan, "
+        "checkpoint, activations")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,6 +19,7 @@ REDUCTIONS = ("average", "adasum")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 RESUME_MODES = ("true", "false", "force")
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
+ACTIVATION_CHECKPOINTING = ("none", "full", "every_k")
 
 
 @dataclass
@@ -46,6 +47,8 @@ class TrainConfig:
     precision: str = field(default="fp32", metadata={"help": "the forward's precision: fp32; bf16 (autocast, no loss scaling; runs on CPUs too); fp16 (autocast and a dynamic loss scale, steps with inf/nan skipped on every rank alike); see README, Mixed precision", "choices": PRECISIONS})
     max_grad_norm: Optional[float] = field(default=None, metadata={"help": "clip the averaged gradients to this global L2 norm, across shards under sharded strategies (null: no clipping)"})
     sync_batchnorm: bool = field(default=False, metadata={"help": "compute BatchNorm statistics over the global batch (every rank's samples) instead of each rank's own"})
+    activation_checkpointing: str = field(default="none", metadata={"help": "the model's blocks (the members of its nn.ModuleList / nn.Sequential containers: a transformer's layers) keep only their inputs for backward and compute their forward again there: none; full: every block; every_k: every activation_checkpointing_every-th block. Less activation memory for about one more forward; the same results; see README, Activation checkpointing", "choices": ACTIVATION_CHECKPOINTING})
+    activation_checkpointing_every: int = field(default=2, metadata={"help": "activation_checkpointing=every_k: checkpoint the k-th, 2k-th, ... block"})
     compile: bool = field(default=False, metadata={"help": "run the model's forward (and its backward) through torch.compile; the model, its state_dict keys and checkpoints stay as they are; the first step and the first evaluation compile; not with strategy=fsdp; see README, Compiling the model"})
     tensor_parallel: int = field(default=1, metadata={"help": "ranks that split each layer of one model replica (Megatron: attention by heads, MLP by columns then rows; two all-reduces per block forward, two backward); innermost in the mesh, so one host's ranks; needs a tensor plan (train_lm.py has the example transformer's); see README, Model parallelism"})
     pipeline_parallel: int = field(default=1, metadata={"help": "pipeline stages per model replica, each holding a contiguous run of layers; activations move forward and their gradients backward between neighbouring stages; data-parallel width = workers / (tensor_parallel x pipeline_parallel); see README, Model parallelism"})
@@ -105,6 +108,14 @@ class TrainConfig:
         if self.prefetch_factor is not None and self.num_workers == 0:
             raise ValueError(f"TrainConfig.prefetch_factor={self.prefetch_factor!r} needs DataLoader worker processes "
                              f"to load ahead: set num_workers > 0 too, or leave prefetch_factor null")
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(f"TrainConfig.activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, "
+                             f"got {self.activation_checkpointing!r}")
+        check_whole_numbers(self, ("activation_checkpointing_every",))
+        if self.activation_checkpointing != "every_k" and self.activation_checkpointing_every != 2:
+            raise ValueError(f"TrainConfig.activation_checkpointing_every={self.activation_checkpointing_every} applies "
+                             f"to activation_checkpointing=every_k only, got {self.activation_checkpointing}: set "
+                             f"activation_checkpointing=every_k, or leave activation_checkpointing_every at 2")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"TrainConfig.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

@@ -99,7 +99,15 @@ def test_zero1_over_the_data_groups_matches_one_process(world, layout):
     check_layout(world, layout, strategy="zero1")
 
 
-def check_layout(world, layout, max_grad_norm=None, strategy="ddp"):
+# Every block computed again in backward: a tensor-parallel block's all-reduces run again there, a
+# pipeline stage recomputes its own blocks; the steps stay one process's.
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", [(2, 1, "1f1b", 1), (1, 2, "1f1b", 2), (2, 2, "gpipe", 2)], ids=layout_id)
+def test_activation_checkpointing_matches_one_process(world, layout):
+    check_layout(world, layout, activation_checkpointing="full")
+
+
+def check_layout(world, layout, max_grad_norm=None, strategy="ddp", activation_checkpointing="none"):
     tensor, pipeline, schedule, micro = layout
     if world.size % (tensor * pipeline):
         pytest.skip(f"T={tensor} x P={pipeline} does not divide {world.size} ranks")
@@ -110,7 +118,7 @@ def check_layout(world, layout, max_grad_norm=None, strategy="ddp"):
     config = TrainConfig(epochs=1, batch_size=BATCH, lr=1.0, scale_lr=False, warmup_epochs=0, max_steps=STEPS,
                          seed=SEED, log_every=1000, tensor_parallel=tensor, pipeline_parallel=pipeline,
                          pipeline_schedule=schedule, micro_batches=micro, max_grad_norm=max_grad_norm,
-                         strategy=strategy)
+                         strategy=strategy, activation_checkpointing=activation_checkpointing)
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, None, config, world=world,
                       loss_fn=lm_loss, model_plan=ModelPlan(tensor_plan=tensor_plan(model), pipeline_layers=pipeline_layers))
     initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
@@ -146,6 +154,7 @@ def check_layout(world, layout, max_grad_norm=None, strategy="ddp"):
     trainer.close_mesh()  # the last collective: left open, every later test's collectives slow down
 
     assert trainer.step == STEPS
+    assert len(trainer.recomputed_blocks) == (BLOCKS if activation_checkpointing == "full" else 0)
     assert moved > 1e-3, "training did not move the parameters: the test proves nothing"
     assert loss_error < 1e-10, f"per-step loss against one process: {step_losses.tolist()} vs {expected_losses}"
     assert worst < 1e-10, f"max |gathered - one process| = {worst}"

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from hvdtrain.strategies.sharding import flat_buckets as fb
+from hvdtrain.training.blocks import model_blocks
 
 WrapPolicy = Callable[[nn.Module], bool]
-CONTAINERS = (nn.ModuleList, nn.Sequential)
 FREE, GATHERING, GATHERED = "free", "gathering", "gathered"  # a unit's full parameters
 
 
@@ -60,19 +60,10 @@ class FSDPUnit:
 # Which modules are units.
 
 def default_wrap_policy(model: nn.Module) -> WrapPolicy:
-    """The model's blocks: the members of its containers (nn.ModuleList, nn.Sequential), found by
-    descending through the model's children and through nested containers; the model's own
-    members if it is a container itself. Other modules (embeddings, norms, heads) stay in the root."""
-    blocks = {id(module) for module in _blocks(model)}
+    """The model's blocks (hvdtrain.training.blocks); other modules (embeddings, norms, heads) stay
+    in the root."""
+    blocks = {id(module) for _, module in model_blocks(model)}
     return lambda module: id(module) in blocks
-
-
-def _blocks(module: nn.Module):
-    for child in module.children():
-        if isinstance(module, CONTAINERS) and not isinstance(child, CONTAINERS):
-            yield child
-        else:
-            yield from _blocks(child)
 
 
 def find_units(model: nn.Module, policy: WrapPolicy) -> List[Tuple[str, nn.Module]]:

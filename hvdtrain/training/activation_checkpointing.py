@@ -1,0 +1,98 @@
+"""Activation checkpointing (train.activation_checkpointing): chosen blocks keep only their inputs
+for backward and compute their forward again there, one more forward of those blocks for the
+activations inside them (torch.utils.checkpoint, non-reentrant: the random streams and autocast of
+the first forward are replayed, so dropout masks and results are the same).
+
+The blocks are the model's repeated layers (hvdtrain.training.blocks): ``full`` checkpoints every
+one, ``every_k`` every k-th (train.activation_checkpointing_every). A block's forward is wrapped,
+the module stays what it was (its class, hooks, state_dict keys): fsdp's hooks gather a unit before
+its first forward, and again for its backward, before the recompute runs.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hvdtrain.config.train import ACTIVATION_CHECKPOINTING as MODES
+from hvdtrain.training.blocks import model_blocks
+
+
+# The storages kept for backward while saved_activation_bytes counts them (None: not counting).
+_counted: Optional[Dict[int, int]] = None
+
+
+class RecomputedForward:
+    """A block's forward that keeps only its inputs for backward. An attribute of the module, holding
+    the module's own bound forward: deepcopy and pickling carry it along with the module."""
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # evaluation: nothing would be saved
+            return self.forward(*args, **kwargs)
+        if _counted is not None:  # the recompute holds the inputs, outside autograd's saved tensors
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, torch.Tensor):
+                    _count(value)
+        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+def _count(tensor: torch.Tensor) -> torch.Tensor:
+    storage = tensor.untyped_storage()
+    _counted[storage.data_ptr()] = storage.nbytes()
+    return tensor
+
+
+def saved_activation_bytes(model: nn.Module, forward: Callable[[], Any]) -> Tuple[Any, int]:
+    """``forward()``'s result and the activation bytes it keeps for backward: the distinct storages
+    autograd saves and the inputs of checkpointed blocks, but not ``model``'s parameters and buffers
+    (layers save their weights too, which training holds anyway)."""
+    global _counted
+    _counted = {}
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_count, lambda tensor: tensor):
+            result = forward()
+        for tensor in (*model.parameters(), *model.buffers()):
+            _counted.pop(tensor.untyped_storage().data_ptr(), None)
+        return result, sum(_counted.values())
+    finally:
+        _counted = None
+
+
+def chosen_blocks(model: nn.Module, mode: str, every: int) -> List[str]:
+    """The paths of the blocks ``mode`` checkpoints: all, or every ``every``-th (the k-th, 2k-th...)."""
+    if mode not in MODES:
+        raise ValueError(f"activation_checkpointing must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "none":
+        return []
+    blocks = model_blocks(model)
+    if not blocks:
+        raise ValueError("train.activation_checkpointing checkpoints the model's blocks, the members of its "
+                         "nn.ModuleList / nn.Sequential containers, and this model has none: keep the repeated "
+                         "layers in an nn.ModuleList, or set activation_checkpointing=none")
+    chosen = blocks if mode == "full" else blocks[every - 1::every]
+    return [path for path, _ in chosen]
+
+
+def checkpoint_activations(model: nn.Module, mode: str, every: int = 2) -> List[str]:
+    """Wrap the chosen blocks' forwards in place; returns their paths. A block with BatchNorm is
+    refused: the recompute would count its batch in the running statistics twice."""
+    paths = chosen_blocks(model, mode, every)
+    modules = dict(model.named_modules())
+    for path in paths:
+        block = modules[path]
+        norms = [name for name, m in block.named_modules()
+                 if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+        if norms:
+            raise ValueError(f"train.activation_checkpointing would compute block {path} twice per step, and its "
+                             f"BatchNorm ({'.'.join(filter(None, (path, norms[0])))}) would count the batch in its running statistics twice: "
+                             f"set activation_checkpointing=none, or use a norm without running statistics")
+    for path in paths:
+        block = modules[path]
+        if not isinstance(block.forward, RecomputedForward):  # wrapped once, however often applied
+            block.forward = RecomputedForward(block.forward)
+    return paths
