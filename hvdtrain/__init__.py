@@ -32,6 +32,8 @@ _EXPORTS = {
     "StepFn": "hvdtrain.training.steps",
     "supervised_step": "hvdtrain.training.steps",
     "ShardedSampler": "hvdtrain.data.sharding",
+    "Callback": "hvdtrain.training.callbacks",
+    "EarlyStopping": "hvdtrain.training.callbacks",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -24,6 +24,7 @@ from hvdtrain.fault_tolerance.handling import FaultHandling
 from hvdtrain.observability.reporting import Reporter
 from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies.base import Strategy
+from hvdtrain.training.callbacks import Callbacks
 from hvdtrain.training.evaluation import evaluate
 from hvdtrain.training.lr import LearningRate
 from hvdtrain.training.metrics import RunningMeans, Throughput, Totals
@@ -48,9 +49,11 @@ class TrainingLoop:
     reporter: Reporter
     checkpoints: Optional[CheckpointManager]  # None: the run keeps no checkpoints
     faults: FaultHandling
+    callbacks: Callbacks
     phase: str = "set-up"  # what the loop is doing, for an out-of-memory message
     grad_norm: float = float("nan")  # before clipping, at the last step (train.max_grad_norm)
     preempted: bool = False
+    stopped: bool = False  # a callback asked, and every rank agreed
     saved_at: Optional[int] = None  # the step of the last checkpoint, until the next step is taken
     # Under Horovod elastic: commits the state survivors roll back to (hvdtrain.fault_tolerance.elastic),
     # every elastic_commit_every steps, or right after each checkpoint when the checkpoints are the commits.
@@ -58,9 +61,9 @@ class TrainingLoop:
     commit_with_checkpoints: bool = False
 
     def finished(self, until_step: Optional[int]) -> bool:
-        """Preempted, or at the step limit: ``until_step``, else max_steps."""
+        """Preempted, stopped by a callback, or at the step limit: ``until_step``, else max_steps."""
         limit = self.config.max_steps if until_step is None else until_step
-        return self.preempted or (limit is not None and self.position.step >= limit)
+        return self.preempted or self.stopped or (limit is not None and self.position.step >= limit)
 
     def run(self, history: List[Dict[str, float]], until_step: Optional[int] = None) -> None:
         """Epochs until the configured count, max_steps or ``until_step``; one record per epoch."""
@@ -84,10 +87,16 @@ class TrainingLoop:
             }
             history.append(record)
             self.reporter.epoch(record)
+            if self.batching.val_loader is not None:
+                self.callbacks.call("on_evaluation_end", position.step,
+                                    {k: v for k, v in record.items() if k.startswith("val_")})
+            self.callbacks.call("on_epoch_end", dict(record))
             if self.checkpoints is not None:
                 self.save_checkpoint()
             if self.commit is not None:
                 self.commit()
+            if self.stop_if_agreed("loop.stop.epoch"):
+                break
         if self.checkpoints is not None:  # an asynchronous save's write, done before the run returns
             with self.faults.checkpoint_io():
                 self.checkpoints.finish()
@@ -134,6 +143,7 @@ class TrainingLoop:
             self.saved_at = None  # (under elastic a rollback can bring the same step number back)
             self.faults.beat(position.step)
             self.reporter.after_step(position.step)
+            self.callbacks.call("on_step_end", position.step)
             if (cfg.eval_every and position.step % cfg.eval_every == 0 and not self.finished(until_step)
                     and self.batching.has_steps_left(position.epoch_position)):  # else the epoch's end evaluates
                 self.evaluate_between_steps()
@@ -148,6 +158,8 @@ class TrainingLoop:
                     self.commit()
             if self.faults.preemption_agreed(position.step):
                 self.stop_for_preemption()
+                break
+            if position.step % cfg.preempt_check_every == 0 and self.stop_if_agreed("loop.stop.steps"):
                 break
             if position.step % cfg.log_every == 0:
                 totals = window.reduce(name="train.window")
@@ -182,6 +194,7 @@ class TrainingLoop:
         position = self.position
         self.reporter.window(position.epoch + position.epoch_position / self.batching.dataset_size, position.step,
                              means, self.lr.current, samples_per_sec, comm_fraction, extra)
+        self.callbacks.call("on_log", position.step, dict(means))
 
     def evaluate(self) -> Dict[str, float]:
         """The step's loss and metrics over the whole validation set (every rank's shard), as
@@ -208,6 +221,8 @@ class TrainingLoop:
         position = self.position
         self.reporter.evaluation({"epoch": position.epoch + position.epoch_position / self.batching.dataset_size,
                                   "step": position.step, **metrics})
+        self.callbacks.call("on_evaluation_end", position.step, metrics)
+        self.stop_if_agreed("loop.stop.evaluation")
 
     def save_checkpoint(self) -> None:
         """A checkpoint of this step, unless it was just written, no step since (max_steps ending a
@@ -217,6 +232,18 @@ class TrainingLoop:
         with self.faults.checkpoint_io():
             self.checkpoints.save()
         self.saved_at = self.position.step
+        self.callbacks.call("on_checkpoint", self.position.step)
+
+    def stop_if_agreed(self, name: str) -> bool:
+        """Every rank: stop when a callback asked on any rank; the step is checkpointed first."""
+        if not self.callbacks.stop_agreed(name):
+            return False
+        self.stopped = True
+        if self.checkpoints is not None:
+            self.save_checkpoint()
+        if self.topology.is_root:
+            self.topology.log.info(f"stopped at step {self.position.step}: {self.callbacks.stop_reason}")
+        return True
 
     def stop_for_preemption(self) -> None:
         """Every rank agreed to stop: checkpoint now, requeue the job (rank 0), and return from fit."""

@@ -12,7 +12,7 @@ The Trainer's own state is three counters (``position``); set-up below, then fit
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,7 @@ from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies import build_strategy, launch_refusal
 from hvdtrain.training.activation_checkpointing import checkpoint_activations
+from hvdtrain.training.callbacks import Callback, Callbacks
 from hvdtrain.training.compiling import compile_forward
 from hvdtrain.training.lr import LearningRate
 from hvdtrain.training.position import Position
@@ -58,6 +59,8 @@ class Trainer:
     ``model_plan``: how one replica is split under tensor or pipeline parallelism. ``collate_fn``:
     how the loaders make a batch of samples, for training and evaluation (as DataLoader's, e.g. a
     Hugging Face DataCollatorWithPadding: each batch padded only to its own longest sample).
+    ``callbacks``: hvdtrain.Callback instances called at the loop's usual points, on every rank
+    (hvdtrain.training.callbacks; EarlyStopping is one).
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class Trainer:
         step_fn: Optional[StepFn] = None,
         model_plan: Optional[ModelPlan] = None,
         collate_fn: Optional[Callable[[List[Any]], Any]] = None,
+        callbacks: Sequence[Callback] = (),
     ) -> None:
         self.config = cfg = config or TrainConfig()
         self.job_config = dict(job_config) if job_config is not None else {"train": cfg.to_dict()}
@@ -83,6 +87,7 @@ class Trainer:
         # the others wait in the elastic sync, and mismatched collectives deadlock. The elastic sync
         # broadcasts rank 0's state (and its checkpoint, if it read one) instead.
         self.elastic_launch = elastic.is_elastic_launch()
+        self.callbacks = Callbacks(self, callbacks)
         self._refuse_what_cannot_run(world, step_fn)
         self.step_fn = step_fn or supervised_step(loss_fn)
         # Before the strategy wraps it: the converted layers keep the same parameter objects.
@@ -141,7 +146,8 @@ class Trainer:
             self.reporter.open_timeline(self.position.step)
             self.loop = TrainingLoop(cfg, self.topology, self.model, self.strategy, self.step_fn, self.precision,
                                      self.batching, self.lr, self.position, self.reporter,
-                                     self.checkpoints if protocol is not None else None, self.faults)
+                                     self.checkpoints if protocol is not None else None, self.faults,
+                                     self.callbacks)
 
     def _refuse_what_cannot_run(self, world: World, step_fn: Optional[StepFn]) -> None:
         """What this launch cannot do, refused on every rank alike before any collective, instead of
@@ -250,6 +256,11 @@ class Trainer:
 
     # --- the public calls -------------------------------------------------------------------------
 
+    def request_stop(self, reason: str) -> None:
+        """End training at the next point where the ranks agree (after an evaluation, at an epoch's
+        end, every preempt_check_every steps), with a checkpoint of that step; for callbacks."""
+        self.callbacks.request_stop(reason)
+
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to continue exactly, in the full checkpoint format (every rank calls it)."""
         return self.checkpoints.state_dict()
@@ -266,6 +277,7 @@ class Trainer:
             total = min(total, limit)
         self.reporter.start(total, self.position.step)
         self.faults.start_watchdog(self.strategy.pending_communication)
+        self.callbacks.call("on_train_start")
         explain = lambda error: self._explain_out_of_memory(error, loop.phase, self.optimizer,
                                                             self.strategy.memory_bytes())
         try:
@@ -279,6 +291,7 @@ class Trainer:
         finally:
             self.reporter.finish(self.position.step)
             self.faults.stop_watchdog()
+        self.callbacks.call("on_train_end", history)
         return history
 
     def _explain_out_of_memory(self, error: BaseException, phase: str, optimizer: torch.optim.Optimizer,
