@@ -20,10 +20,13 @@ from torch.utils.data import Dataset
 
 from hvdtrain.checkpoint.manager import CheckpointManager
 from hvdtrain.checkpoint.protocol import Checkpointing
+from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.checkpoint import hf_export
 from hvdtrain.checkpoint.export import export_model
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.batching import Batching
 from hvdtrain.data.sharding import ShardedSampler
+from hvdtrain.distributed import collectives
 from hvdtrain.distributed import rng
 from hvdtrain.distributed import startup
 from hvdtrain.distributed.world import World
@@ -321,6 +324,8 @@ class Trainer:
                 print(f"preempted at step {self.position.step}; run again to resume", flush=True)
             return None
         final = history[-1] if history else self.evaluate()
+        if run_dir is not None and hf_export.is_hf_model(self.model):  # before fsdp makes the model whole
+            self.export_hf(run_dir / "hf")
         exported = self.strategy.exported_model_state()  # every rank: a collective
         self.final_model_state = exported
         if run_dir is not None and self.world.is_root:
@@ -333,6 +338,21 @@ class Trainer:
         """The step's loss and metrics over the whole validation set (every rank's shard), as
         val_loss, val_<metric>."""
         return self.loop.evaluate()
+
+    def export_hf(self, directory, max_shard_bytes: int = hf_export.DEFAULT_MAX_SHARD_BYTES) -> None:
+        """A Hugging Face model, as it is now, as a directory ``from_pretrained`` loads (config.json,
+        safetensors; numbered files and an index past ``max_shard_bytes``). Every rank calls it (fsdp
+        gathers one unit at a time; no rank holds the whole model); rank 0 writes; a failure is raised
+        on every rank. ``run()`` does it at the end, into the run directory's ``hf/``."""
+        if not hf_export.is_hf_model(self.model):
+            raise TypeError(f"export_hf writes transformers models (PreTrainedModel); this model is a "
+                            f"{type(self.model).__name__}: its weights are in the run directory's model.safetensors")
+        failure = hf_export.export_hf(hf_export.hf_config_text(self.model), self.strategy.full_tensors(), directory,
+                                      writes=self.world.is_root, max_shard_bytes=max_shard_bytes)
+        failure = collectives.broadcast_object(failure, root_rank=0, name="export.hf")
+        if failure:
+            raise CheckpointError(failure)
+        self.topology.log.info(f"Hugging Face model written to {directory} (transformers' from_pretrained loads it)")
 
     def close(self) -> None:
         """Close the run directory's files (the metrics, TensorBoard and log files) and let the

@@ -10,6 +10,7 @@
     manager.py         the Trainer's part: the state it saves, resume, the save on preemption
     consolidate.py     a sharded checkpoint made full, in one process
     export.py          the trained model as safetensors, loadable without hvdtrain
+    hf_export.py       a Hugging Face model as a directory from_pretrained loads, streamed from the ranks
 
 May import common/, config/, distributed/ and strategies/ (a strategy's own state); nothing above.
 """

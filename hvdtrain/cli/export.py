@@ -4,8 +4,10 @@
     hvdtrain export runs/ckpt/ckpt-000000066.pt        # a full checkpoint
     hvdtrain export runs/ckpt/ckpt-000000066           # a sharded one (consolidated in memory)
     # wrote runs/ckpt/ckpt-000000066-export/model.safetensors and config.yaml
+    hvdtrain export runs/ckpt --format hf --hf-config path/to/config.json   # a Hugging Face model
 
-Load it into your own module: ``model.load_state_dict(safetensors.torch.load_file(path))``.
+Load it into your own module: ``model.load_state_dict(safetensors.torch.load_file(path))``; with
+``--format hf``, ``AutoModelForCausalLM.from_pretrained(out)`` (or the model's own class).
 """
 from __future__ import annotations
 
@@ -26,6 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the directory to write model.safetensors and config.yaml into "
                              "(default: ckpt-NNNNNNNNN-export beside the checkpoint)")
     parser.add_argument("--force", action="store_true", help="overwrite files already in --out")
+    parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                        help="safetensors: model.safetensors + config.yaml (default); hf: a directory transformers' "
+                             "from_pretrained loads (needs --hf-config)")
+    parser.add_argument("--hf-config", type=Path, default=None,
+                        help="--format hf: the model's Hugging Face config.json (or a directory holding one: the "
+                             "pretrained model's, or a run directory's hf/)")
+    parser.add_argument("--max-shard-mb", type=float, default=5000.0,
+                        help="--format hf: files of at most this many MB, with an index past one (default 5000)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"hvdtrain export: {error}", file=sys.stderr)
         return 1
     out = args.out or path.parent / f"{path.name.removesuffix('.pt')}-export"
+    if args.format == "hf":
+        return _export_hf(args, path, state, out)
     existing = [out / name for name in (export.WEIGHTS_FILE, export.CONFIG_FILE) if (out / name).exists()]
     if existing and not args.force:
         print(f"hvdtrain export: {', '.join(map(str, existing))} exists: choose another --out, or --force "
@@ -46,6 +58,29 @@ def run(args: argparse.Namespace) -> int:
     weights = export.export_checkpoint(state, out)
     print(f"wrote {weights} ({len(state['model'])} tensors, step {state['step']}, trained under "
           f"{state.get('strategy', 'ddp')} on {state['world_size']} workers) and {out / export.CONFIG_FILE}")
+    return 0
+
+
+def _export_hf(args: argparse.Namespace, path: Path, state: Dict[str, Any], out: Path) -> int:
+    from hvdtrain.checkpoint import hf_export
+
+    if args.hf_config is None:
+        print("hvdtrain export: --format hf needs --hf-config, the model's config.json (a checkpoint holds the "
+              "weights, not the Hugging Face config)", file=sys.stderr)
+        return 2
+    config = args.hf_config / hf_export.CONFIG if args.hf_config.is_dir() else args.hf_config
+    if not config.is_file():
+        print(f"hvdtrain export: --hf-config {args.hf_config}: no config.json there", file=sys.stderr)
+        return 1
+    if out.exists() and not args.force:
+        print(f"hvdtrain export: {out} exists: choose another --out, or --force to replace it", file=sys.stderr)
+        return 1
+    failure = hf_export.export_hf(config.read_text(), hf_export.distinct_tensors(state["model"]), out, writes=True,
+                                  max_shard_bytes=max(1, int(args.max_shard_mb * 1e6)))
+    if failure:
+        print(f"hvdtrain export: {failure}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} (Hugging Face format, {config.name} from {config.parent}; step {state['step']} of {path})")
     return 0
 
 

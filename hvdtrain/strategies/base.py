@@ -8,7 +8,7 @@ is a collective: every rank calls it, in the same order.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Dict, List, Tuple
+from typing import Any, ClassVar, Dict, Iterator, List, Tuple
 
 import torch
 
@@ -25,6 +25,15 @@ def storage_bytes(tensors) -> int:
         storage = tensor.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def distinct_state(model: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(first state_dict name, the parameter or buffer itself) of every distinct one in ``model``."""
+    seen = set()
+    for name, value in model.state_dict(keep_vars=True).items():
+        if id(value) not in seen:
+            seen.add(id(value))
+            yield name, value
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -178,6 +187,13 @@ class Strategy(ABC):
         then the model's own state_dict."""
         self.whole_model()
         return self.model.state_dict()
+
+    def full_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The model's state, whole, one tensor at a time: every distinct tensor once, under its first
+        state_dict name (a tied weight once). A collective: every rank iterates to the end, and a
+        tensor is valid only until the next one is asked for (copy what you keep). Here the model is
+        whole on every rank (ddp, zero1, zero2, ps): its own tensors, nothing gathered."""
+        return ((name, value.detach()) for name, value in distinct_state(self.model))
 
     def pending_communication(self) -> List[str]:
         """Names of the collectives this rank started and that have not completed (for the

@@ -11,7 +11,7 @@ ZeroRedundancyOptimizer does): each steps and keeps state for its share, then br
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -325,6 +325,10 @@ class ModelParallelStrategy(Strategy):
 
     def exported_model_state(self) -> Dict[str, torch.Tensor]:
         return self._gather_model()
+
+    def full_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The whole model gathered first (a split layer's slices come together), then handed out."""
+        return iter(self._gather_model().items())
 
     def memory_bytes(self) -> Dict[str, int]:
         return {

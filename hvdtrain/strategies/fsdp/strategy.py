@@ -15,7 +15,7 @@ checkpointing around a unit. Parameters outside the optimizer, or frozen, stay w
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -23,7 +23,7 @@ import horovod.torch as hvd
 
 from hvdtrain.distributed import collectives
 from hvdtrain.distributed.world import World
-from hvdtrain.strategies.base import optimizer_state_tensors, storage_bytes
+from hvdtrain.strategies.base import distinct_state, optimizer_state_tensors, storage_bytes
 from hvdtrain.strategies.fsdp import units as fu
 from hvdtrain.strategies.fsdp.communication import UnitCommunication
 from hvdtrain.strategies.registry import ADASUM, COMPILE, ELASTIC, MESH
@@ -128,6 +128,26 @@ class FSDPStrategy(ShardedStrategy):
                     param.data = param.data.clone()
             self.comm.free(unit)
         self.close()
+
+    def full_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Unit by unit: each gathered, its parameters handed out, freed again, so that no rank holds
+        more than one unit whole; buffers and parameters outside the optimizer are whole already."""
+        self.synchronize()
+        named = list(distinct_state(self.model))
+        first_names = {id(value): name for name, value in named}
+        in_units = {id(p) for unit in self.all_units for bucket in unit.buckets for p in bucket.params}
+        for name, value in named:
+            if id(value) not in in_units:
+                yield name, value.detach()
+        for unit in self.all_units:
+            was_free = unit.state == fu.FREE
+            self.comm.ensure_gathered(unit)
+            for bucket in unit.buckets:
+                for param in bucket.params:
+                    if id(param) in first_names:
+                        yield first_names[id(param)], param.detach()
+            if was_free:
+                self.comm.free(unit)
 
     # Forward: gather before a unit computes, free after.
 
