@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 
 from hvdtrain.config.checks import check_whole_numbers
@@ -20,6 +20,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 RESUME_MODES = ("true", "false", "force")
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 ACTIVATION_CHECKPOINTING = ("none", "full", "every_k")
+LOGGERS = ("csv", "mlflow")  # beside metrics.jsonl and TensorBoard (hvdtrain.observability.metric_sinks)
 
 
 @dataclass
@@ -75,6 +76,9 @@ class TrainConfig:
     run_name: Optional[str] = field(default=None, metadata={"help": "this run's directory under run_dir; null: slurm-<job id> under SLURM (a requeued job appends to it), else the start time"})
     progress: str = field(default="auto", metadata={"help": "rank 0's progress display: a tqdm bar, log lines every log_every steps, or nothing; auto: a bar on a terminal, lines otherwise (SLURM logs)", "choices": PROGRESS_MODES})
     tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard event files into the run directory"})
+    loggers: List[str] = field(default_factory=list, metadata={"help": "more places rank 0 writes the records to, beside metrics.jsonl and TensorBoard: csv (metrics-<kind>.csv in the run directory), mlflow (an MLflow run: pip install -e .[mlflow]); e.g. [csv, mlflow]; needs run_dir", "choices": LOGGERS})
+    mlflow_tracking_uri: Optional[str] = field(default=None, metadata={"help": "loggers=[mlflow]: MLflow's tracking URI (null: sqlite:///<run_dir>/mlflow.db, one store for every run under run_dir)"})
+    mlflow_experiment: str = field(default="hvdtrain", metadata={"help": "loggers=[mlflow]: the MLflow experiment the run belongs to"})
     timeline_steps: int = field(default=0, metadata={"help": "record the Horovod timeline for this many steps, after 5 warm-up steps, into the run directory (0: off)"})
 
     # The settings a resumed run must share with its checkpoint (beside every other section of the
@@ -116,6 +120,11 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.activation_checkpointing_every={self.activation_checkpointing_every} applies "
                              f"to activation_checkpointing=every_k only, got {self.activation_checkpointing}: set "
                              f"activation_checkpointing=every_k, or leave activation_checkpointing_every at 2")
+        unknown = [name for name in self.loggers if name not in LOGGERS]
+        if unknown or len(set(self.loggers)) != len(self.loggers):
+            raise ValueError(f"TrainConfig.loggers takes each of {', '.join(LOGGERS)} at most once, got {self.loggers!r}")
+        if self.loggers and not self.run_dir:
+            raise ValueError(f"TrainConfig.loggers={self.loggers!r} write the run directory's records: set run_dir too")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"TrainConfig.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

@@ -15,6 +15,7 @@ from hvdtrain.distributed import collectives
 from hvdtrain.distributed import startup
 from hvdtrain.observability.memory import MemoryReport
 from hvdtrain.observability.progress import Progress, resolve_mode
+from hvdtrain.observability.metric_sinks import open_sinks
 from hvdtrain.observability.run_directory import RunDirectory, default_run_name
 from hvdtrain.observability.timeline import TimelineWindow
 from hvdtrain.parallel.mesh import layout_lines
@@ -69,7 +70,10 @@ class Reporter:
         path = Path(self.config.run_dir) / name
         path.mkdir(parents=True, exist_ok=True)
         log = self.topology.log
-        self.run_dir = RunDirectory(path, self.topology.world, log, self.config.tensorboard)
+        config = self.config
+        self.run_dir = RunDirectory(path, self.topology.world, log, config.tensorboard, lambda directory: open_sinks(
+            directory, config.tensorboard, config.loggers, name, self.job_config, config.mlflow_tracking_uri,
+            config.mlflow_experiment))
         self.run_dir.write_config(self.job_config)
         log.info(f"run directory {path} (config.yaml, metrics.jsonl, tensorboard/, logs/rank-*.log)")
 

@@ -4,6 +4,7 @@
       config.yaml           the resolved settings (rank 0)
       metrics.jsonl         a "step" record every log_every steps, an "epoch" record per epoch (rank 0)
       tensorboard/          event files for `tensorboard --logdir runs` (rank 0)
+      metrics-<kind>.csv    train.loggers=[csv]; mlflow_run_id: train.loggers=[mlflow] (metric_sinks.py)
       logs/rank-<r>.log     everything rank r logged, INFO and up, with time, rank and host
       horovod-timeline.json when train.timeline_steps > 0 (rank 0)
       model.safetensors     the trained model, written by Trainer.run() at the end (rank 0)
@@ -18,12 +19,13 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import yaml
 
 from hvdtrain.common.atomic import write_text_atomically
 from hvdtrain.distributed.logs import add_file
+from hvdtrain.observability.metric_sinks import TensorBoardSink
 
 if TYPE_CHECKING:  # `hvdtrain plot` reads these names on machines without torch or Horovod
     from hvdtrain.distributed.world import World
@@ -44,11 +46,14 @@ def default_run_name(environ: Mapping[str, str], now: Optional[float] = None) ->
 class RunDirectory:
     """Files of one run. Rank 0 writes the shared files; every rank writes its own log."""
 
-    def __init__(self, path: Path, world: "World", logger: logging.Logger, tensorboard: bool) -> None:
+    def __init__(self, path: Path, world: "World", logger: logging.Logger, tensorboard: bool,
+                 open_sinks: Optional[Callable[[Path], list]] = None) -> None:
+        """``open_sinks(path)``: where records go besides metrics.jsonl (hvdtrain.observability.
+        metric_sinks); default: TensorBoard when ``tensorboard``."""
         self.path = path
-        self._tensorboard = tensorboard
+        self._open_sinks = open_sinks or (lambda path: [TensorBoardSink(path)] if tensorboard else [])
         self._metrics = None
-        self._writer = None
+        self._sinks: list = []
         self._logger: Optional[logging.Logger] = None
         self._log_handler: Optional[logging.Handler] = None
         self.follow(world, logger)
@@ -64,8 +69,7 @@ class RunDirectory:
         self._log_handler = add_file(logger, self.path / "logs" / f"rank-{world.rank}.log", world)
         if world.is_root and self._metrics is None:
             self._metrics = open(self.path / METRICS_FILE, "a", encoding="utf-8")
-            if self._tensorboard:
-                self._writer = _summary_writer(self.path / "tensorboard")
+            self._sinks = self._open_sinks(self.path)
         elif not world.is_root:
             self._close_shared_files()
 
@@ -75,7 +79,7 @@ class RunDirectory:
         write_text_atomically(self.path / CONFIG_FILE, yaml.safe_dump(dict(config), sort_keys=False))
 
     def record(self, kind: str, values: Mapping[str, Any], started: float) -> None:
-        """Append one metrics record (rank 0) and mirror its numbers to TensorBoard."""
+        """Append one metrics record (rank 0) and hand it to the other sinks (TensorBoard, ...)."""
         if self._metrics is None:
             return
         now = time.time()
@@ -83,11 +87,8 @@ class RunDirectory:
         # One line per write, flushed: a run killed now leaves at most one partial line.
         self._metrics.write(json.dumps({k: _plain(v) for k, v in entry.items()}) + "\n")
         self._metrics.flush()
-        if self._writer is not None:
-            for key, value in values.items():
-                if key not in ("step", "epoch") and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._writer.add_scalar(f"{kind}/{key}", value, global_step=int(values["step"]))
-            self._writer.flush()
+        for sink in self._sinks:
+            sink.write(kind, values)
 
     def close(self) -> None:
         if self._log_handler is not None:
@@ -100,9 +101,9 @@ class RunDirectory:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
 
 def _plain(value: Any) -> Any:
@@ -110,12 +111,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
-
-
-def _summary_writer(path: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as error:  # tensorboard is a dependency; a broken install says so
-        raise ImportError("TensorBoard logging needs the tensorboard package (pip install tensorboard), "
-                          "or set train.tensorboard=false") from error
-    return SummaryWriter(log_dir=str(path))

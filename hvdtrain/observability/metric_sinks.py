@@ -1,0 +1,141 @@
+"""Where rank 0's metric records go besides metrics.jsonl (train.tensorboard, train.loggers): one
+small interface, ``write(kind, values)`` and ``close()``, called only where the run directory's
+shared files are open (rank 0; under Horovod elastic, whichever rank is 0 now).
+
+    tensorboard  event files in tensorboard/ (``kind/key`` scalars)
+    csv          metrics-<kind>.csv, one row per record, a column per key (a new key adds a column)
+    mlflow       an MLflow run in train.mlflow_tracking_uri (default: sqlite in run_dir/mlflow.db),
+                 experiment train.mlflow_experiment; the settings as its parameters, the records as
+                 ``kind/key`` metrics at their step. The run's id is kept in the run directory, so a
+                 requeued job (or a new rank 0) continues the same MLflow run.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional
+
+MLFLOW_RUN_ID_FILE = "mlflow_run_id"
+SINKS = ("csv", "mlflow")  # train.loggers' choices; TensorBoard is train.tensorboard
+
+
+def numbers(values: Mapping[str, Any], skip: tuple = ("step",)) -> Dict[str, float]:
+    """The finite numbers of a record (what a metric store takes), ``skip`` left out."""
+    return {key: float(value) for key, value in values.items()
+            if key not in skip and isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value)}
+
+
+class TensorBoardSink:
+    def __init__(self, path: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:  # tensorboard is a dependency; a broken install says so
+            raise ImportError("TensorBoard logging needs the tensorboard package (pip install tensorboard), "
+                              "or set train.tensorboard=false") from error
+        self.writer = SummaryWriter(log_dir=str(path / "tensorboard"))
+
+    def write(self, kind: str, values: Mapping[str, Any]) -> None:
+        for key, value in numbers(values, skip=("step", "epoch")).items():
+            self.writer.add_scalar(f"{kind}/{key}", value, global_step=int(values["step"]))
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class CSVSink:
+    """metrics-<kind>.csv; a record with a key the file has no column for rewrites it with one more
+    (rare: the first records of a kind set the columns), so every row stays under its header."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, kind: str, values: Mapping[str, Any]) -> None:
+        row = {key: value for key, value in values.items() if isinstance(value, (int, float, str))}
+        file = self.path / f"metrics-{kind}.csv"
+        rows: List[Dict[str, Any]] = []
+        columns: List[str] = []
+        if file.exists():
+            with open(file, newline="", encoding="utf-8") as handle:
+                reader = csv.DictReader(handle)
+                columns = list(reader.fieldnames or [])
+                if set(row) - set(columns):
+                    rows = list(reader)
+        added = [key for key in row if key not in columns]
+        if file.exists() and not added:
+            with open(file, "a", newline="", encoding="utf-8") as handle:
+                csv.DictWriter(handle, fieldnames=columns).writerow(row)
+            return
+        columns += added
+        with open(file, "w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows + [row])
+
+    def close(self) -> None:
+        pass
+
+
+class MLflowSink:
+    def __init__(self, path: Path, tracking_uri: str, experiment: str, run_name: str,
+                 settings: Mapping[str, Any]) -> None:
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError as error:
+            raise ImportError("train.loggers=[mlflow] needs MLflow: pip install -e .[mlflow] (mlflow-skinny with "
+                              "SQLAlchemy for a sqlite store), or leave mlflow out of train.loggers") from error
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        id_file = path / MLFLOW_RUN_ID_FILE
+        if id_file.exists():  # a requeued job, or a new rank 0: the same MLflow run goes on
+            self.run_id = id_file.read_text().strip()
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+            id_file.write_text(self.run_id + "\n")
+            self._log_settings(settings)
+
+    def _log_settings(self, settings: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        params = [Param(key, str(value)[:6000]) for key, value in flatten(settings).items()]
+        for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters a batch
+            self.client.log_batch(self.run_id, params=params[start:start + 100])
+
+    def write(self, kind: str, values: Mapping[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        now, step = int(time.time() * 1000), int(values.get("step", 0))
+        metrics = [Metric(f"{kind}/{key}", value, now, step) for key, value in numbers(values).items()]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def flatten(settings: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """{"train": {"lr": 0.1}} -> {"train.lr": 0.1}: the settings as MLflow's flat parameters."""
+    flat: Dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def open_sinks(path: Path, tensorboard: bool, loggers: List[str], run_name: str, settings: Mapping[str, Any],
+               mlflow_tracking_uri: Optional[str], mlflow_experiment: str) -> list:
+    """The sinks a run directory's rank 0 writes to."""
+    sinks: list = [TensorBoardSink(path)] if tensorboard else []
+    if "csv" in loggers:
+        sinks.append(CSVSink(path))
+    if "mlflow" in loggers:
+        uri = mlflow_tracking_uri or f"sqlite:///{path.parent.resolve() / 'mlflow.db'}"
+        sinks.append(MLflowSink(path, uri, mlflow_experiment, run_name, settings))
+    return sinks

@@ -1,0 +1,46 @@
+"""train.loggers through the Trainer: rank 0 alone writes, and the CSV rows and the MLflow run hold
+the very numbers metrics.jsonl holds."""
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.distributed import collectives
+from hvdtrain.trainer import Trainer
+from tests.mpi.helpers import small_mlp, synthetic_classification
+
+pytestmark = pytest.mark.mpi
+
+
+def test_csv_and_mlflow_hold_what_metrics_jsonl_holds(world, tmp_path):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    base = Path(collectives.allgather_object(str(tmp_path), name="loggers.dir")[0])
+    config = TrainConfig(epochs=1, batch_size=4, lr=0.05, warmup_epochs=0, seed=5, max_steps=6, log_every=2,
+                         tensorboard=False, run_dir=str(base / "runs"), run_name="logged", loggers=["csv", "mlflow"])
+    model = small_mlp(seed=0)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=config.lr), synthetic_classification(samples=192),
+                      synthetic_classification(samples=64), config, world=world)
+    trainer.fit()
+    trainer.close()
+    collectives.allgather_object(None, name="loggers.done")  # every rank closed its files
+
+    if world.is_root:
+        run = base / "runs" / "logged"
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        losses = [(r["step"], r["loss"]) for r in records if r["kind"] == "step"]
+        with open(run / "metrics-step.csv", newline="") as handle:
+            rows = [(int(row["step"]), float(row["loss"])) for row in csv.DictReader(handle)]
+        client = MlflowClient(tracking_uri=f"sqlite:///{base / 'runs' / 'mlflow.db'}")
+        (found,) = client.search_runs([client.get_experiment_by_name("hvdtrain").experiment_id])
+        history = sorted((m.step, m.value) for m in client.get_metric_history(found.info.run_id, "step/loss"))
+        epoch = client.get_metric_history(found.info.run_id, "epoch/val_loss")
+
+        assert [step for step, _ in losses] == [2, 4, 6]
+        assert rows == losses and history == losses  # repr round trips: the same floats
+        assert [m.value for m in epoch] == [r["val_loss"] for r in records if r["kind"] == "epoch"]
+        assert found.data.params["train.loggers"] == "['csv', 'mlflow']"
