@@ -236,6 +236,8 @@ class TrainingLoop:
 
     def stop_if_agreed(self, name: str) -> bool:
         """Every rank: stop when a callback asked on any rank; the step is checkpointed first."""
+        if self.stopped:  # agreed already (every rank alike): the epoch's end after a stop mid-epoch
+            return True
         if not self.callbacks.stop_agreed(name):
             return False
         self.stopped = True

@@ -280,6 +280,7 @@ class Trainer:
             total = min(total, limit)
         self.reporter.start(total, self.position.step)
         self.faults.start_watchdog(self.strategy.pending_communication)
+        loop.stopped, self.callbacks.stop_reason = False, None  # a stop ends one fit(); another goes on
         self.callbacks.call("on_train_start")
         explain = lambda error: self._explain_out_of_memory(error, loop.phase, self.optimizer,
                                                             self.strategy.memory_bytes())
