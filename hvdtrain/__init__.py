@@ -28,6 +28,7 @@ _EXPORTS = {
     "to_dict": "hvdtrain.config.loader",
     # training
     "Trainer": "hvdtrain.trainer",
+    "evaluate_model": "hvdtrain.trainer",
     "ModelPlan": "hvdtrain.parallel.model_plan",
     "StepFn": "hvdtrain.training.steps",
     "supervised_step": "hvdtrain.training.steps",

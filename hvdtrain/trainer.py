@@ -23,9 +23,9 @@ from hvdtrain.checkpoint.protocol import Checkpointing
 from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint import hf_export
 from hvdtrain.checkpoint.export import export_model
-from hvdtrain.config.train import TrainConfig
+from hvdtrain.config.train import PRECISIONS, TrainConfig
 from hvdtrain.data.batching import Batching
-from hvdtrain.data.sharding import ShardedSampler
+from hvdtrain.data.sharding import ShardedSampler, sharded_loader
 from hvdtrain.distributed import collectives
 from hvdtrain.distributed import rng
 from hvdtrain.distributed import startup
@@ -41,6 +41,7 @@ from hvdtrain.strategies import build_strategy, launch_refusal
 from hvdtrain.training.activation_checkpointing import checkpoint_activations
 from hvdtrain.training.callbacks import Callback, Callbacks
 from hvdtrain.training.compiling import compile_forward
+from hvdtrain.training.evaluation import evaluate
 from hvdtrain.training.lr import LearningRate
 from hvdtrain.training.position import Position
 from hvdtrain.training.precision import Precision
@@ -367,3 +368,19 @@ class Trainer:
         A process that goes on after training (a sweep of Trainers, a test suite) closes them; the
         Trainer cannot step, gather or checkpoint afterwards."""
         self.topology.close()
+
+
+def evaluate_model(model: torch.nn.Module, dataset: Dataset, world: Optional[World] = None, batch_size: int = 32,
+                   loss_fn: LossFn = F.cross_entropy, step_fn: Optional[StepFn] = None,
+                   collate_fn: Optional[Callable[[List[Any]], Any]] = None, precision: str = "fp32") -> Dict[str, float]:
+    """Evaluation alone, no optimizer: a whole ``model`` (the same on every rank: one loaded from an
+    export, say) over ``dataset`` cut into one shard per rank, in order, each sample once; returns
+    val_loss, val_<metric> and val_samples, means over every sample, the same on every rank (a
+    collective). ``step_fn(model, batch) -> (loss, metrics)`` for batches of any structure."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"evaluate_model(precision=...) must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    world = world or startup.init()
+    model = model.to(world.device)
+    loader = sharded_loader(dataset, batch_size, world.rank, world.size, seed=0, collate_fn=collate_fn)
+    return evaluate(model, loader, step_fn or supervised_step(loss_fn), world.device,
+                    Precision(precision, world.device).autocast)
