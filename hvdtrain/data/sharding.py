@@ -4,6 +4,11 @@ Why not torch's DistributedSampler: hvdtrain needs a global sample order that is
 (seed, epoch) alone, so that global batch k holds the same samples at any number of workers
 (the equivalence of N workers x batch B with one process x batch N*B rests on it, and so does
 resuming on another world size), and a start position inside an epoch for exact resume.
+
+The epoch's permutation: up to LISTED_ORDER_LIMIT samples torch.randperm's (one int per sample,
+kept while the epoch runs); beyond it a keyed Feistel permutation computed position by position
+(FeistelOrder), so a shard of a billion samples takes no more memory than one of a thousand. Which
+one depends on the dataset's size alone: every rank and every world size draws the same order.
 """
 from __future__ import annotations
 
@@ -11,6 +16,48 @@ from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+LISTED_ORDER_LIMIT = 2 ** 24  # 16.8M samples: a 128 MiB index tensor; above, FeistelOrder
+CHUNK = 2 ** 16  # positions permuted at a time by FeistelOrder
+_MASK32 = 0xFFFFFFFF
+
+
+class FeistelOrder:
+    """A permutation of range(size) keyed by ``key``, computed for any positions on demand (O(1)
+    memory): a 4-round Feistel network over the smallest even number of bits that covers size,
+    and cycle walking (a position mapped outside range(size) is mapped again, under 4 times on
+    average) to stay inside. Each round function is murmur3's 32-bit finalizer."""
+
+    ROUNDS = 4
+
+    def __init__(self, size: int, key: int) -> None:
+        self.size = size
+        self.half_bits = max(1, ((size - 1).bit_length() + 1) // 2)
+        generator = torch.Generator().manual_seed(key)
+        self.keys = torch.randint(0, 2 ** 32, (self.ROUNDS,), generator=generator, dtype=torch.int64).tolist()
+
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        values = positions.to(torch.int64)
+        outside = torch.ones_like(values, dtype=torch.bool)
+        while bool(outside.any()):
+            values = torch.where(outside, self._encrypt(values), values)
+            outside = values >= self.size
+        return values
+
+    def _encrypt(self, values: torch.Tensor) -> torch.Tensor:
+        half_mask = (1 << self.half_bits) - 1
+        left, right = values >> self.half_bits, values & half_mask
+        for key in self.keys:
+            left, right = right, left ^ (_mix32(right ^ key) & half_mask)
+        return (left << self.half_bits) | right
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's fmix32 on int64 tensors holding 32-bit values (products wrap; the mask keeps 32 bits)."""
+    h = h & _MASK32
+    h = ((h ^ (h >> 16)) * 0x85EBCA6B) & _MASK32
+    h = ((h ^ (h >> 13)) * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
 
 
 class ShardedSampler(Sampler[int]):
@@ -66,12 +113,9 @@ class ShardedSampler(Sampler[int]):
         self.start = start
 
     def global_order(self) -> List[int]:
-        """The epoch's order of all samples, the same on every rank and at every world size."""
-        if not self.shuffle:
-            return list(range(self.dataset_size))
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.dataset_size, generator=generator).tolist()
+        """The epoch's order of all samples, the same on every rank and at every world size (all of
+        it: for a look at it; iterating the sampler computes only this rank's part)."""
+        return [index for chunk in self._chunks(range(self.dataset_size)) for index in chunk]
 
     def end(self) -> int:
         """Where this epoch's shards stop: after the last whole global batch from ``start``."""
@@ -80,8 +124,23 @@ class ShardedSampler(Sampler[int]):
         return self.start + (self.dataset_size - self.start) // self.global_batch * self.global_batch
 
     def __iter__(self) -> Iterator[int]:
-        order = self.global_order()
-        return iter(order[self.start + self.rank : self.end() : self.world_size])
+        positions = range(self.start + self.rank, self.end(), self.world_size)
+        return (index for chunk in self._chunks(positions) for index in chunk)
+
+    def _chunks(self, positions: range) -> Iterator[List[int]]:
+        """The samples at ``positions`` of the epoch's order, a chunk at a time."""
+        if not self.shuffle:
+            yield from (list(positions[i:i + CHUNK]) for i in range(0, len(positions), CHUNK))
+            return
+        if self.dataset_size <= LISTED_ORDER_LIMIT:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_size, generator=generator)
+            yield order[positions.start:positions.stop:positions.step].tolist()
+            return
+        permute = FeistelOrder(self.dataset_size, key=self.seed + self.epoch)
+        for i in range(0, len(positions), CHUNK):
+            part = positions[i:i + CHUNK]
+            yield permute(torch.arange(part.start, part.stop, part.step)).tolist()
 
     def __len__(self) -> int:
         return len(range(self.start + self.rank, self.end(), self.world_size))

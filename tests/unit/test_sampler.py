@@ -1,6 +1,20 @@
-import pytest
+import resource
+import tracemalloc
 
-from hvdtrain.data.sharding import ShardedSampler
+import pytest
+import torch
+
+from hvdtrain.data import sharding
+from hvdtrain.data.sharding import FeistelOrder, ShardedSampler
+
+
+@pytest.fixture(autouse=True, params=["listed", "computed"])
+def order_kind(request, monkeypatch):
+    """Every test here holds for both orders: torch.randperm's list, and the Feistel permutation that
+    datasets past LISTED_ORDER_LIMIT get (here forced for every size)."""
+    if request.param == "computed":
+        monkeypatch.setattr(sharding, "LISTED_ORDER_LIMIT", 0)
+    return request.param
 
 
 def shards(dataset_size, world_size, epoch=0, seed=0, start=0, **kwargs):
@@ -99,3 +113,31 @@ def test_an_epoch_continued_at_another_world_size_takes_the_rest_in_whole_global
 def test_a_start_outside_the_epoch_is_refused():
     with pytest.raises(ValueError, match="start 101 is outside the epoch's 100 samples"):
         ShardedSampler(100, 0, 4).set_epoch(0, start=101)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 16, 17, 100, 4097])
+def test_the_computed_order_is_a_permutation_repeated_by_its_key(size):
+    positions = torch.arange(size)
+    order = FeistelOrder(size, key=7)(positions)
+    assert sorted(order.tolist()) == list(range(size))
+    assert torch.equal(FeistelOrder(size, key=7)(positions), order)
+    if size >= 100:
+        assert not torch.equal(FeistelOrder(size, key=8)(positions), order)
+        assert (order != positions).double().mean() > 0.9  # shuffled, not a near-identity
+
+
+def test_a_billion_samples_are_sharded_without_memory_that_grows_with_them(order_kind):
+    """Rank 3 of 8 starts its epoch over 10^9 samples: the computed order takes a few MB where the
+    listed one (torch.randperm) would take 8 GB of indices; its first samples are distinct and in range."""
+    sampler = ShardedSampler(10 ** 9, rank=3, world_size=8, seed=1, global_batch=8 * 32)
+    sampler.set_epoch(2, start=10 ** 6)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    tracemalloc.start()
+    first = [index for index, _ in zip(sampler, range(100_000))]
+    python_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak_rss
+
+    assert len(set(first)) == len(first) == 100_000 and all(0 <= i < 10 ** 9 for i in first)
+    assert python_peak < 64 * 2 ** 20, f"peak {python_peak / 2**20:.1f} MiB of Python allocations"
+    assert grown < 2 ** 30, f"the process's peak grew by {grown / 2**20:.0f} MiB (randperm's would be 7.5 GiB)"
