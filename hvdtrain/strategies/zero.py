@@ -54,9 +54,10 @@ class ZeroStrategy(ShardedStrategy):
         self.buckets = fb.bucket_parameters(model, optimizer, bucket_bytes, world.rank, world.size)
         self._attach_gradient_buffers(fp16_allreduce)
         self._take_optimizer(optimizer)
-        self._start_fresh()
+        self._begin_step_bookkeeping()
 
-    def _start_fresh(self) -> None:
+    def _begin_step_bookkeeping(self) -> None:
+        """Nothing in flight or pending, and the hooks on the current buckets' parameters."""
         self._in_flight: Dict[str, Any] = {}  # collective name -> Horovod handle
         self._backwards = 0  # backward passes since the last synchronize
         self._communicate = False  # whether this micro-batch's backward reduce-scatters
@@ -78,7 +79,7 @@ class ZeroStrategy(ShardedStrategy):
         repoint_optimizer(self.optimizer, [[b.shard for b in self.buckets if b.group == group]
                                            for group in range(len(self.optimizer.param_groups))])
         self._carried_state = None
-        self._start_fresh()
+        self._begin_step_bookkeeping()
 
     # Construction: everything a step needs is laid out once, here.
 
