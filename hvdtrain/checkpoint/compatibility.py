@@ -9,22 +9,13 @@ resumes all the same, saying what differs.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Mapping
+from typing import Any, List, Mapping
 
 from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.common.nested import flatten
 from hvdtrain.config.train import TrainConfig
 
 _ABSENT = "(absent)"
-
-
-def _flatten(config: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
-    flat: Dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _defines_the_run(key: str) -> bool:
@@ -34,7 +25,7 @@ def _defines_the_run(key: str) -> bool:
 
 def differing_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> List[str]:
     """``key: saved -> current`` for every setting that defines the run and differs."""
-    before, after = _flatten(saved), _flatten(current)
+    before, after = flatten(saved), flatten(current)
     # A train setting added after the checkpoint was written had its default then (the behaviour
     # that hvdtrain had before the setting existed).
     defaults = TrainConfig()

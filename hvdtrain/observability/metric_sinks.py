@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
+from hvdtrain.common.nested import flatten
+
 MLFLOW_RUN_ID_FILE = "mlflow_run_id"
 SINKS = ("csv", "mlflow")  # train.loggers' choices; TensorBoard is train.tensorboard
 
@@ -116,17 +118,6 @@ class MLflowSink:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
-
-
-def flatten(settings: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
-    """{"train": {"lr": 0.1}} -> {"train.lr": 0.1}: the settings as MLflow's flat parameters."""
-    flat: Dict[str, Any] = {}
-    for key, value in settings.items():
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def open_sinks(path: Path, tensorboard: bool, loggers: List[str], run_name: str, settings: Mapping[str, Any],

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hvdtrain.distributed.world import World
-from hvdtrain.observability.metric_sinks import MLFLOW_RUN_ID_FILE, flatten, open_sinks
+from hvdtrain.common.nested import flatten
+from hvdtrain.observability.metric_sinks import MLFLOW_RUN_ID_FILE, open_sinks
 from hvdtrain.observability.run_directory import RunDirectory
 
 SETTINGS = {"train": {"lr": 0.1, "betas": [0.9, 0.95]}, "model": {"width": 8}}
