@@ -42,7 +42,7 @@ from hvdtrain.training.activation_checkpointing import checkpoint_activations
 from hvdtrain.training.callbacks import Callback, Callbacks
 from hvdtrain.training.compiling import compile_forward
 from hvdtrain.training.evaluation import evaluate
-from hvdtrain.training.lr import LearningRate
+from hvdtrain.training.lr import LearningRate, SchedulerFactory
 from hvdtrain.training.position import Position
 from hvdtrain.training.precision import Precision
 from hvdtrain.training.steps import StepFn, supervised_step
@@ -64,7 +64,10 @@ class Trainer:
     how the loaders make a batch of samples, for training and evaluation (as DataLoader's, e.g. a
     Hugging Face DataCollatorWithPadding: each batch padded only to its own longest sample).
     ``callbacks``: hvdtrain.Callback instances called at the loop's usual points, on every rank
-    (hvdtrain.training.callbacks; EarlyStopping is one).
+    (hvdtrain.training.callbacks; EarlyStopping is one). ``lr_scheduler(optimizer) -> scheduler``:
+    your own LR schedule, built over the optimizer the strategy steps once its rates are scaled to
+    the global batch, stepped after every optimizer step and kept in checkpoints; it replaces
+    train.warmup_epochs and train.lr_schedule (set them to 0 and constant).
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class Trainer:
         model_plan: Optional[ModelPlan] = None,
         collate_fn: Optional[Callable[[List[Any]], Any]] = None,
         callbacks: Sequence[Callback] = (),
+        lr_scheduler: Optional[SchedulerFactory] = None,
     ) -> None:
         self.config = cfg = config or TrainConfig()
         self.job_config = dict(job_config) if job_config is not None else {"train": cfg.to_dict()}
@@ -92,7 +96,7 @@ class Trainer:
         # broadcasts rank 0's state (and its checkpoint, if it read one) instead.
         self.elastic_launch = elastic.is_elastic_launch()
         self.callbacks = Callbacks(self, callbacks)
-        self._refuse_what_cannot_run(world, step_fn)
+        self._refuse_what_cannot_run(world, step_fn, lr_scheduler)
         self.step_fn = step_fn or supervised_step(loss_fn)
         # Before the strategy wraps it: the converted layers keep the same parameter objects.
         self.model = (convert_sync_batchnorm(model) if cfg.sync_batchnorm else model).to(world.device)
@@ -128,12 +132,14 @@ class Trainer:
                                                plan=model_plan, loss_fn=loss_fn)
             if cfg.compile:  # the forward only, in place: hooks, state_dict keys, checkpoints unchanged
                 compile_forward(self.model, world.device)
-            self.position = Position()
-            self.lr = LearningRate(cfg, self.strategy.optimizer)
-            self.restart_schedule()
-            # 1. Rank 0's parameters and optimizer state, everywhere, before the first step.
+            # 1. Rank 0's parameters and optimizer state, everywhere, before the first step. Before the
+            #    rates are scaled: a sharded strategy's broadcast loads the user's optimizer state, and
+            #    with it the groups' unscaled rates.
             if not self.elastic_launch:
                 self.strategy.broadcast_from_root()
+            self.position = Position()
+            self.lr = LearningRate(cfg, self.strategy.optimizer, lr_scheduler)
+            self.restart_schedule()
 
             self.topology.follow(lambda topology: self.strategy.follow_world(topology.world))
             self.reporter = Reporter(cfg, self.topology, self.job_config, self.strategy, self.elastic_launch)
@@ -153,7 +159,8 @@ class Trainer:
                                      self.checkpoints if protocol is not None else None, self.faults,
                                      self.callbacks)
 
-    def _refuse_what_cannot_run(self, world: World, step_fn: Optional[StepFn]) -> None:
+    def _refuse_what_cannot_run(self, world: World, step_fn: Optional[StepFn],
+                                lr_scheduler: Optional[SchedulerFactory]) -> None:
         """What this launch cannot do, refused on every rank alike before any collective, instead of
         failing or hanging in the first step."""
         cfg = self.config
@@ -167,6 +174,14 @@ class Trainer:
             raise ValueError("train.checkpoint_async is not supported under Horovod elastic (a world change while a "
                              "write is in flight is not handled): launch without --min-np/--max-np, or "
                              "set train.checkpoint_async=false")
+        if lr_scheduler is not None and (cfg.warmup_epochs or cfg.lr_schedule != "constant"):
+            raise ValueError(f"lr_scheduler replaces hvdtrain's own schedule: set train.warmup_epochs=0 and "
+                             f"train.lr_schedule=constant (got {cfg.warmup_epochs:g} and {cfg.lr_schedule}), and "
+                             f"put a warm-up into your scheduler if you want one")
+        if lr_scheduler is not None and self.elastic_launch:
+            raise ValueError("lr_scheduler is not supported under Horovod elastic: the global batch and the scaled "
+                             "rates change with the world, and your scheduler was built for one; use train.lr_schedule, "
+                             "or launch without --min-np/--max-np")
         refusal = launch_refusal(cfg, world, self.elastic_launch)
         if refusal:
             raise ValueError(refusal)

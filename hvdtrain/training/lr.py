@@ -11,10 +11,10 @@ host with NCCL).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed import collectives
@@ -91,14 +91,20 @@ def set_scaled_lr(optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], s
         group["lr"] = group["initial_lr"] = base * scale
 
 
+SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
+
+
 class LearningRate:
     """The optimizer's rates for one global batch: one worker's rates (as the user built the
     optimizer) times the scale, warmed up, then following train.lr_schedule; started again when
-    the global batch changes."""
+    the global batch changes. With ``factory`` (the user's scheduler over the optimizer the strategy
+    steps, built once its rates are scaled) that scheduler replaces the warm-up and train.lr_schedule."""
 
-    def __init__(self, config: TrainConfig, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, config: TrainConfig, optimizer: torch.optim.Optimizer,
+                 factory: Optional[SchedulerFactory] = None) -> None:
         self.config = config
         self.optimizer = optimizer
+        self.factory = factory
         self.base_lrs: List[float] = [group["lr"] for group in optimizer.param_groups]  # one worker's
         self.scale = 1.0
         self.scheduler: LambdaLR
@@ -112,6 +118,14 @@ class LearningRate:
         self.scale = lr_scale(global_batch, config.batch_size, config.scale_lr, config.reduction, world.size, adasum)
         self.warmup_steps, self.total_steps = warmup_steps, total_steps
         set_scaled_lr(self.optimizer, self.base_lrs, self.scale)
+        if self.factory is not None:
+            if step:  # the Trainer refuses what would restart it mid-run (Horovod elastic)
+                raise RuntimeError(f"a scheduler of your own starts at step 0, not {step}: its state resumes it")
+            self.scheduler = self.factory(self.optimizer)
+            if not isinstance(self.scheduler, LRScheduler):
+                raise TypeError(f"lr_scheduler must return a torch LR scheduler over the optimizer it is given, "
+                                f"got {type(self.scheduler).__name__}")
+            return
         warmup = warmup_factor(self.scale, warmup_steps)
         decay = decay_factor(config.lr_schedule, warmup_steps, total_steps, config.min_lr_ratio, config.decay_fraction)
         self.scheduler = LambdaLR(self.optimizer, lambda at: warmup(at) * decay(at), last_epoch=step - 1)
@@ -137,6 +151,8 @@ class LearningRate:
         config = self.config
         # The optimizer's own rates are what is scaled (train.lr is the examples' way to set them).
         rates = "/".join(f"{rate:g}" for rate in dict.fromkeys(self.base_lrs))
+        if self.factory is not None:
+            return f"lr {rates} x {self.scale:g}, then your {type(self.scheduler).__name__}"
         text = f"lr {rates} x {self.scale:g} after {self.warmup_steps} warm-up steps"
         if config.lr_schedule != "constant":
             text += f", {config.lr_schedule} decay to x {config.min_lr_ratio:g} at step {self.total_steps}"

@@ -292,26 +292,67 @@ def test_a_cosine_schedule_steps_as_one_process_stepping_at_those_rates(world, s
     trainer.fit()
     trainer.strategy.whole_model()
 
-    runs = {}
-    for name, rates in (("cosine", [0.5 * 0.5 * (1 + math.cos(math.pi * s / STEPS)) for s in range(STEPS)]),
-                        ("constant", [0.5] * STEPS)):
-        reference = small_mlp(seed=0)
-        reference.load_state_dict(initial)
-        optimizer = make(reference.parameters(), rates[0])
-        inputs, labels = data.tensors
-        for rate, batch in zip(rates, global_batches(len(data), world.size)):
-            for group in optimizer.param_groups:
-                group["lr"] = rate
-            optimizer.zero_grad()
-            F.cross_entropy(reference(inputs[batch]), labels[batch]).backward()
-            optimizer.step()
-        runs[name] = flat_parameters(reference)
+    runs = {name: one_process_at(rates, initial, data, make, world.size) for name, rates in (
+        ("cosine", [0.5 * 0.5 * (1 + math.cos(math.pi * s / STEPS)) for s in range(STEPS)]),
+        ("constant", [0.5] * STEPS))}
     ours = flat_parameters(trainer.model)
     rows = agreed([(ours - runs["cosine"]).abs().max(), (ours - runs["constant"]).abs().max(),
                    trainer.optimizer.param_groups[0]["lr"]], name=f"schedule.{strategy}")
     assert (rows[:, 0] < BOUND).all(), f"max |trainer - one process at the cosine rates| per rank: {rows[:, 0].tolist()}"
     assert (rows[:, 1] > 1e-3).all(), "the schedule changed nothing: the test would not see it missing"
     assert (rows[:, 2] == 0.0).all(), f"the rate after the last step must be min_lr_ratio x peak = 0: {rows[:, 2]}"
+
+
+def one_process_at(rates, initial, data, make, world_size):
+    """One process taking the global batches at ``rates``, one per step: its final parameters."""
+    reference = small_mlp(seed=0)
+    reference.load_state_dict(initial)
+    optimizer = make(reference.parameters(), rates[0])
+    inputs, labels = data.tensors
+    for rate, batch in zip(rates, global_batches(len(data), world_size)):
+        for group in optimizer.param_groups:
+            group["lr"] = rate
+        optimizer.zero_grad()
+        F.cross_entropy(reference(inputs[batch]), labels[batch]).backward()
+        optimizer.step()
+    return flat_parameters(reference)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_a_scheduler_of_your_own_runs_over_the_scaled_rates_and_resumes_exactly(world, strategy, tmp_path):
+    """lr_scheduler=ExponentialLR(gamma=0.5) over the optimizer the strategy steps, built after the
+    rates were scaled to the global batch (x workers): rate 0.5 x N x 0.5^s at step s; stopped after 2
+    steps and resumed from the checkpoint, the run ends bitwise where the uninterrupted one does."""
+    base = collectives.allgather_object(str(tmp_path), name=f"own.scheduler.dir.{strategy}")[0]
+    data = synthetic_classification(samples=96)
+    make = lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)  # noqa: E731
+    halving = lambda optimizer: torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)  # noqa: E731
+
+    def run(max_steps, directory=None):
+        model = small_mlp(seed=0)
+        trainer = Trainer(model, make(model.parameters(), 0.5), data, None,
+                          config(strategy, scale_lr=True, max_steps=max_steps, checkpoint_dir=directory), world=world,
+                          lr_scheduler=halving)
+        trainer.fit()
+        trainer.close()
+        return trainer
+
+    whole = run(STEPS)
+    initial = small_mlp(seed=0).state_dict()
+    run(2, f"{base}/resume")
+    resumed = run(STEPS, f"{base}/resume")
+    expected = one_process_at([0.5 * world.size * 0.5 ** s for s in range(STEPS)], initial, data, make, world.size)
+    rows = agreed([(flat_parameters(whole.model) - expected).abs().max(),
+                   (flat_parameters(resumed.model) - flat_parameters(whole.model)).abs().max(),
+                   resumed.optimizer.param_groups[0]["lr"]], name=f"own.scheduler.{strategy}")
+
+    assert (rows[:, 0] < BOUND).all(), f"max |trainer - one process at the scheduler's rates|: {rows[:, 0].tolist()}"
+    assert (rows[:, 1] == 0).all(), f"max |resumed - uninterrupted|: {rows[:, 1].tolist()}"
+    assert (rows[:, 2] == 0.5 * world.size * 0.5 ** STEPS).all(), rows[:, 2].tolist()
+    assert "then your ExponentialLR" in whole.lr.describe()
+    with pytest.raises(ValueError, match="lr_scheduler replaces hvdtrain's own schedule: set train.warmup_epochs=0"):
+        Trainer(small_mlp(seed=0), make(small_mlp(seed=0).parameters(), 0.5), data, None,
+                config(strategy, warmup_epochs=1.0), world=world, lr_scheduler=halving)
 
 
 # ---- evaluation between steps ------------------------------------------------------------------
