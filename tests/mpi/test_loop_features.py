@@ -318,6 +318,22 @@ def one_process_at(rates, initial, data, make, world_size):
     return flat_parameters(reference)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
+def test_the_first_step_already_runs_at_the_scaled_rate(world, strategy):
+    """scale_lr without warm-up: every step, the first one included, at 0.5 x workers. (Under the
+    sharded strategies the broadcast of rank 0's optimizer state used to bring back the unscaled
+    rate after the scaling, for the first step only.)"""
+    data = synthetic_classification(samples=96)
+    make = lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)  # noqa: E731
+    model = small_mlp(seed=0)
+    trainer = Trainer(model, make(model.parameters(), 0.5), data, None, config(strategy, scale_lr=True), world=world)
+    trainer.fit()
+    trainer.strategy.whole_model()
+    expected = one_process_at([0.5 * world.size] * STEPS, small_mlp(seed=0).state_dict(), data, make, world.size)
+    rows = agreed([(flat_parameters(model) - expected).abs().max()], name=f"first.rate.{strategy}")
+    assert (rows < BOUND).all(), f"max |trainer - one process at the scaled rate| per rank: {rows.flatten().tolist()}"
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
 def test_a_scheduler_of_your_own_runs_over_the_scaled_rates_and_resumes_exactly(world, strategy, tmp_path):
     """lr_scheduler=ExponentialLR(gamma=0.5) over the optimizer the strategy steps, built after the
