@@ -22,6 +22,7 @@ from hvdtrain.checkpoint.manager import CheckpointManager
 from hvdtrain.checkpoint.protocol import Checkpointing
 from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint import hf_export
+from hvdtrain.checkpoint import pretrained
 from hvdtrain.checkpoint.export import export_model
 from hvdtrain.config.train import PRECISIONS, TrainConfig
 from hvdtrain.data.batching import Batching
@@ -355,6 +356,29 @@ class Trainer:
         """The step's loss and metrics over the whole validation set (every rank's shard), as
         val_loss, val_<metric>."""
         return self.loop.evaluate()
+
+    def load_pretrained(self, directory) -> int:
+        """Start from a local Hugging Face model directory's weights (config.json + safetensors, as
+        save_pretrained writes it), each rank reading only what it keeps (under zero1, zero2, fsdp
+        its slices: hvdtrain.checkpoint.pretrained). Every rank calls it, before fit(); a directory
+        that does not fit the model is refused on every rank. Returns the bytes this rank read."""
+        if self.position.step:
+            raise ValueError(f"load_pretrained starts a run from pretrained weights, but this one is at step "
+                             f"{self.position.step} (resumed from a checkpoint, or trained): its weights are newer")
+        problem = None
+        try:
+            reader = pretrained.SafetensorsReader(directory)
+            part = pretrained.own_part(self.strategy, reader)
+        except (CheckpointError, OSError, ValueError, RuntimeError, KeyError) as error:
+            problem = f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
+        problems = [f"rank {r}: {p}" for r, p in enumerate(collectives.allgather_object(problem, name="pretrained"))
+                    if p]
+        if problems:
+            raise CheckpointError(f"the pretrained weights in {directory} cannot be loaded: {'; '.join(problems)}")
+        pretrained.apply(self.strategy, part)
+        self.topology.log.info(f"started from the pretrained weights in {directory} (this rank read "
+                               f"{reader.bytes_read / 2**20:.1f} MiB)")
+        return reader.bytes_read
 
     def export_hf(self, directory, max_shard_bytes: int = hf_export.DEFAULT_MAX_SHARD_BYTES) -> None:
         """A Hugging Face model, as it is now, as a directory ``from_pretrained`` loads (config.json,

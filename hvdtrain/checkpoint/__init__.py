@@ -11,6 +11,7 @@
     consolidate.py     a sharded checkpoint made full, in one process
     export.py          the trained model as safetensors, loadable without hvdtrain
     hf_export.py       a Hugging Face model as a directory from_pretrained loads, streamed from the ranks
+    pretrained.py      a Hugging Face weights directory read by slice, each rank only what it keeps
 
 May import common/, config/, distributed/ and strategies/ (a strategy's own state); nothing above.
 """

@@ -1,0 +1,137 @@
+"""Pretrained weights from a local Hugging Face model directory (``config.json`` with
+``model.safetensors``, or numbered files and ``model.safetensors.index.json``), each rank reading
+only what it keeps: under zero1, zero2 and fsdp its slice of every flat bucket (safetensors reads a
+tensor's rows without the rest of the file), under ddp, ps and model parallelism the whole model,
+which each of their ranks holds anyway. A tied weight stored once is found under any of its names.
+
+Reading is local (``own_part``); putting the part in place may be a collective (``apply``), so the
+caller agrees on every rank's reading first (Trainer.load_pretrained).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.strategies.base import Strategy
+from hvdtrain.strategies.sharding.sliced import ShardedStrategy
+
+INDEX = "model.safetensors.index.json"
+WEIGHTS = "model.safetensors"
+
+
+class SafetensorsReader:
+    """The tensors of a Hugging Face weights directory by name, read whole or by a flat range of
+    their elements; counts the bytes it hands out."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        index, single = self.directory / INDEX, self.directory / WEIGHTS
+        if index.is_file():
+            self.files = {name: self.directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        elif single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(single), framework="pt") as handle:
+                self.files = {name: single for name in handle.keys()}
+        else:
+            raise CheckpointError(f"{self.directory} holds neither {WEIGHTS} nor {INDEX}: not a Hugging Face "
+                                  f"weights directory (save_pretrained writes one)")
+        self.bytes_read = 0
+
+    def first_of(self, names: Sequence[str]) -> str:
+        """The first of a tensor's names (a tied weight has several) that the directory holds."""
+        for name in names:
+            if name in self.files:
+                return name
+        raise CheckpointError(f"{self.directory} has no weights for {' / '.join(names)}: it holds another model")
+
+    def read(self, name: str, start: int = 0, stop: int = -1) -> torch.Tensor:
+        """Elements [start, stop) of ``name`` flattened (stop -1: to the end), reading only the rows
+        (first-dimension slices) that hold them."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            view = handle.get_slice(name)
+            shape = view.get_shape()
+            numel = math.prod(shape)
+            stop = numel if stop < 0 else stop
+            if not shape or (start == 0 and stop == numel):
+                values = handle.get_tensor(name).reshape(-1)
+            else:
+                row = numel // shape[0]
+                first, last = start // row, -(-stop // row)
+                values = view[first:last].reshape(-1)[start - first * row:stop - first * row]
+        self.bytes_read += values.numel() * values.element_size()
+        return values.clone()
+
+    def shape(self, name: str) -> List[int]:
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            return list(handle.get_slice(name).get_shape())
+
+
+def own_part(strategy: Strategy, reader: SafetensorsReader) -> Dict[str, Any]:
+    """What this rank keeps of the pretrained weights, in the form ``apply`` puts in place (local)."""
+    if isinstance(strategy, ShardedStrategy):
+        return _sharded_part(strategy, reader)
+    model = strategy.model
+    whole = {}
+    for names in _names_by_tensor(model):
+        source = reader.first_of(names)
+        value = model.state_dict(keep_vars=True)[names[0]]
+        _check_shape(reader, source, list(value.shape))
+        tensor = reader.read(source).reshape(value.shape).to(value.dtype)
+        whole.update((name, tensor) for name in names)
+    return {"model": whole}
+
+
+def _sharded_part(strategy: ShardedStrategy, reader: SafetensorsReader) -> Dict[str, Any]:
+    """This rank's part as its shard_state_dict() holds it (the optimizer's state and groups as they
+    are), the pretrained slices and unmanaged tensors in place of its own."""
+    part = strategy.shard_state_dict()
+    rank, size = part["rank"], part["world_size"]
+    params = []
+    for entry in part["layout"]["buckets"]:
+        slice_size = entry["padded_numel"] // size
+        low, high = rank * slice_size, (rank + 1) * slice_size
+        flat = torch.zeros(slice_size, dtype=getattr(torch, entry["dtype"]))  # padding stays zero
+        for names, shape, offset in zip(entry["names"], entry["shapes"], entry["offsets"]):
+            start, stop = max(low, offset), min(high, offset + math.prod(shape))
+            if start < stop:
+                source = reader.first_of(names)
+                _check_shape(reader, source, shape)
+                flat[start - low:stop - low] = reader.read(source, start - offset, stop - offset)
+        params.append(flat)
+    unmanaged = {name: reader.read(reader.first_of([name])).reshape(value.shape).to(value.dtype)
+                 for name, value in part["unmanaged"].items()}
+    return {**part, "params": params, "unmanaged": unmanaged}
+
+
+def apply(strategy: Strategy, part: Dict[str, Any]) -> None:
+    """Put a part ``own_part`` read in place (every rank: a ZeRO strategy all-gathers its parameters,
+    model parallelism gathers its state)."""
+    if isinstance(strategy, ShardedStrategy):
+        strategy.load_shard_state_dict(part)
+    else:
+        strategy.load_state_dict({"model": part["model"], "optimizer": strategy.state_dict()["optimizer"]})
+
+
+def _names_by_tensor(model: torch.nn.Module) -> List[List[str]]:
+    """Every distinct parameter and buffer's state_dict names (a tied weight: all of its names)."""
+    names: Dict[int, List[str]] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(value), []).append(name)
+    return list(names.values())
+
+
+def _check_shape(reader: SafetensorsReader, name: str, shape: Sequence[int]) -> None:
+    stored = reader.shape(name)
+    if stored != list(shape):
+        raise CheckpointError(f"{name} in {reader.directory} has shape {stored}, this model's {list(shape)}: "
+                              f"it holds another model (or another configuration of it)")
