@@ -4,7 +4,8 @@ Launched with ``horovodrun --min-np --max-np --host-discovery-script`` (Gloo), t
 runs inside ``hvd.elastic.run``. The state is committed every few steps (a copy in memory, on every
 rank). When a worker dies, the survivors' collective fails, they roll back to the last commit,
 Horovod forms a new world, the Trainer follows it, and training goes on. A worker that joins
-receives rank 0's state at the next sync, before its first step.
+receives rank 0's state at the next sync, before its first step. Under zero1, zero2 and fsdp the
+newest checkpoint takes the in-memory commit's place (CheckpointedElasticState).
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class ElasticState(State):
 
 
 class CheckpointedElasticState(State):
-    """Under zero1 and zero2, whose state is cut into one shard per worker: a lost worker takes its
+    """Under zero1, zero2 and fsdp, whose state is cut into one shard per worker: a lost worker takes its
     shard along, and every shard changes with the world, so a world change continues from the newest
     checkpoint, resharded for the new world, instead of an in-memory commit. The checkpoints are the
     commits: the loop commits (and so learns of added or removed hosts) right after each save.

@@ -40,7 +40,7 @@ class PSStrategy(SlicedStateStrategy):
     name = "ps"
     refuses = {
         ELASTIC: "the servers (ranks 0..ps_servers-1) hold the only copy of the optimizer state, and a lost server "
-                 "takes its part along; continuing from the newest checkpoint, as zero1 and zero2 do, is not built "
+                 "takes its part along; continuing from the newest checkpoint, as zero1, zero2 and fsdp do, is not built "
                  "for ps",
         MESH: SHARDED_MESH,
         SHARDED_CHECKPOINTS: "the optimizer state lives on the servers only, which the per-rank sharded format "

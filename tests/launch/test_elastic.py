@@ -59,11 +59,11 @@ def checkpoint_steps(directory):
 # ends the test with a stack dump instead of the run's output.
 @pytest.mark.timeout(TIMEOUT + 60)
 @pytest.mark.skipif(HOST in ("localhost", ""), reason="needs a hostname other than localhost")
-@pytest.mark.parametrize("strategy,checkpoint_format", [("ddp", "full"), ("zero2", "sharded")])
+@pytest.mark.parametrize("strategy,checkpoint_format", [("ddp", "full"), ("zero2", "sharded"), ("fsdp", "sharded")])
 def test_losing_rank_0s_host_keeps_checkpoints_and_metrics_going_and_the_host_rejoins(tmp_path, strategy,
                                                                                       checkpoint_format):
-    """ddp rolls back to its in-memory commit; zero2, whose lost worker took its shard along, to the
-    newest checkpoint, resharded for 2 workers, then for 3 when the host is back."""
+    """ddp rolls back to its in-memory commit; zero2 and fsdp, whose lost worker took its shard along,
+    to the newest checkpoint, resharded for 2 workers, then for 3 when the host is back."""
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\nprintf 'localhost:1\\n127.0.0.1:1\\n{HOST}:1\\n'\n")
     discover.chmod(0o755)
@@ -105,8 +105,9 @@ def test_losing_rank_0s_host_keeps_checkpoints_and_metrics_going_and_the_host_re
     assert grow > 0, f"the killed host did not rejoin:\n{output[-4000:]}"
     final = re.search(r"final validation accuracy: ([0-9.]+) on 359 held-out digits, 3 workers", output)
     assert final and float(final.group(1)) >= 0.95, output[-2000:]
-    if strategy == "zero2":  # back to the checkpoint written last before the kill, cut for the new world
-        resharded = re.findall(r"resharding \S*ckpt-(\d{9}) \((\d) ranks, zero2\) for (\d) ranks under zero2", output)
+    if strategy != "ddp":  # back to the checkpoint written last before the kill, cut for the new world
+        resharded = re.findall(rf"resharding \S*ckpt-(\d{{9}}) \((\d) ranks, {strategy}\) for (\d) ranks under "
+                               rf"{strategy}", output)
         assert resharded[:1] == [(f"{killed_after:09d}", "3", str(survivors))], (killed_after, resharded, output[-4000:])
         assert (str(survivors), "3") in [(old, new) for _, old, new in resharded[1:]], resharded
 

@@ -170,6 +170,35 @@ def test_a_checkpoint_resumes_under_fsdp_zero_and_one_plain_optimizer(world):
     assert (everywhere[:, 3] < 1e-10).all(), f"fsdp -> zero2: {everywhere[:, 3].tolist()}"
 
 
+def test_after_a_world_change_the_units_are_cut_anew_and_a_checkpoint_continues_them(world):
+    """What Horovod elastic does to fsdp (re-formed at the same world here): follow_world cuts new
+    buffers whose shards start at zero, the same optimizer object steps them with its state dropped,
+    and the checkpoint loaded then continues exactly as before."""
+    data = synthetic_classification(samples=192, features=FEATURES, classes=CLASSES)
+    model = Blocks(seed=0)
+    strategy = FSDPStrategy(model, OPTIMIZERS["two_groups"](model), world, 1, False)
+    strategy.broadcast_from_root()
+    fsdp_steps(strategy, data, 2, 1, world)
+    checkpoint = copy.deepcopy(strategy.state_dict())
+    fsdp_steps(strategy, data, 2, 1, world, first=2)
+    continued = flat(strategy.state_dict()["model"])
+
+    optimizer, old_buckets = strategy.optimizer, strategy.buckets
+    strategy.follow_world(world)
+    relaid = [strategy.optimizer is optimizer, not optimizer.state,
+              not {id(b) for b in strategy.buckets} & {id(b) for b in old_buckets},
+              [[id(p) for p in g["params"]] for g in optimizer.param_groups]
+              == [[id(b.shard) for b in strategy.buckets if b.group == g] for g in range(len(optimizer.param_groups))],
+              all(not b.shard.any() for b in strategy.buckets)]
+    strategy.load_state_dict(checkpoint)
+    fsdp_steps(strategy, data, 2, 1, world, first=2)
+    difference = (flat(strategy.state_dict()["model"]) - continued).abs().max().reshape(1).double()
+    everywhere = collectives.allgather_rows(difference, name="fsdp.test.relaid")
+
+    assert relaid == [True] * 5, "same optimizer, state dropped, new buffers, stepping them, shards at zero"
+    assert (everywhere == 0).all(), f"max |continued after the re-cut - continued| per rank: {everywhere.tolist()}"
+
+
 def test_broadcast_from_root_spreads_rank_0s_parameters_and_optimizer_state(world):
     data = synthetic_classification(samples=192, features=FEATURES, classes=CLASSES)
     model = Blocks(seed=100 + world.rank)

@@ -46,10 +46,10 @@ def test_a_checkpoint_written_under_one_strategy_resumes_under_another(world, tm
 
 
 @pytest.mark.parametrize("strategy,refusal", [
-    ("fsdp", "train.strategy=fsdp does not support Horovod elastic"),
     ("ps", "train.strategy=ps does not support Horovod elastic"),
-    # zero1/zero2 continue from the newest checkpoint after a world change: they need a directory.
+    # zero1, zero2 and fsdp continue from the newest checkpoint after a world change: they need a directory.
     ("zero1", "train.strategy=zero1 under Horovod elastic continues from the newest checkpoint.*set train.checkpoint_dir"),
+    ("fsdp", "train.strategy=fsdp under Horovod elastic continues from the newest checkpoint.*set train.checkpoint_dir"),
 ])
 def test_what_cannot_run_under_horovod_elastic_is_refused_before_any_collective(world, monkeypatch, strategy, refusal):
     monkeypatch.setenv("HOROVOD_ELASTIC", "1")

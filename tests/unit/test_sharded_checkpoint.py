@@ -15,6 +15,7 @@ from hvdtrain.checkpoint.consolidate import consolidate
 from hvdtrain.checkpoint.store import FORMAT_VERSION, CheckpointError, CheckpointStore
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed.startup import World
+from hvdtrain.strategies.fsdp.strategy import FSDPStrategy
 from hvdtrain.strategies.zero import Zero2Strategy
 
 WORLD_SIZE = 2
@@ -291,6 +292,26 @@ def test_a_zero_strategy_cut_anew_for_another_world_holds_that_worlds_part(train
     strategy.load_state_dict(trained)
     assert identical(strategy.shard_state_dict(), parts_of(trained, size=3)[1])
     strategy.close()
+
+
+def test_an_fsdp_strategy_cut_anew_for_another_world_holds_that_worlds_part(trained):
+    """As for ZeRO: fsdp's rank 0 of 2 re-cut as rank 1 of 3 (its units' buffers, shards at zero),
+    then the full state loaded, holds exactly what fsdp built as rank 1 of 3 holds."""
+    net = model(seed=10)
+    strategy = FSDPStrategy(net, optimizer_for(net), world(0, 2), 1, False)
+    strategy.load_state_dict(trained)
+    optimizer = strategy.optimizer
+
+    strategy.follow_world(world(1, 3))
+    assert strategy.optimizer is optimizer and not optimizer.state
+    assert all(b.padded_numel % 3 == 0 and b.rank == 1 and not b.shard.any() for b in strategy.buckets)
+    strategy.load_state_dict(trained)
+    fresh_net = model(seed=11)
+    fresh = FSDPStrategy(fresh_net, optimizer_for(fresh_net), world(1, 3), 1, False)
+    fresh.load_state_dict(trained)
+    assert identical(strategy.shard_state_dict(), fresh.shard_state_dict())
+    strategy.close()
+    fresh.close()
 
 
 def identical(ours, theirs) -> bool:

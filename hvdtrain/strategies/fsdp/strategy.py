@@ -26,7 +26,8 @@ from hvdtrain.distributed.world import World
 from hvdtrain.strategies.base import distinct_state, optimizer_state_tensors, storage_bytes
 from hvdtrain.strategies.fsdp import units as fu
 from hvdtrain.strategies.fsdp.communication import UnitCommunication
-from hvdtrain.strategies.registry import ADASUM, COMPILE, ELASTIC, MESH
+from hvdtrain.strategies.optimizers import repoint_optimizer
+from hvdtrain.strategies.registry import ADASUM, COMPILE, MESH
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.sliced import ShardedStrategy
 from hvdtrain.strategies.zero import SHARDED_ADASUM, SHARDED_MESH
@@ -42,9 +43,8 @@ class FSDPStrategy(ShardedStrategy):
 
     name = "fsdp"
     collective_forward = True
+    elastic_from_checkpoint = True
     refuses = {
-        ELASTIC: "a lost worker takes its shard of the parameters along, and fsdp's units are cut for the world it "
-                 "is built in (cutting them anew mid-run, as zero1 and zero2 do under elastic, is not built for fsdp)",
         ADASUM: SHARDED_ADASUM, MESH: SHARDED_MESH,
         COMPILE: "fsdp gathers each unit's parameters in hooks that run inside the forward, and torch.compile "
                  "cannot compile them: Dynamo cannot trace Horovod's collectives (a graph break at every unit), "
@@ -60,17 +60,25 @@ class FSDPStrategy(ShardedStrategy):
             raise ValueError(f"accumulation ({accumulation}) must be >= 1")
         super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
         self.prefetch = prefetch
+        # The user's optimizer and the policy name the parameters and the units: a new world's are cut from them.
+        self._user_optimizer, self._wrap_policy = optimizer, wrap_policy or fu.default_wrap_policy(model)
         # Rank 0's parameters as the user built them: what broadcast_from_root spreads, until a
         # step or a load makes them stale (only rank 0 keeps them).
         self.root, self.units, self._initial_params = fu.build_units(
-            model, optimizer, wrap_policy or fu.default_wrap_policy(model), world.rank, world.size,
-            keep_initial=world.rank == 0)
+            model, optimizer, self._wrap_policy, world.rank, world.size, keep_initial=world.rank == 0)
         self._initial_pending = True
+        self._adopt_units()
+        self._take_optimizer(optimizer)
+        self._begin_step_bookkeeping()
+
+    def _adopt_units(self) -> None:
         self.buckets = [bucket for unit in self.all_units for bucket in unit.buckets]
         self._managed = {id(p) for bucket in self.buckets for p in bucket.params}
-        self._set_gradient_wire(fp16_allreduce)
-        self._take_optimizer(optimizer)
+        self._set_gradient_wire(self.fp16_allreduce)
         self.comm = UnitCommunication(self.buckets)
+
+    def _begin_step_bookkeeping(self) -> None:
+        """No unit order known yet, nothing open, and the hooks on the current units."""
         self._recording: Optional[List[fu.FSDPUnit]] = None  # the first forward's unit order
         self._next_forward: Dict[fu.FSDPUnit, fu.FSDPUnit] = {}
         self._next_backward: Dict[fu.FSDPUnit, fu.FSDPUnit] = {}
@@ -79,6 +87,23 @@ class FSDPStrategy(ShardedStrategy):
         self._callback_queued = False
         self._backwards = 0
         self._hooks = self._register_hooks()
+
+    def follow_world(self, world: World) -> None:
+        """Horovod elastic formed a new world: the units' buffers are cut for its ranks, the shards
+        start at zero, the optimizer steps them with its state dropped (a lost worker took its part
+        of both along): the elastic sync loads the newest checkpoint into them."""
+        super().follow_world(world)
+        self.close()
+        for param in self.model.parameters():
+            param.grad = None
+        self.root, self.units, _ = fu.build_units(self.model, self._user_optimizer, self._wrap_policy, world.rank,
+                                                  world.size, keep_initial=False, with_values=False)
+        self._initial_params, self._initial_pending = [], False
+        self._adopt_units()
+        repoint_optimizer(self.optimizer, [[b.shard for b in self.buckets if b.group == group]
+                                           for group in range(len(self.optimizer.param_groups))])
+        self._carried_state = None
+        self._begin_step_bookkeeping()
 
     @property
     def all_units(self) -> List[fu.FSDPUnit]:

@@ -102,10 +102,13 @@ def parameter_owners(model: nn.Module, unit_paths: Sequence[str]) -> Dict[int, O
 # Packing a unit into sharded buckets.
 
 def build_units(model: nn.Module, optimizer: torch.optim.Optimizer, policy: WrapPolicy, rank: int,
-                world_size: int, keep_initial: bool) -> Tuple[FSDPUnit, List[FSDPUnit], List[torch.Tensor]]:
+                world_size: int, keep_initial: bool, with_values: bool = True,
+                ) -> Tuple[FSDPUnit, List[FSDPUnit], List[torch.Tensor]]:
     """(root, the units with parameters in registration order, and with ``keep_initial`` the full
     buffers of the parameters' values as given, bucket by bucket). Every trainable optimizer
-    parameter goes to one bucket; afterwards it is a view of a freed full buffer."""
+    parameter goes to one bucket; afterwards it is a view of a freed full buffer. Without
+    ``with_values`` the shards start at zero (the parameters hold no values: a re-cut for a new
+    world, filled from a checkpoint next)."""
     found = find_units(model, policy)
     owners = parameter_owners(model, [path for path, _ in found])
     registration = {id(p): i for i, p in enumerate(model.parameters())}
@@ -120,7 +123,8 @@ def build_units(model: nn.Module, optimizer: torch.optim.Optimizer, policy: Wrap
         buckets = []
         for group, kind_members in _by_group_and_kind(indexed):
             bucket = _bucket(count, group, kind_members, rank, world_size)
-            full = pack(bucket, [p.detach() for p in bucket.params])
+            full = (pack(bucket, [p.detach() for p in bucket.params]) if with_values else
+                    torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device))
             _shard(bucket, full)
             if keep_initial:
                 initial.append(full)
