@@ -1,6 +1,7 @@
 """Checks every settings section uses: each raises ValueError naming the section's field and the value."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 
@@ -17,3 +18,29 @@ def check_fraction(section: Any, name: str) -> None:
     value = getattr(section, name)
     if not 0 < value < 1:
         raise ValueError(f"{type(section).__name__}.{name} must be between 0 and 1, got {value!r}")
+
+
+def check_choices(section: Any) -> None:
+    """Every field of a settings dataclass whose metadata names its ``choices`` holds one of them
+    (a list field: each of them, at most once), or ValueError naming the field and the choices."""
+    cls = type(section).__name__
+    for spec in dataclasses.fields(section):
+        choices = spec.metadata.get("choices")
+        if not choices:
+            continue
+        value = getattr(section, spec.name)
+        if isinstance(value, (list, tuple)):
+            if any(item not in choices for item in value) or len(set(value)) != len(value):
+                raise ValueError(f"{cls}.{spec.name} takes each of {', '.join(choices)} at most once, got {value!r}")
+        elif value not in choices:
+            raise ValueError(f"{cls}.{spec.name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def check_only_with(section: Any, name: str, default: Any, setting: str, needed: Any) -> None:
+    """Field ``name`` stays at ``default`` unless ``setting`` is ``needed`` (it means nothing otherwise),
+    or ValueError with the two ways out."""
+    value, actual = getattr(section, name), getattr(section, setting)
+    if actual != needed and value != default:
+        cls = type(section).__name__
+        raise ValueError(f"{cls}.{name}={value} applies to {setting}={needed} only, got {setting}={actual}: set "
+                         f"{setting}={needed}, or leave {name} at {default}")

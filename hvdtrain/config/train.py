@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 
-from hvdtrain.config.checks import check_whole_numbers
+from hvdtrain.config.checks import check_choices, check_only_with, check_whole_numbers
 # The strategies' names; their classes, when a config is validated (hvdtrain.strategies.registry is
 # light to import: only check_settings loads the classes, which import torch).
 from hvdtrain.strategies.registry import STRATEGY_NAMES as STRATEGIES
@@ -90,8 +90,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.resume, bool):  # TrainConfig(resume=False) from Python
             self.resume = "true" if self.resume else "false"
-        if self.resume not in RESUME_MODES:
-            raise ValueError(f"TrainConfig.resume must be one of {', '.join(RESUME_MODES)}, got {self.resume!r}")
+        check_choices(self)  # every field with "choices" in its metadata (strategy, precision, resume, ...)
         for name in ("checkpoint_dir", "run_dir"):
             if getattr(self, name) == "":
                 raise ValueError(f"TrainConfig.{name} must be a directory, or null for none, got ''")
@@ -112,56 +111,29 @@ class TrainConfig:
         if self.prefetch_factor is not None and self.num_workers == 0:
             raise ValueError(f"TrainConfig.prefetch_factor={self.prefetch_factor!r} needs DataLoader worker processes "
                              f"to load ahead: set num_workers > 0 too, or leave prefetch_factor null")
-        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-            raise ValueError(f"TrainConfig.activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, "
-                             f"got {self.activation_checkpointing!r}")
         check_whole_numbers(self, ("activation_checkpointing_every",))
-        if self.activation_checkpointing != "every_k" and self.activation_checkpointing_every != 2:
-            raise ValueError(f"TrainConfig.activation_checkpointing_every={self.activation_checkpointing_every} applies "
-                             f"to activation_checkpointing=every_k only, got {self.activation_checkpointing}: set "
-                             f"activation_checkpointing=every_k, or leave activation_checkpointing_every at 2")
-        unknown = [name for name in self.loggers if name not in LOGGERS]
-        if unknown or len(set(self.loggers)) != len(self.loggers):
-            raise ValueError(f"TrainConfig.loggers takes each of {', '.join(LOGGERS)} at most once, got {self.loggers!r}")
+        check_only_with(self, "activation_checkpointing_every", 2, "activation_checkpointing", "every_k")
         if self.loggers and not self.run_dir:
             raise ValueError(f"TrainConfig.loggers={self.loggers!r} write the run directory's records: set run_dir too")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"TrainConfig.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"TrainConfig.min_lr_ratio must be a fraction in [0, 1], got {self.min_lr_ratio!r}")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ValueError(f"TrainConfig.decay_fraction must be a fraction in (0, 1], got {self.decay_fraction!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps!r}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"TrainConfig.strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
-        if self.checkpoint_format not in CHECKPOINT_FORMATS:
-            raise ValueError(f"TrainConfig.checkpoint_format must be one of {', '.join(CHECKPOINT_FORMATS)}, "
-                             f"got {self.checkpoint_format!r}")
         check_whole_numbers(self, ("ps_servers",))
-        if self.strategy != "ps" and self.ps_servers != 1:
-            raise ValueError(f"TrainConfig.ps_servers={self.ps_servers} applies to strategy=ps only, got "
-                             f"strategy={self.strategy}: set strategy=ps, or leave ps_servers at 1")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"TrainConfig.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"TrainConfig.reduction must be one of {', '.join(REDUCTIONS)}, got {self.reduction!r}")
+        check_only_with(self, "ps_servers", 1, "strategy", "ps")
         if self.reduction == "adasum":
             self._check_adasum()
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ValueError(f"TrainConfig.max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm!r}")
         check_whole_numbers(self, ("tensor_parallel", "pipeline_parallel", "micro_batches"))
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise ValueError(f"TrainConfig.pipeline_schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
-                             f"got {self.pipeline_schedule!r}")
         if self.model_parallel:
             self._check_model_parallel()
         elif self.micro_batches > 1:
             raise ValueError(f"TrainConfig.micro_batches={self.micro_batches} cuts the batch for a pipeline, but "
                              f"pipeline_parallel=1: set pipeline_parallel > 1, or use accumulation to split a "
                              f"data-parallel batch")
-        if self.progress not in PROGRESS_MODES:
-            raise ValueError(f"TrainConfig.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
         if self.run_name is not None and (not self.run_name or "/" in self.run_name or self.run_name.startswith(".")):
             raise ValueError(f"TrainConfig.run_name must be a plain directory name, got {self.run_name!r}")
         # What the strategy (or the model-parallel layout) cannot do, read from its class: the one source

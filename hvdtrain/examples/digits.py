@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from hvdtrain.config.checks import check_fraction, check_whole_numbers
+from hvdtrain.config.checks import check_choices, check_fraction, check_whole_numbers
 from hvdtrain.config.train import TrainConfig
 
 
@@ -55,8 +55,7 @@ class DigitsModelConfig:
 
     def __post_init__(self) -> None:
         check_whole_numbers(self, ("channels", "hidden"))
-        if self.dtype not in MODEL_DTYPES:
-            raise ValueError(f"DigitsModelConfig.dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        check_choices(self)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -185,3 +185,10 @@ def test_lists_tuples_and_mappings_come_from_yaml_and_the_command_line(tmp_path)
 def test_a_bad_element_is_named_by_its_position(override, message):
     with pytest.raises(ConfigError, match=message):
         load_job(OptimJob, None, [override])
+
+
+@pytest.mark.parametrize("loggers", [["wandb"], ["csv", "csv"]])
+def test_a_list_setting_takes_each_of_its_choices_at_most_once(loggers):
+    with pytest.raises(ValueError, match=r"TrainConfig\.loggers takes each of csv, mlflow at most once"):
+        TrainConfig(loggers=loggers, run_dir="runs")
+    assert TrainConfig(loggers=["mlflow", "csv"], run_dir="runs").loggers == ["mlflow", "csv"]
