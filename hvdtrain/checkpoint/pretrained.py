@@ -12,16 +12,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, Sequence
 
 import torch
 
 from hvdtrain.checkpoint import CheckpointError
-from hvdtrain.strategies.base import Strategy
+from hvdtrain.checkpoint.hf_export import INDEX, WEIGHTS
+from hvdtrain.strategies.base import Strategy, tensor_names
 from hvdtrain.strategies.sharding.sliced import ShardedStrategy
-
-INDEX = "model.safetensors.index.json"
-WEIGHTS = "model.safetensors"
 
 
 class SafetensorsReader:
@@ -50,14 +48,17 @@ class SafetensorsReader:
                 return name
         raise CheckpointError(f"{self.directory} has no weights for {' / '.join(names)}: it holds another model")
 
-    def read(self, name: str, start: int = 0, stop: int = -1) -> torch.Tensor:
+    def read(self, name: str, shape: Sequence[int], start: int = 0, stop: int = -1) -> torch.Tensor:
         """Elements [start, stop) of ``name`` flattened (stop -1: to the end), reading only the rows
-        (first-dimension slices) that hold them."""
+        (first-dimension slices) that hold them; refused unless the stored tensor has ``shape``."""
         from safetensors import safe_open
 
         with safe_open(str(self.files[name]), framework="pt") as handle:
             view = handle.get_slice(name)
-            shape = view.get_shape()
+            shape, stored = list(shape), view.get_shape()
+            if stored != shape:
+                raise CheckpointError(f"{name} in {self.directory} has shape {stored}, this model's {shape}: it "
+                                      f"holds another model (or another configuration of it)")
             numel = math.prod(shape)
             stop = numel if stop < 0 else stop
             if not shape or (start == 0 and stop == numel):
@@ -69,24 +70,14 @@ class SafetensorsReader:
         self.bytes_read += values.numel() * values.element_size()
         return values.clone()
 
-    def shape(self, name: str) -> List[int]:
-        from safetensors import safe_open
-
-        with safe_open(str(self.files[name]), framework="pt") as handle:
-            return list(handle.get_slice(name).get_shape())
-
 
 def own_part(strategy: Strategy, reader: SafetensorsReader) -> Dict[str, Any]:
     """What this rank keeps of the pretrained weights, in the form ``apply`` puts in place (local)."""
     if isinstance(strategy, ShardedStrategy):
         return _sharded_part(strategy, reader)
-    model = strategy.model
     whole = {}
-    for names in _names_by_tensor(model):
-        source = reader.first_of(names)
-        value = model.state_dict(keep_vars=True)[names[0]]
-        _check_shape(reader, source, list(value.shape))
-        tensor = reader.read(source).reshape(value.shape).to(value.dtype)
+    for names, value in tensor_names(strategy.model):
+        tensor = reader.read(reader.first_of(names), value.shape).reshape(value.shape).to(value.dtype)
         whole.update((name, tensor) for name in names)
     return {"model": whole}
 
@@ -104,11 +95,9 @@ def _sharded_part(strategy: ShardedStrategy, reader: SafetensorsReader) -> Dict[
         for names, shape, offset in zip(entry["names"], entry["shapes"], entry["offsets"]):
             start, stop = max(low, offset), min(high, offset + math.prod(shape))
             if start < stop:
-                source = reader.first_of(names)
-                _check_shape(reader, source, shape)
-                flat[start - low:stop - low] = reader.read(source, start - offset, stop - offset)
+                flat[start - low:stop - low] = reader.read(reader.first_of(names), shape, start - offset, stop - offset)
         params.append(flat)
-    unmanaged = {name: reader.read(reader.first_of([name])).reshape(value.shape).to(value.dtype)
+    unmanaged = {name: reader.read(reader.first_of([name]), value.shape).reshape(value.shape).to(value.dtype)
                  for name, value in part["unmanaged"].items()}
     return {**part, "params": params, "unmanaged": unmanaged}
 
@@ -120,18 +109,3 @@ def apply(strategy: Strategy, part: Dict[str, Any]) -> None:
         strategy.load_shard_state_dict(part)
     else:
         strategy.load_state_dict({"model": part["model"], "optimizer": strategy.state_dict()["optimizer"]})
-
-
-def _names_by_tensor(model: torch.nn.Module) -> List[List[str]]:
-    """Every distinct parameter and buffer's state_dict names (a tied weight: all of its names)."""
-    names: Dict[int, List[str]] = {}
-    for name, value in model.state_dict(keep_vars=True).items():
-        names.setdefault(id(value), []).append(name)
-    return list(names.values())
-
-
-def _check_shape(reader: SafetensorsReader, name: str, shape: Sequence[int]) -> None:
-    stored = reader.shape(name)
-    if stored != list(shape):
-        raise CheckpointError(f"{name} in {reader.directory} has shape {stored}, this model's {list(shape)}: "
-                              f"it holds another model (or another configuration of it)")

@@ -112,11 +112,6 @@ class ShardedSampler(Sampler[int]):
         self.epoch = epoch
         self.start = start
 
-    def global_order(self) -> List[int]:
-        """The epoch's order of all samples, the same on every rank and at every world size (all of
-        it: for a look at it; iterating the sampler computes only this rank's part)."""
-        return [index for chunk in self._chunks(range(self.dataset_size)) for index in chunk]
-
     def end(self) -> int:
         """Where this epoch's shards stop: after the last whole global batch from ``start``."""
         if self.global_batch is None:

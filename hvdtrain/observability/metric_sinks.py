@@ -20,7 +20,6 @@ from typing import Any, Dict, List, Mapping, Optional
 from hvdtrain.common.nested import flatten
 
 MLFLOW_RUN_ID_FILE = "mlflow_run_id"
-SINKS = ("csv", "mlflow")  # train.loggers' choices; TensorBoard is train.tensorboard
 
 
 def numbers(values: Mapping[str, Any], skip: tuple = ("step",)) -> Dict[str, float]:

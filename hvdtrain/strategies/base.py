@@ -27,13 +27,18 @@ def storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+def tensor_names(model: torch.nn.Module) -> List[Tuple[List[str], torch.Tensor]]:
+    """Every distinct parameter and buffer of ``model`` (the object itself) with all its state_dict
+    names, in state_dict order: a tied weight has several."""
+    found: Dict[int, Tuple[List[str], torch.Tensor]] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        found.setdefault(id(value), ([], value))[0].append(name)
+    return list(found.values())
+
+
 def distinct_state(model: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
     """(first state_dict name, the parameter or buffer itself) of every distinct one in ``model``."""
-    seen = set()
-    for name, value in model.state_dict(keep_vars=True).items():
-        if id(value) not in seen:
-            seen.add(id(value))
-            yield name, value
+    return ((names[0], value) for names, value in tensor_names(model))
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:

@@ -107,7 +107,7 @@ class LearningRate:
         self.factory = factory
         self.base_lrs: List[float] = [group["lr"] for group in optimizer.param_groups]  # one worker's
         self.scale = 1.0
-        self.scheduler: LambdaLR
+        self.scheduler: LRScheduler  # hvdtrain's LambdaLR, or the user's own
 
     def start(self, global_batch: int, warmup_steps: int, world: World, step: int, total_steps: int) -> None:
         """Scale to ``global_batch`` over ``world`` (the data-parallel view), continuing at ``step``

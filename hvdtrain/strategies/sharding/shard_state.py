@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
+from hvdtrain.strategies.base import tensor_names
 from hvdtrain.strategies.sharding import flat_buckets as fb
 
 SHARD_KEYS = ("rank", "world_size", "params", "optimizer", "unmanaged", "layout")
@@ -29,13 +30,9 @@ SHARD_KEYS = ("rank", "world_size", "params", "optimizer", "unmanaged", "layout"
 
 def layout(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket], group_indices: List[List[int]]) -> Dict[str, Any]:
     """Where every element of the buckets belongs in the model and in the user's optimizer."""
-    names: Dict[int, List[str]] = {}  # a tied parameter has several names in the state_dict
-    keys = []
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        names.setdefault(id(tensor), []).append(name)
-        keys.append(name)
+    names = {id(value): aliases for aliases, value in tensor_names(model)}  # a tied parameter has several
     return {
-        "model_keys": keys,
+        "model_keys": list(model.state_dict(keep_vars=True)),  # in the state_dict's order (checked on load)
         "group_indices": [list(indices) for indices in group_indices],
         "buckets": [{"index": b.index, "group": b.group, "param_indices": list(b.param_indices),
                      "names": [names.get(id(p), []) for p in b.params],
