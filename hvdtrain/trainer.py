@@ -12,14 +12,14 @@ The Trainer's own state is three counters (``position``); set-up below, then fit
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from hvdtrain.checkpoint.manager import CheckpointManager
-from hvdtrain.checkpoint.protocol import Checkpointing
+from hvdtrain.checkpoint.protocol import Checkpointing, attempt, problems_on_any_rank
 from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint import hf_export
 from hvdtrain.checkpoint import pretrained
@@ -365,16 +365,14 @@ class Trainer:
         if self.position.step:
             raise ValueError(f"load_pretrained starts a run from pretrained weights, but this one is at step "
                              f"{self.position.step} (resumed from a checkpoint, or trained): its weights are newer")
-        problem = None
-        try:
+        def read() -> Tuple[pretrained.SafetensorsReader, Dict[str, Any]]:
             reader = pretrained.SafetensorsReader(directory)
-            part = pretrained.own_part(self.strategy, reader)
-        except (CheckpointError, OSError, ValueError, RuntimeError, KeyError) as error:
-            problem = f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
-        problems = [f"rank {r}: {p}" for r, p in enumerate(collectives.allgather_object(problem, name="pretrained"))
-                    if p]
+            return reader, pretrained.own_part(self.strategy, reader)
+        outcome = attempt(read)
+        problems = problems_on_any_rank(outcome if isinstance(outcome, str) else None, "pretrained")
         if problems:
             raise CheckpointError(f"the pretrained weights in {directory} cannot be loaded: {'; '.join(problems)}")
+        reader, part = outcome
         pretrained.apply(self.strategy, part)
         self.topology.log.info(f"started from the pretrained weights in {directory} (this rank read "
                                f"{reader.bytes_read / 2**20:.1f} MiB)")

@@ -30,7 +30,11 @@ class SafetensorsReader:
         self.directory = Path(directory)
         index, single = self.directory / INDEX, self.directory / WEIGHTS
         if index.is_file():
-            self.files = {name: self.directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+            loaded = json.loads(index.read_text())
+            weight_map = loaded.get("weight_map") if isinstance(loaded, dict) else None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no weight_map: not the index save_pretrained writes")
+            self.files = {name: self.directory / file for name, file in weight_map.items()}
         elif single.is_file():
             from safetensors import safe_open
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from hvdtrain.distributed import collectives
 from hvdtrain.checkpoint import sharded_format as sharded
@@ -55,7 +55,7 @@ class Checkpointing:
         Without ``broadcast`` (Horovod elastic set-up, which must run no collective) only rank 0
         holds the checkpoint, or raises; the elastic sync gives the others rank 0's state instead.
         """
-        outcome = self._attempt(self._open) if self.topology.is_root else None
+        outcome = attempt(self._open) if self.topology.is_root else None
         if broadcast:
             outcome = collectives.broadcast_state(outcome, root_rank=0, name="checkpoint")
         try:
@@ -100,7 +100,7 @@ class Checkpointing:
         def read() -> Optional[Dict[str, Any]]:
             self._own()
             return self._read_newest()
-        outcome = self._attempt(read) if self.topology.is_root else None
+        outcome = attempt(read) if self.topology.is_root else None
         outcome = collectives.broadcast_state(outcome, root_rank=0, name="checkpoint.newest")
         if isinstance(outcome, str):
             raise CheckpointError(outcome)
@@ -157,7 +157,7 @@ class Checkpointing:
             path = self.store.save(state, step)
             self.topology.log.info(f"checkpoint {path}")
         if self.background is None:
-            self._agree(self._attempt(lambda: write(state)) if self.topology.is_root else None, "checkpoint.save")
+            self._agree(attempt(lambda: write(state)) if self.topology.is_root else None, "checkpoint.save")
             return
         self.finish()
         if self.topology.is_root:
@@ -176,7 +176,7 @@ class Checkpointing:
         def prepare() -> None:
             self._own()
             sharded.prepare(temporary)
-        self._agree(self._attempt(prepare) if world.is_root else None,
+        self._agree(attempt(prepare) if world.is_root else None,
                     "checkpoint.sharded.prepare")
 
         def publish(records) -> None:
@@ -187,12 +187,12 @@ class Checkpointing:
             copied = self.snapshot.copy(shard)
             self.background.start(lambda: self._write_shard_in_background(temporary, copied, publish))
             return
-        written = self._attempt(lambda: sharded.write_shard(temporary, rank, size, shard))
+        written = attempt(lambda: sharded.write_shard(temporary, rank, size, shard))
         records = collectives.allgather_object(written, name="checkpoint.sharded.files")
         failed = [f"rank {r}: {record}" for r, record in enumerate(records) if isinstance(record, str)]
         if failed:
             raise CheckpointError(f"the sharded checkpoint of step {step} was not written: {'; '.join(failed)}")
-        self._agree(self._attempt(lambda: publish(records)) if world.is_root else None, "checkpoint.sharded.publish")
+        self._agree(attempt(lambda: publish(records)) if world.is_root else None, "checkpoint.sharded.publish")
 
     def _write_shard_in_background(self, temporary: Path, shard: Dict[str, Any], publish) -> None:
         """In the writer thread: this rank's file, then its record; rank 0 then waits for every
@@ -214,8 +214,7 @@ class Checkpointing:
         if self.background is None:
             return
         failure = self.background.wait()
-        failures = collectives.allgather_object(failure, name="checkpoint.async.outcome")
-        problems = [f"rank {r}: {f}" for r, f in enumerate(failures) if f]
+        problems = problems_on_any_rank(failure, "checkpoint.async.outcome")
         if problems:
             raise CheckpointError(f"a checkpoint written in the background failed: {'; '.join(problems)}")
 
@@ -229,8 +228,7 @@ class Checkpointing:
             nonlocal shard
             shard = sharded.read_shard(Path(state["path"]), state, self.topology.world.rank)
             strategy.check_shard_state_dict(shard["strategy"])
-        problem = self._attempt(read)
-        problems = [f"rank {r}: {p}" for r, p in enumerate(collectives.allgather_object(problem, name="checkpoint.sharded.check")) if p]
+        problems = problems_on_any_rank(attempt(read), "checkpoint.sharded.check")
         if problems:
             raise CheckpointError(f"the sharded checkpoint {state['path']} cannot be resumed: {'; '.join(problems)}")
         strategy.load_shard_state_dict(shard["strategy"])
@@ -255,8 +253,7 @@ class Checkpointing:
                     part = source.full_state()
             except (KeyError, IndexError, TypeError) as error:
                 raise CheckpointError(f"its shards do not fit together: {type(error).__name__}: {error}") from None
-        problems = [f"rank {r}: {p}" for r, p in enumerate(collectives.allgather_object(
-            self._attempt(prepare), name="checkpoint.resharded.check")) if p]
+        problems = problems_on_any_rank(attempt(prepare), "checkpoint.resharded.check")
         if problems:
             raise CheckpointError(f"the sharded checkpoint {path} cannot be resumed: {'; '.join(problems)}")
         ranks = lambda count: f"{count} rank{'s' if count != 1 else ''}"  # noqa: E731
@@ -267,18 +264,24 @@ class Checkpointing:
         else:
             strategy.load_state_dict(part)
 
-    @staticmethod
-    def _attempt(action) -> Any:
-        """``action()``'s result, or its error as a message (to share with the other ranks)."""
-        try:
-            result = action()
-        except (CheckpointError, OSError, ValueError, RuntimeError) as error:
-            return f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
-        return result
-
     def _agree(self, outcome: Any, name: str) -> None:
         """Rank 0's outcome on every rank: its error (a message) raised everywhere."""
         message = outcome if isinstance(outcome, str) else None
         message = collectives.broadcast_object(message, root_rank=0, name=name)
         if isinstance(message, str):
             raise CheckpointError(message)
+
+
+def attempt(action: Callable[[], Any]) -> Any:
+    """``action()``'s result, or its error as a message (to share with the other ranks)."""
+    try:
+        result = action()
+    except (CheckpointError, OSError, ValueError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
+    return result
+
+
+def problems_on_any_rank(problem: Optional[str], name: str) -> List[str]:
+    """Every rank's problem, as "rank r: ..." (a collective: every rank calls it, with None when it
+    has none); empty when no rank had one."""
+    return [f"rank {r}: {p}" for r, p in enumerate(collectives.allgather_object(problem, name=name)) if p]
