@@ -156,10 +156,12 @@ class TrainingLoop:
                 self.save_checkpoint()
                 if self.commit is not None and self.commit_with_checkpoints:
                     self.commit()
-            if self.faults.preemption_agreed(position.step):
+            preempted, stop = self.faults.votes(position.step, self.callbacks.stop_reason is not None)
+            if preempted:
                 self.stop_for_preemption()
                 break
-            if position.step % cfg.preempt_check_every == 0 and self.stop_if_agreed("loop.stop.steps"):
+            if self.callbacks.agreed(stop):
+                self.stop_at_this_step()
                 break
             if position.step % cfg.log_every == 0:
                 totals = window.reduce(name="train.window")
@@ -235,17 +237,21 @@ class TrainingLoop:
         self.callbacks.call("on_checkpoint", self.position.step)
 
     def stop_if_agreed(self, name: str) -> bool:
-        """Every rank: stop when a callback asked on any rank; the step is checkpointed first."""
+        """Every rank: stop when a callback asked on any rank (a vote); the step is checkpointed first."""
         if self.stopped:  # agreed already (every rank alike): the epoch's end after a stop mid-epoch
             return True
         if not self.callbacks.stop_agreed(name):
             return False
+        self.stop_at_this_step()
+        return True
+
+    def stop_at_this_step(self) -> None:
+        """Every rank agreed to stop for a callback: checkpoint this step and end as at max_steps."""
         self.stopped = True
         if self.checkpoints is not None:
             self.save_checkpoint()
         if self.topology.is_root:
             self.topology.log.info(f"stopped at step {self.position.step}: {self.callbacks.stop_reason}")
-        return True
 
     def stop_for_preemption(self) -> None:
         """Every rank agreed to stop: checkpoint now, requeue the job (rank 0), and return from fit."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager, nullcontext
-from typing import Callable, ContextManager, Iterator, List, Optional
+from typing import Callable, ContextManager, Iterator, List, Optional, Tuple
 
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.fault_tolerance.preemption import PreemptionFlag, requeue, requeue_command
@@ -60,9 +60,12 @@ class FaultHandling:
         if self.watchdog is not None:
             self.watchdog.beat(step)
 
-    def preemption_agreed(self, step: int) -> bool:
-        """Every preempt_check_every steps, all ranks vote (a collective); True when one was signalled."""
-        return step % self.config.preempt_check_every == 0 and self.preemption.agreed()
+    def votes(self, step: int, stop_asked: bool) -> Tuple[bool, bool]:
+        """Every preempt_check_every steps, all ranks vote (one collective) on a preemption signal and
+        on a callback's stop: (preempt, stop), True on every rank when one rank asked; else no vote."""
+        if step % self.config.preempt_check_every:
+            return False, False
+        return self.preemption.agreed(stop_asked)
 
     def requeue_after_preemption(self, step: int) -> None:
         """Rank 0 requeues the SLURM job (the checkpoint is written already); elsewhere, says how to resume."""

@@ -11,7 +11,7 @@ import shutil
 import signal
 import subprocess
 import threading
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Tuple
 
 import torch
 
@@ -31,10 +31,11 @@ class PreemptionFlag:
     def _on_signal(self, signum, frame) -> None:
         self._requested = True
 
-    def agreed(self) -> bool:
-        """True on every rank if any rank was signalled (a collective: every rank calls it)."""
-        votes = collectives.allreduce_sum(torch.tensor([int(self._requested)]), name="preempt.vote")
-        return int(votes[0]) > 0
+    def agreed(self, stop_asked: bool = False) -> Tuple[bool, bool]:
+        """(any rank signalled, any rank's ``stop_asked``), the same on every rank: one collective
+        that also carries a callback's request to stop (hvdtrain.training.callbacks)."""
+        votes = collectives.allreduce_sum(torch.tensor([int(self._requested), int(stop_asked)]), name="preempt.vote")
+        return int(votes[0]) > 0, int(votes[1]) > 0
 
 
 def requeue_command(environ: Mapping[str, str]) -> Optional[list]:

@@ -3,7 +3,8 @@
 Every rank calls every hook, in the callbacks' order, with the same arguments: the metrics are
 means over every rank's samples, so what a callback decides from them it decides on every rank
 alike (EarlyStopping does). A stop is agreed all the same (an all-reduce after each evaluation,
-at each epoch's end, and every train.preempt_check_every steps): a rank that asks alone stops the
+at each epoch's end, and every train.preempt_check_every steps in the preemption vote, which carries
+it): a rank that asks alone stops the
 run on every rank at the next such point, never a hang. A stopped run ends as at max_steps, with a
 checkpoint of the step it stopped at.
 """
@@ -66,9 +67,13 @@ class Callbacks:
         """True on every rank when a callback asked on any rank (a collective: every rank calls it,
         with or without callbacks of its own)."""
         votes = collectives.allreduce_sum(torch.tensor([int(self.stop_reason is not None)]), name=name)
-        if int(votes[0]) and self.stop_reason is None:
+        return self.agreed(bool(int(votes[0])))
+
+    def agreed(self, stop: bool) -> bool:
+        """``stop``, as every rank voted it; a rank whose own callbacks did not ask learns why it stops."""
+        if stop and self.stop_reason is None:
             self.stop_reason = "a callback on another rank asked to stop"
-        return bool(int(votes[0]))
+        return stop
 
 
 class EarlyStopping(Callback):
