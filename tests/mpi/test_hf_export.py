@@ -7,46 +7,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
-from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed import collectives
 from hvdtrain.strategies.fsdp import units as fu
-from hvdtrain.trainer import Trainer
+from tests.mpi.hf_models import SEQ, VOCAB, tiny_llama, trainer_for, transformers
 
 pytestmark = pytest.mark.mpi
-transformers = pytest.importorskip("transformers")
-
-VOCAB, SEQ = 64, 8
 
 
-def tiny_llama():
-    """Llama's layout at toy size: grouped-query attention (2 key/value heads for 4), tied embeddings."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                      tie_word_embeddings=True)
-    return transformers.LlamaForCausalLM(config).double()
-
-
-def causal_lm_step(model, batch):
-    inputs, targets = batch
-    logits = model(input_ids=inputs).logits
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)), {}
-
-
-def trainer_for(world, strategy, run_dir=None):
-    ids = torch.randint(0, VOCAB, (64, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    config = TrainConfig(epochs=1, batch_size=4, lr=0.01, warmup_epochs=0, max_steps=3, seed=3, strategy=strategy,
-                         log_every=1000, tensorboard=False, run_dir=run_dir, run_name="run" if run_dir else None)
-    model = tiny_llama()
-    return Trainer(model, torch.optim.AdamW(model.parameters(), lr=config.lr), TensorDataset(ids[:, :-1], ids[:, 1:]),
-                   None, config, world=world, step_fn=causal_lm_step)
+def llama_trainer(world, strategy, run_dir=None):
+    return trainer_for(world, strategy, tiny_llama(dtype=torch.float64), max_steps=3, run_dir=run_dir)
 
 
 def logits_of(state, ids):
     """The trained weights in a fresh model of the same class, in one process."""
-    model = tiny_llama()
+    model = tiny_llama(dtype=torch.float64)
     model.load_state_dict(state)
     with torch.no_grad():
         return model(ids).logits
@@ -54,7 +29,7 @@ def logits_of(state, ids):
 
 def test_fsdp_streams_one_unit_at_a_time_into_numbered_files_that_from_pretrained_loads(world, tmp_path):
     base = Path(collectives.allgather_object(str(tmp_path), name="hf.dir")[0])
-    trainer = trainer_for(world, "fsdp")
+    trainer = llama_trainer(world, "fsdp")
     trainer.fit()
     gathered_at_once = []
     streamed = trainer.strategy.full_tensors
@@ -90,7 +65,7 @@ def test_fsdp_streams_one_unit_at_a_time_into_numbered_files_that_from_pretraine
 
 def test_run_writes_the_hf_directory_at_its_end(world, tmp_path):
     base = Path(collectives.allgather_object(str(tmp_path), name="hf.run.dir")[0])
-    trainer = trainer_for(world, "zero2", run_dir=str(base / "runs"))
+    trainer = llama_trainer(world, "zero2", run_dir=str(base / "runs"))
     trainer.run()
 
     if world.is_root:

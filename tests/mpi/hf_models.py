@@ -1,0 +1,36 @@
+"""A Hugging Face model at toy size for the tests that train, export or load one (they skip where
+transformers is not installed): Llama's layout, grouped-query attention (2 key/value heads for 4),
+tied embeddings; and a Trainer over random token windows for it."""
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.trainer import Trainer
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ = 64, 8
+
+
+def tiny_llama(seed=0, layers=2, dtype=torch.float32):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                      tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+def causal_lm_step(model, batch):
+    inputs, targets = batch
+    logits = model(input_ids=inputs).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)), {}
+
+
+def trainer_for(world, strategy, model, max_steps, run_dir=None):
+    ids = torch.randint(0, VOCAB, (64, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    config = TrainConfig(epochs=1, batch_size=4, lr=0.01, warmup_epochs=0, max_steps=max_steps, seed=3,
+                         strategy=strategy, log_every=1000, tensorboard=False, run_dir=run_dir,
+                         run_name="run" if run_dir else None)
+    return Trainer(model, torch.optim.AdamW(model.parameters(), lr=config.lr), TensorDataset(ids[:, :-1], ids[:, 1:]),
+                   None, config, world=world, step_fn=causal_lm_step)
