@@ -63,3 +63,15 @@ def test_a_runnable_block_exits_0(path, line, language, code, shims, tmp_path):
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIME_LIMIT)
     assert result.returncode == 0, f"{path}:{line} exited {result.returncode}\n{code}\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
     assert result.stdout.strip(), f"{path}:{line} printed nothing"
+
+
+def test_one_version_users_can_pin():
+    """setup.cfg reads the version from hvdtrain.__version__, and the changelog has its entry."""
+    from setuptools.config.setupcfg import read_configuration
+
+    import hvdtrain
+
+    version = read_configuration(str(ROOT / "setup.cfg"))["metadata"]["version"]
+    assert version == hvdtrain.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version)
+    assert f"## {version} " in (ROOT / "CHANGELOG.md").read_text()
