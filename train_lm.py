@@ -47,6 +47,8 @@ def main(argv=None) -> int:
 
     # Every rank holds the same, all-reduced loss, so every rank exits with the same code.
     bpc = bits_per_char(final["val_loss"])
+    # The sample comes from the whole model: a collective (fsdp and a mesh gather it; ddp has it).
+    whole_state = trainer.strategy.exported_model_state()
     if world.is_root:
         baseline = unigram_bits_per_char(train_set.ids, val_set.scored_ids(), len(vocab))
         print(f"final validation loss {final['val_loss']:.4f} nats/char = {bpc:.3f} bits/char on "
@@ -56,7 +58,7 @@ def main(argv=None) -> int:
         model = trainer.model
         if config.model_parallel:  # each rank held a part: sample from the whole trained model
             model = TinyTransformerLM(len(vocab), **dataclasses.asdict(job.model))
-            model.load_state_dict(trainer.final_model_state)
+            model.load_state_dict(whole_state)
         print(f"sample: {PROMPT + generate(model, vocab, PROMPT, 160)!r}", flush=True)
     if args.require_bpc is not None and not bpc <= args.require_bpc:
         if world.is_root:

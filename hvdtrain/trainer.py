@@ -23,7 +23,7 @@ from hvdtrain.checkpoint.protocol import Checkpointing, attempt, problems_on_any
 from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint import hf_export
 from hvdtrain.checkpoint import pretrained
-from hvdtrain.checkpoint.export import export_model
+from hvdtrain.checkpoint.export import export_model_streamed
 from hvdtrain.config.train import PRECISIONS, TrainConfig
 from hvdtrain.data.batching import Batching
 from hvdtrain.data.sharding import ShardedSampler, sharded_loader
@@ -39,6 +39,7 @@ from hvdtrain.observability.reporting import Reporter
 from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies import build_strategy, launch_refusal
+from hvdtrain.strategies.base import tensor_names
 from hvdtrain.strategies.deferred_init import DeferredInit, InitFn
 from hvdtrain.training.activation_checkpointing import checkpoint_activations
 from hvdtrain.training.callbacks import Callback, Callbacks
@@ -340,8 +341,10 @@ class Trainer:
 
         None when the run was preempted: it is checkpointed (and requeued under SLURM), and the
         next start resumes. A run resumed from its own last checkpoint has nothing left to train:
-        its model is evaluated instead. The whole trained model is written to the run directory
-        (model.safetensors) and kept as ``final_model_state`` on every rank.
+        its model is evaluated instead. The trained model is written to the run directory
+        (model.safetensors; a Hugging Face model also as hf/), a tensor at a time: under fsdp one
+        unit is gathered at a time and the model stays sharded (``strategy.exported_model_state()``
+        makes it whole on every rank, when you want it so).
         """
         run_dir = self.reporter.path
         try:
@@ -353,15 +356,23 @@ class Trainer:
                 print(f"preempted at step {self.position.step}; run again to resume", flush=True)
             return None
         final = history[-1] if history else self.evaluate()
-        if run_dir is not None and hf_export.is_hf_model(self.model):  # before fsdp makes the model whole
-            self.export_hf(run_dir / "hf")
-        exported = self.strategy.exported_model_state()  # every rank: a collective
-        self.final_model_state = exported
-        if run_dir is not None and self.world.is_root:
-            path = export_model(exported, run_dir, metadata={"step": self.position.step,
-                                                             "strategy": self.config.strategy})
-            self.topology.log.info(f"trained model written to {path} (safetensors, with config.yaml beside it)")
+        if run_dir is not None:
+            if hf_export.is_hf_model(self.model):
+                self.export_hf(run_dir / "hf")
+            self._export_model(run_dir)
         return final
+
+    def _export_model(self, directory) -> None:
+        """model.safetensors under every state_dict name, from the strategy's tensors one at a time
+        (a collective); rank 0 writes; a failure is raised on every rank."""
+        aliases = {names[0]: names for names, _ in tensor_names(self.model)}
+        failure = export_model_streamed(self.strategy.full_tensors(), aliases, directory, writes=self.world.is_root,
+                                        metadata={"step": self.position.step, "strategy": self.config.strategy})
+        failure = collectives.broadcast_object(failure, root_rank=0, name="export.model")
+        if failure:
+            raise CheckpointError(failure)
+        self.topology.log.info(f"trained model written to {directory}/model.safetensors (safetensors, with "
+                               f"config.yaml beside it)")
 
     def evaluate(self) -> Dict[str, float]:
         """The step's loss and metrics over the whole validation set (every rank's shard), as

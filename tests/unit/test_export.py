@@ -101,3 +101,48 @@ def test_the_export_command_takes_a_checkpoint_file_or_the_newest_in_a_directory
     (tmp_path / "empty").mkdir()
     assert main(["export", str(tmp_path / "empty")]) == 1
     assert "holds no valid checkpoint" in capsys.readouterr().err
+
+
+def test_a_streamed_export_is_the_same_file_content_one_tensor_at_a_time(tmp_path):
+    from hvdtrain.strategies.base import tensor_names
+
+    model = TiedLM(seed=3)
+    model.mix.to(torch.bfloat16)  # safetensors' own dtype names, a 2-byte float among them
+    model.register_buffer("mask", torch.tensor([True, False, True]))
+    aliases = {names[0]: names for names, _ in tensor_names(model)}
+    handed = []
+
+    def one_at_a_time():
+        for names, value in tensor_names(model):
+            handed.append(names[0])
+            yield names[0], value.detach()
+
+    failure = export.export_model_streamed(one_at_a_time(), aliases, tmp_path, writes=True,
+                                           metadata={"step": 3, "strategy": "fsdp"})
+    loaded, state = load_file(str(tmp_path / "model.safetensors")), model.state_dict()
+
+    assert failure is None
+    assert "head.weight" not in handed and set(loaded) == set(state)  # the tied weight under both names
+    assert all(loaded[name].dtype == value.dtype and torch.equal(loaded[name], value) for name, value in state.items())
+    assert export.read_metadata(tmp_path / "model.safetensors") == {"format": "pt", "step": 3, "strategy": "fsdp"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no data file left
+
+
+def test_a_rank_that_does_not_write_only_iterates_and_a_failed_write_is_reported(tmp_path):
+    first = export.export_model(TiedLM(seed=0).state_dict(), tmp_path)
+    before = first.read_bytes()
+    consumed = []
+
+    def tensors():
+        for name, value in TiedLM(seed=1).state_dict().items():
+            consumed.append(name)
+            yield name, value
+
+    assert export.export_model_streamed(tensors(), {}, tmp_path, writes=False) is None
+    assert len(consumed) == len(TiedLM(seed=1).state_dict())  # iterated to the end: they may be collectives
+    unsupported = iter([("ok", torch.ones(2)), ("complex", torch.ones(2, dtype=torch.complex64)), ("rest", torch.ones(1))])
+    failure = export.export_model_streamed(unsupported, {}, tmp_path, writes=True)
+    assert failure is not None and "complex: safetensors has no dtype torch.complex64" in failure
+    assert next(unsupported, None) is None
+    assert first.read_bytes() == before  # the previous file untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
