@@ -114,11 +114,22 @@ build_horovod_wheel() {
   if [ "$HAS_CUDA" = 1 ]; then
     gpu=(HOROVOD_GPU_OPERATIONS=NCCL)
     # PyPI's CUDA torch brings NCCL as the nvidia-nccl wheel: point Horovod's build at it
-    # (a system NCCL is found without help). Untested here: the reference machine has no GPU.
+    # (a system NCCL is found without help). Built here against torch 2.13.0+cu130 and
+    # nvidia-nccl-cu13 (scripts/build_nccl_check.sh); no GPU here to run it.
     local nccl
     nccl=$("$PY" -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)
     if [ -n "$nccl" ] && [ -d "$nccl/include" ]; then
-      gpu+=(HOROVOD_NCCL_INCLUDE="$nccl/include" HOROVOD_NCCL_LIB="$nccl/lib" HOROVOD_NCCL_LINK=SHARED)
+      # The wheel ships only libnccl.so.2, no libnccl.so: Horovod's FindNCCL (find_library(nccl))
+      # misses it ("Could NOT find NCCL (missing: NCCL_LIBRARY)"). A build-time link named
+      # libnccl.so is enough: the linker records the soname libnccl.so.2, which torch has loaded
+      # by the time horovod.torch is imported.
+      local nccl_lib=$work/nccl-lib
+      mkdir -p "$nccl_lib"
+      local shared=$nccl/lib/libnccl.so.2
+      [ -e "$shared" ] || shared=$nccl/lib/libnccl.so
+      [ -e "$shared" ] || die "the nvidia-nccl wheel at $nccl has no lib/libnccl.so.2: its layout changed"
+      ln -sf "$shared" "$nccl_lib/libnccl.so"
+      gpu+=(HOROVOD_NCCL_INCLUDE="$nccl/include" HOROVOD_NCCL_LIB="$nccl_lib" HOROVOD_NCCL_LINK=SHARED)
     fi
   fi
   mkdir -p "$out"
