@@ -161,7 +161,8 @@ def setup_rows(found: Mapping[str, Any], expect: str) -> List[Row]:
     return rows
 
 
-def allreduce_rows(measured: Sequence[Mapping[str, Any]], ranks: int, link: Optional[Tuple[float, str]]) -> List[Row]:
+def allreduce_rows(measured: Sequence[Mapping[str, Any]], ranks: int, link: Optional[Tuple[float, str]],
+                   on_gpu: bool = True) -> List[Row]:
     """One row per size; the largest is judged against the link's figure."""
     rows = []
     largest = max((m["bytes"] for m in measured), default=0)
@@ -182,7 +183,7 @@ def allreduce_rows(measured: Sequence[Mapping[str, Any]], ranks: int, link: Opti
                 status = WARN
                 detail += (f"; under {BANDWIDTH_WARN_FRACTION:.0%}: check nvidia-smi topo -m and NCCL_DEBUG=INFO "
                            f"for the transport NCCL chose")
-        elif m["bytes"] == largest:
+        elif m["bytes"] == largest and on_gpu:
             detail += "; link figure unknown for this GPU: pass --link-gbps to compare"
         rows.append(Row(label, f"{ranks} ranks", status, detail))
     return rows
@@ -240,7 +241,7 @@ def rows_from_result(found: Mapping[str, Any], expect: str, link_gbps: Optional[
     """Every row of the self-test, in the order the worker ran the checks."""
     rows = setup_rows(found, expect)
     gpu_name = found.get("gpu_name") or ""
-    rows += allreduce_rows(found["allreduce"], found["ranks"], link_figure(gpu_name, link_gbps))
+    rows += allreduce_rows(found["allreduce"], found["ranks"], link_figure(gpu_name, link_gbps), expect == "cuda")
     for name, result in found["strategies"].items():
         rows.append(equivalence_row(f"strategy {name}", result))
     for name, result in found["model_parallel"].items():
