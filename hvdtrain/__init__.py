@@ -30,6 +30,7 @@ _EXPORTS = {
     "Trainer": "hvdtrain.trainer",
     "evaluate_model": "hvdtrain.trainer",
     "ModelPlan": "hvdtrain.parallel.model_plan",
+    "meta_parameters": "hvdtrain.strategies.deferred_init",
     "StepFn": "hvdtrain.training.steps",
     "supervised_step": "hvdtrain.training.steps",
     "ShardedSampler": "hvdtrain.data.sharding",

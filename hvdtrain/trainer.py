@@ -39,6 +39,7 @@ from hvdtrain.observability.reporting import Reporter
 from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies import build_strategy, launch_refusal
+from hvdtrain.strategies.deferred_init import DeferredInit, InitFn
 from hvdtrain.training.activation_checkpointing import checkpoint_activations
 from hvdtrain.training.callbacks import Callback, Callbacks
 from hvdtrain.training.compiling import compile_forward
@@ -69,6 +70,12 @@ class Trainer:
     your own LR schedule, built over the optimizer the strategy steps once its rates are scaled to
     the global batch, stepped after every optimizer step and kept in checkpoints; it replaces
     train.warmup_epochs and train.lr_schedule (set them to 0 and constant).
+
+    A model built under ``torch.device("meta")`` (and its optimizer over it) takes no memory until
+    the Trainer gives it values from ``train.seed``: the modules' own initialization, then Hugging
+    Face's or ``init_fn(module)``, equal to the model built whole; under fsdp each rank computes
+    its shards with one unit in memory at a time, never the whole model
+    (hvdtrain.strategies.deferred_init).
     """
 
     def __init__(
@@ -86,6 +93,7 @@ class Trainer:
         collate_fn: Optional[Callable[[List[Any]], Any]] = None,
         callbacks: Sequence[Callback] = (),
         lr_scheduler: Optional[SchedulerFactory] = None,
+        init_fn: Optional[InitFn] = None,
     ) -> None:
         self.config = cfg = config or TrainConfig()
         self.job_config = dict(job_config) if job_config is not None else {"train": cfg.to_dict()}
@@ -99,6 +107,9 @@ class Trainer:
         self.callbacks = Callbacks(self, callbacks)
         self._refuse_what_cannot_run(world, step_fn, lr_scheduler)
         self.step_fn = step_fn or supervised_step(loss_fn)
+        # Before anything holds the model's tensors: a model built on the meta device gets tensors
+        # on this rank's device that take memory only once the strategy gives them values.
+        self.initialization = deferred = DeferredInit.of(model, optimizer, world.device, cfg.seed, init_fn)
         # Before the strategy wraps it: the converted layers keep the same parameter objects.
         self.model = (convert_sync_batchnorm(model) if cfg.sync_batchnorm else model).to(world.device)
         self.recomputed_blocks = checkpoint_activations(self.model, cfg.activation_checkpointing,
@@ -130,7 +141,7 @@ class Trainer:
             with oom.explained(lambda error: self._explain_out_of_memory(error, "set-up (sharding the model and "
                                                                                 "optimizer)", optimizer, held={})):
                 self.strategy = build_strategy(cfg, self.model, optimizer, world, mesh=self.topology.mesh,
-                                               plan=model_plan, loss_fn=loss_fn)
+                                               plan=model_plan, loss_fn=loss_fn, deferred=deferred)
             if cfg.compile:  # the forward only, in place: hooks, state_dict keys, checkpoints unchanged
                 compile_forward(self.model, world.device)
             # 1. Rank 0's parameters and optimizer state, everywhere, before the first step. Before the
@@ -147,7 +158,7 @@ class Trainer:
             recomputed = (f"; activation checkpointing: {len(self.recomputed_blocks)} blocks ({cfg.activation_checkpointing})"
                           if self.recomputed_blocks else "")
             self.reporter.announce(f"{self.batching.describe()}; {self.lr.describe()}; strategy {cfg.strategy}; "
-                                   f"reduction {cfg.reduction}{recomputed}")
+                                   f"reduction {cfg.reduction}{recomputed}{_initialized(deferred)}")
             self.checkpoints = CheckpointManager(cfg, self.topology, protocol, self.strategy, self.position, self.lr,
                                                  self.precision, self.batching, self.job_config)
             # Under elastic, a sharded strategy's first sync loads the checkpoint (every rank reads its part).
@@ -421,3 +432,11 @@ def evaluate_model(model: torch.nn.Module, dataset: Dataset, world: Optional[Wor
     loader = sharded_loader(dataset, batch_size, world.rank, world.size, seed=0, collate_fn=collate_fn)
     return evaluate(model, loader, step_fn or supervised_step(loss_fn), world.device,
                     Precision(precision, world.device).autocast)
+
+
+def _initialized(deferred: Optional[DeferredInit]) -> str:
+    """How a model built on the meta device got its values, for the start line."""
+    if deferred is None:
+        return ""
+    how = "by fsdp unit" if deferred.by_shard else "whole"
+    return f"; built on the meta device, initialized {how} (at most {deferred.peak_bytes / 2**20:.1f} MiB of it at once)"

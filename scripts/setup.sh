@@ -5,7 +5,7 @@
 #   a virtual environment in .venv                     -> VENV=... to choose another place
 #   torch                                              -> an importable torch is reused; else TORCH_SPEC
 #   Horovod 0.28.1, patched for C++17, from its sdist  -> wheel cached in .cache/wheels/<key>/
-#   mpi4py (built against the system MPI), hvdtrain    -> pip install -e .[test,examples]
+#   mpi4py (built against the system MPI), hvdtrain    -> pip install -e .[test,examples,docs]
 #   horovodrun --check-build                           -> fails unless PyTorch, MPI and Gloo are built
 set -Eeuo pipefail
 
@@ -168,7 +168,7 @@ install_hvdtrain() {
   # import, so no compile is needed (building it from source took 2-4 minutes of one core).
   # verify_mpi4py checks that the library it loads is the one mpirun belongs to.
   "${PIP[@]}" "mpi4py>=4.1"
-  "${PIP[@]}" -e "$ROOT[test,examples]"
+  "${PIP[@]}" -e "$ROOT[test,examples,docs]"
   echo "$key" > "$stamp_file"
 }
 

@@ -196,13 +196,18 @@ class TinyTransformerLM(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.token.weight  # tied: one matrix reads and writes tokens
-        # GPT-2's initialisation; the projections into the residual stream shrink with depth.
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2's initialisation; the projections into the residual stream shrink with depth. A
+        method, not inline in __init__, so that a model built on the meta device replays it
+        (hvdtrain.strategies.deferred_init)."""
         for name, parameter in self.named_parameters():
             if name.endswith("bias"):
                 nn.init.zeros_(parameter)
             elif parameter.dim() >= 2:
                 deep = name.endswith(("attention.proj.weight", "mlp.2.weight"))
-                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * layers) if deep else 0.02)
+                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * len(self.blocks)) if deep else 0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         length = ids.shape[1]

@@ -119,7 +119,8 @@ def explain(error: BaseException, *, rank: int, host: str, phase: str, strategy:
             if smaller else "use more workers or a device with more memory")
     return (f"rank {rank} on {host} ran out of memory during {phase} under strategy {strategy}"
             + (f": it tried to allocate {format_bytes(tried)}" if tried is not None else "")
-            + f" while holding {holding} (counted from tensor storages). Its limit is "
+            + (f" while holding {holding} (counted from tensor storages)" if holding else "")
+            + ". Its limit is "
               f"{format_bytes(limit)} ({source}). The model has {parameters / 1e6:.1f}M parameters and "
               f"{type(optimizer).__name__} keeps {states} state tensor(s) per parameter: per rank at "
               f"{workers} workers, {options} (parameters + gradients + optimizer state, before "

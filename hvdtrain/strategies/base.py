@@ -65,6 +65,9 @@ class Strategy(ABC):
     # the state committed in memory: a strategy whose state is cut into one shard per worker (a lost
     # worker takes its shard along) and that cuts it anew for the new world in follow_world.
     elastic_from_checkpoint: ClassVar[bool] = False
+    # Whether a model built on the meta device is given values shard by shard (fsdp), never whole;
+    # the others take it made whole (hvdtrain.strategies.deferred_init).
+    initializes_by_shard: ClassVar[bool] = False
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool) -> None:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from hvdtrain.parallel.mesh import Mesh
     from hvdtrain.parallel.model_plan import ModelPlan
     from hvdtrain.strategies.base import Strategy
+    from hvdtrain.strategies.deferred_init import DeferredInit
 
 # train.strategy -> "module:class"
 STRATEGIES: Dict[str, str] = {
@@ -130,9 +131,15 @@ def launch_refusal(config: "TrainConfig", world: "World", elastic: bool) -> Opti
 
 def build_strategy(config: "TrainConfig", model: "torch.nn.Module", optimizer: "torch.optim.Optimizer",
                    world: "World", mesh: "Optional[Mesh]" = None, plan: "Optional[ModelPlan]" = None,
-                   loss_fn: Optional[Callable] = None) -> "Strategy":
+                   loss_fn: Optional[Callable] = None, deferred: "Optional[DeferredInit]" = None) -> "Strategy":
     """The strategy ``config`` asks for, over ``model`` and ``optimizer``; with a model-parallel
     ``mesh``, config.strategy over each data-parallel group of split replicas (``plan`` says how to
-    split them, ``loss_fn`` is a pipeline's last stage's). Each class reads its own settings."""
+    split them, ``loss_fn`` is a pipeline's last stage's). Each class reads its own settings.
+    ``deferred``: the model was built on the meta device; a strategy that initializes by shard
+    (``initializes_by_shard``) takes it, the others get the model made whole first."""
     cls = _load(MODEL_PARALLEL) if mesh is not None else strategy_class(config.strategy)
-    return cls.from_config(config, model, optimizer, world, mesh=mesh, plan=plan, loss_fn=loss_fn)
+    if deferred is not None and not cls.initializes_by_shard:
+        deferred.make_whole()
+        deferred = None
+    return cls.from_config(config, model, optimizer, world, mesh=mesh, plan=plan, loss_fn=loss_fn,
+                           deferred=deferred)

@@ -260,7 +260,7 @@ def gather_in_place(bucket: fb.FlatBucket, flat: torch.Tensor) -> Dict[str, Any]
     Horovod's allgather has no output argument: it returns a new full-size tensor, first-touched
     page by page, then copied into the buffer, every step (glibc maps blocks this large afresh each
     time). The broadcasts move the same bytes (each rank receives the N - 1 other slices) with
-    neither: `hvdtrain bench strategies` measured the difference (README, Strategies)."""
+    neither: `hvdtrain bench strategies` measured the difference (docs/benchmarks.md, Strategies)."""
     handles = {}
     for owner in range(bucket.world_size):
         name = f"{bucket.param_name}.{owner}"

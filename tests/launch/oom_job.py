@@ -1,13 +1,17 @@
 """A training job whose ranks may each hold only BUDGET bytes per model parameter beyond what the
 process holds before training (the runtime, the data, the model's parameters):
 
-    mpirun -np 4 python tests/launch/oom_job.py STRATEGY BUDGET
+    mpirun -np 4 python tests/launch/oom_job.py STRATEGY BUDGET [--meta]
 
 The cap is RLIMIT_DATA (private memory: every tensor allocation counts), set after a warm-up,
 so it measures what training adds: gradients, optimizer state and communication buffers. With
 Adam in fp32, ddp adds 12 bytes per parameter (gradients 4, two moments 8) on every rank;
 zero2 at 4 workers adds 3 (its 1/4 of the gradients and moments) plus transient buffers.
+
+With --meta the model is built on the meta device, deeper and narrower (smaller fsdp units), and
+trained with plain SGD: the cap then counts the parameters themselves too, from their first byte.
 """
+import contextlib
 import resource
 import sys
 
@@ -31,15 +35,24 @@ def private_bytes() -> int:
     raise RuntimeError("no VmData in /proc/self/status")
 
 
-def main(strategy: str, budget_per_parameter: float) -> None:
+def build(width: int, depth: int) -> nn.Module:
+    return nn.Sequential(*[layer for _ in range(depth) for layer in (nn.Linear(width, width), nn.Tanh())],
+                         nn.Linear(width, 10))
+
+
+def main(strategy: str, budget_per_parameter: float, meta: bool) -> None:
     world = hvdtrain.init(seed=0, threads=1)
     torch.manual_seed(0)
-    model = nn.Sequential(*[layer for _ in range(DEPTH) for layer in (nn.Linear(WIDTH, WIDTH), nn.Tanh())],
-                          nn.Linear(WIDTH, 10))
-    data = TensorDataset(torch.randn(256, WIDTH), torch.randint(0, 10, (256,)))
+    width, depth = (WIDTH // 2, DEPTH * 8) if meta else (WIDTH, DEPTH)  # meta: 50.4M parameters, 48 units of 4 MB
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = build(width, depth)
+    # A model on the meta device holds nothing yet, nor does an optimizer over it: built before the
+    # cap, since torch's first optimizer takes ~70 MB of interpreter state (its imports) on its own.
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4) if meta else None
+    data = TensorDataset(torch.randn(256, width), torch.randint(0, 10, (256,)))
     # Warm-up: the runtime's own first allocations (Horovod's fusion buffer, allocator arenas,
     # autograd) happen before the baseline, with a model of the same shape.
-    warm = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 10))
+    warm = nn.Sequential(nn.Linear(width, width), nn.Linear(width, 10))
     warm(data.tensors[0][:8]).sum().backward()
     handles = [hvd.allreduce_async(p.grad, name=f"warm.{i}") for i, p in enumerate(warm.parameters())]
     for handle in handles:
@@ -51,7 +64,8 @@ def main(strategy: str, budget_per_parameter: float) -> None:
 
     config = TrainConfig(strategy=strategy, epochs=1, batch_size=8, max_steps=3, lr=1e-4, warmup_epochs=0,
                          stall_timeout=120, progress="log", log_every=1, run_dir=None)
-    trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=config.lr), data, None, config, world=world)
+    optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=config.lr)
+    trainer = Trainer(model, optimizer, data, None, config, world=world)
     trainer.fit()
     if world.is_root:
         print(f"trained {trainer.step} steps under {strategy} within {budget_per_parameter:g} bytes "
@@ -59,4 +73,4 @@ def main(strategy: str, budget_per_parameter: float) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]))
+    main(sys.argv[1], float(sys.argv[2]), "--meta" in sys.argv[3:])

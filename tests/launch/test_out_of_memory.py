@@ -17,9 +17,9 @@ BUDGET = "13.5"
 ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "HOROVOD_FUSION_THRESHOLD": str(16 * 2**20)}
 
 
-def launch(strategy):
+def launch(strategy, budget=BUDGET, *flags):
     return run(["mpirun", "-np", "4", "--oversubscribe", "-x", "MALLOC_MMAP_THRESHOLD_", "-x",
-                "HOROVOD_FUSION_THRESHOLD", PYTHON, "tests/launch/oom_job.py", strategy, BUDGET],
+                "HOROVOD_FUSION_THRESHOLD", PYTHON, "tests/launch/oom_job.py", strategy, budget, *flags],
                timeout=240, extra_env=ENV)
 
 
@@ -41,3 +41,22 @@ def test_ddp_runs_out_of_memory_with_a_clear_report_and_zero2_and_fsdp_train_the
         code, out, err = launch(strategy)
         assert code == 0, (out + err)[-3000:]
         assert f"trained 3 steps under {strategy} within 13.5 bytes per parameter" in out
+
+
+@pytest.mark.timeout(300)
+def test_a_model_built_on_meta_trains_under_fsdp_in_less_memory_than_its_own_weights():
+    """The cap now counts the parameters from their first byte: 3.5 bytes per parameter, less than the
+    model's own fp32 weights (4). ddp and zero2 make the model whole on every rank and cannot; fsdp
+    gives each rank its quarter, one 4 MB unit in memory at a time (measured: it adds ~107 MB of the
+    176 MB allowed, plain SGD), and trains."""
+    for whole in ("ddp", "zero2"):
+        code, out, err = launch(whole, "3.5", "--meta")
+        text = out + err
+        assert code != 0, text[-3000:]
+        assert re.search(rf"ran out of memory during set-up \(sharding the model and optimizer\) under strategy "
+                         rf"{whole}: it tried to allocate [0-9.]+ MiB\. Its limit is .*try --train\.strategy=fsdp",
+                         text), text[-3000:]
+    code, out, err = launch("fsdp", "3.5", "--meta")
+    assert code == 0, (out + err)[-3000:]
+    assert "built on the meta device, initialized by fsdp unit" in out
+    assert "trained 3 steps under fsdp within 3.5 bytes per parameter" in out

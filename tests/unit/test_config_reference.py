@@ -1,4 +1,4 @@
-"""README's configuration reference is generated from the settings dataclasses and kept current."""
+"""The configuration reference page (docs/reference/configuration.md) is generated from the settings dataclasses and kept current."""
 import subprocess
 import sys
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_readme_reference_matches_the_code():
+def test_reference_page_matches_the_code():
     result = subprocess.run([sys.executable, "scripts/config_reference.py", "--check"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr + "\nrun: python scripts/config_reference.py"

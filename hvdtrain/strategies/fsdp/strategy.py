@@ -24,8 +24,10 @@ import horovod.torch as hvd
 from hvdtrain.distributed import collectives
 from hvdtrain.distributed.world import World
 from hvdtrain.strategies.base import distinct_state, optimizer_state_tensors, storage_bytes
+from hvdtrain.strategies.deferred_init import DeferredInit
 from hvdtrain.strategies.fsdp import units as fu
 from hvdtrain.strategies.fsdp.communication import UnitCommunication
+from hvdtrain.strategies.fsdp.initialization import initialize_by_unit
 from hvdtrain.strategies.optimizers import repoint_optimizer
 from hvdtrain.strategies.registry import ADASUM, COMPILE, MESH
 from hvdtrain.strategies.sharding import flat_buckets as fb
@@ -38,10 +40,12 @@ class FSDPStrategy(ShardedStrategy):
 
     ``wrap_policy(module) -> bool`` picks the units (default: the model's blocks, see
     fsdp_units.default_wrap_policy); ``prefetch`` overlaps each unit's all-gather with the
-    previous unit's compute.
+    previous unit's compute. ``deferred``: the model was built on the meta device; each rank gives
+    values to its shards only, one unit in memory at a time (initialization.py).
     """
 
     name = "fsdp"
+    initializes_by_shard = True
     collective_forward = True
     elastic_from_checkpoint = True
     refuses = {
@@ -54,7 +58,7 @@ class FSDPStrategy(ShardedStrategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool, wrap_policy: Optional[fu.WrapPolicy] = None,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, deferred: Optional[DeferredInit] = None) -> None:
         self.check_optimizer(optimizer)  # local: the same verdict on every rank
         if accumulation < 1:
             raise ValueError(f"accumulation ({accumulation}) must be >= 1")
@@ -63,13 +67,23 @@ class FSDPStrategy(ShardedStrategy):
         # The user's optimizer and the policy name the parameters and the units: a new world's are cut from them.
         self._user_optimizer, self._wrap_policy = optimizer, wrap_policy or fu.default_wrap_policy(model)
         # Rank 0's parameters as the user built them: what broadcast_from_root spreads, until a
-        # step or a load makes them stale (only rank 0 keeps them).
+        # step or a load makes them stale (only rank 0 keeps them). A deferred model's values are
+        # computed alike on every rank: nothing to spread.
         self.root, self.units, self._initial_params = fu.build_units(
-            model, optimizer, self._wrap_policy, world.rank, world.size, keep_initial=world.rank == 0)
-        self._initial_pending = True
+            model, optimizer, self._wrap_policy, world.rank, world.size,
+            keep_initial=world.rank == 0 and deferred is None, with_values=deferred is None)
+        self._initial_pending = deferred is None
+        if deferred is not None:
+            initialize_by_unit(deferred, self.root, self.units)
         self._adopt_units()
         self._take_optimizer(optimizer)
         self._begin_step_bookkeeping()
+
+    @classmethod
+    def from_config(cls, config: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
+                    **context: Any) -> "FSDPStrategy":
+        return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce,
+                   deferred=context.get("deferred"))
 
     def _adopt_units(self) -> None:
         self.buckets = [bucket for unit in self.all_units for bucket in unit.buckets]
