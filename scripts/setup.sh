@@ -90,7 +90,7 @@ horovod_wheel_dir() {
 
 build_horovod_wheel() {
   local out=$1 work=$CACHE/build/horovod-$HOROVOD_VERSION
-  say "building Horovod $HOROVOD_VERSION against torch $TORCH_VERSION (about 4 minutes on 2 cores)"
+  say "building Horovod $HOROVOD_VERSION against torch $TORCH_VERSION (about 4 minutes on 2 cores; 7 with NCCL's CUDA code)"
   rm -rf "$work" && mkdir -p "$work"
   pip_quiet download --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" -d "$work"
   tar -xzf "$work"/horovod-$HOROVOD_VERSION.tar.gz -C "$work"
@@ -114,11 +114,22 @@ build_horovod_wheel() {
   if [ "$HAS_CUDA" = 1 ]; then
     gpu=(HOROVOD_GPU_OPERATIONS=NCCL)
     # PyPI's CUDA torch brings NCCL as the nvidia-nccl wheel: point Horovod's build at it
-    # (a system NCCL is found without help). Untested here: the reference machine has no GPU.
+    # (a system NCCL is found without help). Built here against torch 2.13.0+cu130 and
+    # nvidia-nccl-cu13 (scripts/build_nccl_check.sh); no GPU here to run it.
     local nccl
     nccl=$("$PY" -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)
     if [ -n "$nccl" ] && [ -d "$nccl/include" ]; then
-      gpu+=(HOROVOD_NCCL_INCLUDE="$nccl/include" HOROVOD_NCCL_LIB="$nccl/lib" HOROVOD_NCCL_LINK=SHARED)
+      # The wheel ships only libnccl.so.2, no libnccl.so: Horovod's FindNCCL (find_library(nccl))
+      # misses it ("Could NOT find NCCL (missing: NCCL_LIBRARY)"). A build-time link named
+      # libnccl.so is enough: the linker records the soname libnccl.so.2, which torch has loaded
+      # by the time horovod.torch is imported.
+      local nccl_lib=$work/nccl-lib
+      mkdir -p "$nccl_lib"
+      local shared=$nccl/lib/libnccl.so.2
+      [ -e "$shared" ] || shared=$nccl/lib/libnccl.so
+      [ -e "$shared" ] || die "the nvidia-nccl wheel at $nccl has no lib/libnccl.so.2: its layout changed"
+      ln -sf "$shared" "$nccl_lib/libnccl.so"
+      gpu+=(HOROVOD_NCCL_INCLUDE="$nccl/include" HOROVOD_NCCL_LIB="$nccl_lib" HOROVOD_NCCL_LINK=SHARED)
     fi
   fi
   mkdir -p "$out"
@@ -169,16 +180,20 @@ verify_horovod() {
     "$PY" -W ignore -c 'import horovod.torch as hvd; assert hvd.mpi_built() and hvd.gloo_built()' \
       || die "Horovod no longer imports with MPI and Gloo: rm $verified and run this script again"
   else
-    local report need
+    local report need needed=(PyTorch MPI Gloo)
+    # A CUDA torch with nvcc builds NCCL in: a wheel without it would run the GPUs' all-reduce over MPI.
+    [ "$HAS_CUDA" = 1 ] && needed+=(NCCL)
     report=$("$VENV/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $report"
-    for need in PyTorch MPI Gloo; do
+    for need in "${needed[@]}"; do
       grep -Eq "\[X\] $need\b" <<<"$report" || die "Horovod was built without $need support:
 $report
 Remove $(horovod_wheel_dir) and run this script again; the build log shows why $need was left out."
     done
     echo "$installed" > "$verified"
   fi
-  say "Horovod $HOROVOD_VERSION ready: PyTorch, MPI and Gloo built ($VENV)"
+  local built="PyTorch, MPI and Gloo"
+  [ "$HAS_CUDA" = 1 ] && built="PyTorch, MPI, Gloo and NCCL"
+  say "Horovod $HOROVOD_VERSION ready: $built built ($VENV)"
 }
 
 verify_mpi4py() {

@@ -7,6 +7,12 @@ Checks: ssh to every host; the same Python/torch/Horovod/mpi4py/hvdtrain on ever
 network interface with one name on every host; slots against cores and GPUs; the checkpoint
 directory writable and the same directory on every host; a short all-reduce with its bandwidth;
 scontrol inside SLURM. Exit 1 when any row fails. Runs on login nodes: no torch import here.
+
+    hvdtrain doctor --gpu                # on a GPU node: the GPU self-test (hvdtrain.bench.gpu)
+
+The self-test runs a rank per visible GPU on this host: NCCL all-reduce bandwidth, each strategy
+and a T=2 / P=2 mesh against one process, bf16 and fp16 steps, pinning and CUDA peak memory.
+Exit 0 pass, 1 a check failed, 2 bad arguments, 3 no GPU visible here (nothing was tested).
 """
 from __future__ import annotations
 
@@ -30,9 +36,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--python", default=sys.executable,
                         help="the Python the job runs on every host (default: this one)")
     parser.add_argument("--no-probe", dest="probe", action="store_false", help="skip the all-reduce probe")
+    parser.add_argument("--gpu", action="store_true",
+                        help="instead of the hosts' checks, the GPU self-test of this node (exit 3: no GPU visible)")
+    parser.add_argument("--link-gbps", type=float,
+                        help="--gpu: the GPUs' link bandwidth per direction in GB/s, to compare the all-reduce's "
+                             "bus bandwidth with (default: NVIDIA's figure for known SXM GPUs)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.link_gbps is not None and (not args.gpu or args.link_gbps <= 0):
+        print("hvdtrain doctor: --link-gbps needs --gpu and a positive figure", file=sys.stderr)
+        return 2
+    if args.gpu:
+        if args.hostfile or args.hosts or args.checkpoint_dir or args.network_interface:
+            print("hvdtrain doctor: --gpu tests this node alone: run it without --hostfile, -H, "
+                  "--checkpoint-dir and --network-interface (then run doctor with them, without --gpu)",
+                  file=sys.stderr)
+            return 2
+        from hvdtrain.bench.gpu import driver  # imports no torch; its worker job does
+        return driver.run(args.link_gbps)
     try:
         hosts = hosts_from_options(args.hostfile, args.hosts) or allocation_hosts(os.environ)
     except (HostfileError, ValueError) as error:

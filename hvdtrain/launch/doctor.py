@@ -133,7 +133,7 @@ def slot_rows(hosts: Sequence[Host], facts: Mapping[str, dict]) -> List[Row]:
         if found is None:
             continue
         cpus, gpus = found["cpus"], found["gpus"]
-        detail = f"{host.slots} slots, {cpus} cores, {gpus} GPUs"
+        detail = f"{host.slots} slots, {cpus} cores, " + (f"{gpus} GPUs" if gpus else "no GPU visible")
         if gpus and host.slots > gpus:
             rows.append(Row("slots", host.name, FAIL, f"{detail}: more ranks than GPUs; lower the slots to {gpus}"))
         elif gpus and host.slots < gpus:

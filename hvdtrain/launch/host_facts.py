@@ -29,7 +29,19 @@ def versions():
 
 
 def gpu_count():
-    """NVIDIA GPUs the driver knows of (no CUDA import: this runs on login nodes too)."""
+    """NVIDIA GPUs a job step on this host can use (no CUDA import: this runs on login nodes too):
+    the lines of ``nvidia-smi -L`` when it is installed (it lists only the GPUs of this cgroup when
+    SLURM confines the devices), else the driver's /proc entries, else 0 (no GPU visible)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi"):
+        try:
+            done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+        except subprocess.TimeoutExpired:
+            done = None
+        if done is not None and done.returncode == 0:
+            return sum(1 for line in done.stdout.splitlines() if line.strip().startswith("GPU "))
     try:
         return len(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:

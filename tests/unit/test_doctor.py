@@ -1,5 +1,6 @@
 """The doctor's verdicts, from what hosts answered (no hosts needed)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -55,6 +56,7 @@ def test_network_needs_one_interface_name_on_every_host_besides_loopback():
 def test_slots_against_cores_and_gpus(slots, cpus, gpus, status):
     rows = doctor.slot_rows([Host("n", slots)], {"n": facts("n", cpus=cpus, gpus=gpus)})
     assert rows[0].status == status
+    assert rows[0].detail.startswith(f"{slots} slots, {cpus} cores, " + (f"{gpus} GPUs" if gpus else "no GPU visible"))
 
 
 def test_a_checkpoint_directory_that_is_not_shared_or_not_writable_fails():
@@ -94,3 +96,21 @@ def test_the_host_facts_script_runs_alone_with_the_standard_library(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert json.loads(done.stdout) == {"removed": True}
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_host_facts_count_the_gpus_nvidia_smi_lists_and_none_without_it(tmp_path):
+    """GPUs per host for the slots row: nvidia-smi -L's GPU lines (not its MIG lines); without
+    nvidia-smi and without the driver's /proc entries (this machine), none."""
+    args = json.dumps({"checkpoint_dir": None, "token": "t2"})
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n[ \"$1\" = -L ] || exit 9\necho 'GPU 0: NVIDIA H100 (UUID: GPU-1)'\n"
+                    "echo '  MIG 3g.40gb Device 0: (UUID: MIG-1)'\necho 'GPU 1: NVIDIA H100 (UUID: GPU-2)'\n")
+    fake.chmod(0o755)
+    counts = {}
+    for name, path in (("with", f"{tmp_path}:/usr/bin:/bin"), ("without", "/usr/bin:/bin")):
+        done = subprocess.run([sys.executable, "-I", "-", "facts", args], input=doctor.FACTS_SCRIPT,
+                              capture_output=True, text=True, timeout=60, env={"PATH": path})
+        counts[name] = json.loads(done.stdout)["gpus"]
+    assert counts["with"] == 2
+    assert counts["without"] == (len(os.listdir("/proc/driver/nvidia/gpus"))
+                                 if os.path.isdir("/proc/driver/nvidia/gpus") else 0)

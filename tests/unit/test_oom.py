@@ -49,3 +49,25 @@ def test_the_message_names_rank_phase_holdings_limit_and_a_strategy_that_would_f
     assert "1.0M parameters and Adam keeps 2 state tensor(s) per parameter" in message
     assert "ddp 15.3 MiB; zero1 9.5 MiB; zero2 6.7 MiB; fsdp 3.8 MiB" in message
     assert "Its limit is" in message and "try --train.strategy=fsdp" in message
+
+
+def test_a_cuda_out_of_memory_names_the_gpu_limit_and_the_allocator_peaks(monkeypatch):
+    """torch.OutOfMemoryError (torch.cuda's) as a GPU raises it: the limit is the GPU's memory and the
+    allocator's peaks join what the rank held (torch.cuda's queries faked: no GPU here)."""
+    class Properties:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 70 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 78 * 2**30)
+    error = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total "
+                                        "capacity of 79.15 GiB of which 1.2 GiB is free.")
+    assert is_out_of_memory(error)
+    model = nn.Linear(1000, 1000)
+    message = explain(error, rank=1, host="gpu01", phase="the forward and backward pass", strategy="zero1",
+                      workers=8, model=model, optimizer=torch.optim.Adam(model.parameters()),
+                      held={"parameters": 4_004_000}, device=torch.device("cuda:1"))
+    assert "it tried to allocate 2.5 GiB" in message
+    assert "parameters 3.8 MiB, cuda_peak_allocated 70.0 GiB, cuda_peak_reserved 78.0 GiB" in message
+    assert "Its limit is 80.0 GiB (cuda:1 memory)" in message
+    assert "(OutOfMemoryError: CUDA out of memory." in message

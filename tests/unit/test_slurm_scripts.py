@@ -1,4 +1,5 @@
-"""Every slurm/ script asks for the preemption warning and for requeueing, and passes the warning on."""
+"""Every slurm/ script asks for the preemption warning and for requeueing, and passes the warning on;
+the GPU script asks for GPUs and cores per rank the way hvdtrain's pinning expects."""
 import re
 from pathlib import Path
 
@@ -24,5 +25,37 @@ def test_each_script_asks_for_the_warning_and_requeueing(script):
         assert re.search(r"^trap '.*-USR1 .*\$launcher.*' USR1$", text, re.MULTILINE), script
 
 
-def test_the_three_launch_paths_are_there():
-    assert [path.name for path in SCRIPTS] == ["train-horovodrun.sbatch", "train-mpirun.sbatch", "train.sbatch"]
+def test_the_three_launch_paths_and_the_gpu_script_are_there():
+    assert [path.name for path in SCRIPTS] == ["train-gpu.sbatch", "train-horovodrun.sbatch", "train-mpirun.sbatch",
+                                               "train.sbatch"]
+
+
+def values(text, commented=False):
+    """{option: value} of the #SBATCH lines (or of the commented-out ##SBATCH alternatives)."""
+    prefix = "##SBATCH " if commented else "#SBATCH "
+    found = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            option = line[len(prefix):].split("#", 1)[0].split()[0]
+            name, _, value = option.partition("=")
+            found[name] = value
+    return found
+
+
+def test_the_gpu_script_gives_each_rank_one_gpu_and_its_cores():
+    text = (SCRIPTS[0].parent / "train-gpu.sbatch").read_text()
+    active = values(text)
+    # One visible GPU per task: hvdtrain computes on cuda:0, that task's own GPU (devices.choose_device).
+    assert active["--gpus-per-task"] == "1"
+    assert not {"--gres", "--gpus", "--gpus-per-node"} & set(active), "a second GPU request contradicts the first"
+    assert int(active["--ntasks-per-node"]) >= 1 and int(active["--cpus-per-task"]) >= 1
+    # srun (SLURM >= 22.05) takes --cpus-per-task from SRUN_CPUS_PER_TASK, not from sbatch's.
+    assert re.search(r"^export SRUN_CPUS_PER_TASK=\$\{SLURM_CPUS_PER_TASK", text, re.MULTILINE)
+    assert re.search(r"^srun --mpi=pmix ", text, re.MULTILINE)
+    # The documented alternative: every GPU of the node to every task, as many as its tasks (cuda:<local rank>).
+    alternative = values(text, commented=True)
+    assert alternative["--gres"] == f"gpu:{active['--ntasks-per-node']}" and alternative["--gpu-bind"] == "none"
+    # Every line a site must adapt says so.
+    for option in ("--ntasks-per-node", "--cpus-per-task", "--partition", "--gres"):
+        line = next(line for line in text.splitlines() if f"SBATCH {option}" in line)
+        assert "# SITE:" in line, line

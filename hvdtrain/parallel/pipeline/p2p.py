@@ -28,7 +28,8 @@ def pack(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as one uint8 row: the header ``[dtype code, ndim, *shape]`` (int64), then its bytes."""
     if tensor.dtype not in _CODE:
         raise TypeError(f"a pipeline stage cannot send a {tensor.dtype} tensor; supported: {list(DTYPES)}")
-    header = torch.tensor([_CODE[tensor.dtype], tensor.dim(), *tensor.shape], dtype=torch.int64)
+    # On the tensor's device: torch.cat refuses a CPU header before a GPU tensor's bytes.
+    header = torch.tensor([_CODE[tensor.dtype], tensor.dim(), *tensor.shape], dtype=torch.int64, device=tensor.device)
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     return torch.cat([header.view(torch.uint8), data])
 
@@ -44,16 +45,19 @@ def unpack(row: torch.Tensor) -> Optional[torch.Tensor]:
     return row[end:].clone().view(DTYPES[code]).reshape(shape)
 
 
-def exchange(group: Group, send: Optional[torch.Tensor], name: str) -> Optional[torch.Tensor]:
+def exchange(group: Group, send: Optional[torch.Tensor], name: str,
+             device: torch.device = torch.device("cpu")) -> Optional[torch.Tensor]:
     """Send ``send`` (or nothing) to the other rank of the 2-rank ``group`` and return what it
     sent (or None). Both ranks call it with the same ``name``; it returns when both did.
+    ``device``: the stage's, where an empty row (nothing to send) is made: Horovod refuses a
+    collective whose ranks' tensors are on different kinds of device (CPU on one, GPU on the other).
 
     One alltoall of bytes: each side's tensor travels with its own header (dtype code, ndim,
     shape), so the receiver needs to know nothing in advance, and both ways share the call
     whatever their dtypes."""
     if group.size != 2 or group.process_set is None:
         raise ValueError(f"point-to-point needs a pair of ranks with a process set, got {group!r}")
-    row = torch.empty(0, dtype=torch.uint8) if send is None else pack(send)
+    row = torch.empty(0, dtype=torch.uint8, device=device) if send is None else pack(send)
     splits = [0, 0]
     splits[1 - group.index] = row.numel()  # everything to the peer, nothing to this rank
     received, _ = hvd.alltoall(row, splits=torch.tensor(splits, dtype=torch.int32), name=name,
@@ -69,8 +73,9 @@ class StageLinks:
     micro-batches move, so that both sides of the pair name it alike.
     """
 
-    def __init__(self, mesh: Mesh) -> None:
+    def __init__(self, mesh: Mesh, device: torch.device = torch.device("cpu")) -> None:
         self.next_pair, self.prev_pair = mesh.next_pair, mesh.prev_pair
+        self.device = device  # the stage's: what it sends and receives lives there
         self.step = 0
         self.wait_s = 0.0
 
@@ -83,7 +88,7 @@ class StageLinks:
                   backward: Optional[int]) -> Optional[torch.Tensor]:
         start = time.perf_counter()
         try:
-            return exchange(pair, send, self._name(pair, forward, backward))
+            return exchange(pair, send, self._name(pair, forward, backward), self.device)
         finally:
             self.wait_s += time.perf_counter() - start
 

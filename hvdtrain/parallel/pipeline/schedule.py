@@ -264,7 +264,8 @@ def run_schedule(schedule: str, stage: PipelineStage, mesh: Mesh, micro_batches:
     micro_batches = list(micro_batches)
     if not micro_batches:
         raise ValueError("run_schedule needs at least one micro-batch")
-    links = StageLinks(mesh)
+    device = micro_batches[0][0].device  # the loop moved the batch to this rank's device, on every stage
+    links = StageLinks(mesh, device)
     links.step = stage.step
     name = f"pp.{stage.step}"
     stage.step += 1
@@ -276,7 +277,9 @@ def run_schedule(schedule: str, stage: PipelineStage, mesh: Mesh, micro_batches:
     # Distributed: the tied parameters' gradients summed over the first and last stage.
     stage.reduce_tied_gradients(mesh, before, name)
     wait_s += time.perf_counter() - start
-    loss = torch.stack(run.losses).sum().double() if run.losses else torch.zeros((), dtype=torch.float64)
+    # Stages without the loss broadcast into a zero on their device: one device kind per collective.
+    loss = (torch.stack(run.losses).sum().double() if run.losses
+            else torch.zeros((), dtype=torch.float64, device=device))
     if mesh.pipeline.process_set is not None:
         # Distributed: the loss from the last stage to every stage of this pipeline.
         last = mesh.pipeline.ranks[-1]

@@ -50,7 +50,7 @@ class PipelinedModel:
         from the last stage on every rank of the pipeline."""
         inputs, targets = _as_pair(batch)
         stage, mesh = self.module, self.mesh
-        links = StageLinks(mesh)
+        links = StageLinks(mesh, inputs.device)
         links.step = f"eval{stage.step}"
         stage.step += 1
         received = links.recv_forward(0)
