@@ -159,7 +159,8 @@ class Trainer:
             recomputed = (f"; activation checkpointing: {len(self.recomputed_blocks)} blocks ({cfg.activation_checkpointing})"
                           if self.recomputed_blocks else "")
             self.reporter.announce(f"{self.batching.describe()}; {self.lr.describe()}; strategy {cfg.strategy}; "
-                                   f"reduction {cfg.reduction}{recomputed}{_initialized(deferred)}")
+                                   f"reduction {cfg.reduction}{recomputed}{_initialized(deferred)}"
+                                   f"{'; ' + self.strategy.plan_note if getattr(self.strategy, 'plan_note', '') else ''}")
             self.checkpoints = CheckpointManager(cfg, self.topology, protocol, self.strategy, self.position, self.lr,
                                                  self.precision, self.batching, self.job_config)
             # Under elastic, a sharded strategy's first sync loads the checkpoint (every rank reads its part).

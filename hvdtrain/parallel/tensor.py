@@ -191,95 +191,115 @@ class ParallelSelfAttention(nn.Module):
         return self.residual_dropout(self.proj(y.transpose(1, 2).reshape(batch, length, width)))
 
 
-# Styles, named after torch.distributed.tensor.parallel's ColwiseParallel / RowwiseParallel.
-STYLES = ("colwise", "rowwise", "attention")
-ALIASES = {"column": "colwise", "row": "rowwise"}
+# --- The styles of Hugging Face's tensor-parallel plans (transformers' ParallelInterface) ---------
+# An activation's last dim, cut among the group's ranks in rank order (TensorShard's order: the
+# mesh's groups list their ranks ascending, as Horovod's process sets order them).
+
+def _allgather_last_dim(x: torch.Tensor, group: Any, name: str) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along the last dim, in rank order (collective ``name``)."""
+    gathered = hvd.allgather(x.movedim(-1, 0).contiguous(), name=name, process_set=group.process_set)
+    return gathered.movedim(0, -1)
 
 
-def _check_module(path: str, module: nn.Module, style: str, size: int) -> None:
-    """ValueError naming ``path`` when ``style`` cannot split ``module`` over ``size`` ranks."""
-    if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelSelfAttention)):
-        raise ValueError(f"tensor plan: {path} is an already split {type(module).__name__}: parallelize once")
-    if style in ("colwise", "rowwise"):
-        if not isinstance(module, nn.Linear):
-            raise ValueError(f"tensor plan: {path} is {type(module).__name__}, but style {style!r} splits an nn.Linear")
-        width, what = (module.out_features, "out_features") if style == "colwise" else (module.in_features, "in_features")
-        if width % size:
-            raise ValueError(f"tensor plan: {path} ({style}) has {what}={width}, not divisible by "
-                             f"tensor_parallel={size}")
+def _own_last_dim(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's part of ``x``'s last dim."""
+    return x.chunk(group.size, dim=-1)[group.index].contiguous()
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """Forward: the full activation from every rank's part; backward: this rank's part of the
+    gradient (every rank computes the same loss from the same full activation)."""
+
+    @staticmethod
+    def forward(ctx, x, group, name):
+        ctx.group = group
+        return _allgather_last_dim(x, group, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_last_dim(grad, ctx.group), None, None
+
+
+class _SplitLastDim(torch.autograd.Function):
+    """Forward: this rank's part of a replicated activation; backward: the full gradient, every
+    rank's part gathered (the replicated producer needs all of it on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, group, name):
+        ctx.group, ctx.name = group, name
+        return _own_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _allgather_last_dim(grad, ctx.group, ctx.name), None, None
+
+
+def _check_rank_order(group: Any) -> None:
+    if list(group.ranks) != sorted(group.ranks):
+        raise ValueError(f"{group!r}: a gathered activation needs the group's ranks in ascending order")
+
+
+class GatheredColumnParallelLinear(ColumnParallelLinear):
+    """Hugging Face's ``colwise_gather_output`` (a causal LM's head): column-parallel, then the
+    output columns all-gathered, so that what follows sees the whole output on every rank."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = super().forward(x)
+        if not _communicates(self.group):
+            return local
+        _check_rank_order(self.group)
+        return _GatherLastDim.apply(local, self.group, f"tp.gather.{self.name}")
+
+
+class SplitInputRowParallelLinear(RowParallelLinear):
+    """Hugging Face's ``rowwise_split_input``: row-parallel over an input every rank holds whole
+    (after a ``colwise_gather_output`` layer): each rank takes its part of the input first."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _communicates(self.group):
+            _check_rank_order(self.group)
+            x = _SplitLastDim.apply(x, self.group, f"tp.split.{self.name}.grad")
+        return super().forward(x)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Hugging Face's ``embedding_rowwise`` (Megatron's vocabulary-parallel embedding): this rank
+    holds rows [start, end) of the table; ids outside them look up nothing here (zeros), and the
+    sum over the group gives every id its one row. Same state_dict key (``weight``)."""
+
+    def __init__(self, weight: nn.Parameter, padding_idx: Optional[int], group: Any, name: str) -> None:
+        super().__init__()
+        self.weight, self.group, self.name = weight, group, name
+        self.num_embeddings, self.embedding_dim = weight.shape  # local
+        self.start = group.index * self.num_embeddings
+        self.end = self.start + self.num_embeddings
+        # nn.Embedding's padding_idx (a row that gets no gradient), when it is one of ours.
+        self.padding_idx = padding_idx - self.start if padding_idx is not None and self.start <= padding_idx < self.end else None
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group: Any, name: str = "embedding") -> "VocabParallelEmbedding":
+        shard = TensorShard(dim=0, parts=group.size, index=group.index)
+        return cls(_shard(embedding.weight, shard), embedding.padding_idx, group, name)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        local = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight, self.padding_idx)
+        local = local.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_group(local, self.group, f"tp.g.{self.name}")
+
+    def extra_repr(self) -> str:
+        return f"rows {self.start}:{self.end} of the vocabulary, embedding_dim={self.embedding_dim}, group={self.group}"
+
+
+def sum_gradients_over_group(module: nn.Module, group: Any, name: str) -> None:
+    """Hugging Face's ``replicated_with_grad_allreduce`` (Qwen3's per-head q_norm/k_norm): the
+    module stays whole on every rank but sees only this rank's heads, so each rank's gradient of
+    its parameters is a part: summed over the group as soon as it is computed."""
+    if not _communicates(group):
         return
-    linear = lambda attr: isinstance(getattr(module, attr, None), nn.Linear)
-    heads = getattr(module, "heads", None)
-    if not (linear("qkv") and linear("proj") and isinstance(heads, int) and hasattr(module, "dropout")
-            and hasattr(module, "residual_dropout")):
-        raise ValueError(f"tensor plan: {path} is {type(module).__name__}, but style 'attention' splits a "
-                         f"self-attention with nn.Linear qkv and proj, an int heads, dropout and residual_dropout")
-    if module.qkv.out_features != 3 * module.proj.in_features:
-        raise ValueError(f"tensor plan: {path}.qkv has {module.qkv.out_features} outputs, not 3 x "
-                         f"{module.proj.in_features} (q, k and v of proj's width)")
-    if heads % size:
-        raise ValueError(f"tensor plan: {path} has heads={heads}, not divisible by tensor_parallel={size}")
-
-
-def check_plan(model: nn.Module, plan: Mapping[str, str], size: int) -> List[Tuple[str, str]]:
-    """The (module path, style) pairs ``plan`` applies to ``model`` split over ``size`` ranks, in the
-    model's module order; ValueError naming the layer or the plan key when it cannot. Changes nothing
-    and talks to no other rank: every rank holds the same model, so every rank decides alike."""
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(f"tensor plan: tensor_parallel must be a whole number >= 1, got {size!r}")
-    modules = dict(model.named_modules())
-    chosen: Dict[str, str] = {}
-    for key, style in plan.items():
-        canonical = ALIASES.get(style, style)
-        if canonical not in STYLES:
-            raise ValueError(f"tensor plan: {key}: unknown style {style!r}; choose one of "
-                             f"{', '.join(STYLES + tuple(ALIASES))}")
-        matched = [path for path in modules if path and (path == key or fnmatch.fnmatchcase(path, key))]
-        if not matched:
-            some = ", ".join(p for p in list(modules)[1:9])
-            raise ValueError(f"tensor plan: {key!r} matches no module of {type(model).__name__} "
-                             f"(its modules include {some}, ...)")
-        for path in matched:
-            if chosen.setdefault(path, canonical) != canonical:
-                raise ValueError(f"tensor plan: {path} is given two styles, {chosen[path]!r} and {canonical!r}")
-    for path, style in chosen.items():
-        nested = [other for other in chosen if other.startswith(path + ".")]
-        if nested:
-            raise ValueError(f"tensor plan: {path} ({style}) contains {nested[0]} ({chosen[nested[0]]}): "
-                             f"give one of them")
-        _check_module(path, modules[path], style, size)
-    return [(path, chosen[path]) for path in modules if path in chosen]
-
-
-def parallelize(model: nn.Module, plan: Mapping[str, str], group: Any) -> nn.Module:
-    """Split ``model``'s layers in place over the tensor ``group`` (a mesh Group) as ``plan`` says:
-    {dotted module path or fnmatch pattern: "colwise" | "rowwise" | "attention"}. Every layer is
-    checked first (ValueError naming it; the model is then unchanged). Returns ``model``. Its
-    collectives are named after the layers' paths, so every rank of the group matches them."""
-    size = 1 if group is None else group.size
-    if group is None:
-        group = _Alone()
-    for path, style in check_plan(model, plan, size):
-        module = model.get_submodule(path)
-        if style == "colwise":
-            new = ColumnParallelLinear.from_linear(module, group, name=path)
-        elif style == "rowwise":
-            new = RowParallelLinear.from_linear(module, group, name=path)
-        else:
-            new = ParallelSelfAttention.from_attention(module, group, name=path)
-        parent, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
-    return model
-
-
-class _Alone:
-    """A tensor group of one rank (no parallelism): nothing to communicate."""
-
-    ranks, index, size, process_set = (0,), 0, 1, None
-
-    def __repr__(self) -> str:
-        return "Group(alone)"
-
+    for path, parameter in module.named_parameters():
+        if parameter.requires_grad:
+            parameter.register_hook(lambda grad, key=f"tp.gradsum.{name}.{path}": _allreduce_sum(grad, group, key))
 
 def full_tensor(local: torch.Tensor, shard: Optional[TensorShard], group: Any, name: str) -> torch.Tensor:
     """The full value of ``local`` (a parameter or its gradient), slice ``shard`` on this rank: every

@@ -89,11 +89,21 @@ class ModelParallelStrategy(Strategy):
         if data_parallel == "zero1":  # the same optimizers as the flat ZeRO strategies
             check_elementwise(optimizer, "strategy=zero1 over a model-parallel mesh cannot step {name}",
                               "it steps each parameter on one rank of its data group", "Use strategy=ddp")
+        tensor_plan, self.plan_note = plan.tensor_plan, ""
         if shape.tensor > 1:
-            if plan.tensor_plan is None:
-                raise ValueError(f"train.tensor_parallel={shape.tensor} needs a tensor plan: which layers split by "
-                                 f"columns, by rows, by heads (Trainer(..., model_plan=ModelPlan(tensor_plan=...)); the example "
-                                 f"transformer's is hvdtrain.examples.textlm_parallel.tensor_plan)")
+            from hvdtrain.parallel.tensor_plan import check_plan, model_tensor_plan
+
+            if tensor_plan is None:
+                tensor_plan = model_tensor_plan(model)
+                if tensor_plan is None:
+                    raise ValueError(f"train.tensor_parallel={shape.tensor} needs a tensor plan: which layers split by "
+                                     f"columns, by rows, by heads (Trainer(..., model_plan=ModelPlan(tensor_plan=...)); "
+                                     f"a Hugging Face model's own tp_plan is used when it has one; the example "
+                                     f"transformer's is hvdtrain.examples.textlm_parallel.tensor_plan)")
+                self.plan_note = f"tensor plan: the model's own tp_plan ({len(tensor_plan)} entries)"
+            else:
+                self.plan_note = f"tensor plan: given ({len(tensor_plan)} entries)"
+            check_plan(model, tensor_plan, shape.tensor)  # before any collective: refused on every rank alike
             check_sliceable(optimizer)
         # 1. While every rank holds the whole model: rank 0's state everywhere.
         collectives.broadcast_model_and_optimizer(model, optimizer, root_rank=0)
@@ -104,8 +114,8 @@ class ModelParallelStrategy(Strategy):
         self._optimizer_names = [[names_of[id(p)][0] for p in group["params"]] for group in optimizer.param_groups]
         # 2. Tensor parallelism replaces layers in place; the state_dict names stay the full model's.
         if shape.tensor > 1:
-            from hvdtrain.parallel.tensor import parallelize
-            parallelize(model, plan.tensor_plan, mesh.tensor)
+            from hvdtrain.parallel.tensor_plan import parallelize
+            parallelize(model, tensor_plan, mesh.tensor)
         # 3. Pipeline stages.
         self.pipeline = None
         if shape.pipeline > 1:

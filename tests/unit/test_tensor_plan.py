@@ -7,8 +7,8 @@ from torch import nn
 from hvdtrain.examples.textlm import TinyTransformerLM
 from hvdtrain.examples.textlm_parallel import check_tensor_parallel, parallelize_tensor, tensor_plan
 from hvdtrain.parallel.mesh import Group
-from hvdtrain.parallel.tensor import (ColumnParallelLinear, ParallelSelfAttention, RowParallelLinear, TensorShard,
-                                      check_plan, parallelize)
+from hvdtrain.parallel.tensor import ColumnParallelLinear, ParallelSelfAttention, RowParallelLinear, TensorShard
+from hvdtrain.parallel.tensor_plan import check_plan, parallelize
 
 
 def model(d_model=32, heads=4, layers=2, dropout=0.0, seed=0):
@@ -106,7 +106,7 @@ def test_one_rank_computes_the_full_model():
     ({"blocks.*.mlp.9": "colwise"}, 2, "'blocks.*.mlp.9' matches no module of TinyTransformerLM"),
     ({"blocks.0.norm1": "colwise"}, 2, "blocks.0.norm1 is LayerNorm, but style 'colwise' splits an nn.Linear"),
     ({"blocks.1.mlp.0": "attention"}, 1, "blocks.1.mlp.0 is Linear, but style 'attention'"),
-    ({"blocks.0.mlp.0": "diagonal"}, 2, "blocks.0.mlp.0: unknown style 'diagonal'"),
+    ({"blocks.0.mlp.0": "diagonal"}, 2, "blocks.0.mlp.0: style 'diagonal' is not supported"),
     ({"blocks.0.mlp.0": "colwise", "blocks.*.mlp.0": "rowwise"}, 2, "blocks.0.mlp.0 is given two styles"),
     ({"blocks.0.attention": "attention", "blocks.0.attention.qkv": "colwise"}, 3, "blocks.0.attention .* contains"),
     ({"blocks.0.mlp.0": "colwise"}, 5, "blocks.0.mlp.0 \\(colwise\\) has out_features=24, not divisible by tensor_parallel=5"),

@@ -1,0 +1,237 @@
+"""A tensor plan: which layers of a model split over the tensor group, and how.
+
+A plan maps module paths (or fnmatch patterns: ``layers.*.self_attn.q_proj``) to styles. The styles
+are those of Hugging Face's plans (``model.tp_plan``, ``config.base_model_tp_plan``), so a Llama,
+Qwen2/Qwen3 or Mistral splits by its own plan, plus hvdtrain's ``attention`` for its example
+transformer:
+
+- ``colwise``: an nn.Linear split by output features; its output stays split (q/k/v by heads, an
+  MLP's up projections).
+- ``rowwise``: an nn.Linear split by input features, the output summed over the group (o_proj,
+  down_proj).
+- ``colwise_gather_output``: colwise, then the output gathered whole on every rank (an LM head).
+- ``rowwise_split_input``: rowwise over an input every rank holds whole (after a gathered output).
+- ``packed_colwise``: colwise over two fused projections ([gate; up] in one weight), each cut alike.
+- ``embedding_rowwise``: an nn.Embedding split by vocabulary rows, the lookups summed.
+- ``replicated_with_grad_allreduce``: kept whole, its gradients summed over the group (a per-head
+  norm that sees only this rank's heads).
+- ``attention``: hvdtrain's own self-attention (qkv and proj) split by heads.
+
+Checking a plan changes nothing and talks to no other rank: every rank holds the same model, so
+every rank decides alike.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from torch import nn
+
+from hvdtrain.parallel.tensor import (ColumnParallelLinear, GatheredColumnParallelLinear, ParallelSelfAttention,
+                                      RowParallelLinear, SplitInputRowParallelLinear, VocabParallelEmbedding,
+                                      sum_gradients_over_group)
+
+COLUMN_STYLES = ("colwise", "colwise_gather_output", "packed_colwise")
+ROW_STYLES = ("rowwise", "rowwise_split_input")
+STYLES = COLUMN_STYLES + ROW_STYLES + ("embedding_rowwise", "replicated_with_grad_allreduce", "attention")
+ALIASES = {"column": "colwise", "row": "rowwise"}
+# Styles whose layers get new, split parameters (the last two above keep theirs whole).
+SPLITTING = COLUMN_STYLES + ROW_STYLES + ("embedding_rowwise", "attention")
+_SPLIT_LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelSelfAttention, VocabParallelEmbedding)
+
+
+def model_tensor_plan(model: nn.Module) -> Optional[Dict[str, str]]:
+    """A Hugging Face model's own plan (transformers puts its base model's plan, prefixed, and its
+    head's into ``model.tp_plan``), or None for a model without one."""
+    plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
+    return dict(plan) if isinstance(plan, Mapping) and plan else None
+
+
+def _matches(modules: Mapping[str, nn.Module], key: str) -> List[str]:
+    return [path for path in modules if path and (path == key or fnmatch.fnmatchcase(path, key))]
+
+
+def _match_key(model: nn.Module, modules: Mapping[str, nn.Module], key: str) -> List[str]:
+    """The module paths ``key`` names; a key of the base model's plan (``config.base_model_tp_plan``:
+    ``layers.*.mlp.up_proj``) also under the base model's prefix (``model.layers.*...``)."""
+    matched = _matches(modules, key)
+    prefix = getattr(model, "base_model_prefix", None)
+    if not matched and isinstance(prefix, str) and prefix and prefix in modules:
+        matched = _matches(modules, f"{prefix}.{key}")
+    return matched
+
+
+def _heads_check(path: str, module: nn.Module, parent: Optional[nn.Module], style: str, size: int) -> None:
+    """A projection of an attention that views its output as heads of ``head_dim`` (Hugging Face's)
+    must not cut a head: q_proj's heads, and with grouped-query attention k_proj's and v_proj's
+    fewer key/value heads, must divide by the group size."""
+    head_dim = getattr(parent, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim <= 0:
+        return
+    width = module.in_features if style in ROW_STYLES else module.out_features
+    if width % head_dim:
+        return  # not a projection into heads (an MLP inside an attention-like module)
+    heads = width // head_dim
+    if heads % size:
+        raise ValueError(f"tensor plan: {path} holds {heads} heads of {head_dim} ({type(parent).__name__}); "
+                         f"tensor_parallel={size} would cut a head. Choose a tensor_parallel that divides "
+                         f"{heads} (grouped-query attention has fewer key/value heads than query heads)")
+
+
+def _check_module(path: str, module: nn.Module, parent: Optional[nn.Module], style: str, size: int) -> None:
+    """ValueError naming ``path`` when ``style`` cannot split ``module`` over ``size`` ranks."""
+    if isinstance(module, _SPLIT_LAYERS):
+        raise ValueError(f"tensor plan: {path} is an already split {type(module).__name__}: parallelize once")
+    if style in COLUMN_STYLES + ROW_STYLES:
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"tensor plan: {path} is {type(module).__name__}, but style {style!r} splits an nn.Linear")
+        width, what = (module.in_features, "in_features") if style in ROW_STYLES else (module.out_features, "out_features")
+        parts = 2 * size if style == "packed_colwise" else size
+        if width % parts:
+            packed = " x 2 packed projections" if style == "packed_colwise" else ""
+            raise ValueError(f"tensor plan: {path} ({style}) has {what}={width}, not divisible by "
+                             f"tensor_parallel={size}{packed}")
+        _heads_check(path, module, parent, style, size)
+        return
+    if style == "embedding_rowwise":
+        if not isinstance(module, nn.Embedding):
+            raise ValueError(f"tensor plan: {path} is {type(module).__name__}, but style 'embedding_rowwise' "
+                             f"splits an nn.Embedding")
+        if module.num_embeddings % size:
+            raise ValueError(f"tensor plan: {path} has {module.num_embeddings} rows, not divisible by "
+                             f"tensor_parallel={size}: pad the vocabulary to a multiple of it")
+        if module.max_norm is not None or module.sparse:
+            raise ValueError(f"tensor plan: {path} uses max_norm or sparse gradients, which a split table "
+                             f"cannot reproduce; keep it whole (leave it out of the plan)")
+        return
+    if style == "replicated_with_grad_allreduce":
+        return
+    linear = lambda attr: isinstance(getattr(module, attr, None), nn.Linear)
+    heads = getattr(module, "heads", None)
+    if not (linear("qkv") and linear("proj") and isinstance(heads, int) and hasattr(module, "dropout")
+            and hasattr(module, "residual_dropout")):
+        raise ValueError(f"tensor plan: {path} is {type(module).__name__}, but style 'attention' splits a "
+                         f"self-attention with nn.Linear qkv and proj, an int heads, dropout and residual_dropout")
+    if module.qkv.out_features != 3 * module.proj.in_features:
+        raise ValueError(f"tensor plan: {path}.qkv has {module.qkv.out_features} outputs, not 3 x "
+                         f"{module.proj.in_features} (q, k and v of proj's width)")
+    if heads % size:
+        raise ValueError(f"tensor plan: {path} has heads={heads}, not divisible by tensor_parallel={size}")
+
+
+def _vocabulary_rows(style: str) -> bool:
+    """Whether ``style`` cuts its weight into the group's parts along dim 0, one block per rank (an
+    embedding's rows and a head's output rows: a tied embedding and head may share that cut)."""
+    return style in ("embedding_rowwise", "colwise", "colwise_gather_output")
+
+
+def _check_ties(model: nn.Module, chosen: Mapping[str, str]) -> None:
+    """A parameter registered in several modules (a tied embedding and head) is split only where
+    every one of them splits it alike; otherwise the tie would silently come apart."""
+    owners: Dict[int, List[Tuple[str, str]]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name, parameter in module.named_parameters(recurse=False):
+            owners.setdefault(id(parameter), []).append((path, name))
+    for path, style in chosen.items():
+        if style not in SPLITTING:
+            continue
+        module = model.get_submodule(path)
+        for name, parameter in module.named_parameters():
+            inside = [(p, n) for p, n in owners[id(parameter)] if p == path or p.startswith(path + ".")]
+            for other, other_name in owners[id(parameter)]:
+                if (other, other_name) in inside:
+                    continue
+                other_style = chosen.get(other)
+                if not (name == "weight" and other_name == "weight" and other_style is not None
+                        and _vocabulary_rows(style) and _vocabulary_rows(other_style)):
+                    how = f"splits it as {other_style!r}" if other_style else "keeps it whole"
+                    raise ValueError(
+                        f"tensor plan: {path}.{name} is tied to {other}.{other_name}, and the plan {how}: a tie "
+                        f"must be cut alike on both sides or not at all. Split both by vocabulary rows "
+                        f"('embedding_rowwise' for the embedding, 'colwise_gather_output' for the head) or "
+                        f"leave both out of the plan")
+
+
+def check_plan(model: nn.Module, plan: Mapping[str, str], size: int) -> List[Tuple[str, str]]:
+    """The (module path, style) pairs ``plan`` applies to ``model`` split over ``size`` ranks, in the
+    model's module order; ValueError naming the layer or the plan key when it cannot."""
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor plan: tensor_parallel must be a whole number >= 1, got {size!r}")
+    modules = dict(model.named_modules())
+    chosen: Dict[str, str] = {}
+    for key, style in plan.items():
+        canonical = ALIASES.get(style, style)
+        if canonical not in STYLES:
+            raise ValueError(f"tensor plan: {key}: style {style!r} is not supported; hvdtrain splits by "
+                             f"{', '.join(STYLES + tuple(ALIASES))} (mixture-of-experts and other styles are not "
+                             f"implemented: give a plan without it)")
+        matched = _match_key(model, modules, key)
+        if not matched:
+            some = ", ".join(p for p in list(modules)[1:9])
+            raise ValueError(f"tensor plan: {key!r} matches no module of {type(model).__name__} "
+                             f"(its modules include {some}, ...)")
+        for path in matched:
+            if chosen.setdefault(path, canonical) != canonical:
+                raise ValueError(f"tensor plan: {path} is given two styles, {chosen[path]!r} and {canonical!r}")
+    for path, style in chosen.items():
+        nested = [other for other in chosen if other.startswith(path + ".")]
+        if nested:
+            raise ValueError(f"tensor plan: {path} ({style}) contains {nested[0]} ({chosen[nested[0]]}): "
+                             f"give one of them")
+        parent_path = path.rpartition(".")[0]
+        _check_module(path, modules[path], modules.get(parent_path) if parent_path else model, style, size)
+    _check_ties(model, chosen)
+    return [(path, chosen[path]) for path in modules if path in chosen]
+
+
+def _split(module: nn.Module, style: str, group: Any, path: str) -> Optional[nn.Module]:
+    """The split layer replacing ``module``, or None where the module stays (its gradients summed)."""
+    if style == "colwise":
+        return ColumnParallelLinear.from_linear(module, group, name=path)
+    if style == "packed_colwise":
+        return ColumnParallelLinear.from_linear(module, group, groups=2, name=path)
+    if style == "colwise_gather_output":
+        return GatheredColumnParallelLinear.from_linear(module, group, name=path)
+    if style == "rowwise":
+        return RowParallelLinear.from_linear(module, group, name=path)
+    if style == "rowwise_split_input":
+        return SplitInputRowParallelLinear.from_linear(module, group, name=path)
+    if style == "embedding_rowwise":
+        return VocabParallelEmbedding.from_embedding(module, group, name=path)
+    if style == "attention":
+        return ParallelSelfAttention.from_attention(module, group, name=path)
+    sum_gradients_over_group(module, group, path)
+    return None
+
+
+def parallelize(model: nn.Module, plan: Mapping[str, str], group: Any) -> nn.Module:
+    """Split ``model``'s layers in place over the tensor ``group`` (a mesh Group) as ``plan`` says.
+    Every layer is checked first (ValueError naming it; the model is then unchanged). Returns
+    ``model``. Its collectives are named after the layers' paths, so every rank of the group
+    matches them. A tied weight split alike on both sides stays one parameter."""
+    size = 1 if group is None else group.size
+    if group is None:
+        group = _Alone()
+    split_weights: Dict[int, nn.Parameter] = {}  # id(the whole weight) -> its split replacement
+    for path, style in check_plan(model, plan, size):
+        module = model.get_submodule(path)
+        whole = getattr(module, "weight", None)
+        new = _split(module, style, group, path)
+        if new is None:
+            continue
+        if whole is not None and id(whole) in split_weights:
+            new.weight = split_weights[id(whole)]  # the other side of a tie, cut alike (checked)
+        elif whole is not None:
+            split_weights[id(whole)] = new.weight
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return model
+
+
+class _Alone:
+    """A tensor group of one rank (no parallelism): nothing to communicate."""
+
+    ranks, index, size, process_set = (0,), 0, 1, None
+
+    def __repr__(self) -> str:
+        return "Group(alone)"

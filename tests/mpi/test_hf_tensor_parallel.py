@@ -1,0 +1,115 @@
+"""Hugging Face decoders split by their own tensor-parallel plans (``model.tp_plan``: no plan given)
+take one process's steps: Llama (grouped-query attention, a tied embedding and head both cut by
+vocabulary rows), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms whose gradients are summed over
+the tensor group) and Mistral, in float64, at T=2 (2 ranks) and T=2 x D=2 (4 ranks), compared step
+by step (the loss) and at the end (every parameter, gathered) with one process on the global batch.
+
+Why 1e-10 holds on any x86-64 CPU: as in test_model_parallel.py, the split products and all-reduced
+partial sums differ from one process's only in the order of float64 additions (relative 1e-16 per
+operation, a few hundred per step, 3 steps); a missing all-reduce, a wrong slice or a broken tie
+moves values by more than 1e-4 (checked below by how far training moved them).
+"""
+import copy
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.data.sharding import ShardedSampler
+from hvdtrain.distributed import collectives
+from hvdtrain.trainer import Trainer
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.mpi, pytest.mark.process_sets]
+
+VOCAB, SEQ, BATCH, STEPS, SEED, TENSOR = 64, 8, 4, 3, 7, 2
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=SEQ)
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**SHAPE, tie_word_embeddings=True),
+    "qwen2": lambda: transformers.Qwen2Config(**SHAPE, tie_word_embeddings=False),
+    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=8, tie_word_embeddings=False),
+    "mistral": lambda: transformers.MistralConfig(**SHAPE, tie_word_embeddings=False, sliding_window=None),
+}
+
+
+def make_model(family, seed):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).double()
+
+
+def causal_lm_step(model, batch):
+    inputs, targets = batch
+    logits = model(input_ids=inputs).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)), {}
+
+
+def token_data(samples=64):
+    ids = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    return TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+def reference(family, initial, data, global_batch):
+    """One process, no Horovod: the global batches in the sampler's global order."""
+    model = make_model(family, 0)
+    model.load_state_dict(initial)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sampler = ShardedSampler(len(data), rank=0, world_size=1, seed=SEED)
+    sampler.set_epoch(0)
+    order = list(sampler)
+    losses = []
+    for step in range(STEPS):
+        batch = order[step * global_batch:(step + 1) * global_batch]
+        optimizer.zero_grad()
+        loss, _ = causal_lm_step(model, (data.tensors[0][batch], data.tensors[1][batch]))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_models_own_plan_takes_one_process_steps(world, family):
+    if world.size % TENSOR:
+        pytest.skip(f"tensor_parallel={TENSOR} does not divide {world.size} ranks")
+    data = token_data()
+    model = make_model(family, 100 + world.rank)  # different on every rank: set-up must broadcast rank 0's
+    config = TrainConfig(epochs=1, batch_size=BATCH, lr=0.01, scale_lr=False, warmup_epochs=0, max_steps=STEPS,
+                         seed=SEED, log_every=1000, tensor_parallel=TENSOR, tensorboard=False)
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, None, config, world=world,
+                      step_fn=causal_lm_step)
+    initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
+    losses = []
+    train_batch = trainer.strategy.forward_backward
+
+    def recording(*args, **kwargs):
+        loss, metrics = train_batch(*args, **kwargs)
+        losses.append(loss.detach().double().reshape(()))
+        return loss, metrics
+
+    trainer.strategy.forward_backward = recording
+    trainer.fit()
+    final = trainer.strategy.state_dict()["model"]
+    step_losses = collectives.allreduce_sum(torch.stack(losses), name=f"hf.tp.{family}.losses") / world.size
+    split = sorted(name for name, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "tensor_shard"))
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    trainer.close_mesh()
+
+    expected, expected_losses = reference(family, initial, data, BATCH * world.size // TENSOR)
+    worst = max((final[name] - expected[name]).abs().max().item() for name in expected)
+    moved = min((expected[name] - initial[name]).abs().max().item() for name in expected
+                if name.endswith("weight"))
+    loss_error = (step_losses - torch.tensor(expected_losses, dtype=torch.float64)).abs().max().item()
+
+    assert "tensor plan: the model's own tp_plan" in trainer.strategy.plan_note
+    # Every projection, the embedding and the head split; norms whole.
+    assert "model.embed_tokens.weight" in split and "lm_head.weight" in split
+    assert all(f"model.layers.{i}.self_attn.{p}.weight" in split for i in range(2) for p in ("q_proj", "k_proj", "o_proj"))
+    assert not any("norm" in name for name in split)
+    assert tied == (family == "llama"), "the tied embedding and head stay one parameter"
+    assert moved > 1e-4, "training did not move every weight: the test proves nothing"
+    assert loss_error < 1e-10, f"per-step loss against one process: {step_losses.tolist()} vs {expected_losses}"
+    assert worst < 1e-10, f"max |gathered - one process| = {worst}"

@@ -1,0 +1,96 @@
+"""Hugging Face's tensor-parallel plans read by hvdtrain without another process: which layers they
+split and how, and the plans or models refused by name (a group of 2 ranks that never communicates:
+the split layers are only built)."""
+import pytest
+import torch
+from torch import nn
+
+from hvdtrain.parallel.mesh import Group
+from hvdtrain.parallel.tensor import GatheredColumnParallelLinear, VocabParallelEmbedding
+from hvdtrain.parallel.tensor_plan import STYLES, check_plan, model_tensor_plan, parallelize
+
+transformers = pytest.importorskip("transformers")
+
+
+def llama(kv_heads=2, tied=True):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=kv_heads, tie_word_embeddings=tied)
+    return transformers.LlamaForCausalLM(config)
+
+
+def pair(index=0):
+    return Group((0, 1), index, None)
+
+
+def test_the_models_own_plan_splits_projections_embedding_and_head():
+    model = llama()
+    chosen = dict(check_plan(model, model_tensor_plan(model), 2))
+    assert chosen["model.layers.1.self_attn.k_proj"] == "colwise"
+    assert chosen["model.layers.0.mlp.down_proj"] == "rowwise"
+    assert chosen["lm_head"] == "colwise_gather_output"
+    assert chosen["model.embed_tokens"] == "embedding_rowwise"
+
+
+def test_the_base_models_plan_is_found_under_its_prefix():
+    model = llama()
+    chosen = check_plan(model, model.config.base_model_tp_plan, 2)  # keys like layers.*.self_attn.q_proj
+    assert ("model.layers.0.self_attn.q_proj", "colwise") in chosen and len(chosen) == 2 * 7
+
+
+def test_a_split_model_keeps_its_state_dict_keys_local_shapes_and_its_tie():
+    model = llama()
+    keys = list(model.state_dict())
+    parallelize(model, model_tensor_plan(model), pair(1))
+    assert list(model.state_dict()) == keys
+    assert isinstance(model.lm_head, GatheredColumnParallelLinear)
+    assert isinstance(model.model.embed_tokens, VocabParallelEmbedding)
+    assert model.model.embed_tokens.start == 32 and model.model.embed_tokens.weight.shape == (32, 32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # one parameter, cut once
+    assert model.model.layers[0].self_attn.k_proj.weight.shape == (8, 32)  # 1 of 2 key/value heads of 8
+    assert model.model.layers[0].self_attn.o_proj.weight.shape == (32, 16)  # 2 of 4 query heads
+
+
+def test_grouped_query_attention_refuses_a_size_that_cuts_a_key_value_head():
+    with pytest.raises(ValueError, match=r"k_proj holds 2 heads of 8 \(LlamaAttention\); tensor_parallel=4 would "
+                                         r"cut a head. Choose a tensor_parallel that divides 2"):
+        check_plan(llama(kv_heads=2), model_tensor_plan(llama()), 4)
+    assert check_plan(llama(kv_heads=4), model_tensor_plan(llama(kv_heads=4)), 4)
+
+
+def test_a_style_hvdtrain_does_not_implement_is_refused_with_the_ones_it_does():
+    with pytest.raises(ValueError, match="style 'grouped_gemm' is not supported; hvdtrain splits by colwise, "
+                                         "colwise_gather_output, packed_colwise, rowwise"):
+        check_plan(llama(), {"model.layers.*.mlp.gate_proj": "grouped_gemm"}, 2)
+    assert "replicated_with_grad_allreduce" in STYLES and "embedding_rowwise" in STYLES
+
+
+def test_a_tie_cut_on_one_side_only_is_refused():
+    with pytest.raises(ValueError, match="lm_head.weight is tied to model.embed_tokens.weight, and the plan keeps "
+                                         "it whole"):
+        check_plan(llama(tied=True), {"lm_head": "colwise_gather_output"}, 2)
+    assert check_plan(llama(tied=False), {"lm_head": "colwise_gather_output"}, 2) == [("lm_head", "colwise_gather_output")]
+
+
+def test_a_packed_projection_is_cut_in_each_of_its_halves():
+    torch.manual_seed(0)
+    fused = nn.Sequential(nn.Linear(4, 8, bias=False))
+    whole = fused[0].weight.detach().clone()
+    parallelize(fused, {"0": "packed_colwise"}, pair(1))
+    # [gate; up] of 4 rows each: rank 1 holds rows 2-3 of gate and rows 2-3 of up.
+    assert torch.equal(fused[0].weight, torch.cat([whole[2:4], whole[6:8]]))
+    with pytest.raises(ValueError, match=r"out_features=6, not divisible by tensor_parallel=2 x 2 packed"):
+        check_plan(nn.Sequential(nn.Linear(4, 6)), {"0": "packed_colwise"}, 2)
+
+
+def test_one_rank_computes_the_whole_model_with_its_plan():
+    """A group of one: every split layer holds everything and communicates nothing; the logits are
+    the model's own."""
+    model = llama().double()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    parallelize(model, model_tensor_plan(model), None)
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after)
