@@ -79,9 +79,13 @@ def own_part(strategy: Strategy, reader: SafetensorsReader) -> Dict[str, Any]:
     """What this rank keeps of the pretrained weights, in the form ``apply`` puts in place (local)."""
     if isinstance(strategy, ShardedStrategy):
         return _sharded_part(strategy, reader)
+    # Model parallelism holds slices and stages of the model: it takes the whole state and keeps its
+    # part (read whole on every rank, unlike the sharded strategies' slices).
+    full_shapes = getattr(strategy, "full_shapes", {})
     whole = {}
     for names, value in tensor_names(strategy.model):
-        tensor = reader.read(reader.first_of(names), value.shape).reshape(value.shape).to(value.dtype)
+        shape = full_shapes.get(names[0], value.shape)
+        tensor = reader.read(reader.first_of(names), shape).reshape(shape).to(value.dtype)
         whole.update((name, tensor) for name in names)
     return {"model": whole}
 

@@ -147,6 +147,11 @@ class ModelParallelStrategy(Strategy):
 
     # --- who holds what -------------------------------------------------------------------
 
+    @property
+    def full_shapes(self) -> Dict[str, torch.Size]:
+        """Every state_dict name's shape in the whole model (this rank holds slices and stages)."""
+        return {name: shape for name, (shape, _) in self._full_shapes.items()}
+
     @staticmethod
     def _names_by_tensor(model: nn.Module) -> Dict[int, List[str]]:
         names: Dict[int, List[str]] = {}

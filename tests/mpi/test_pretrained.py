@@ -47,3 +47,33 @@ def test_another_models_weights_are_refused_on_every_rank(world, pretrained_dir)
     trainer.fit()  # one step: afterwards the run's weights are newer than any pretrained ones
     with pytest.raises(ValueError, match="this one is at step 1"):
         trainer.load_pretrained(pretrained_dir)
+
+
+@pytest.mark.process_sets
+def test_tensor_parallel_ranks_keep_their_slices_of_the_pretrained_weights(world, pretrained_dir):
+    """T=2 by the model's own plan: each rank reads the whole directory and keeps its slices (and
+    the tied embedding and head cut once); gathered back, they are from_pretrained's weights."""
+    from torch.utils.data import TensorDataset
+
+    from hvdtrain.config.train import TrainConfig
+    from hvdtrain.trainer import Trainer
+    from tests.mpi.hf_models import SEQ, VOCAB, causal_lm_step
+
+    if world.size % 2:
+        pytest.skip("tensor_parallel=2 needs an even number of ranks")
+    expected = transformers.AutoModelForCausalLM.from_pretrained(pretrained_dir).state_dict()
+    model = tiny_llama(seed=5)
+    ids = torch.randint(0, VOCAB, (16, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    config = TrainConfig(epochs=1, batch_size=4, max_steps=1, seed=3, log_every=1000, tensorboard=False,
+                         tensor_parallel=2)
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), TensorDataset(ids[:, :-1], ids[:, 1:]),
+                      None, config, world=world, step_fn=causal_lm_step)
+    trainer.load_pretrained(pretrained_dir)
+    loaded = trainer.strategy.exported_model_state()
+    held = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    trainer.close_mesh()
+    different = [name for name, value in expected.items() if not torch.equal(loaded[name], value)]
+
+    assert not different, f"not the pretrained values: {different}"
+    assert held["model.layers.0.self_attn.q_proj.weight"] == (16, 32)  # this rank's 2 of 4 heads
+    assert model.lm_head.weight is model.model.embed_tokens.weight

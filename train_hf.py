@@ -1,0 +1,67 @@
+"""Train a Hugging Face causal LM (Llama, Qwen2, Qwen3 or Mistral) on the shipped text, under any
+strategy or tensor-parallel layout with one flag.
+
+    horovodrun -np 2 python train_hf.py                                   # ddp, a small Llama
+    horovodrun -np 2 python train_hf.py --train.strategy=fsdp             # never whole on any rank
+    horovodrun -np 2 python train_hf.py --train.tensor_parallel=2         # split by the model's own tp_plan
+    horovodrun -np 2 python train_hf.py --model.family=qwen3 --model.layers=4
+    horovodrun -np 2 python train_hf.py --model.pretrained=runs/run/hf    # start from a directory's weights
+
+The model is built on the meta device and initialized by the Trainer (or loaded), the text is the
+standard library's pydoc_data.topics, one token per character (hvdtrain.examples.textlm). At the end
+the run directory holds hf/, which transformers' from_pretrained loads. Needs transformers
+(pip install -e '.[hf]'). Pipeline parallelism of Hugging Face models is not supported yet.
+"""
+import sys
+
+import torch
+
+import hvdtrain
+from hvdtrain.examples.hf_lm import HFLMJob, build_on_meta, causal_lm_step, describe, model_config
+from hvdtrain.examples.textlm import bits_per_char, load_text_datasets, unigram_bits_per_char
+
+
+def main(argv=None) -> int:
+    parser = hvdtrain.job_argument_parser(HFLMJob, __doc__)
+    parser.add_argument("--require-bpc", type=float, default=None,
+                        help="exit 1 unless the final validation bits/char is at most this")
+    job, args = hvdtrain.parse_job(HFLMJob, parser, argv)
+    config = job.train
+    if config.pipeline_parallel > 1:
+        print("error: train_hf.py cannot pipeline a Hugging Face model yet (train.pipeline_parallel="
+              f"{config.pipeline_parallel}): use --train.tensor_parallel or --train.strategy=fsdp", file=sys.stderr)
+        return 2
+
+    world = hvdtrain.init(seed=config.seed, timeline=config.timeline_steps > 0,
+                          hierarchical_allreduce=config.hierarchical_allreduce,
+                          dynamic_process_sets=config.model_parallel)
+    train_set, val_set, vocab = load_text_datasets(job.model.seq_len, job.data.train_stride, job.data.val_fraction)
+    hf_config, source = model_config(job.model, len(vocab))
+    model = build_on_meta(hf_config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, config, step_fn=causal_lm_step,
+                               world=world, job_config=hvdtrain.to_dict(job))
+    if world.is_root:
+        print(f"model: {describe(hf_config)}, from {source}", flush=True)
+    if job.model.pretrained and not trainer.step:  # a resumed run continues from its checkpoint instead
+        trainer.load_pretrained(job.model.pretrained)
+    final = trainer.run()  # None: preempted, checkpointed (and requeued under SLURM); a restart resumes
+    if final is None:
+        return 0
+    world = trainer.world
+
+    bpc = bits_per_char(final["val_loss"])  # every rank holds the all-reduced loss: the same exit code
+    if world.is_root:
+        baseline = unigram_bits_per_char(train_set.ids, val_set.scored_ids(), len(vocab))
+        print(f"final validation loss {final['val_loss']:.4f} nats/char = {bpc:.3f} bits/char on "
+              f"{int(final['val_samples']) * job.model.seq_len} held-out characters, {world.size} "
+              f"worker{'s' if world.size > 1 else ''} (unigram baseline: {baseline:.3f} bits/char)", flush=True)
+    if args.require_bpc is not None and not bpc <= args.require_bpc:
+        if world.is_root:
+            print(f"error: {bpc:.3f} bits/char is above the required {args.require_bpc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
