@@ -3,7 +3,8 @@
 
 The model is built on the meta device from a small config (or a local directory's config.json) and
 gets its values from the Trainer: under fsdp no rank ever holds it whole. Tensor parallelism splits it
-by its own Hugging Face plan (no plan to write). With ``model.pretrained`` it starts from that
+by its own Hugging Face plan and pipeline parallelism cuts it into stages by itself (no plan to
+write). With ``model.pretrained`` it starts from that
 directory's weights, each rank reading what it keeps; a directory this example wrote (a run's ``hf/``)
 fits its character vocabulary.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -101,11 +102,11 @@ def build_on_meta(config: Any) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def causal_lm_step(model: torch.nn.Module, batch) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """Mean cross-entropy (nats) of each character given the ones before it."""
-    inputs, targets = batch
-    logits = model(input_ids=inputs).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)), {}
+def causal_lm_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy (nats) of each character given the ones before it, from the model's output
+    (its ``.logits``) or, on a pipeline's last stage, from the logits themselves."""
+    logits = getattr(outputs, "logits", outputs)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def describe(config: Any) -> str:

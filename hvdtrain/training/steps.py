@@ -23,8 +23,9 @@ def supervised_step(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
         metrics: Metrics = {}
         # Class scores in the last dimension, one integer label per position: a classifier (or a
         # language model's next-token prediction). A regression's targets are floats: no accuracy.
-        if not targets.is_floating_point() and outputs.dim() == targets.dim() + 1:
-            metrics["accuracy"] = (outputs.detach().argmax(dim=-1) == targets).double().mean()
+        scores = getattr(outputs, "logits", outputs)  # a Hugging Face model returns an output object
+        if isinstance(scores, torch.Tensor) and not targets.is_floating_point() and scores.dim() == targets.dim() + 1:
+            metrics["accuracy"] = (scores.detach().argmax(dim=-1) == targets).double().mean()
         return loss_fn(outputs, targets), metrics
 
     return step

@@ -51,3 +51,11 @@ def test_a_tensor_parallel_llama_learns_exports_and_is_continued_under_fsdp(tmp_
                                     "--train.lr=1e-9", "--train.max_steps=1")
     assert f"started from the pretrained weights in {exported}" in out
     assert continued == pytest.approx(loss, abs=2e-4)
+
+
+@pytest.mark.timeout(600)
+def test_a_llama_cut_into_two_pipeline_stages_learns(tmp_path):
+    out, _, bpc, unigram = train_hf(tmp_path, "--train.pipeline_parallel=2", "--train.micro_batches=2",
+                                    "--train.max_steps=30")
+    assert "mesh: data 1 x pipeline 2 x tensor 1" in out
+    assert bpc < unigram - 0.2, "30 steps learn more than the characters' frequencies"

@@ -68,15 +68,19 @@ def build_stage(model: nn.Module, plan: ModelPlan, mesh: Mesh, loss_fn: LossFn, 
                 schedule: str) -> PipelinedModel:
     """Cut ``model`` into the mesh's stages (``plan.pipeline_layers(model)``, or an nn.Sequential's
     children; ``plan.stage_layers`` or balanced by parameter count) and keep this rank's."""
+    from hvdtrain.parallel.pipeline.hf_layers import hf_decoder, hf_pipeline_layers
+
     if plan.pipeline_layers is not None:
         layers = list(plan.pipeline_layers(model))
     elif isinstance(model, nn.Sequential):
         layers = list(model.children())
+    elif hf_decoder(model) is not None:  # a Hugging Face causal LM: embedding, decoder layers, norm + head
+        layers = hf_pipeline_layers(model)
     else:
         raise ValueError(f"train.pipeline_parallel={mesh.shape.pipeline} needs the model as a sequence of layers: "
-                         f"an nn.Sequential, or Trainer(..., model_plan=ModelPlan(pipeline_layers=fn)) where fn(model) returns its layers "
-                         f"in order ({type(model).__name__} is neither; the example transformer's is "
-                         f"hvdtrain.examples.textlm_parallel.pipeline_layers)")
+                         f"an nn.Sequential, a Hugging Face causal LM, or Trainer(..., model_plan=ModelPlan(pipeline_layers=fn)) "
+                         f"where fn(model) returns its layers in order ({type(model).__name__} is none of them; the "
+                         f"example transformer's is hvdtrain.examples.textlm_parallel.pipeline_layers)")
     if loss_fn is None:
         raise ValueError("a pipeline computes loss_fn(outputs, targets) on its last stage: pass loss_fn")
     stage = PipelineStage(layers, mesh, plan.stage_layers)
