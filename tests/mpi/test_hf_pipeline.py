@@ -13,7 +13,7 @@ import torch
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed import collectives
 from hvdtrain.trainer import Trainer
-from tests.mpi.test_hf_tensor_parallel import BATCH, SEED, STEPS, VOCAB, make_model, reference, token_data
+from tests.mpi.test_hf_equivalence import BATCH, SEED, STEPS, VOCAB, make_model, reference, token_data
 
 transformers = pytest.importorskip("transformers")
 

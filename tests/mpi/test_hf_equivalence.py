@@ -1,13 +1,16 @@
-"""Hugging Face decoders split by their own tensor-parallel plans (``model.tp_plan``: no plan given)
-take one process's steps: Llama (grouped-query attention, a tied embedding and head both cut by
-vocabulary rows), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms whose gradients are summed over
-the tensor group) and Mistral, in float64, at T=2 (2 ranks) and T=2 x D=2 (4 ranks), compared step
-by step (the loss) and at the end (every parameter, gathered) with one process on the global batch.
+"""Hugging Face decoders take one process's steps under every data-parallel strategy (ddp, zero1,
+zero2, fsdp) and split by their own tensor-parallel plans (``model.tp_plan``: no plan given): Llama
+(grouped-query attention; a tied embedding and head, cut by vocabulary rows under tensor
+parallelism), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms whose gradients are summed over the
+tensor group) and Mistral, in float64, compared step by step (the loss) and at the end (every
+parameter, gathered) with one process on the global batch. Tensor parallelism runs at T=2 (2 ranks)
+and T=2 x D=2 (4 ranks); the strategies at every world size.
 
-Why 1e-10 holds on any x86-64 CPU: as in test_model_parallel.py, the split products and all-reduced
-partial sums differ from one process's only in the order of float64 additions (relative 1e-16 per
-operation, a few hundred per step, 3 steps); a missing all-reduce, a wrong slice or a broken tie
-moves values by more than 1e-4 (checked below by how far training moved them).
+Why 1e-10 holds on any x86-64 CPU: as in test_model_parallel.py, split products, all-reduced
+partial sums and averaged gradients differ from one process's only in the order of float64
+additions (relative 1e-16 per operation, a few hundred per step, 3 steps); a missing all-reduce, a
+wrong slice or a broken tie moves values by more than 1e-4 (checked below by how far training moved
+them).
 """
 import copy
 
@@ -70,15 +73,12 @@ def reference(family, initial, data, global_batch):
     return model.state_dict(), losses
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_models_own_plan_takes_one_process_steps(world, family):
-    if world.size % TENSOR:
-        pytest.skip(f"tensor_parallel={TENSOR} does not divide {world.size} ranks")
+def train(world, family, **settings):
+    """(the trainer, its initial and final gathered model, each step's loss averaged over the world)."""
     data = token_data()
     model = make_model(family, 100 + world.rank)  # different on every rank: set-up must broadcast rank 0's
     config = TrainConfig(epochs=1, batch_size=BATCH, lr=0.01, scale_lr=False, warmup_epochs=0, max_steps=STEPS,
-                         seed=SEED, log_every=1000, tensor_parallel=TENSOR, tensorboard=False)
+                         seed=SEED, log_every=1000, tensorboard=False, **settings)
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, None, config, world=world,
                       step_fn=causal_lm_step)
     initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
@@ -93,16 +93,39 @@ def test_the_models_own_plan_takes_one_process_steps(world, family):
     trainer.strategy.forward_backward = recording
     trainer.fit()
     final = trainer.strategy.state_dict()["model"]
-    step_losses = collectives.allreduce_sum(torch.stack(losses), name=f"hf.tp.{family}.losses") / world.size
-    split = sorted(name for name, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "tensor_shard"))
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    trainer.close_mesh()
+    step_losses = collectives.allreduce_sum(torch.stack(losses), name=f"hf.{family}.{settings}.losses") / world.size
+    return trainer, data, initial, final, step_losses
 
-    expected, expected_losses = reference(family, initial, data, BATCH * world.size // TENSOR)
+
+def check_against_one_process(family, data, initial, final, step_losses, global_batch):
+    expected, expected_losses = reference(family, initial, data, global_batch)
     worst = max((final[name] - expected[name]).abs().max().item() for name in expected)
     moved = min((expected[name] - initial[name]).abs().max().item() for name in expected
                 if name.endswith("weight"))
     loss_error = (step_losses - torch.tensor(expected_losses, dtype=torch.float64)).abs().max().item()
+    assert moved > 1e-4, "training did not move every weight: the test proves nothing"
+    assert loss_error < 1e-10, f"per-step loss against one process: {step_losses.tolist()} vs {expected_losses}"
+    assert worst < 1e-10, f"max |gathered - one process| = {worst}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_strategy_takes_one_process_steps(world, family, strategy):
+    trainer, data, initial, final, step_losses = train(world, family, strategy=strategy)
+    check_against_one_process(family, data, initial, final, step_losses, BATCH * world.size)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_models_own_tensor_plan_takes_one_process_steps(world, family):
+    if world.size % TENSOR:
+        pytest.skip(f"tensor_parallel={TENSOR} does not divide {world.size} ranks")
+    trainer, data, initial, final, step_losses = train(world, family, tensor_parallel=TENSOR)
+    model = trainer.model
+    split = sorted(name for name, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "tensor_shard"))
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    trainer.close_mesh()
 
     assert "tensor plan: the model's own tp_plan" in trainer.strategy.plan_note
     # Every projection, the embedding and the head split; norms whole.
@@ -110,6 +133,4 @@ def test_the_models_own_plan_takes_one_process_steps(world, family):
     assert all(f"model.layers.{i}.self_attn.{p}.weight" in split for i in range(2) for p in ("q_proj", "k_proj", "o_proj"))
     assert not any("norm" in name for name in split)
     assert tied == (family == "llama"), "the tied embedding and head stay one parameter"
-    assert moved > 1e-4, "training did not move every weight: the test proves nothing"
-    assert loss_error < 1e-10, f"per-step loss against one process: {step_losses.tolist()} vs {expected_losses}"
-    assert worst < 1e-10, f"max |gathered - one process| = {worst}"
+    check_against_one_process(family, data, initial, final, step_losses, BATCH * world.size // TENSOR)
