@@ -450,5 +450,4 @@ def _initialized(deferred: Optional[DeferredInit]) -> str:
     """How a model built on the meta device got its values, for the start line."""
     if deferred is None:
         return ""
-    how = "by fsdp unit" if deferred.by_shard else "whole"
-    return f"; built on the meta device, initialized {how} (at most {deferred.peak_bytes / 2**20:.1f} MiB of it at once)"
+    return f"; built on the meta device, initialized {deferred.granularity} (at most {deferred.peak_bytes / 2**20:.1f} MiB of it at once)"

@@ -31,7 +31,7 @@ PYTEST="python -m pytest -q --color=no -p no:cacheprovider"
 SHARDED_TESTS="tests/mpi/test_strategies.py tests/mpi/test_zero.py tests/mpi/test_fsdp.py"
 [ -f tests/mpi/test_sharded_checkpoint.py ] && SHARDED_TESTS="$SHARDED_TESTS tests/mpi/test_sharded_checkpoint.py"
 # Model parallelism's layouts (T x P x D) and the parameter server's servers need 4 ranks to show.
-MODEL_PARALLEL_MESH_TESTS="tests/mpi/test_model_parallel.py tests/mpi/test_tensor_parallel.py tests/mpi/test_hf_equivalence.py tests/mpi/test_hf_pipeline.py tests/mpi/test_pipeline.py tests/mpi/test_plan_memory.py"
+MODEL_PARALLEL_MESH_TESTS="tests/mpi/test_deferred_init.py tests/mpi/test_model_parallel.py tests/mpi/test_tensor_parallel.py tests/mpi/test_hf_equivalence.py tests/mpi/test_hf_pipeline.py tests/mpi/test_pipeline.py tests/mpi/test_plan_memory.py"
 RESIZED_TESTS="$SHARDED_TESTS tests/mpi/test_reduction.py tests/mpi/test_ps.py $MODEL_PARALLEL_MESH_TESTS"
 status=0
 # phase KEY RANKS TITLE COMMAND...: RANKS 0 is one process writing KEY.xml; otherwise every rank

@@ -113,10 +113,31 @@ class TensorShard:
         return full_out
 
 
+def is_placeholder(tensor: torch.Tensor) -> bool:
+    """A tensor of a model built on the meta device that has no values yet (its storage holds no
+    memory: hvdtrain.strategies.deferred_init), so it can be split before it is initialized."""
+    return not tensor.is_meta and tensor.numel() > 0 and tensor.untyped_storage().nbytes() == 0
+
+
 def _shard(parameter: torch.Tensor, shard: TensorShard) -> nn.Parameter:
-    local = nn.Parameter(shard.take(parameter.detach()), requires_grad=parameter.requires_grad)
+    """This rank's slice of ``parameter``; of a placeholder, a placeholder of the slice's shape that
+    remembers its whole (``deferred_whole``): its values come when the whole is initialized."""
+    if is_placeholder(parameter):
+        local = torch.empty(shard.local_shape(parameter.shape), dtype=parameter.dtype, device=parameter.device)
+        local.untyped_storage().resize_(0)
+        local = nn.Parameter(local, requires_grad=parameter.requires_grad)
+        local.deferred_whole = parameter
+    else:
+        local = nn.Parameter(shard.take(parameter.detach()), requires_grad=parameter.requires_grad)
     local.tensor_shard = shard
     return local
+
+
+def _replicated(parameter: nn.Parameter) -> nn.Parameter:
+    """A split layer's whole parameter (a row-parallel bias): its own copy; a placeholder stays itself."""
+    if is_placeholder(parameter):
+        return parameter
+    return nn.Parameter(parameter.detach().clone(), requires_grad=parameter.requires_grad)
 
 
 class _SplitLinear(nn.Module):
@@ -153,8 +174,7 @@ class RowParallelLinear(_SplitLinear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Any, name: str = "row") -> "RowParallelLinear":
         shard = TensorShard(dim=1, parts=group.size, index=group.index)
-        bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
-                                                             requires_grad=linear.bias.requires_grad)
+        bias = None if linear.bias is None else _replicated(linear.bias)
         return cls(_shard(linear.weight, shard), bias, group, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

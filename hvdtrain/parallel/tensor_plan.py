@@ -204,11 +204,16 @@ def _split(module: nn.Module, style: str, group: Any, path: str) -> Optional[nn.
     return None
 
 
-def parallelize(model: nn.Module, plan: Mapping[str, str], group: Any) -> nn.Module:
+Replacement = Tuple[nn.Module, str, nn.Module, nn.Module]  # (parent, attribute, the layer as built, its split)
+
+
+def parallelize(model: nn.Module, plan: Mapping[str, str], group: Any,
+                replacements: Optional[List[Replacement]] = None) -> nn.Module:
     """Split ``model``'s layers in place over the tensor ``group`` (a mesh Group) as ``plan`` says.
     Every layer is checked first (ValueError naming it; the model is then unchanged). Returns
     ``model``. Its collectives are named after the layers' paths, so every rank of the group
-    matches them. A tied weight split alike on both sides stays one parameter."""
+    matches them. A tied weight split alike on both sides stays one parameter. Each layer replaced
+    is appended to ``replacements`` (a model built on the meta device is initialized as built)."""
     size = 1 if group is None else group.size
     if group is None:
         group = _Alone()
@@ -223,8 +228,11 @@ def parallelize(model: nn.Module, plan: Mapping[str, str], group: Any) -> nn.Mod
             new.weight = split_weights[id(whole)]  # the other side of a tie, cut alike (checked)
         elif whole is not None:
             split_weights[id(whole)] = new.weight
-        parent, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
+        parent_path, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        setattr(parent, child, new)
+        if replacements is not None:
+            replacements.append((parent, child, module, new))
     return model
 
 

@@ -18,10 +18,10 @@ What cannot be replayed: initialization written inline in a module's ``__init__`
 ``reset_parameters`` (move it there, as hvdtrain.examples.textlm does), and a model converted after
 building (``.double()``): build it in the dtype it trains in.
 
-ddp, zero1, zero2, the parameter server and tensor/pipeline parallelism start from a whole model on
-each rank: ``make_whole`` gives it its values in place. fsdp never makes it whole (its
-initialization.py): every rank runs every step, with the unit each operation touches in memory,
-and keeps its slices.
+ddp, zero1, zero2 and the parameter server start from a whole model on each rank: ``make_whole``
+gives it its values in place. fsdp (fsdp/initialization.py) and tensor/pipeline parallelism
+(model_parallel_initialization.py) never make it whole: every rank runs every step, with the tensors
+each operation touches in memory, and keeps its own part.
 A tensor nothing initializes (a module with its own parameters and no reset_parameters, a buffer
 computed in ``__init__``) is an error that names it, not a silent garbage value: each starts as NaN
 (or the integer minimum) and must not stay so.
@@ -166,7 +166,9 @@ class DeferredInit:
         for module in model.modules():  # a Hugging Face model built outside torch.device("meta") flagged them
             module.__dict__.pop("_is_hf_initialized", None)
         self.peak_bytes = 0  # the most bytes of the model's tensors in memory at once while initializing
-        self.by_shard = False  # set by a strategy that initializes shard by shard
+        # How a strategy gave the values: "whole", or in its own pieces (fsdp's units, model
+        # parallelism's slices and stages), never holding the whole model.
+        self.granularity = "whole"
 
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, seed: int,

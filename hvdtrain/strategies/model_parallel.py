@@ -11,7 +11,7 @@ ZeroRedundancyOptimizer does): each steps and keeps state for its share, then br
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
 from hvdtrain.strategies.optimizers import check_elementwise, optimizer_like
 from hvdtrain.strategies.registry import ADASUM, COMPILE, ELASTIC, SHARDED_CHECKPOINTS
+
+if TYPE_CHECKING:
+    from hvdtrain.strategies.deferred_init import DeferredInit
 
 # The data-parallel strategies a mesh's data groups can run: plain replicas, or ZeRO-1 over each group.
 DATA_PARALLEL = ("ddp", "zero1")
@@ -58,6 +61,7 @@ class ModelParallelStrategy(Strategy):
     pipeline ranks."""
 
     name = "ddp"
+    initializes_by_shard = True  # a model built on the meta device: each rank its slices and stage
     collective_forward = True  # tensor-parallel layers all-reduce in forward; stages exchange activations
     refuses = {
         ELASTIC: "a lost worker takes a part of a model replica with it, and the mesh is fixed at start",
@@ -72,12 +76,14 @@ class ModelParallelStrategy(Strategy):
     def from_config(cls, config, model, optimizer, world, **context) -> "ModelParallelStrategy":
         return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce, context["mesh"],
                    context.get("plan") or ModelPlan(), context.get("loss_fn"), data_parallel=config.strategy,
-                   micro_batches=config.micro_batches, schedule=config.pipeline_schedule)
+                   micro_batches=config.micro_batches, schedule=config.pipeline_schedule,
+                   deferred=context.get("deferred"))
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool, mesh: Mesh, plan: ModelPlan,
                  loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
-                 data_parallel: str = "ddp", micro_batches: int = 1, schedule: str = "1f1b") -> None:
+                 data_parallel: str = "ddp", micro_batches: int = 1, schedule: str = "1f1b",
+                 deferred: Optional["DeferredInit"] = None) -> None:
         super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"over a model-parallel mesh the data-parallel strategy is one of "
@@ -105,17 +111,20 @@ class ModelParallelStrategy(Strategy):
                 self.plan_note = f"tensor plan: given ({len(tensor_plan)} entries)"
             check_plan(model, tensor_plan, shape.tensor)  # before any collective: refused on every rank alike
             check_sliceable(optimizer)
-        # 1. While every rank holds the whole model: rank 0's state everywhere.
-        collectives.broadcast_model_and_optimizer(model, optimizer, root_rank=0)
+        # 1. While every rank holds the whole model: rank 0's state everywhere. A model built on the
+        #    meta device gets the same values on every rank from the seed, after it is split (4.).
+        if deferred is None:
+            collectives.broadcast_model_and_optimizer(model, optimizer, root_rank=0)
         full_sd = model.state_dict()
         self._full_shapes = {name: (t.shape, t.dtype) for name, t in full_sd.items()}
         names_of = self._names_by_tensor(model)
         # The full optimizer's parameter order, by name: a full checkpoint's optimizer indices.
         self._optimizer_names = [[names_of[id(p)][0] for p in group["params"]] for group in optimizer.param_groups]
         # 2. Tensor parallelism replaces layers in place; the state_dict names stay the full model's.
+        replacements: List[Any] = []
         if shape.tensor > 1:
             from hvdtrain.parallel.tensor_plan import parallelize
-            parallelize(model, tensor_plan, mesh.tensor)
+            parallelize(model, tensor_plan, mesh.tensor, replacements)
         # 3. Pipeline stages.
         self.pipeline = None
         if shape.pipeline > 1:
@@ -125,13 +134,16 @@ class ModelParallelStrategy(Strategy):
         else:
             held = {id(t) for t in model.parameters()} | {id(b) for b in model.buffers()}
         self._held = held
+        if deferred is not None:  # 4. Only this rank's slices and stage get memory and values.
+            from hvdtrain.strategies.model_parallel_initialization import initialize_by_slice
+            initialize_by_slice(deferred, model, held, replacements)
         self._stages_of = self._stages_by_name(model, held)
         live = dict(model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
             for name, parameter in live.items():
                 if id(parameter) not in held and parameter.numel():
                     parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
-        # 4. This rank's parameters, in the user's groups; the optimizer steps its own share of them.
+        # 5. This rank's parameters, in the user's groups; the optimizer steps its own share of them.
         self._local_names = [[n for n in names if id(live[n]) in held] for names in self._optimizer_names]
         self._live = live
         self._local = [live[n] for names in self._local_names for n in names]

@@ -1,7 +1,7 @@
 """A training job whose ranks may each hold only BUDGET bytes per model parameter beyond what the
 process holds before training (the runtime, the data, the model's parameters):
 
-    mpirun -np 4 python tests/launch/oom_job.py STRATEGY BUDGET [--meta]
+    mpirun -np 4 python tests/launch/oom_job.py STRATEGY BUDGET [--meta] [--tensor=T] [--pipeline=P]
 
 The cap is RLIMIT_DATA (private memory: every tensor allocation counts), set after a warm-up,
 so it measures what training adds: gradients, optimizer state and communication buffers. With
@@ -10,6 +10,8 @@ zero2 at 4 workers adds 3 (its 1/4 of the gradients and moments) plus transient 
 
 With --meta the model is built on the meta device, deeper and narrower (smaller fsdp units), and
 trained with plain SGD: the cap then counts the parameters themselves too, from their first byte.
+--tensor and --pipeline split it over a T x P mesh: its linears alternately by columns and by rows,
+its layers cut into stages.
 """
 import contextlib
 import resource
@@ -40,8 +42,13 @@ def build(width: int, depth: int) -> nn.Module:
                          nn.Linear(width, 10))
 
 
-def main(strategy: str, budget_per_parameter: float, meta: bool) -> None:
-    world = hvdtrain.init(seed=0, threads=1)
+def alternating_plan(depth: int) -> dict:
+    """The hidden linears (every other child of build's Sequential) in column/row pairs; the head whole."""
+    return {str(2 * k): "colwise" if k % 2 == 0 else "rowwise" for k in range(depth - depth % 2)}
+
+
+def main(strategy: str, budget_per_parameter: float, meta: bool, tensor: int = 1, pipeline: int = 1) -> None:
+    world = hvdtrain.init(seed=0, threads=1, dynamic_process_sets=tensor * pipeline > 1)
     torch.manual_seed(0)
     width, depth = (WIDTH // 2, DEPTH * 8) if meta else (WIDTH, DEPTH)  # meta: 50.4M parameters, 48 units of 4 MB
     with torch.device("meta") if meta else contextlib.nullcontext():
@@ -63,14 +70,22 @@ def main(strategy: str, budget_per_parameter: float, meta: bool) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (cap, resource.RLIM_INFINITY))
 
     config = TrainConfig(strategy=strategy, epochs=1, batch_size=8, max_steps=3, lr=1e-4, warmup_epochs=0,
-                         stall_timeout=120, progress="log", log_every=1, run_dir=None)
+                         stall_timeout=120, progress="log", log_every=1, run_dir=None, tensor_parallel=tensor,
+                         pipeline_parallel=pipeline, micro_batches=2 if pipeline > 1 else 1)
     optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=config.lr)
-    trainer = Trainer(model, optimizer, data, None, config, world=world)
+    plan = hvdtrain.ModelPlan(tensor_plan=alternating_plan(depth) if tensor > 1 else None)
+    trainer = Trainer(model, optimizer, data, None, config, world=world, model_plan=plan,
+                      loss_fn=torch.nn.functional.cross_entropy)
     trainer.fit()
     if world.is_root:
-        print(f"trained {trainer.step} steps under {strategy} within {budget_per_parameter:g} bytes "
+        layout = f" x tensor {tensor} x pipeline {pipeline}" if tensor * pipeline > 1 else ""
+        print(f"trained {trainer.step} steps under {strategy}{layout} within {budget_per_parameter:g} bytes "
               f"per parameter", flush=True)
+    if tensor * pipeline > 1:
+        trainer.close_mesh()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]), "--meta" in sys.argv[3:])
+    flags = dict(arg.lstrip("-").split("=") for arg in sys.argv[3:] if "=" in arg)
+    main(sys.argv[1], float(sys.argv[2]), "--meta" in sys.argv[3:], int(flags.get("tensor", 1)),
+         int(flags.get("pipeline", 1)))

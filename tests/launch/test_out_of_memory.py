@@ -43,12 +43,13 @@ def test_ddp_runs_out_of_memory_with_a_clear_report_and_zero2_and_fsdp_train_the
         assert f"trained 3 steps under {strategy} within 13.5 bytes per parameter" in out
 
 
-@pytest.mark.timeout(300)
-def test_a_model_built_on_meta_trains_under_fsdp_in_less_memory_than_its_own_weights():
+@pytest.mark.timeout(400)
+def test_a_model_built_on_meta_trains_under_fsdp_and_a_mesh_in_less_memory_than_its_own_weights():
     """The cap now counts the parameters from their first byte: 3.5 bytes per parameter, less than the
     model's own fp32 weights (4). ddp and zero2 make the model whole on every rank and cannot; fsdp
     gives each rank its quarter, one 4 MB unit in memory at a time (measured: it adds ~107 MB of the
-    176 MB allowed, plain SGD), and trains."""
+    176 MB allowed, plain SGD), and trains; so does a T=2 x P=2 mesh, each rank initializing only its
+    stage's slices with one whole 4 MB linear in memory at a time."""
     for whole in ("ddp", "zero2"):
         code, out, err = launch(whole, "3.5", "--meta")
         text = out + err
@@ -60,3 +61,13 @@ def test_a_model_built_on_meta_trains_under_fsdp_in_less_memory_than_its_own_wei
     assert code == 0, (out + err)[-3000:]
     assert "built on the meta device, initialized by fsdp unit" in out
     assert "trained 3 steps under fsdp within 3.5 bytes per parameter" in out
+
+    code, out, err = launch("ddp", "3.5", "--meta", "--tensor=2", "--pipeline=2")
+    assert code == 0, (out + err)[-3000:]
+    assert "trained 3 steps under ddp x tensor 2 x pipeline 2 within 3.5 bytes per parameter" in out
+    peak = re.search(r"initialized by tensor slice and pipeline stage \(at most ([0-9.]+) MiB of it at once\)", out)
+    # The formula: a quarter of the 48 hidden linears (each split in two, half of them on this stage)
+    # plus one whole linear (1024 x 1024 + 1024 floats) while it is initialized; the head (10 rows) whole.
+    linear = (1024 * 1024 + 1024) * 4
+    expected = (48 * linear / 4 + linear + (1024 * 10 + 10) * 4) / 2**20
+    assert peak and abs(float(peak.group(1)) - expected) < 0.1 * expected, (peak and peak.group(1), expected)

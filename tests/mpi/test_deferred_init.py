@@ -249,29 +249,59 @@ def test_a_model_partly_on_meta_is_refused(world):
         trainer(world, model, "ddp")
 
 
-@pytest.mark.process_sets
-@pytest.mark.timeout(120)
-def test_tensor_parallelism_splits_a_model_built_on_meta_as_one_built_whole(world):
+def textlm_case():
     from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
     from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
     from hvdtrain.parallel.model_plan import ModelPlan
+
+    build = lambda: TinyTransformerLM(11, seq_len=8, d_model=16, layers=2, heads=4)
+    return build, {"loss_fn": lm_loss}, lambda model: ModelPlan(tensor_plan=tensor_plan(model),
+                                                                 pipeline_layers=pipeline_layers)
+
+
+def hf_case(family):
+    transformers = pytest.importorskip("transformers")
+    from tests.mpi.test_hf_equivalence import FAMILIES
+    from tests.mpi.test_hf_pipeline import logits_loss
+
+    return (lambda: transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()), {"loss_fn": logits_loss},
+            lambda model: None)
+
+
+# (tensor, pipeline): each where it divides the world.
+MODEL_PARALLEL_LAYOUTS = [(2, 1), (1, 2), (2, 2)]
+
+
+@pytest.mark.process_sets
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["textlm", "llama", "qwen3"])
+@pytest.mark.parametrize("layout", MODEL_PARALLEL_LAYOUTS, ids=lambda layout: "T{}-P{}".format(*layout))
+def test_model_parallelism_initializes_only_its_slices_of_a_model_built_on_meta(world, case, layout):
+    """Split first, then each rank's slices and stage initialized (the same draws as the model built
+    whole, in the same order); gathered back, the model built whole, bitwise. No rank held more
+    than its part and one layer's whole tensors at a time: well under the model."""
+    from tests.mpi.test_hf_equivalence import token_data as token_windows
     from tests.mpi.test_model_parallel import token_data
 
-    if world.size % 2:
-        pytest.skip("tensor_parallel=2 needs an even world")
-
-    def build():
-        return TinyTransformerLM(11, seq_len=8, d_model=16, layers=2, heads=4)
-
+    tensor, pipeline = layout
+    if world.size % (tensor * pipeline):
+        pytest.skip(f"T={tensor} x P={pipeline} does not divide {world.size} ranks")
+    build, loss, plan = textlm_case() if case == "textlm" else hf_case(case)
     torch.manual_seed(SEED)
-    expected = build().state_dict()
+    whole = build()
+    expected = whole.state_dict()
+    whole_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in expected.values()}.values())
     with torch.device("meta"):
         model = build()
+    data = token_data() if case == "textlm" else token_windows()
     config = TrainConfig(epochs=1, batch_size=4, warmup_epochs=0, max_steps=1, seed=SEED, log_every=1000,
-                         tensor_parallel=2, tensorboard=False)
-    built = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), token_data(), None, config, world=world,
-                    loss_fn=lm_loss, model_plan=ModelPlan(tensor_plan=tensor_plan(model), pipeline_layers=pipeline_layers))
+                         tensor_parallel=tensor, pipeline_parallel=pipeline, micro_batches=2, tensorboard=False)
+    built = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, None, config, world=world,
+                    model_plan=plan(model), **loss)
+    state = gathered(built)
+    peaks = collectives.allgather_object(built.initialization.peak_bytes, name=f"deferred.mp.{case}.{layout}")
+    built.close_mesh()
 
-    # Made whole (the same draws as the model built whole), then split by the plan; gathered back whole.
-    assert differences(gathered(built), expected) == []
-    assert not built.initialization.by_shard
+    assert differences(state, expected) == []
+    assert built.initialization.granularity == "by tensor slice and pipeline stage"
+    assert max(peaks) < 0.8 * whole_bytes, f"a rank held {max(peaks)} of the model's {whole_bytes} bytes at once"

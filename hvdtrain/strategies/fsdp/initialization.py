@@ -30,7 +30,7 @@ from hvdtrain.strategies.fsdp import units as fu
 def initialize_by_unit(deferred: DeferredInit, root: fu.FSDPUnit, units: Sequence[fu.FSDPUnit]) -> None:
     """Each rank's shards, buffers and unsharded parameters hold the values of the model built
     whole (collective: the verdict on tensors nothing initialized is every rank's)."""
-    deferred.by_shard = True
+    deferred.granularity = "by fsdp unit"
     in_buckets = {id(p) for unit in [root, *units] for bucket in unit.buckets for p in bucket.params}
     whole = {name: t for name, t in deferred.placeholders.items() if id(t) not in in_buckets}
     for tensor in whole.values():
