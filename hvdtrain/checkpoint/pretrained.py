@@ -1,8 +1,9 @@
 """Pretrained weights from a local Hugging Face model directory (``config.json`` with
 ``model.safetensors``, or numbered files and ``model.safetensors.index.json``), each rank reading
 only what it keeps: under zero1, zero2 and fsdp its slice of every flat bucket (safetensors reads a
-tensor's rows without the rest of the file), under ddp, ps and model parallelism the whole model,
-which each of their ranks holds anyway. A tied weight stored once is found under any of its names.
+tensor's rows without the rest of the file), under tensor and pipeline parallelism its stage's
+tensors and of each split one its slice, under ddp and ps the whole model, which each of their
+ranks holds anyway. A tied weight stored once is found under any of its names.
 
 Reading is local (``own_part``); putting the part in place may be a collective (``apply``), so the
 caller agrees on every rank's reading first (Trainer.load_pretrained).
@@ -74,20 +75,49 @@ class SafetensorsReader:
         self.bytes_read += values.numel() * values.element_size()
         return values.clone()
 
+    def read_slice(self, name: str, shape: Sequence[int], shard: Any) -> torch.Tensor:
+        """``shard``'s part of ``name`` (a tensor-parallel TensorShard: its block of dim ``shard.dim``
+        in each of its groups), read by safetensors' strided slicing, nothing else of the tensor."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            view = handle.get_slice(name)
+            if view.get_shape() != list(shape):
+                raise CheckpointError(f"{name} in {self.directory} has shape {view.get_shape()}, this model's "
+                                      f"{list(shape)}: it holds another model (or another configuration of it)")
+            group = shape[shard.dim] // shard.groups
+            chunk = group // shard.parts
+            lead = (slice(None),) * shard.dim
+            parts = [view[lead + (slice(g * group + shard.index * chunk, g * group + (shard.index + 1) * chunk),)]
+                     for g in range(shard.groups)]
+        values = torch.cat(parts, dim=shard.dim) if len(parts) > 1 else parts[0]
+        self.bytes_read += values.numel() * values.element_size()
+        return values.clone()
+
 
 def own_part(strategy: Strategy, reader: SafetensorsReader) -> Dict[str, Any]:
     """What this rank keeps of the pretrained weights, in the form ``apply`` puts in place (local)."""
     if isinstance(strategy, ShardedStrategy):
         return _sharded_part(strategy, reader)
-    # Model parallelism holds slices and stages of the model: it takes the whole state and keeps its
-    # part (read whole on every rank, unlike the sharded strategies' slices).
-    full_shapes = getattr(strategy, "full_shapes", {})
+    if hasattr(strategy, "holds"):  # model parallelism: its stage's tensors, its slices of the split ones
+        return {"local": _model_parallel_part(strategy, reader)}
     whole = {}
     for names, value in tensor_names(strategy.model):
-        shape = full_shapes.get(names[0], value.shape)
-        tensor = reader.read(reader.first_of(names), shape).reshape(shape).to(value.dtype)
+        tensor = reader.read(reader.first_of(names), value.shape).reshape(value.shape).to(value.dtype)
         whole.update((name, tensor) for name in names)
     return {"model": whole}
+
+
+def _model_parallel_part(strategy: Strategy, reader: SafetensorsReader) -> Dict[str, torch.Tensor]:
+    local = {}
+    for names, value in tensor_names(strategy.model):
+        if not strategy.holds(value):
+            continue
+        shape, shard = strategy.full_shapes[names[0]], getattr(value, "tensor_shard", None)
+        name = reader.first_of(names)
+        tensor = reader.read(name, shape).reshape(shape) if shard is None else reader.read_slice(name, shape, shard)
+        local[names[0]] = tensor.to(value.dtype)
+    return local
 
 
 def _sharded_part(strategy: ShardedStrategy, reader: SafetensorsReader) -> Dict[str, Any]:
@@ -115,5 +145,10 @@ def apply(strategy: Strategy, part: Dict[str, Any]) -> None:
     model parallelism gathers its state)."""
     if isinstance(strategy, ShardedStrategy):
         strategy.load_shard_state_dict(part)
+    elif "local" in part:  # each rank's own tensors, read by itself: nothing to send
+        with torch.no_grad():
+            for names, value in tensor_names(strategy.model):
+                if names[0] in part["local"]:
+                    value.copy_(part["local"][names[0]])
     else:
         strategy.load_state_dict({"model": part["model"], "optimizer": strategy.state_dict()["optimizer"]})

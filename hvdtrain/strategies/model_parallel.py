@@ -159,6 +159,10 @@ class ModelParallelStrategy(Strategy):
 
     # --- who holds what -------------------------------------------------------------------
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether this rank's stage holds ``tensor`` (a parameter or buffer of the model)."""
+        return id(tensor) in self._held
+
     @property
     def full_shapes(self) -> Dict[str, torch.Size]:
         """Every state_dict name's shape in the whole model (this rank holds slices and stages)."""

@@ -50,30 +50,39 @@ def test_another_models_weights_are_refused_on_every_rank(world, pretrained_dir)
 
 
 @pytest.mark.process_sets
-def test_tensor_parallel_ranks_keep_their_slices_of_the_pretrained_weights(world, pretrained_dir):
-    """T=2 by the model's own plan: each rank reads the whole directory and keeps its slices (and
-    the tied embedding and head cut once); gathered back, they are from_pretrained's weights."""
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["T2", "P2"])
+def test_model_parallel_ranks_read_only_their_part_of_the_pretrained_weights(world, pretrained_dir, layout):
+    """T=2 by the model's own plan, or two pipeline stages: each rank reads its stage's tensors and
+    of each split one its slice (the tied embedding and head cut once); gathered back, they are
+    from_pretrained's weights."""
     from torch.utils.data import TensorDataset
 
     from hvdtrain.config.train import TrainConfig
     from hvdtrain.trainer import Trainer
     from tests.mpi.hf_models import SEQ, VOCAB, causal_lm_step
 
+    tensor, pipeline = layout
     if world.size % 2:
-        pytest.skip("tensor_parallel=2 needs an even number of ranks")
+        pytest.skip("a mesh of 2 needs an even number of ranks")
     expected = transformers.AutoModelForCausalLM.from_pretrained(pretrained_dir).state_dict()
+    total = sum(t.numel() * t.element_size() for name, t in expected.items() if name != "lm_head.weight")
     model = tiny_llama(seed=5)
     ids = torch.randint(0, VOCAB, (16, SEQ + 1), generator=torch.Generator().manual_seed(1))
     config = TrainConfig(epochs=1, batch_size=4, max_steps=1, seed=3, log_every=1000, tensorboard=False,
-                         tensor_parallel=2)
+                         tensor_parallel=tensor, pipeline_parallel=pipeline, micro_batches=2)
+    loss = (lambda out, targets: torch.nn.functional.cross_entropy(out.reshape(-1, VOCAB), targets.reshape(-1)))
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), TensorDataset(ids[:, :-1], ids[:, 1:]),
-                      None, config, world=world, step_fn=causal_lm_step)
-    trainer.load_pretrained(pretrained_dir)
+                      None, config, world=world, **({"step_fn": causal_lm_step} if pipeline == 1 else {"loss_fn": loss}))
+    read = trainer.load_pretrained(pretrained_dir)
     loaded = trainer.strategy.exported_model_state()
+    reads = collectives.allgather_object(read, name=f"pretrained.mp.read.{layout}")
     held = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     trainer.close_mesh()
     different = [name for name, value in expected.items() if not torch.equal(loaded[name], value)]
 
     assert not different, f"not the pretrained values: {different}"
-    assert held["model.layers.0.self_attn.q_proj.weight"] == (16, 32)  # this rank's 2 of 4 heads
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    # A rank's part: half the layers or half of each; the ranks together read the model at least once.
+    assert max(reads) < 0.6 * total and sum(reads[:2]) >= total, (reads, total)
+    if tensor == 2:
+        assert held["model.layers.0.self_attn.q_proj.weight"] == (16, 32)  # this rank's 2 of 4 heads
+        assert model.lm_head.weight is model.model.embed_tokens.weight
