@@ -10,9 +10,8 @@ Trainer seeds a group's ranks alike).
 """
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import horovod.torch as hvd
 import torch

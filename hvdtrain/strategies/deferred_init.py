@@ -30,14 +30,16 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, TypeVar
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from hvdtrain.strategies.fsdp.units import allocate_storage, release_storage
 
 InitFn = Callable[[nn.Module], None]
+T = TypeVar("T")
 Step = Tuple[str, nn.Module, Callable[[], None]]  # (module path, module, run its initialization)
 
 
@@ -267,6 +269,19 @@ def _replace_meta_tensors(model: nn.Module, optimizer: torch.optim.Optimizer,
     for group in optimizer.param_groups:
         group["params"] = [replaced.get(id(param), param) for param in group["params"]]
     return named, ties
+
+
+def touched(args: Any, kwargs: Any, by_storage: Mapping[int, T]) -> List[T]:
+    """What an operation's tensors name in ``by_storage`` (keyed by their storages, which a tensor's
+    views share), each once, in the order the operation gives its tensors: for the dispatch modes
+    that bring a deferred model's pieces into memory as its initialization touches them."""
+    found: List[T] = []
+    for value in tree_leaves((args, kwargs or {})):
+        if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_meta:
+            entry = by_storage.get(value.untyped_storage()._cdata)
+            if entry is not None and entry not in found:
+                found.append(entry)
+    return found
 
 
 def nbytes(tensor: torch.Tensor) -> int:

@@ -21,11 +21,10 @@ from typing import Dict, Iterable, List, Sequence, Set
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from hvdtrain.distributed import collectives
 from hvdtrain.parallel.tensor_plan import Replacement
-from hvdtrain.strategies.deferred_init import DeferredInit, is_unset, mark_unset, nbytes
+from hvdtrain.strategies.deferred_init import DeferredInit, is_unset, mark_unset, nbytes, touched
 from hvdtrain.strategies.fsdp.units import allocate_storage, is_allocated, release_storage
 
 
@@ -129,12 +128,7 @@ class _WholesOnTouch(TorchDispatchMode):
         self.peak_bytes = self.kept_bytes + scratch_bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        needed: List[_Whole] = []
-        for value in tree_leaves((args, kwargs or {})):
-            if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_meta:
-                entry = self.by_storage.get(value.untyped_storage()._cdata)
-                if entry is not None and entry not in needed:
-                    needed.append(entry)
+        needed = touched(args, kwargs, self.by_storage)
         if any(entry not in self.present for entry in needed):
             for entry in [entry for entry in self.present if entry not in needed and not entry.held_whole]:
                 entry.put_away()

@@ -22,3 +22,17 @@ def small_mlp(seed: int, features: int = 12, classes: int = 4,
 
 def flat_parameters(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def record_step_losses(trainer) -> list:
+    """The list each optimizer step's loss (this rank's, float64) is appended to while the trainer runs."""
+    losses = []
+    train_batch = trainer.strategy.forward_backward
+
+    def recording(*args, **kwargs):
+        loss, metrics = train_batch(*args, **kwargs)
+        losses.append(loss.detach().double().reshape(()))
+        return loss, metrics
+
+    trainer.strategy.forward_backward = recording
+    return losses

@@ -22,6 +22,7 @@ from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.distributed import collectives
 from hvdtrain.trainer import Trainer
+from tests.mpi.helpers import record_step_losses
 
 transformers = pytest.importorskip("transformers")
 
@@ -73,24 +74,17 @@ def reference(family, initial, data, global_batch):
     return model.state_dict(), losses
 
 
-def train(world, family, **settings):
-    """(the trainer, its initial and final gathered model, each step's loss averaged over the world)."""
+def train(world, family, step=None, **settings):
+    """(the trainer, the data, its initial and final gathered model, each step's loss averaged over
+    the world). ``step``: the Trainer's step_fn or loss_fn (default: step_fn=causal_lm_step)."""
     data = token_data()
     model = make_model(family, 100 + world.rank)  # different on every rank: set-up must broadcast rank 0's
     config = TrainConfig(epochs=1, batch_size=BATCH, lr=0.01, scale_lr=False, warmup_epochs=0, max_steps=STEPS,
                          seed=SEED, log_every=1000, tensorboard=False, **settings)
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, None, config, world=world,
-                      step_fn=causal_lm_step)
+                      **(step or {"step_fn": causal_lm_step}))
     initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
-    losses = []
-    train_batch = trainer.strategy.forward_backward
-
-    def recording(*args, **kwargs):
-        loss, metrics = train_batch(*args, **kwargs)
-        losses.append(loss.detach().double().reshape(()))
-        return loss, metrics
-
-    trainer.strategy.forward_backward = recording
+    losses = record_step_losses(trainer)
     trainer.fit()
     final = trainer.strategy.state_dict()["model"]
     step_losses = collectives.allreduce_sum(torch.stack(losses), name=f"hf.{family}.{settings}.losses") / world.size

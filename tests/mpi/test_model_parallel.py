@@ -22,6 +22,7 @@ from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
 from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
 from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.trainer import Trainer
+from tests.mpi.helpers import record_step_losses
 
 pytestmark = [pytest.mark.mpi, pytest.mark.process_sets]
 
@@ -122,15 +123,7 @@ def check_layout(world, layout, max_grad_norm=None, strategy="ddp", activation_c
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, None, config, world=world,
                       loss_fn=lm_loss, model_plan=ModelPlan(tensor_plan=tensor_plan(model), pipeline_layers=pipeline_layers))
     initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
-    losses = []
-    train_batch = trainer.strategy.forward_backward
-
-    def recording(*args, **kwargs):
-        loss, metrics = train_batch(*args, **kwargs)
-        losses.append(loss.detach().double().reshape(()))
-        return loss, metrics
-
-    trainer.strategy.forward_backward = recording
+    losses = record_step_losses(trainer)
     trainer.fit()
     final = trainer.strategy.state_dict()["model"]
     data_width = trainer.mesh.shape.data

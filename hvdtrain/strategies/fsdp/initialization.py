@@ -19,10 +19,9 @@ from typing import Dict, List, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from hvdtrain.distributed import collectives
-from hvdtrain.strategies.deferred_init import DeferredInit, is_unset, mark_unset, nbytes
+from hvdtrain.strategies.deferred_init import DeferredInit, is_unset, mark_unset, nbytes, touched
 from hvdtrain.strategies.fsdp import units as fu
 
 
@@ -106,12 +105,7 @@ class _UnitsOnTouch(TorchDispatchMode):
         self.held, self.peak_bytes = held, held
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        needed: List[fu.FSDPUnit] = []
-        for value in tree_leaves((args, kwargs or {})):
-            if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_meta:
-                unit = self.unit_of.get(value.untyped_storage()._cdata)
-                if unit is not None and unit not in needed:
-                    needed.append(unit)
+        needed = touched(args, kwargs, self.unit_of)
         if any(unit not in self.present for unit in needed):
             for unit in [unit for unit in self.present if unit not in needed]:
                 _put_away(unit)
