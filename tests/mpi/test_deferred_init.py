@@ -262,7 +262,7 @@ def textlm_case():
 def hf_case(family):
     transformers = pytest.importorskip("transformers")
     from tests.mpi.test_hf_equivalence import FAMILIES
-    from tests.mpi.test_hf_pipeline import logits_loss
+    from tests.mpi.test_hf_equivalence import logits_loss
 
     return (lambda: transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()), {"loss_fn": logits_loss},
             lambda model: None)

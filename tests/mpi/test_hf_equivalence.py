@@ -28,9 +28,10 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = [pytest.mark.mpi, pytest.mark.process_sets]
 
-VOCAB, SEQ, BATCH, STEPS, SEED, TENSOR = 64, 8, 4, 3, 7, 2
-SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=SEQ)
+VOCAB, SEQ, BATCH, STEPS, SEED = 64, 8, 4, 3, 7
+# Grouped-query attention: 8 query heads share 4 key/value heads; every size divides by T = 2 and 4.
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=SEQ)
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**SHAPE, tie_word_embeddings=True),
     "qwen2": lambda: transformers.Qwen2Config(**SHAPE, tie_word_embeddings=False),
@@ -111,11 +112,12 @@ def test_every_strategy_takes_one_process_steps(world, family, strategy):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("tensor", [2, 4])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_models_own_tensor_plan_takes_one_process_steps(world, family):
-    if world.size % TENSOR:
-        pytest.skip(f"tensor_parallel={TENSOR} does not divide {world.size} ranks")
-    trainer, data, initial, final, step_losses = train(world, family, tensor_parallel=TENSOR)
+def test_the_models_own_tensor_plan_takes_one_process_steps(world, family, tensor):
+    if world.size % tensor:
+        pytest.skip(f"tensor_parallel={tensor} does not divide {world.size} ranks")
+    trainer, data, initial, final, step_losses = train(world, family, tensor_parallel=tensor)
     model = trainer.model
     split = sorted(name for name, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "tensor_shard"))
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
@@ -127,4 +129,30 @@ def test_the_models_own_tensor_plan_takes_one_process_steps(world, family):
     assert all(f"model.layers.{i}.self_attn.{p}.weight" in split for i in range(2) for p in ("q_proj", "k_proj", "o_proj"))
     assert not any("norm" in name for name in split)
     assert tied == (family == "llama"), "the tied embedding and head stay one parameter"
-    check_against_one_process(family, data, initial, final, step_losses, BATCH * world.size // TENSOR)
+    check_against_one_process(family, data, initial, final, step_losses, BATCH * world.size // tensor)
+
+
+def logits_loss(outputs, targets):
+    """Cross-entropy of the logits (a pipeline's last stage gives the logits themselves)."""
+    return torch.nn.functional.cross_entropy(outputs.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", [{"strategy": "fsdp"}, {"tensor_parallel": 2},
+                                    {"pipeline_parallel": 2, "micro_batches": 2}], ids=["fsdp", "T2", "P2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_activation_checkpointing_takes_one_process_steps(world, family, layout):
+    """Every decoder layer computed again in backward (the tensor group's all-reduces, the pipeline
+    stage's own layers, fsdp's gathers again): the same steps."""
+    mesh = layout.get("tensor_parallel", 1) * layout.get("pipeline_parallel", 1)
+    if world.size % mesh:
+        pytest.skip(f"a mesh of {mesh} does not divide {world.size} ranks")
+    step = {"loss_fn": logits_loss} if "pipeline_parallel" in layout else None
+    trainer, data, initial, final, step_losses = train(world, family, step=step, activation_checkpointing="full",
+                                                       **layout)
+    recomputed = trainer.recomputed_blocks
+    if mesh > 1:
+        trainer.close_mesh()
+
+    assert recomputed == ["model.layers.0", "model.layers.1"]
+    check_against_one_process(family, data, initial, final, step_losses, BATCH * world.size // mesh)

@@ -6,10 +6,9 @@ P=2 x D=2 and T=2 x P=2 (4 ranks, the tensor split by the model's own plan), eac
 every gathered parameter to 1e-10 (the bound of test_model_parallel.py, for the same reason).
 """
 import pytest
-import torch
 
 from hvdtrain.distributed import collectives
-from tests.mpi.test_hf_equivalence import BATCH, VOCAB, check_against_one_process, train
+from tests.mpi.test_hf_equivalence import BATCH, check_against_one_process, logits_loss, train
 
 transformers = pytest.importorskip("transformers")
 
@@ -17,11 +16,6 @@ pytestmark = [pytest.mark.mpi, pytest.mark.process_sets]
 
 # (tensor, pipeline, schedule, micro-batches): each runs where tensor x pipeline divides the world.
 LAYOUTS = [(1, 2, "1f1b", 2), (1, 2, "gpipe", 4), (2, 2, "1f1b", 2)]
-
-
-def logits_loss(outputs, targets):
-    """Cross-entropy of the logits (a pipeline's last stage gives the logits themselves)."""
-    return torch.nn.functional.cross_entropy(outputs.reshape(-1, VOCAB), targets.reshape(-1))
 
 
 @pytest.mark.timeout(240)
