@@ -5,10 +5,19 @@ stage), Qwen3 and Mistral take one process's steps in float64: P=2 under 1f1b an
 P=2 x D=2 and T=2 x P=2 (4 ranks, the tensor split by the model's own plan), each step's loss and
 every gathered parameter to 1e-10 (the bound of test_model_parallel.py, for the same reason).
 """
-import pytest
+import copy
 
+import pytest
+import torch
+
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.distributed import collectives
-from tests.mpi.test_hf_equivalence import BATCH, check_against_one_process, logits_loss, train
+from hvdtrain.parallel.pipeline.hf_layers import causal_lm_loss
+from hvdtrain.trainer import Trainer
+from tests.mpi.helpers import record_step_losses
+from tests.mpi.test_hf_equivalence import (BATCH, SEED, SEQ, STEPS, VOCAB, check_against_one_process, logits_loss,
+                                           make_model, train)
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,3 +44,70 @@ def test_the_model_cut_into_stages_takes_one_process_steps(world, family, layout
     # 2 decoder layers + the embedding and the norm with the head: 4 layers over the stages.
     assert sum(stages[:pipeline * tensor:tensor]) == 4 and min(stages) >= 1
     check_against_one_process(family, data, initial, final, step_losses, BATCH * world.size // (tensor * pipeline))
+
+
+class PaddedWindows(torch.utils.data.Dataset):
+    """A tokenized dataset's dict samples: input_ids padded on the left to SEQ (so that the real
+    tokens would attend to the padding without its mask), the attention mask, and labels that are
+    the ids (Hugging Face's convention: the model shifts them), -100 at padding."""
+
+    def __init__(self, samples=64):
+        generator = torch.Generator().manual_seed(5)
+        self.ids = torch.randint(1, VOCAB, (samples, SEQ), generator=generator)
+        self.lengths = torch.randint(3, SEQ + 1, (samples,), generator=generator)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        mask = (torch.arange(SEQ) >= SEQ - self.lengths[index]).long()
+        ids = self.ids[index] * mask
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", [(1, 2, 2), (2, 2, 1)], ids=["P2-M2", "T2-P2-M1"])
+def test_dict_batches_with_padding_take_one_process_steps(world, layout):
+    """Each stage masks the padding as the model would (the attention mask travels with the batch,
+    not between stages) and the last computes Hugging Face's causal LM loss of the labels: the
+    mean over each micro-batch's unpadded tokens, averaged over the micro-batches, as one process
+    computes it on the same chunks."""
+    tensor, pipeline, micro = layout
+    if world.size != tensor * pipeline:
+        pytest.skip(f"T={tensor} x P={pipeline} on exactly {tensor * pipeline} ranks (one data replica)")
+    data = PaddedWindows()
+    model = make_model("llama", 100 + world.rank)
+    config = TrainConfig(epochs=1, batch_size=BATCH, lr=0.01, scale_lr=False, warmup_epochs=0, max_steps=STEPS,
+                         seed=SEED, log_every=1000, tensorboard=False, tensor_parallel=tensor,
+                         pipeline_parallel=pipeline, micro_batches=micro)
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, None, config, world=world)
+    initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
+    losses = record_step_losses(trainer)
+    trainer.fit()
+    final = trainer.strategy.state_dict()["model"]
+    step_losses = collectives.allreduce_sum(torch.stack(losses), name=f"hf.pp.dict.{layout}") / world.size
+    trainer.close_mesh()
+
+    reference = make_model("llama", 0)
+    reference.load_state_dict(initial)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    sampler = ShardedSampler(len(data), rank=0, world_size=1, seed=SEED)
+    sampler.set_epoch(0)
+    order, expected_losses = list(sampler), []
+    for step in range(STEPS):
+        batch = torch.utils.data.default_collate([data[i] for i in order[step * BATCH:(step + 1) * BATCH]])
+        optimizer.zero_grad()
+        loss = 0
+        for chunk in zip(*(batch[key].chunk(micro) for key in ("input_ids", "attention_mask", "labels"))):
+            logits = reference(input_ids=chunk[0], attention_mask=chunk[1]).logits
+            loss = loss + causal_lm_loss(logits, chunk[2]) / micro
+        loss.backward()
+        optimizer.step()
+        expected_losses.append(loss.item())
+    expected = reference.state_dict()
+    worst = max((final[key] - expected[key]).abs().max().item() for key in expected)
+    padded = sum(int((data[i]["attention_mask"] == 0).any()) for i in order[:STEPS * BATCH])
+
+    assert padded >= STEPS, "the batches hold padding: the test checks the mask"
+    assert (step_losses - torch.tensor(expected_losses, dtype=torch.float64)).abs().max() < 1e-10
+    assert worst < 1e-10, f"max |gathered - one process| = {worst}"

@@ -3,10 +3,11 @@ embedding, each decoder layer, then the final norm with the LM head.
 
 Only the hidden states travel between stages. What else a decoder layer needs (the causal or
 sliding-window mask, the rotary position embeddings, the position ids) each stage computes itself,
-exactly as the model's own forward does: the base model's forward is run once per input shape with
-its decoder layers stood in for by recorders, which keep the keyword arguments each layer would
-get. Those depend on the shape alone (token windows carry no padding mask), so one recording serves
-every micro-batch of that shape.
+exactly as the model's own forward does: the base model's forward is run with its decoder layers
+stood in for by recorders, which keep the keyword arguments each layer would get. Without a
+padding mask those depend on the input's shape alone, and one recording serves every micro-batch
+of that shape; a dict batch's attention_mask (every stage reads the same batch) is recorded with
+its micro-batch.
 
 Families whose forward does exactly embed -> layers -> norm -> head are accepted (Llama, Qwen2,
 Qwen3, Mistral and their kind, listed in SUPPORTED); others (Gemma's scaled embeddings and
@@ -17,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # transformers' model_type of the decoder families whose CausalLM forward is lm_head(norm(layers(embed(ids)))).
@@ -56,15 +58,19 @@ class DecoderContext:
     def __init__(self, base: nn.Module) -> None:
         self.base = base
         self._key: Optional[Tuple[Any, ...]] = None
+        self._mask: Optional[torch.Tensor] = None
         self._calls: Dict[int, Dict[str, Any]] = {}
 
-    def for_layer(self, index: int, hidden: torch.Tensor) -> Dict[str, Any]:
+    def for_layer(self, index: int, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+                  ) -> Dict[str, Any]:
         key = (tuple(hidden.shape), hidden.dtype, hidden.device)
-        if key != self._key:
-            self._calls, self._key = self._record(hidden), key
+        # The mask is compared by identity: it is held here, so no other tensor can take its place.
+        if key != self._key or attention_mask is not self._mask:
+            self._calls = self._record(hidden, attention_mask)
+            self._key, self._mask = key, attention_mask
         return self._calls[index]
 
-    def _record(self, hidden: torch.Tensor) -> Dict[int, Dict[str, Any]]:
+    def _record(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> Dict[int, Dict[str, Any]]:
         calls: Dict[int, Dict[str, Any]] = {}
         base = self.base
         layers, norm = base.layers, base.norm
@@ -72,7 +78,7 @@ class DecoderContext:
         base.norm = nn.Identity()
         try:
             with torch.no_grad():
-                base(inputs_embeds=hidden.detach(), use_cache=False)
+                base(inputs_embeds=hidden.detach(), attention_mask=attention_mask, use_cache=False)
         finally:
             base.layers, base.norm = layers, norm
         return calls
@@ -93,13 +99,16 @@ class TokenEmbedding(nn.Module):
 class DecoderLayer(nn.Module):
     """Decoder layer ``index`` with the mask and position embeddings its model would give it."""
 
+    takes_extras = True  # the micro-batch's attention_mask, from the pipeline stage
+
     def __init__(self, layer: nn.Module, index: int, context: DecoderContext) -> None:
         super().__init__()
         self.layer, self.index = layer, index
         self.context = context  # not a module: the base model stays out of this layer's parameters
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.layer(hidden, **self.context.for_layer(self.index, hidden))
+    def forward(self, hidden: torch.Tensor, extras: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        mask = None if extras is None else extras.get("attention_mask")
+        out = self.layer(hidden, **self.context.for_layer(self.index, hidden, mask))
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -112,6 +121,15 @@ class NormAndHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's causal LM loss of a dict batch's labels: each position predicts the next
+    label, -100 (padding, prompts) ignored, the mean over the rest (what ``model(**batch).loss`` is)."""
+    if logits.dtype in (torch.float16, torch.bfloat16):  # as transformers does: the softmax in float32
+        logits = logits.float()
+    return F.cross_entropy(logits[..., :-1, :].reshape(-1, logits.shape[-1]), labels[..., 1:].reshape(-1),
+                           ignore_index=-100)
 
 
 def hf_pipeline_layers(model: nn.Module) -> List[nn.Module]:

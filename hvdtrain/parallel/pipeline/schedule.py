@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
 import torch
@@ -18,7 +18,9 @@ from hvdtrain.parallel.mesh import Mesh
 from hvdtrain.parallel.pipeline.p2p import StageLinks
 
 SCHEDULES = ("gpipe", "1f1b")
-MicroBatch = Tuple[torch.Tensor, torch.Tensor]
+# (inputs, targets) or (inputs, targets, extras): extras (a dict batch's attention mask) go to the
+# layers that take them (``takes_extras``) on every stage.
+MicroBatch = Tuple[Any, ...]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -150,9 +152,9 @@ class PipelineStage(nn.Module):
                 tied.append(order[key])
         return tied
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, extras: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, extras) if getattr(layer, "takes_extras", False) else layer(x)
         return x
 
     def reduce_tied_gradients(self, mesh: Mesh, before: List[Optional[torch.Tensor]], name: str) -> None:
@@ -189,7 +191,8 @@ class _Runner:
             x = self.micro_batches[i][0]
         else:
             x = received.requires_grad_(True)
-        out = self.stage(x)
+        micro = self.micro_batches[i]
+        out = self.stage(x, micro[2] if len(micro) > 2 else None)
         if self.mesh.is_last_stage:
             loss = self.loss_fn(out, self.micro_batches[i][1]) / len(self.micro_batches)
             self.losses.append(loss.detach())

@@ -6,15 +6,18 @@ over stages): the first stage uses its inputs, the last its targets.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Tuple
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import horovod.torch as hvd
 
 from hvdtrain.parallel.mesh import Mesh
 from hvdtrain.parallel.model_plan import ModelPlan
+from hvdtrain.parallel.pipeline.hf_layers import causal_lm_loss, hf_decoder, hf_pipeline_layers
 from hvdtrain.parallel.pipeline.p2p import StageLinks
 from hvdtrain.parallel.pipeline.schedule import PipelineStage, run_schedule, split_micro_batches
 
@@ -23,9 +26,26 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def _as_pair(batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)):
-        raise TypeError(f"a pipeline takes (inputs, targets) batches of two tensors, got a {type(batch).__name__}: "
-                        f"the first stage reads the inputs and the last computes loss_fn(outputs, targets)")
+        raise TypeError(f"a pipeline takes (inputs, targets) batches of two tensors, or dict batches with input_ids "
+                        f"and labels, got a {type(batch).__name__}: the first stage reads the inputs and the last "
+                        f"computes loss_fn(outputs, targets)")
     return batch[0], batch[1]
+
+
+def _micro_batches(batch: Any, count: int) -> List[Tuple[Any, ...]]:
+    """(inputs, targets) pairs, or for a dict batch (a tokenized dataset's: input_ids, labels and an
+    optional attention_mask) (input_ids, labels, {"attention_mask": ...}), cut into ``count``."""
+    if not isinstance(batch, Mapping):
+        return split_micro_batches(_as_pair(batch), count)
+    missing = [key for key in ("input_ids", "labels") if key not in batch]
+    if missing:
+        raise TypeError(f"a pipeline's dict batch needs input_ids (for the first stage) and labels (for the "
+                        f"last stage's loss); this one has no {', '.join(missing)} (it has {', '.join(batch)})")
+    tensors = [batch["input_ids"], batch["labels"]]
+    if batch.get("attention_mask") is not None:
+        tensors.append(batch["attention_mask"])
+    pieces = split_micro_batches(tensors, count)
+    return [(ids, labels, {"attention_mask": piece[0]} if piece else None) for ids, labels, *piece in pieces]
 
 
 class PipelinedModel:
@@ -38,25 +58,33 @@ class PipelinedModel:
     def train_batch(self, batch: Any, autocast, divisor: int) -> Tuple[torch.Tensor, Dict]:
         """Forward and backward of the batch's micro-batches by the schedule; the gradients of
         ``loss / divisor`` (the accumulation count) accumulate. Returns (the batch's mean loss, {})."""
-        micro = split_micro_batches(_as_pair(batch), self.micro_batches)
-        loss_fn = self.loss_fn if divisor == 1 else (lambda out, target: self.loss_fn(out, target) / divisor)
+        micro = _micro_batches(batch, self.micro_batches)
+        own = self._loss_for(batch)
+        loss_fn = own if divisor == 1 else (lambda out, target: own(out, target) / divisor)
         with autocast():
             loss = run_schedule(self.schedule, self.module, self.mesh, micro, loss_fn)
         return loss * divisor if divisor > 1 else loss, {}
+
+    def _loss_for(self, batch: Any) -> LossFn:
+        """A dict batch's labels are Hugging Face's (the model shifts them, -100 ignored): its causal LM
+        loss, unless the Trainer was given a loss_fn of its own (not the default cross-entropy)."""
+        if isinstance(batch, Mapping) and self.loss_fn is F.cross_entropy:
+            return causal_lm_loss
+        return self.loss_fn
 
     @torch.no_grad()
     def evaluate_batch(self, batch: Any) -> Tuple[torch.Tensor, Dict]:
         """The batch forward through the stages (one micro-batch: no backward to overlap), its loss
         from the last stage on every rank of the pipeline."""
-        inputs, targets = _as_pair(batch)
+        (inputs, targets, *extras), = _micro_batches(batch, 1)
         stage, mesh = self.module, self.mesh
         links = StageLinks(mesh, inputs.device)
         links.step = f"eval{stage.step}"
         stage.step += 1
         received = links.recv_forward(0)
-        out = stage(inputs if mesh.is_first_stage else received)
+        out = stage(inputs if mesh.is_first_stage else received, extras[0] if extras else None)
         links.send_forward(out, 0)
-        loss = (self.loss_fn(out, targets).double() if mesh.is_last_stage
+        loss = (self._loss_for(batch)(out, targets).double() if mesh.is_last_stage
                 else torch.zeros((), dtype=torch.float64, device=inputs.device))
         if mesh.pipeline.process_set is not None:
             loss = hvd.broadcast(loss, root_rank=mesh.pipeline.ranks[-1], name=f"pp.{links.step}.loss",
@@ -68,8 +96,6 @@ def build_stage(model: nn.Module, plan: ModelPlan, mesh: Mesh, loss_fn: LossFn, 
                 schedule: str) -> PipelinedModel:
     """Cut ``model`` into the mesh's stages (``plan.pipeline_layers(model)``, or an nn.Sequential's
     children; ``plan.stage_layers`` or balanced by parameter count) and keep this rank's."""
-    from hvdtrain.parallel.pipeline.hf_layers import hf_decoder, hf_pipeline_layers
-
     if plan.pipeline_layers is not None:
         layers = list(plan.pipeline_layers(model))
     elif isinstance(model, nn.Sequential):
