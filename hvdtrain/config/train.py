@@ -19,7 +19,7 @@ REDUCTIONS = ("average", "adasum")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 RESUME_MODES = ("true", "false", "force")
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
-ACTIVATION_CHECKPOINTING = ("none", "full", "every_k")
+ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "selective")
 LOGGERS = ("csv", "mlflow")  # beside metrics.jsonl and TensorBoard (hvdtrain.observability.metric_sinks)
 
 
@@ -48,7 +48,7 @@ class TrainConfig:
     precision: str = field(default="fp32", metadata={"help": "the forward's precision: fp32; bf16 (autocast, no loss scaling; runs on CPUs too); fp16 (autocast and a dynamic loss scale, steps with inf/nan skipped on every rank alike); see docs/porting/trainer.md, Precision", "choices": PRECISIONS})
     max_grad_norm: Optional[float] = field(default=None, metadata={"help": "clip the averaged gradients to this global L2 norm, across shards under sharded strategies (null: no clipping)"})
     sync_batchnorm: bool = field(default=False, metadata={"help": "compute BatchNorm statistics over the global batch (every rank's samples) instead of each rank's own"})
-    activation_checkpointing: str = field(default="none", metadata={"help": "the model's blocks (the members of its nn.ModuleList / nn.Sequential containers: a transformer's layers) keep only their inputs for backward and compute their forward again there: none; full: every block; every_k: every activation_checkpointing_every-th block. Less activation memory for about one more forward; the same results; see docs/how-to/large-models.md", "choices": ACTIVATION_CHECKPOINTING})
+    activation_checkpointing: str = field(default="none", metadata={"help": "the model's blocks (the members of its nn.ModuleList / nn.Sequential containers: a transformer's layers) keep only their inputs for backward and compute their forward again there: none; full: every block; every_k: every activation_checkpointing_every-th block; selective: every block keeps the outputs of its matrix products and attention and computes the rest again (norms, activations, elementwise). Less activation memory for about one more forward (selective: less recompute, more memory than full); the same results; see docs/how-to/large-models.md", "choices": ACTIVATION_CHECKPOINTING})
     activation_checkpointing_every: int = field(default=2, metadata={"help": "activation_checkpointing=every_k: checkpoint the k-th, 2k-th, ... block"})
     compile: bool = field(default=False, metadata={"help": "run the model's forward (and its backward) through torch.compile; the model, its state_dict keys and checkpoints stay as they are; the first step and the first evaluation compile; not with strategy=fsdp; see docs/how-to/compile.md"})
     tensor_parallel: int = field(default=1, metadata={"help": "ranks that split each layer of one model replica (Megatron: attention by heads, MLP by columns then rows; two all-reduces per block forward, two backward); innermost in the mesh, so one host's ranks; needs a tensor plan (train_lm.py has the example transformer's); see docs/concepts/model-parallelism.md"})

@@ -4,17 +4,23 @@ activations inside them (torch.utils.checkpoint, non-reentrant: the random strea
 the first forward are replayed, so dropout masks and results are the same).
 
 The blocks are the model's repeated layers (hvdtrain.training.blocks): ``full`` checkpoints every
-one, ``every_k`` every k-th (train.activation_checkpointing_every). A block's forward is wrapped,
+one, ``every_k`` every k-th (train.activation_checkpointing_every). ``selective`` checkpoints every
+block by operation (torch's selective checkpointing, the policy torchtitan uses): the outputs of the
+matrix products and attention, the expensive part of the forward, are kept; everything else (norms,
+activation functions, elementwise ops) is computed again in backward. A block's forward is wrapped,
 the module stays what it was (its class, hooks, state_dict keys): fsdp's hooks gather a unit before
 its first forward, and again for its backward, before the recompute runs.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from hvdtrain.config.train import ACTIVATION_CHECKPOINTING as MODES
 from hvdtrain.training.blocks import model_blocks
@@ -24,12 +30,43 @@ from hvdtrain.training.blocks import model_blocks
 _counted: Optional[Dict[int, int]] = None
 
 
-class RecomputedForward:
-    """A block's forward that keeps only its inputs for backward. An attribute of the module, holding
-    the module's own bound forward: deepcopy and pickling carry it along with the module."""
+def _kept_operations() -> frozenset:
+    """The operations whose outputs ``selective`` keeps: matrix products and attention (those of
+    this torch; a name it does not have is left out)."""
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention")
+    aten = torch.ops.aten
+    return frozenset(getattr(aten, name).default for name in names if hasattr(aten, name))
 
-    def __init__(self, forward: Any) -> None:
-        self.forward = forward
+
+KEPT_OPERATIONS = _kept_operations()
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPERATIONS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _CountKeptOutputs(TorchDispatchMode):
+    """While saved_activation_bytes counts: the outputs selective checkpointing keeps (held by its
+    own context, not by autograd's saved tensors)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in KEPT_OPERATIONS and _counted is not None:
+            for value in tree_leaves(out):
+                if isinstance(value, torch.Tensor):
+                    _count(value)
+        return out
+
+
+class RecomputedForward:
+    """A block's forward that keeps only its inputs for backward (``selective``: also its matrix
+    products' and attention's outputs). An attribute of the module, holding the module's own bound
+    forward: deepcopy and pickling carry it along with the module."""
+
+    def __init__(self, forward: Any, selective: bool = False) -> None:
+        self.forward, self.selective = forward, selective
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing would be saved
@@ -38,7 +75,19 @@ class RecomputedForward:
             for value in (*args, *kwargs.values()):
                 if isinstance(value, torch.Tensor):
                     _count(value)
-        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+        if not self.selective:
+            return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+        forward = self.forward
+        if _counted is not None:
+            forward = functools.partial(_counting_kept, self.forward)
+        return checkpoint(forward, *args, use_reentrant=False,
+                          context_fn=functools.partial(create_selective_checkpoint_contexts, _selective_policy),
+                          **kwargs)
+
+
+def _counting_kept(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with _CountKeptOutputs():
+        return forward(*args, **kwargs)
 
 
 def _count(tensor: torch.Tensor) -> torch.Tensor:
@@ -74,7 +123,7 @@ def chosen_blocks(model: nn.Module, mode: str, every: int) -> List[str]:
         raise ValueError("train.activation_checkpointing checkpoints the model's blocks, the members of its "
                          "nn.ModuleList / nn.Sequential containers, and this model has none: keep the repeated "
                          "layers in an nn.ModuleList, or set activation_checkpointing=none")
-    chosen = blocks if mode == "full" else blocks[every - 1::every]
+    chosen = blocks if mode in ("full", "selective") else blocks[every - 1::every]
     return [path for path, _ in chosen]
 
 
@@ -91,8 +140,14 @@ def checkpoint_activations(model: nn.Module, mode: str, every: int = 2) -> List[
             raise ValueError(f"train.activation_checkpointing would compute block {path} twice per step, and its "
                              f"BatchNorm ({'.'.join(filter(None, (path, norms[0])))}) would count the batch in its running statistics twice: "
                              f"set activation_checkpointing=none, or use a norm without running statistics")
+    config = getattr(model, "config", None)
+    if paths and getattr(config, "use_cache", False):
+        # A Hugging Face model keeps a key/value cache in its forward when use_cache is on: the
+        # recompute would append to it a second time (transformers turns it off for its own
+        # gradient checkpointing too); training needs no cache.
+        config.use_cache = False
     for path in paths:
         block = modules[path]
         if not isinstance(block.forward, RecomputedForward):  # wrapped once, however often applied
-            block.forward = RecomputedForward(block.forward)
+            block.forward = RecomputedForward(block.forward, selective=mode == "selective")
     return paths

@@ -141,14 +141,15 @@ def logits_loss(outputs, targets):
 @pytest.mark.parametrize("layout", [{"strategy": "fsdp"}, {"tensor_parallel": 2},
                                     {"pipeline_parallel": 2, "micro_batches": 2}], ids=["fsdp", "T2", "P2"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_activation_checkpointing_takes_one_process_steps(world, family, layout):
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_takes_one_process_steps(world, family, layout, mode):
     """Every decoder layer computed again in backward (the tensor group's all-reduces, the pipeline
     stage's own layers, fsdp's gathers again): the same steps."""
     mesh = layout.get("tensor_parallel", 1) * layout.get("pipeline_parallel", 1)
     if world.size % mesh:
         pytest.skip(f"a mesh of {mesh} does not divide {world.size} ranks")
     step = {"loss_fn": logits_loss} if "pipeline_parallel" in layout else None
-    trainer, data, initial, final, step_losses = train(world, family, step=step, activation_checkpointing="full",
+    trainer, data, initial, final, step_losses = train(world, family, step=step, activation_checkpointing=mode,
                                                        **layout)
     recomputed = trainer.recomputed_blocks
     if mesh > 1:

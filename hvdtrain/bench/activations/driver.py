@@ -1,7 +1,7 @@
 """``hvdtrain bench activations``: what train.activation_checkpointing saves and costs, on the
 example transformer in one process: the activation bytes a step keeps for backward (counted: the
 storages autograd saves and the checkpointed blocks' inputs, parameters excluded) and the step time
-(forward, backward and the optimizer step), for none, every_k and full, measured side by side in
+(forward, backward and the optimizer step), for none, every_k, selective and full, side by side in
 one run (the modes take turns, step by step), as ratios to none.
 
 Per rank the activations do not depend on the data-parallel strategy (ddp, zero and fsdp run the
@@ -18,7 +18,7 @@ from hvdtrain.bench.common.stats import ratio, summarize
 from hvdtrain.common.tables import format_table
 from hvdtrain.common.units import format_bytes
 
-MODES = ("none", "every_k", "full")
+MODES = ("none", "every_k", "selective", "full")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
