@@ -73,9 +73,17 @@ def test_a_model_built_on_meta_starts_and_trains_as_the_model_built_whole(world,
     trained, expected_trained = gathered(from_meta), gathered(whole)
 
     # The same random numbers in the same order as the constructors drew them, every rank alike:
-    # equal bitwise; three steps of the same strategy on the same data then stay equal bitwise.
+    # equal bitwise. Three steps of the same strategy on the same data then stay equal bitwise up to
+    # 2 ranks (a + b = b + a); beyond, Horovod's fusion groups the gradients as they come ready,
+    # which may differ between two runs, and Gloo's all-reduce then sums 4 terms in another order:
+    # a float32 rounding (1e-7 relative) per step, which AdamW (lr 0.05) turns into at most ~1e-8 a
+    # step; 1e-6 leaves a hundredfold margin and a wrong tensor differs by > 1e-3.
     assert differences(start, expected_start) == []
-    assert differences(trained, expected_trained) == []
+    if world.size <= 2:
+        assert differences(trained, expected_trained) == []
+    else:
+        worst = max((trained[name] - expected_trained[name]).abs().max().item() for name in expected_trained)
+        assert worst < 1e-6, f"max |from meta - built whole| after training: {worst}"
     assert differences(trained, expected_start) != []  # it did train
 
 
