@@ -4,7 +4,9 @@
 Set-up, on every rank alike: rank 0's whole model and optimizer state are broadcast while every rank
 still holds the whole model; the tensor plan splits the layers; the layers are cut into stages and
 this rank frees what its stage does not hold; a new optimizer of the user's class steps this rank's
-own parameters. A step: forward and backward (the pipeline's schedule, or one pass), then one grouped
+own parameters. A model built on the meta device is never whole: it is split and cut while it
+holds no memory, then each rank gives only its slices and its stage their values, the same on every
+rank from the seed (model_parallel_initialization.py), and nothing is broadcast. A step: forward and backward (the pipeline's schedule, or one pass), then one grouped
 all-reduce of the gradients over the data-parallel group. Under zero1 a rank's parameters are dealt
 out among the D ranks of its data group (whole tensors, largest first, as PyTorch's
 ZeroRedundancyOptimizer does): each steps and keeps state for its share, then broadcasts it.
