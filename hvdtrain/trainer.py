@@ -160,7 +160,7 @@ class Trainer:
             self.reporter.announce(f"{self.batching.describe()}; {self.lr.describe()}; strategy {cfg.strategy}; "
                                    f"reduction {cfg.reduction}{recomputed}{_initialized(deferred)}")
             self.checkpoints = CheckpointManager(cfg, self.topology, protocol, self.strategy, self.position, self.lr,
-                                                 self.precision, self.batching, self.job_config)
+                                                 self.precision, self.batching, self.job_config, self.callbacks)
             # Under elastic, a sharded strategy's first sync loads the checkpoint (every rank reads its part).
             if resumed is not None and not (self.elastic_launch and self.strategy.elastic_from_checkpoint):
                 with self.faults.checkpoint_io():

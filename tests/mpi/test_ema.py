@@ -1,0 +1,90 @@
+"""The EMA callback under ddp, zero2 and fsdp: each rank's averages (of the whole model, or of its
+own slices) equal an EMA computed by hand in float64 from the whole weights after every step, the
+trained weights come back after ``applied``, and a resumed run continues the averages bitwise."""
+import pytest
+import torch
+
+from hvdtrain import EMA, Callback
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.distributed import collectives
+from hvdtrain.trainer import Trainer
+from tests.mpi.helpers import small_mlp, synthetic_classification
+
+pytestmark = pytest.mark.mpi
+
+DECAY = 0.75  # far from 1, so that 8 steps move the average well away from the weights and from the start
+
+
+class WholeWeights(Callback):
+    """The whole model's parameters after every step, as one process would hold them (a collective)."""
+
+    def __init__(self):
+        self.after_step = []
+
+    def on_train_start(self, trainer):
+        if not self.after_step:
+            self.after_step.append(whole_parameters(trainer))
+
+    def on_step_end(self, trainer, step):
+        self.after_step.append(whole_parameters(trainer))
+
+
+def whole_parameters(trainer):
+    names = {name for name, _ in trainer.model.named_parameters()} or None
+    return {name: tensor.clone() for name, tensor in trainer.strategy.full_tensors()
+            if names is None or name in names or name.replace("module.", "") in names}
+
+
+def train(world, strategy, callbacks, max_steps, directory=None, checkpoint_format="full"):
+    model = small_mlp(seed=0)  # float64
+    config = TrainConfig(epochs=2, batch_size=4, lr=0.05, warmup_epochs=0, seed=3, max_steps=max_steps,
+                         strategy=strategy, log_every=1000, tensorboard=False, checkpoint_dir=directory,
+                         checkpoint_every=4 if directory else 0, checkpoint_format=checkpoint_format)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9),
+                      synthetic_classification(samples=96), None, config, world=world, callbacks=callbacks)
+    trainer.fit()
+    trainer.close()
+    return trainer
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+def test_the_ema_equals_one_computed_by_hand_from_the_whole_weights(world, strategy):
+    ema, weights = EMA(decay=DECAY), WholeWeights()
+    trainer = train(world, strategy, [ema, weights], max_steps=8)
+    with ema.applied(trainer):
+        averaged = whole_parameters(trainer)
+    trained = whole_parameters(trainer)
+
+    expected = {name: tensor.clone() for name, tensor in weights.after_step[0].items()}
+    for after in weights.after_step[1:]:
+        for name, value in after.items():
+            expected[name].mul_(DECAY).add_(value, alpha=1.0 - DECAY)
+    # The same float64 operations element by element, whoever holds the element: equal to the last
+    # bit. Checked on every rank, after every collective.
+    differences = {name: (averaged[name] - expected[name]).abs().max().item() for name in expected}
+    moved = {name: (averaged[name] - trained[name]).abs().max().item() for name in expected}
+    restored = all(torch.equal(trained[name], weights.after_step[-1][name]) for name in expected)
+    assert len(weights.after_step) == 9 and ema.updates == 8
+    assert all(difference == 0.0 for difference in differences.values()), differences
+    assert all(distance > 1e-4 for distance in moved.values()), f"the average is the weights: {moved}"
+    assert restored, "applied() must give back the trained weights bitwise"
+
+
+@pytest.mark.parametrize("strategy,checkpoint_format", [("ddp", "full"), ("zero2", "full"), ("fsdp", "sharded")])
+def test_a_resumed_run_continues_the_ema_bitwise(world, tmp_path, strategy, checkpoint_format):
+    base = collectives.allgather_object(str(tmp_path), name=f"ema.dir.{strategy}")[0]
+    whole = EMA(decay=DECAY)
+    train(world, strategy, [whole], max_steps=8)
+    train(world, strategy, [EMA(decay=DECAY)], max_steps=4, directory=f"{base}/run", checkpoint_format=checkpoint_format)
+    resumed = EMA(decay=DECAY)
+    train(world, strategy, [resumed], max_steps=8, directory=f"{base}/run", checkpoint_format=checkpoint_format)
+
+    same = all(torch.equal(a, b) for a, b in zip(resumed.averages, whole.averages))
+    every_rank = collectives.allgather_object(same, name=f"ema.resume.{strategy}")
+    assert resumed.updates == whole.updates == 8
+    assert all(every_rank), f"ranks whose EMA differs from the uninterrupted run's: {every_rank}"
+
+
+def test_bad_decay_is_refused_saying_what_to_pass():
+    with pytest.raises(ValueError, match=r"must be a number in \[0, 1\)"):
+        EMA(decay=1.0)
