@@ -20,7 +20,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 RESUME_MODES = ("true", "false", "force")
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 ACTIVATION_CHECKPOINTING = ("none", "full", "every_k")
-LOGGERS = ("csv", "mlflow")  # beside metrics.jsonl and TensorBoard (hvdtrain.observability.metric_sinks)
+LOGGERS = ("csv", "mlflow", "wandb")  # beside metrics.jsonl and TensorBoard (hvdtrain.observability.metric_sinks)
 
 
 @dataclass
@@ -76,9 +76,10 @@ class TrainConfig:
     run_name: Optional[str] = field(default=None, metadata={"help": "this run's directory under run_dir; null: slurm-<job id> under SLURM (a requeued job appends to it), else the start time"})
     progress: str = field(default="auto", metadata={"help": "rank 0's progress display: a tqdm bar, log lines every log_every steps, or nothing; auto: a bar on a terminal, lines otherwise (SLURM logs)", "choices": PROGRESS_MODES})
     tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard event files into the run directory"})
-    loggers: List[str] = field(default_factory=list, metadata={"help": "more places rank 0 writes the records to, beside metrics.jsonl and TensorBoard: csv (metrics-<kind>.csv in the run directory), mlflow (an MLflow run: pip install -e .[mlflow]); e.g. [csv, mlflow]; needs run_dir", "choices": LOGGERS})
+    loggers: List[str] = field(default_factory=list, metadata={"help": "more places rank 0 writes the records to, beside metrics.jsonl and TensorBoard: csv (metrics-<kind>.csv in the run directory), mlflow (an MLflow run: pip install -e .[mlflow]), wandb (a W&B run in offline mode under run_dir/wandb: pip install -e .[wandb]); e.g. [csv, mlflow]; needs run_dir", "choices": LOGGERS})
     mlflow_tracking_uri: Optional[str] = field(default=None, metadata={"help": "loggers=[mlflow]: MLflow's tracking URI (null: sqlite:///<run_dir>/mlflow.db, one store for every run under run_dir)"})
     mlflow_experiment: str = field(default="hvdtrain", metadata={"help": "loggers=[mlflow]: the MLflow experiment the run belongs to"})
+    wandb_project: str = field(default="hvdtrain", metadata={"help": "loggers=[wandb]: the W&B project the offline run belongs to (wandb sync uploads it there)"})
     timeline_steps: int = field(default=0, metadata={"help": "record the Horovod timeline for this many steps, after 5 warm-up steps, into the run directory (0: off)"})
 
     # The settings a resumed run must share with its checkpoint (beside every other section of the

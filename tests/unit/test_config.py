@@ -187,8 +187,8 @@ def test_a_bad_element_is_named_by_its_position(override, message):
         load_job(OptimJob, None, [override])
 
 
-@pytest.mark.parametrize("loggers", [["wandb"], ["csv", "csv"]])
+@pytest.mark.parametrize("loggers", [["comet"], ["csv", "csv"]])
 def test_a_list_setting_takes_each_of_its_choices_at_most_once(loggers):
-    with pytest.raises(ValueError, match=r"TrainConfig\.loggers takes each of csv, mlflow at most once"):
+    with pytest.raises(ValueError, match=r"TrainConfig\.loggers takes each of csv, mlflow, wandb at most once"):
         TrainConfig(loggers=loggers, run_dir="runs")
     assert TrainConfig(loggers=["mlflow", "csv"], run_dir="runs").loggers == ["mlflow", "csv"]

@@ -1,15 +1,18 @@
 """Rank 0's records reach every sink it was given: CSV files a column per key (a late key adds one),
 an MLflow run read back with MLflow's own client (settings as parameters, records as metrics at
-their steps), continued, not duplicated, when the run directory is opened again (a requeue)."""
+their steps), continued, not duplicated, when the run directory is opened again (a requeue); an
+offline W&B run's file decoded with W&B's own record schema."""
 import csv
+import json
 import logging
+import struct
 
 import pytest
 import torch
 
 from hvdtrain.distributed.world import World
 from hvdtrain.common.nested import flatten
-from hvdtrain.observability.metric_sinks import MLFLOW_RUN_ID_FILE, open_sinks
+from hvdtrain.observability.metric_sinks import MLFLOW_RUN_ID_FILE, WANDB_RUN_ID_FILE, open_sinks
 from hvdtrain.observability.run_directory import RunDirectory
 
 SETTINGS = {"train": {"lr": 0.1, "betas": [0.9, 0.95]}, "model": {"width": 8}}
@@ -66,6 +69,66 @@ def test_mlflow_holds_the_settings_and_every_record_and_a_reopened_run_goes_on(t
     assert sorted((m.step, m.value) for m in history) == [(2, 1.5), (4, 1.25)]
     assert [m.value for m in client.get_metric_history(found.info.run_id, "evaluation/val_loss")] == [1.0]
     assert client.get_metric_history(found.info.run_id, "step/accuracy") == []  # NaN is not a number to log
+
+
+def wandb_records(path):
+    """The records of an offline W&B run file (run-<id>.wandb), decoded with W&B's own protobuf schema.
+    W&B >= 0.19 writes it from its Go core and ships no Python reader; the container is LevelDB's log
+    format (32 KiB blocks, each record cut into chunks with a 7-byte header: CRC, length, type) after a
+    7-byte W&B header, as W&B's own former reader (wandb.sdk.internal.datastore) read it."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    ident, magic, _version = struct.unpack("<4sHB", data[:7])
+    assert (ident, magic) == (b":W&B", 0xBEE1), f"{path} is not a W&B run file"
+    position, pending, block = 7, b"", 32768
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # a block's tail too short for a header is padding
+            position += block - position % block
+            continue
+        _crc, length, chunk_type = struct.unpack("<IHB", data[position:position + 7])
+        chunk, position = data[position + 7:position + 7 + length], position + 7 + length
+        if chunk_type == 0:  # zero padding to the block's end
+            position += (block - position % block) % block
+            continue
+        pending = chunk if chunk_type in (1, 2) else pending + chunk  # full/first, or middle/last
+        if chunk_type in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def test_wandb_writes_an_offline_run_with_the_settings_and_every_record_and_a_reopened_run_keeps_its_id(tmp_path):
+    pytest.importorskip("wandb")
+    path = tmp_path / "run-1"
+    path.mkdir()
+    run = run_directory(path, ["wandb"])
+    run.record("step", {"step": 2, "loss": 1.5, "accuracy": float("nan")}, started=0.0)
+    run.record("evaluation", {"step": 2, "val_loss": 1.0}, started=0.0)
+    run.close()
+    again = run_directory(path, ["wandb"])  # a requeued job opens the same run directory
+    again.record("step", {"step": 4, "loss": 1.25}, started=0.0)
+    again.close()
+
+    run_id = (path / WANDB_RUN_ID_FILE).read_text().strip()
+    files = sorted((path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert [file.name for file in files] == [f"run-{run_id}.wandb"] * 2  # both W&B runs: one id
+    logged, runs = [], []
+    for file in files:
+        for record in wandb_records(file):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                config = {item.key: json.loads(item.value_json) for item in record.run.config.update
+                          if item.key != "_wandb"}  # W&B's own entry
+                runs.append((record.run.run_id, record.run.project, record.run.display_name, config))
+            elif kind == "history":
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                logged.append({key: value for key, value in row.items() if not key.startswith("_") or key == "_step"})
+    settings = {"train.lr": 0.1, "train.betas": [0.9, 0.95], "model.width": 8}
+    assert [(r[0], r[1], r[2]) for r in runs] == [(run_id, "hvdtrain", "run-1")] * 2
+    assert all(r[3] == settings for r in runs), runs
+    # The NaN accuracy is not a number to log; the evaluation at the same step joins the step's row.
+    assert logged == [{"step/loss": 1.5, "evaluation/val_loss": 1.0, "_step": 2}, {"step/loss": 1.25, "_step": 4}], logged
 
 
 def test_flatten_names_nested_settings_by_their_path():
