@@ -33,8 +33,8 @@ class TrainConfig:
 
     epochs: int = field(default=10, metadata={"help": "passes over the training set"})
     batch_size: int = field(default=32, metadata={"help": "samples per worker per micro-batch"})
-    lr: float = field(default=0.01, metadata={"help": "learning rate of ONE worker (scaled by the world size)"})
-    scale_lr: bool = field(default=True, metadata={"help": "multiply the LR by workers x accumulation"})
+    lr: Optional[float] = field(default=None, metadata={"help": "ONE worker's peak learning rate, before scale_lr: when set, it replaces the optimizer's rates (the first parameter group's; every other group keeps its ratio to it); null: the optimizer's own rates, as you built it. The start line prints the real peak rates after scaling"})
+    scale_lr: bool = field(default=True, metadata={"help": "multiply the LR by the global batch over one worker's batch (workers x accumulation; Goyal et al.'s linear scaling rule, Horovod's default); set false to fine-tune at the rate you chose (e.g. AdamW at 2e-5), whatever the worker count"})
     warmup_epochs: float = field(default=1.0, metadata={"help": "linear warm-up to the scaled LR, in epochs"})
     lr_schedule: str = field(default="constant", metadata={"help": "after the warm-up: constant; linear or cosine decay to min_lr_ratio at the run's last step (epochs, or max_steps); wsd: constant, then a linear decay over the last decay_fraction of the steps", "choices": LR_SCHEDULES})
     min_lr_ratio: float = field(default=0.0, metadata={"help": "where linear, cosine and wsd end, as a fraction of each parameter group's peak rate"})
@@ -98,8 +98,10 @@ class TrainConfig:
         check_whole_numbers(self, ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints",
                                    "preempt_check_every", "elastic_commit_every"))
         check_whole_numbers(self, ("num_workers", "checkpoint_every", "timeline_steps", "eval_every"), minimum=0)
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"TrainConfig.lr must be a finite number > 0, got {self.lr!r}")
+        if self.lr is not None and (isinstance(self.lr, bool) or not isinstance(self.lr, (int, float))
+                                    or not (math.isfinite(self.lr) and self.lr > 0)):
+            raise ValueError(f"TrainConfig.lr must be a finite number > 0, or null for the optimizer's own rates, "
+                             f"got {self.lr!r}")
         if not (math.isfinite(self.stall_timeout) and self.stall_timeout >= 0):
             raise ValueError(f"TrainConfig.stall_timeout must be a finite number of seconds >= 0 (0: no watchdog), "
                              f"got {self.stall_timeout!r}")

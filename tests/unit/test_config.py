@@ -81,7 +81,7 @@ def test_a_bad_file_names_the_key_and_what_is_accepted(tmp_path, text, message):
     (["--train.epochs=many"], r"--train\.epochs: expected a whole number, got 'many'"),
     (["--model.widht=3"], r"unknown key model\.widht \(did you mean width\?\)"),
     (["--colour=red"], r"unknown setting --colour"),
-    (["--train.lr"], r"--train\.lr: needs a value \(a number\)"),
+    (["--train.lr"], r"--train\.lr: needs a value \(a number or null\)"),
     (["stray"], r"unexpected argument 'stray': settings are --section\.key=value"),
     (["--model.progress=bar"], r"unknown key model\.progress"),
     (["--train.strategy=zero"], r"section train: TrainConfig\.strategy must be one of ddp, zero1, zero2, fsdp, ps, got 'zero'"),
