@@ -1,4 +1,4 @@
-"""The EMA callback under ddp, zero2 and fsdp: each rank's averages (of the whole model, or of its
+"""The EMA callback under ddp, zero2, fsdp (and ps): each rank's averages (of the whole model, or of its
 own slices) equal an EMA computed by hand in float64 from the whole weights after every step, the
 trained weights come back after ``applied``, and a resumed run continues the averages bitwise."""
 import pytest
@@ -47,7 +47,7 @@ def train(world, strategy, callbacks, max_steps, directory=None, checkpoint_form
     return trainer
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp", "ps"])
 def test_the_ema_equals_one_computed_by_hand_from_the_whole_weights(world, strategy):
     ema, weights = EMA(decay=DECAY), WholeWeights()
     trainer = train(world, strategy, [ema, weights], max_steps=8)
