@@ -68,13 +68,15 @@ class CheckpointManager:
             self.strategy.load_state_dict(state)
             if saved.world_size == self.topology.world.size and saved.mesh == self.topology.mesh_shape:
                 own_rng = state["rng"][self.topology.world.rank]
-                own_callbacks = state.get("callbacks", [{}] * len(state["rng"]))[self.topology.world.rank]
+                if saved.strategy == self.config.strategy:  # a zero2 rank's averages are its slices, not ddp's model
+                    own_callbacks = state.get("callbacks", [{}] * len(state["rng"]))[self.topology.world.rank]
         self.lr.load_state_dict(saved.scheduler)
         self.precision.load_state_dict(saved.precision)
         self.position.update(saved.epoch, saved.step, saved.epoch_position)
         if own_callbacks is not None:
             self.callbacks.load_state_dict(own_callbacks)
         elif self.callbacks.state_dict():  # another layout's per-rank state: the callbacks start theirs anew
+            self.callbacks.discard_state()
             self.topology.log.warning("the checkpoint was written by another layout: the callbacks' per-rank state "
                                       "(an EMA's averages) starts anew from the loaded weights")
         if own_rng is not None:

@@ -54,6 +54,10 @@ class Callback:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """This rank's state from a checkpoint of the same layout (workers, mesh)."""
 
+    def discard_state(self) -> None:
+        """A checkpoint of another layout was loaded (another worker count or strategy; Horovod elastic
+        after a world change): this rank's state no longer fits what it holds; start it anew."""
+
 
 class Callbacks:
     """A Trainer's callbacks, and a stop one of them asked for."""
@@ -83,6 +87,10 @@ class Callbacks:
                              f"have (it has {', '.join(keys) or 'none'}): pass the same callbacks, in the same order")
         for key, state in states.items():
             keys[key].load_state_dict(state)
+
+    def discard_state(self) -> None:
+        for callback in self.callbacks:
+            callback.discard_state()
 
     @staticmethod
     def _key(index: int, callback: Callback) -> str:
@@ -174,6 +182,8 @@ class EMA(Callback):
             self.averages = [_averaging_copy(tensor) for tensor in trainer.strategy.owned_parameters()]
 
     def on_step_end(self, trainer: Any, step: int) -> None:
+        if self.averages is None:  # discarded mid-run (a checkpoint of another layout): start from here
+            self.on_train_start(trainer)
         weights = self._held(trainer)
         with torch.no_grad():
             for average, weight in zip(self.averages, weights):
@@ -210,6 +220,9 @@ class EMA(Callback):
                              f"resume with EMA(decay={state['decay']:g}), or start a new run")
         self.averages, self.updates = list(state["averages"]), state["updates"]
         self._on_device = False
+
+    def discard_state(self) -> None:
+        self.averages, self.updates = None, 0
 
     def _held(self, trainer: Any) -> List[torch.Tensor]:
         """The rank's parameters, checked against the averages (and the averages put on their device)."""

@@ -103,6 +103,24 @@ def test_a_resumed_run_continues_the_ema_bitwise(world, tmp_path, strategy, chec
     assert all(every_rank), f"ranks whose resumed EMA is not the stopped one's continued: {every_rank}"
 
 
+def test_a_run_resumed_under_another_strategy_starts_its_ema_anew_from_the_loaded_weights(world, tmp_path):
+    """zero2's averages are each rank's slices: under ddp they would not fit, so the EMA starts again."""
+    base = collectives.allgather_object(str(tmp_path), name="ema.dir.switch")[0]
+    train(world, "zero2", [EMA(decay=DECAY)], max_steps=4, directory=f"{base}/run")
+    resumed, weights = EMA(decay=DECAY), WholeWeights()
+    trainer = train(world, "ddp", [resumed, weights], max_steps=6, directory=f"{base}/run")
+
+    expected = {name: tensor.clone() for name, tensor in weights.after_step[0].items()}  # the step-4 weights
+    for after in weights.after_step[1:]:
+        for name, value in after.items():
+            expected[name].mul_(DECAY).add_(value, alpha=1.0 - DECAY)
+    names = [name for name, _ in trainer.model.named_parameters()]
+    same = all(torch.equal(average, expected[name]) for name, average in zip(names, resumed.averages))
+    every_rank = collectives.allgather_object(same, name="ema.switch")
+    assert resumed.updates == 2 and len(weights.after_step) == 3
+    assert all(every_rank), every_rank
+
+
 def test_bad_decay_is_refused_saying_what_to_pass():
     with pytest.raises(ValueError, match=r"must be a number in \[0, 1\)"):
         EMA(decay=1.0)
