@@ -131,5 +131,11 @@ def test_wandb_writes_an_offline_run_with_the_settings_and_every_record_and_a_re
     assert logged == [{"step/loss": 1.5, "evaluation/val_loss": 1.0, "_step": 2}, {"step/loss": 1.25, "_step": 4}], logged
 
 
+def test_wandb_missing_is_refused_naming_the_extra_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # as if W&B were not installed
+    with pytest.raises(ImportError, match=r"train.loggers=\[wandb\] needs W&B: pip install -e \.\[wandb\]"):
+        open_sinks(tmp_path, False, ["wandb"], "run-1", SETTINGS, None, "tests")
+
+
 def test_flatten_names_nested_settings_by_their_path():
     assert flatten(SETTINGS) == {"train.lr": 0.1, "train.betas": [0.9, 0.95], "model.width": 8}
