@@ -136,9 +136,13 @@ class WandbSink:
         # A requeued job (or a new rank 0) continues the run under the same id.
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
         # console="off": W&B would otherwise capture the process's stdout and stderr (the job's own log).
+        # No system metrics or machine description: a sampling thread and a probe of the host on
+        # rank 0 alone (hvdtrain records memory and throughput itself), which made tests/mpi/
+        # test_loggers.py's 2-rank launch take 35 s instead of 10 s on a 2-core machine.
+        quiet = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
+                               x_disable_machine_info=True)
         self.run = wandb.init(mode="offline", dir=str(path), project=project, name=run_name, id=run_id,
-                              resume="allow", config=flatten(settings), reinit="create_new",
-                              settings=wandb.Settings(console="off", silent=True))
+                              resume="allow", config=flatten(settings), reinit="create_new", settings=quiet)
         id_file.write_text(run_id + "\n")
 
     def write(self, kind: str, values: Mapping[str, Any]) -> None:
