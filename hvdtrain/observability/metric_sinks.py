@@ -151,7 +151,12 @@ class WandbSink:
             self.run.log(metrics, step=int(values.get("step", 0)))
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() can return before W&B's service process has written the run's last records to its
+        # .wandb file (seen: a file with its header only); teardown waits for the service to end.
+        wandb.teardown()
 
 
 def open_sinks(path: Path, tensorboard: bool, loggers: List[str], run_name: str, settings: Mapping[str, Any],

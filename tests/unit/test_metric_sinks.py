@@ -5,6 +5,7 @@ offline W&B run's file decoded with W&B's own record schema."""
 import csv
 import json
 import logging
+import time
 
 import pytest
 import torch
@@ -79,6 +80,9 @@ def test_wandb_writes_an_offline_run_with_the_settings_and_every_record_and_a_re
     run.record("step", {"step": 2, "loss": 1.5, "accuracy": float("nan")}, started=0.0)
     run.record("evaluation", {"step": 2, "val_loss": 1.0}, started=0.0)
     run.close()
+    # W&B names an offline run's directory by the second it started and the run's id: a requeued job,
+    # seconds later at least, gets its own; one started in the same second would write into the first's.
+    time.sleep(1.1)
     again = run_directory(path, ["wandb"])  # a requeued job opens the same run directory
     again.record("step", {"step": 4, "loss": 1.25}, started=0.0)
     again.close()
