@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     train_set, val_set, vocab = load_text_datasets(job.model.seq_len, job.data.train_stride, job.data.val_fraction)
     hf_config, source = model_config(job.model, len(vocab))
     model = build_on_meta(hf_config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    # The script's own rate; --train.lr (default 0.001, HFLMJob) replaces it, the Trainer scales it.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.001)
     trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, config, loss_fn=causal_lm_loss,
                                world=world, job_config=hvdtrain.to_dict(job))
     if world.is_root:

@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     train_set, val_set, vocab = load_text_datasets(job.model.seq_len, job.data.train_stride,
                                                    job.data.val_fraction)
     model = TinyTransformerLM(len(vocab), **dataclasses.asdict(job.model))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    # The script's own rate; --train.lr (configs/textlm.yaml: 0.001) replaces it, the Trainer scales it.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     # How the transformer splits under --train.tensor_parallel / --train.pipeline_parallel.
     trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, config, loss_fn=lm_loss,
                                world=world, job_config=hvdtrain.to_dict(job),

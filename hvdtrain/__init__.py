@@ -36,6 +36,7 @@ _EXPORTS = {
     "ShardedSampler": "hvdtrain.data.sharding",
     "Callback": "hvdtrain.training.callbacks",
     "EarlyStopping": "hvdtrain.training.callbacks",
+    "EMA": "hvdtrain.training.callbacks",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

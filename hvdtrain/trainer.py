@@ -162,7 +162,7 @@ class Trainer:
                                    f"reduction {cfg.reduction}{recomputed}{_initialized(deferred)}"
                                    f"{'; ' + self.strategy.plan_note if getattr(self.strategy, 'plan_note', '') else ''}")
             self.checkpoints = CheckpointManager(cfg, self.topology, protocol, self.strategy, self.position, self.lr,
-                                                 self.precision, self.batching, self.job_config)
+                                                 self.precision, self.batching, self.job_config, self.callbacks)
             # Under elastic, a sharded strategy's first sync loads the checkpoint (every rank reads its part).
             if resumed is not None and not (self.elastic_launch and self.strategy.elastic_from_checkpoint):
                 with self.faults.checkpoint_io():

@@ -28,7 +28,7 @@ fi
 export HOROVOD_STALL_CHECK_TIME_SECONDS=10 HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=60
 
 PYTEST="python -m pytest -q --color=no -p no:cacheprovider"
-SHARDED_TESTS="tests/mpi/test_strategies.py tests/mpi/test_zero.py tests/mpi/test_fsdp.py"
+SHARDED_TESTS="tests/mpi/test_strategies.py tests/mpi/test_zero.py tests/mpi/test_fsdp.py tests/mpi/test_ema.py"
 [ -f tests/mpi/test_sharded_checkpoint.py ] && SHARDED_TESTS="$SHARDED_TESTS tests/mpi/test_sharded_checkpoint.py"
 # Model parallelism's layouts (T x P x D) and the parameter server's servers need 4 ranks to show.
 MODEL_PARALLEL_MESH_TESTS="tests/mpi/test_deferred_init.py tests/mpi/test_model_parallel.py tests/mpi/test_tensor_parallel.py tests/mpi/test_hf_equivalence.py tests/mpi/test_hf_pipeline.py tests/mpi/test_pipeline.py tests/mpi/test_plan_memory.py"

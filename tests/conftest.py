@@ -4,9 +4,10 @@ import pytest
 
 # Set by libraries when first imported or used, not by tests: torch's compile cache and the
 # pointer Inductor hands its compiled kernels (set again before every load: removing it is harmless),
-# and the OpenMP switches scikit-learn sets on import.
+# the OpenMP switches scikit-learn sets on import, and the address of W&B's service process, which
+# its first run starts for the rest of the process (train.loggers=[wandb]).
 _SET_BY_LIBRARIES = {"TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "KMP_DUPLICATE_LIB_OK",
-                     "KMP_INIT_AT_FORK"}
+                     "KMP_INIT_AT_FORK", "WANDB_SERVICE"}
 
 
 @pytest.fixture(autouse=True)

@@ -23,4 +23,4 @@ def consolidate(path: Path) -> Dict[str, Any]:
         raise CheckpointError(f"{path}: the shards do not fit together: {error}") from None
     return {"format": FORMAT_VERSION, **full, **{key: manifest[key] for key in sharded.RUN_KEYS},
             "world_size": manifest["world_size"], "strategy": manifest["strategy"],
-            "rng": [shard["rng"] for shard in shards]}
+            "rng": [shard["rng"] for shard in shards], "callbacks": [shard.get("callbacks", {}) for shard in shards]}

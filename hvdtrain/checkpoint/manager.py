@@ -7,7 +7,7 @@ Across ranks: hvdtrain.checkpoint.protocol.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 from hvdtrain.checkpoint import FORMAT_VERSION
 from hvdtrain.checkpoint.protocol import Checkpointing
@@ -19,6 +19,7 @@ from hvdtrain.distributed import rng
 from hvdtrain.distributed import collectives
 from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies.base import Strategy
+from hvdtrain.training.callbacks import Callbacks
 from hvdtrain.training.lr import LearningRate
 from hvdtrain.training.position import Position
 from hvdtrain.training.precision import Precision
@@ -30,8 +31,9 @@ class CheckpointManager:
 
     def __init__(self, config: TrainConfig, topology: Topology, protocol: "Checkpointing | None",
                  strategy: Strategy, position: Position, lr: LearningRate, precision: Precision,
-                 batching: Batching, job_config: Mapping[str, Any]) -> None:
+                 batching: Batching, job_config: Mapping[str, Any], callbacks: Optional[Callbacks] = None) -> None:
         self.config, self.topology, self.protocol = config, topology, protocol
+        self.callbacks = callbacks or Callbacks(None, [])
         self.strategy, self.position, self.lr, self.precision = strategy, position, lr, precision
         self.batching, self.job_config = batching, job_config
 
@@ -48,25 +50,35 @@ class CheckpointManager:
         """Everything needed to continue exactly, in the full format. Every rank calls it: it gathers
         the RNG states, and a sharded strategy gathers the model and optimizer state."""
         rng_states = collectives.allgather_object(rng.capture(), name="checkpoint.rng")
+        callback_states = collectives.allgather_object(self.callbacks.state_dict(), name="checkpoint.callbacks")
         return {"format": FORMAT_VERSION, **self.strategy.state_dict(), **self.run_state().to_dict(),
-                "rng": rng_states}
+                "rng": rng_states, "callbacks": callback_states}
 
     def load(self, state: Dict[str, Any]) -> None:
         """A full checkpoint (every rank holds it all), or a sharded one's manifest (every rank then
         reads its own file: its slices and its RNG states)."""
         saved = RunState.from_checkpoint(state)
-        own_rng = None
+        own_rng, own_callbacks = None, None
         if is_sharded(state) and resumes_as_written(state, self.config.strategy, self.topology.world.size):
-            own_rng = self.protocol.load_own_shard(state, self.strategy)
+            shard = self.protocol.load_own_shard(state, self.strategy)
+            own_rng, own_callbacks = shard["rng"], shard.get("callbacks", {})
         elif is_sharded(state):  # another worker count or strategy: each rank's RNG is seeded anew below
             self.protocol.load_resharded(state, self.strategy)
         else:
             self.strategy.load_state_dict(state)
             if saved.world_size == self.topology.world.size and saved.mesh == self.topology.mesh_shape:
                 own_rng = state["rng"][self.topology.world.rank]
+                if saved.strategy == self.config.strategy:  # a zero2 rank's averages are its slices, not ddp's model
+                    own_callbacks = state.get("callbacks", [{}] * len(state["rng"]))[self.topology.world.rank]
         self.lr.load_state_dict(saved.scheduler)
         self.precision.load_state_dict(saved.precision)
         self.position.update(saved.epoch, saved.step, saved.epoch_position)
+        if own_callbacks is not None:
+            self.callbacks.load_state_dict(own_callbacks)
+        elif self.callbacks.state_dict():  # another layout's per-rank state: the callbacks start theirs anew
+            self.callbacks.discard_state()
+            self.topology.log.warning("the checkpoint was written by another layout: the callbacks' per-rank state "
+                                      "(an EMA's averages) starts anew from the loaded weights")
         if own_rng is not None:
             rng.restore(own_rng)
         else:
@@ -81,7 +93,8 @@ class CheckpointManager:
         Asynchronous (train.checkpoint_async): the writes run in the background; see finish()."""
         step = self.position.step
         if self.config.checkpoint_format == "sharded":
-            own = {"strategy": self.strategy.shard_state_dict(), "rng": rng.capture()}
+            own = {"strategy": self.strategy.shard_state_dict(), "rng": rng.capture(),
+                   "callbacks": self.callbacks.state_dict()}
             self.protocol.save_sharded(own, self.run_state().shared(), step)
         else:
             self.protocol.save(self.state_dict(), step)

@@ -221,7 +221,8 @@ class Checkpointing:
     def load_own_shard(self, state: Dict[str, Any], strategy: Strategy) -> Dict[str, Any]:
         """Every rank reads its own file of the sharded checkpoint ``state`` (a manifest) and checks
         it against the manifest and its strategy; only when every rank's is good does every rank
-        load (a ZeRO strategy's load is a collective). Returns this rank's RNG states."""
+        load (a ZeRO strategy's load is a collective). Returns this rank's file (its "rng" and
+        "callbacks" states)."""
         shard = None
 
         def read() -> None:
@@ -232,7 +233,7 @@ class Checkpointing:
         if problems:
             raise CheckpointError(f"the sharded checkpoint {state['path']} cannot be resumed: {'; '.join(problems)}")
         strategy.load_shard_state_dict(shard["strategy"])
-        return shard["rng"]
+        return shard
 
     def load_resharded(self, state: Dict[str, Any], strategy: Strategy) -> None:
         """The sharded checkpoint ``state`` (a manifest) written at another worker count or under

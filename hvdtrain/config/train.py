@@ -20,7 +20,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 RESUME_MODES = ("true", "false", "force")
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "selective")
-LOGGERS = ("csv", "mlflow")  # beside metrics.jsonl and TensorBoard (hvdtrain.observability.metric_sinks)
+LOGGERS = ("csv", "mlflow", "wandb")  # beside metrics.jsonl and TensorBoard (hvdtrain.observability.metric_sinks)
 
 
 @dataclass
@@ -33,8 +33,8 @@ class TrainConfig:
 
     epochs: int = field(default=10, metadata={"help": "passes over the training set"})
     batch_size: int = field(default=32, metadata={"help": "samples per worker per micro-batch"})
-    lr: float = field(default=0.01, metadata={"help": "learning rate of ONE worker (scaled by the world size)"})
-    scale_lr: bool = field(default=True, metadata={"help": "multiply the LR by workers x accumulation"})
+    lr: Optional[float] = field(default=None, metadata={"help": "ONE worker's peak learning rate, before scale_lr: when set, it replaces the optimizer's rates (the first parameter group's; every other group keeps its ratio to it); null: the optimizer's own rates, as you built it. The start line prints the real peak rates after scaling"})
+    scale_lr: bool = field(default=True, metadata={"help": "multiply the LR by the global batch over one worker's batch (workers x accumulation; Goyal et al.'s linear scaling rule, Horovod's default); set false to fine-tune at the rate you chose (e.g. AdamW at 2e-5), whatever the worker count"})
     warmup_epochs: float = field(default=1.0, metadata={"help": "linear warm-up to the scaled LR, in epochs"})
     lr_schedule: str = field(default="constant", metadata={"help": "after the warm-up: constant; linear or cosine decay to min_lr_ratio at the run's last step (epochs, or max_steps); wsd: constant, then a linear decay over the last decay_fraction of the steps", "choices": LR_SCHEDULES})
     min_lr_ratio: float = field(default=0.0, metadata={"help": "where linear, cosine and wsd end, as a fraction of each parameter group's peak rate"})
@@ -76,9 +76,10 @@ class TrainConfig:
     run_name: Optional[str] = field(default=None, metadata={"help": "this run's directory under run_dir; null: slurm-<job id> under SLURM (a requeued job appends to it), else the start time"})
     progress: str = field(default="auto", metadata={"help": "rank 0's progress display: a tqdm bar, log lines every log_every steps, or nothing; auto: a bar on a terminal, lines otherwise (SLURM logs)", "choices": PROGRESS_MODES})
     tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard event files into the run directory"})
-    loggers: List[str] = field(default_factory=list, metadata={"help": "more places rank 0 writes the records to, beside metrics.jsonl and TensorBoard: csv (metrics-<kind>.csv in the run directory), mlflow (an MLflow run: pip install -e .[mlflow]); e.g. [csv, mlflow]; needs run_dir", "choices": LOGGERS})
+    loggers: List[str] = field(default_factory=list, metadata={"help": "more places rank 0 writes the records to, beside metrics.jsonl and TensorBoard: csv (metrics-<kind>.csv in the run directory), mlflow (an MLflow run: pip install -e .[mlflow]), wandb (a W&B run in offline mode under run_dir/wandb: pip install -e .[wandb]); e.g. [csv, mlflow]; needs run_dir", "choices": LOGGERS})
     mlflow_tracking_uri: Optional[str] = field(default=None, metadata={"help": "loggers=[mlflow]: MLflow's tracking URI (null: sqlite:///<run_dir>/mlflow.db, one store for every run under run_dir)"})
     mlflow_experiment: str = field(default="hvdtrain", metadata={"help": "loggers=[mlflow]: the MLflow experiment the run belongs to"})
+    wandb_project: str = field(default="hvdtrain", metadata={"help": "loggers=[wandb]: the W&B project the offline run belongs to (wandb sync uploads it there)"})
     timeline_steps: int = field(default=0, metadata={"help": "record the Horovod timeline for this many steps, after 5 warm-up steps, into the run directory (0: off)"})
 
     # The settings a resumed run must share with its checkpoint (beside every other section of the
@@ -97,8 +98,10 @@ class TrainConfig:
         check_whole_numbers(self, ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints",
                                    "preempt_check_every", "elastic_commit_every"))
         check_whole_numbers(self, ("num_workers", "checkpoint_every", "timeline_steps", "eval_every"), minimum=0)
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"TrainConfig.lr must be a finite number > 0, got {self.lr!r}")
+        if self.lr is not None and (isinstance(self.lr, bool) or not isinstance(self.lr, (int, float))
+                                    or not (math.isfinite(self.lr) and self.lr > 0)):
+            raise ValueError(f"TrainConfig.lr must be a finite number > 0, or null for the optimizer's own rates, "
+                             f"got {self.lr!r}")
         if not (math.isfinite(self.stall_timeout) and self.stall_timeout >= 0):
             raise ValueError(f"TrainConfig.stall_timeout must be a finite number of seconds >= 0 (0: no watchdog), "
                              f"got {self.stall_timeout!r}")

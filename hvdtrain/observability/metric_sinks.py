@@ -8,18 +8,24 @@ shared files are open (rank 0; under Horovod elastic, whichever rank is 0 now).
                  experiment train.mlflow_experiment; the settings as its parameters, the records as
                  ``kind/key`` metrics at their step. The run's id is kept in the run directory, so a
                  requeued job (or a new rank 0) continues the same MLflow run.
+    wandb        a W&B run in offline mode (nothing leaves the machine; ``wandb sync <run_dir>/wandb/
+                 offline-run-*`` uploads it later), project train.wandb_project, under run_dir/wandb/;
+                 the settings as its config, the records as ``kind/key`` at their step. The run's id is
+                 kept in the run directory: a requeued job logs to the same W&B run id.
 """
 from __future__ import annotations
 
 import csv
 import math
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
 from hvdtrain.common.nested import flatten
 
 MLFLOW_RUN_ID_FILE = "mlflow_run_id"
+WANDB_RUN_ID_FILE = "wandb_run_id"
 
 
 def numbers(values: Mapping[str, Any], skip: tuple = ("step",)) -> Dict[str, float]:
@@ -119,8 +125,42 @@ class MLflowSink:
         self.client.set_terminated(self.run_id)
 
 
+class WandbSink:
+    def __init__(self, path: Path, project: str, run_name: str, settings: Mapping[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError as error:
+            raise ImportError("train.loggers=[wandb] needs W&B: pip install -e .[wandb], or leave wandb out of "
+                              "train.loggers") from error
+        id_file = path / WANDB_RUN_ID_FILE
+        # A requeued job (or a new rank 0) continues the run under the same id.
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+        # console="off": W&B would otherwise capture the process's stdout and stderr (the job's own log).
+        # No system metrics or machine description: a sampling thread and a probe of the host on
+        # rank 0 alone (hvdtrain records memory and throughput itself), which made tests/mpi/
+        # test_loggers.py's 2-rank launch take 35 s instead of 10 s on a 2-core machine.
+        quiet = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
+                               x_disable_machine_info=True)
+        self.run = wandb.init(mode="offline", dir=str(path), project=project, name=run_name, id=run_id,
+                              resume="allow", config=flatten(settings), reinit="create_new", settings=quiet)
+        id_file.write_text(run_id + "\n")
+
+    def write(self, kind: str, values: Mapping[str, Any]) -> None:
+        metrics = {f"{kind}/{key}": value for key, value in numbers(values).items()}
+        if metrics:
+            self.run.log(metrics, step=int(values.get("step", 0)))
+
+    def close(self) -> None:
+        import wandb
+
+        self.run.finish()
+        # finish() can return before W&B's service process has written the run's last records to its
+        # .wandb file (seen: a file with its header only); teardown waits for the service to end.
+        wandb.teardown()
+
+
 def open_sinks(path: Path, tensorboard: bool, loggers: List[str], run_name: str, settings: Mapping[str, Any],
-               mlflow_tracking_uri: Optional[str], mlflow_experiment: str) -> list:
+               mlflow_tracking_uri: Optional[str], mlflow_experiment: str, wandb_project: str = "hvdtrain") -> list:
     """The sinks a run directory's rank 0 writes to."""
     sinks: list = [TensorBoardSink(path)] if tensorboard else []
     if "csv" in loggers:
@@ -128,4 +168,6 @@ def open_sinks(path: Path, tensorboard: bool, loggers: List[str], run_name: str,
     if "mlflow" in loggers:
         uri = mlflow_tracking_uri or f"sqlite:///{path.parent.resolve() / 'mlflow.db'}"
         sinks.append(MLflowSink(path, uri, mlflow_experiment, run_name, settings))
+    if "wandb" in loggers:
+        sinks.append(WandbSink(path, wandb_project, run_name, settings))
     return sinks

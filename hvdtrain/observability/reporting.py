@@ -73,7 +73,7 @@ class Reporter:
         config = self.config
         self.run_dir = RunDirectory(path, self.topology.world, log, config.tensorboard, lambda directory: open_sinks(
             directory, config.tensorboard, config.loggers, name, self.job_config, config.mlflow_tracking_uri,
-            config.mlflow_experiment))
+            config.mlflow_experiment, config.wandb_project))
         self.run_dir.write_config(self.job_config)
         log.info(f"run directory {path} (config.yaml, metrics.jsonl, tensorboard/, logs/rank-*.log)")
 

@@ -148,6 +148,17 @@ class Strategy(ABC):
             return clipping.clip_sharded(self.owned_gradients(), max_norm, name=f"{self.name}.grad_norm")
         return clipping.clip_replicated(self.owned_gradients(), max_norm)
 
+    def owned_parameters(self) -> List[torch.Tensor]:
+        """The parameters this rank holds and the optimizer steps, current after step(): the whole
+        model's here (ddp, ps: the same on every rank; tensor and pipeline parallel: this rank's slices
+        and stage). Sharded strategies: this rank's slices of the flat buckets. For what keeps a copy
+        of the weights per rank (the EMA callback); local, no collective."""
+        return list(self.model.parameters())
+
+    def owned_parameters_changed(self) -> None:
+        """After owned_parameters() were written in place (every rank its own): make the model the
+        forward uses agree with them (zero1/zero2 gather the slices: a collective; every rank calls it)."""
+
     @abstractmethod
     def state_dict(self) -> Dict[str, Any]:
         """{"model": the full model state_dict, "optimizer": the full optimizer state_dict in

@@ -201,6 +201,9 @@ class ZeroStrategy(ShardedStrategy):
         self._gather_parameters()
         self._carried_state = None
 
+    def owned_parameters_changed(self) -> None:
+        self._gather_parameters()
+
     def _gather_parameters(self) -> None:
         """Every rank's updated slices into every rank's buckets, in place (see gather_in_place)."""
         started = []

@@ -10,8 +10,9 @@ checkpoint of the step it stopped at.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -43,6 +44,20 @@ class Callback:
     def on_train_end(self, trainer: Any, history: List[Dict[str, float]]) -> None:
         """fit() is over (steps or epochs reached, a stop, or a preemption); ``history``: its epoch records."""
 
+    # State that must survive a resume (the EMA's averages): kept per rank in every checkpoint (full
+    # and sharded), given back to the same rank of a run resumed on the same layout.
+
+    def state_dict(self) -> Optional[Dict[str, Any]]:
+        """This rank's state to checkpoint, or None when there is none (the default)."""
+        return None
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """This rank's state from a checkpoint of the same layout (workers, mesh)."""
+
+    def discard_state(self) -> None:
+        """A checkpoint of another layout was loaded (another worker count or strategy; Horovod elastic
+        after a world change): this rank's state no longer fits what it holds; start it anew."""
+
 
 class Callbacks:
     """A Trainer's callbacks, and a stop one of them asked for."""
@@ -58,6 +73,28 @@ class Callbacks:
     def call(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:
             getattr(callback, hook)(self.trainer, *args)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's callbacks' states, by position and class (a list reordered is refused on load)."""
+        states = {self._key(index, callback): callback.state_dict() for index, callback in enumerate(self.callbacks)}
+        return {key: state for key, state in states.items() if state is not None}
+
+    def load_state_dict(self, states: Dict[str, Any]) -> None:
+        keys = {self._key(index, callback): callback for index, callback in enumerate(self.callbacks)}
+        unknown = sorted(set(states) - set(keys))
+        if unknown:
+            raise ValueError(f"the checkpoint holds state for callbacks {', '.join(unknown)}, which this run does not "
+                             f"have (it has {', '.join(keys) or 'none'}): pass the same callbacks, in the same order")
+        for key, state in states.items():
+            keys[key].load_state_dict(state)
+
+    def discard_state(self) -> None:
+        for callback in self.callbacks:
+            callback.discard_state()
+
+    @staticmethod
+    def _key(index: int, callback: Callback) -> str:
+        return f"{index}.{type(callback).__name__}"
 
     def request_stop(self, reason: str) -> None:
         if self.stop_reason is None:
@@ -108,3 +145,101 @@ class EarlyStopping(Callback):
 
     def _better(self, value: float, best: float) -> bool:
         return value < best - self.min_delta if self.mode == "min" else value > best + self.min_delta
+
+
+class EMA(Callback):
+    """An exponential moving average of the weights, updated after every optimizer step:
+    ``average = decay * average + (1 - decay) * weights``, starting from the weights at the first fit().
+
+    Each rank averages what it holds (``Strategy.owned_parameters``): the whole model under ddp and
+    ps; its slices of the flat buckets under zero1, zero2 and fsdp (1/N of the model each, nothing
+    gathered); its slices and stage under tensor and pipeline parallelism. The averages go into every
+    checkpoint with the rank's own state (sharded where the checkpoint is) and resume bitwise on the
+    same layout; a run resumed on another layout starts its averages anew from the loaded weights.
+    Buffers (batch-norm statistics) are not averaged: they are used as they are.
+
+    Evaluate or export with the averages swapped in, every rank alike (zero1/zero2 gather them)::
+
+        ema = EMA(decay=0.999)
+        trainer = Trainer(..., callbacks=[ema]); trainer.fit()
+        with ema.applied(trainer):
+            metrics = trainer.evaluate()
+            weights = trainer.strategy.exported_model_state()   # or trainer.export_hf(directory)
+
+    Parameters in half precision are averaged in float32; the others in their own dtype.
+    """
+
+    def __init__(self, decay: float = 0.999) -> None:
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
+            raise ValueError(f"EMA(decay=...) must be a number in [0, 1) (e.g. 0.999: about the last 1000 steps), "
+                             f"got {decay!r}")
+        self.decay = float(decay)
+        self.averages: Optional[List[torch.Tensor]] = None
+        self.updates = 0  # steps averaged since the averages started
+
+    def on_train_start(self, trainer: Any) -> None:
+        if self.averages is None:  # not resumed from a checkpoint of this layout
+            self.averages = [_averaging_copy(tensor) for tensor in trainer.strategy.owned_parameters()]
+
+    def on_step_end(self, trainer: Any, step: int) -> None:
+        if self.averages is None:  # discarded mid-run (a checkpoint of another layout): start from here
+            self.on_train_start(trainer)
+        weights = self._held(trainer)
+        with torch.no_grad():
+            for average, weight in zip(self.averages, weights):
+                average.mul_(self.decay).add_(weight.detach().to(average.dtype), alpha=1.0 - self.decay)
+        self.updates += 1
+
+    @contextlib.contextmanager
+    def applied(self, trainer: Any) -> Iterator[None]:
+        """The model holds the averages inside the block, its trained weights again after it (bitwise).
+        Every rank enters it (zero1/zero2 gather the averaged slices: a collective)."""
+        weights = self._held(trainer)
+        trained = [weight.detach().clone() for weight in weights]
+        with torch.no_grad():
+            for weight, average in zip(weights, self.averages):
+                weight.copy_(average)
+        trainer.strategy.owned_parameters_changed()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for weight, kept in zip(weights, trained):
+                    weight.copy_(kept)
+            trainer.strategy.owned_parameters_changed()
+
+    def state_dict(self) -> Optional[Dict[str, Any]]:
+        if self.averages is None:
+            return None
+        return {"decay": self.decay, "updates": self.updates,
+                "averages": [average.detach().cpu().clone() for average in self.averages]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state["decay"] != self.decay:
+            raise ValueError(f"the checkpoint's EMA has decay {state['decay']:g}, this run's EMA {self.decay:g}: "
+                             f"resume with EMA(decay={state['decay']:g}), or start a new run")
+        self.averages, self.updates = list(state["averages"]), state["updates"]
+        self._on_device = False
+
+    def discard_state(self) -> None:
+        self.averages, self.updates = None, 0
+
+    def _held(self, trainer: Any) -> List[torch.Tensor]:
+        """The rank's parameters, checked against the averages (and the averages put on their device)."""
+        if self.averages is None:
+            raise RuntimeError("the EMA has no averages yet: it starts at fit() (pass it in Trainer(callbacks=[...]))")
+        weights = trainer.strategy.owned_parameters()
+        shapes = [tuple(weight.shape) for weight in weights]
+        if shapes != [tuple(average.shape) for average in self.averages]:
+            raise ValueError(f"the EMA's averages do not fit the parameters this rank holds ({len(self.averages)} "
+                             f"tensors vs {len(weights)}): the model, strategy or worker count changed without a "
+                             f"resume through the Trainer's checkpoints; build a new EMA")
+        if not getattr(self, "_on_device", True):
+            self.averages = [average.to(weight.device) for average, weight in zip(self.averages, weights)]
+            self._on_device = True
+        return weights
+
+
+def _averaging_copy(tensor: torch.Tensor) -> torch.Tensor:
+    dtype = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.dtype
+    return tensor.detach().to(dtype=dtype, copy=True)

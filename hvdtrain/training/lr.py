@@ -91,6 +91,20 @@ def set_scaled_lr(optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], s
         group["lr"] = group["initial_lr"] = base * scale
 
 
+def configured_rates(optimizer: torch.optim.Optimizer, lr: Optional[float]) -> List[float]:
+    """One worker's peak rate of every parameter group: the optimizer's own, or, with train.lr set,
+    train.lr for the first group and the same multiple of their own for the others (a head at 10x
+    the body's rate stays at 10x)."""
+    own = [float(group["lr"]) for group in optimizer.param_groups]
+    if lr is None:
+        return own
+    if not own[0] > 0:
+        raise ValueError(f"train.lr={lr:g} scales the optimizer's rates by the first parameter group's, which is "
+                         f"{own[0]:g}: give that group a rate > 0, or leave train.lr unset (null) to keep the "
+                         f"optimizer's own rates")
+    return [lr * rate / own[0] for rate in own]
+
+
 SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
 
 
@@ -105,7 +119,7 @@ class LearningRate:
         self.config = config
         self.optimizer = optimizer
         self.factory = factory
-        self.base_lrs: List[float] = [group["lr"] for group in optimizer.param_groups]  # one worker's
+        self.base_lrs: List[float] = configured_rates(optimizer, config.lr)  # one worker's
         self.scale = 1.0
         self.scheduler: LRScheduler  # hvdtrain's LambdaLR, or the user's own
 
@@ -149,11 +163,13 @@ class LearningRate:
     def describe(self) -> str:
         """The start line's part: the rate, its scale and warm-up, and Adasum's rule when it applies."""
         config = self.config
-        # The optimizer's own rates are what is scaled (train.lr is the examples' way to set them).
         rates = "/".join(f"{rate:g}" for rate in dict.fromkeys(self.base_lrs))
+        peaks = "/".join(f"{rate * self.scale:g}" for rate in dict.fromkeys(self.base_lrs))
+        source = "train.lr" if config.lr is not None else "the optimizer's"
+        rates = f"peak lr {peaks} ({source} {rates} x {self.scale:g})"
         if self.factory is not None:
-            return f"lr {rates} x {self.scale:g}, then your {type(self.scheduler).__name__}"
-        text = f"lr {rates} x {self.scale:g} after {self.warmup_steps} warm-up steps"
+            return f"{rates}, then your {type(self.scheduler).__name__}"
+        text = f"{rates} after {self.warmup_steps} warm-up steps"
         if config.lr_schedule != "constant":
             text += f", {config.lr_schedule} decay to x {config.min_lr_ratio:g} at step {self.total_steps}"
         if config.reduction != "adasum" or not config.scale_lr:

@@ -1,16 +1,20 @@
 """Rank 0's records reach every sink it was given: CSV files a column per key (a late key adds one),
 an MLflow run read back with MLflow's own client (settings as parameters, records as metrics at
-their steps), continued, not duplicated, when the run directory is opened again (a requeue)."""
+their steps), continued, not duplicated, when the run directory is opened again (a requeue); an
+offline W&B run's file decoded with W&B's own record schema."""
 import csv
+import json
 import logging
+import time
 
 import pytest
 import torch
 
 from hvdtrain.distributed.world import World
 from hvdtrain.common.nested import flatten
-from hvdtrain.observability.metric_sinks import MLFLOW_RUN_ID_FILE, open_sinks
+from hvdtrain.observability.metric_sinks import MLFLOW_RUN_ID_FILE, WANDB_RUN_ID_FILE, open_sinks
 from hvdtrain.observability.run_directory import RunDirectory
+from tests.wandb_files import wandb_records
 
 SETTINGS = {"train": {"lr": 0.1, "betas": [0.9, 0.95]}, "model": {"width": 8}}
 
@@ -66,6 +70,48 @@ def test_mlflow_holds_the_settings_and_every_record_and_a_reopened_run_goes_on(t
     assert sorted((m.step, m.value) for m in history) == [(2, 1.5), (4, 1.25)]
     assert [m.value for m in client.get_metric_history(found.info.run_id, "evaluation/val_loss")] == [1.0]
     assert client.get_metric_history(found.info.run_id, "step/accuracy") == []  # NaN is not a number to log
+
+
+def test_wandb_writes_an_offline_run_with_the_settings_and_every_record_and_a_reopened_run_keeps_its_id(tmp_path):
+    pytest.importorskip("wandb")
+    path = tmp_path / "run-1"
+    path.mkdir()
+    run = run_directory(path, ["wandb"])
+    run.record("step", {"step": 2, "loss": 1.5, "accuracy": float("nan")}, started=0.0)
+    run.record("evaluation", {"step": 2, "val_loss": 1.0}, started=0.0)
+    run.close()
+    # W&B names an offline run's directory by the second it started and the run's id: a requeued job,
+    # seconds later at least, gets its own; one started in the same second would write into the first's.
+    time.sleep(1.1)
+    again = run_directory(path, ["wandb"])  # a requeued job opens the same run directory
+    again.record("step", {"step": 4, "loss": 1.25}, started=0.0)
+    again.close()
+
+    run_id = (path / WANDB_RUN_ID_FILE).read_text().strip()
+    files = sorted((path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert [file.name for file in files] == [f"run-{run_id}.wandb"] * 2  # both W&B runs: one id
+    logged, runs = [], []
+    for file in files:
+        for record in wandb_records(file):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                config = {item.key: json.loads(item.value_json) for item in record.run.config.update
+                          if item.key != "_wandb"}  # W&B's own entry
+                runs.append((record.run.run_id, record.run.project, record.run.display_name, config))
+            elif kind == "history":
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                logged.append({key: value for key, value in row.items() if not key.startswith("_") or key == "_step"})
+    settings = {"train.lr": 0.1, "train.betas": [0.9, 0.95], "model.width": 8}
+    assert [(r[0], r[1], r[2]) for r in runs] == [(run_id, "hvdtrain", "run-1")] * 2
+    assert all(r[3] == settings for r in runs), runs
+    # The NaN accuracy is not a number to log; the evaluation at the same step joins the step's row.
+    assert logged == [{"step/loss": 1.5, "evaluation/val_loss": 1.0, "_step": 2}, {"step/loss": 1.25, "_step": 4}], logged
+
+
+def test_wandb_missing_is_refused_naming_the_extra_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # as if W&B were not installed
+    with pytest.raises(ImportError, match=r"train.loggers=\[wandb\] needs W&B: pip install -e \.\[wandb\]"):
+        open_sinks(tmp_path, False, ["wandb"], "run-1", SETTINGS, None, "tests")
 
 
 def test_flatten_names_nested_settings_by_their_path():

@@ -66,7 +66,8 @@ def test_the_optimizer_steps_at_the_warmed_up_decayed_rate_of_each_group():
     assert seen[4] == pytest.approx([0.4, 0.04])  # the scaled peak
     assert seen[8] == pytest.approx([0.2, 0.02])  # halfway through the decay: cos(pi/2)
     assert seen[12] == pytest.approx([0.0, 0.0], abs=1e-15)
-    assert rate.describe() == "lr 0.1/0.01 x 4 after 4 warm-up steps, cosine decay to x 0 at step 12"
+    assert rate.describe() == ("peak lr 0.4/0.04 (train.lr 0.1/0.01 x 4) after 4 warm-up steps, cosine decay to "
+                               "x 0 at step 12")
 
 
 @pytest.mark.parametrize("name,value", [("lr_schedule", "step"), ("min_lr_ratio", 1.5), ("min_lr_ratio", float("nan")),
@@ -74,3 +75,31 @@ def test_the_optimizer_steps_at_the_warmed_up_decayed_rate_of_each_group():
 def test_a_bad_schedule_setting_is_refused(name, value):
     with pytest.raises(ValueError, match=rf"TrainConfig\.{name} must be"):
         TrainConfig(**{name: value})
+
+
+def test_train_lr_replaces_the_optimizers_rates_keeping_each_groups_ratio():
+    """A body at 2e-5 and a head at 10x, set to train.lr=1e-4: the head goes to 1e-3. The old Trainer
+    ignored train.lr and stepped at the optimizer's 2e-5 while its start line printed train.lr."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW([{"params": [model.weight], "lr": 2e-5}, {"params": [model.bias], "lr": 2e-4}])
+    rate = LearningRate(TrainConfig(batch_size=8, lr=1e-4, scale_lr=False, warmup_epochs=0), optimizer)
+    rate.start(global_batch=32, warmup_steps=0, world=FOUR_WORKERS, step=0, total_steps=12)
+    assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([1e-4, 1e-3], rel=1e-12)
+    assert rate.describe() == "peak lr 0.0001/0.001 (train.lr 0.0001/0.001 x 1) after 0 warm-up steps"
+
+
+def test_without_train_lr_the_optimizers_own_rates_are_scaled_and_printed_as_they_are_reached():
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    rate = LearningRate(TrainConfig(batch_size=8, warmup_epochs=0), optimizer)
+    rate.start(global_batch=32, warmup_steps=0, world=FOUR_WORKERS, step=0, total_steps=12)
+    assert TrainConfig().lr is None
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(8e-5, rel=1e-12)  # scale_lr: 32 / 8 = 4 one-worker batches
+    assert rate.describe() == "peak lr 8e-05 (the optimizer's 2e-05 x 4) after 0 warm-up steps"
+
+
+def test_train_lr_cannot_scale_an_optimizer_whose_first_group_has_no_rate():
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD([{"params": [model.weight], "lr": 0.0}, {"params": [model.bias], "lr": 0.1}])
+    with pytest.raises(ValueError, match=r"give that group a rate > 0, or leave train.lr unset"):
+        LearningRate(TrainConfig(lr=0.05), optimizer)

@@ -78,6 +78,11 @@ class ShardedStrategy(SlicedStateStrategy):
     def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
         check_elementwise(optimizer, *NOT_SLICEABLE)
 
+    def owned_parameters(self) -> List[torch.Tensor]:
+        # The slices the optimizer steps; fsdp's forward gathers from them, zero's buckets are
+        # gathered from them after each step (owned_parameters_changed).
+        return [bucket.shard for bucket in self.buckets]
+
     def shard_state_dict(self) -> Dict[str, Any]:
         return shard_state.shard_state_dict(self.model, self.buckets, self.optimizer, self._group_indices)
 
