@@ -42,6 +42,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 def is_stream(dataset: Any) -> bool:
     """Whether ``dataset`` is read as a stream (no index): an IterableDataset, an iterable without
     ``__getitem__`` (Hugging Face streaming), or a function that opens a stream per epoch."""
+    if isinstance(dataset, DataLoader):
+        raise TypeError("a DataLoader is not a dataset: hvdtrain builds each rank's loader over its shard (an own "
+                        "loader over the whole data would give every rank the same batches); pass its dataset, and "
+                        "its collate_fn as the Trainer's collate_fn, num_workers/prefetch_factor as train settings")
     if isinstance(dataset, (IterableDataset, StreamShards)):
         return True
     if hasattr(dataset, "__getitem__"):

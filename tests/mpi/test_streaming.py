@@ -121,3 +121,11 @@ def test_a_generator_object_is_refused_and_a_function_over_files_is_read_per_epo
     ids = [int(i) for _, _, batch in loader for i in batch]
     assert opened == [0, 4]
     assert ids == list(range(world.size * 2 + world.rank, SAMPLES, world.size)), "a resumed epoch skips its start"
+
+
+def test_a_dataloader_passed_as_the_dataset_is_refused(world):
+    from torch.utils.data import DataLoader
+    model = small_mlp(seed=1)
+    with pytest.raises(TypeError, match="a DataLoader is not a dataset: .*pass its dataset"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(ShuffledIds(), batch_size=3), None,
+                TrainConfig(batch_size=3, progress="off", run_dir=None), world=world)
