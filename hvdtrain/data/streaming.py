@@ -3,7 +3,7 @@
 The source, one of:
 
 * an iterable that starts over at every ``iter()`` (a torch IterableDataset, a Hugging Face
-  ``load_dataset(..., streaming=True)`` dataset, a list); if it has ``set_epoch(epoch)`` it is
+  ``load_dataset(..., streaming=True)`` dataset; an object with ``__getitem__`` is map-style instead); if it has ``set_epoch(epoch)`` it is
   called before each epoch (Hugging Face reshuffles its shards and buffer with it);
 * a function ``open(epoch) -> iterator`` (a generator over files, say): called once per epoch.
 
