@@ -3,8 +3,9 @@
 The source, one of:
 
 * an iterable that starts over at every ``iter()`` (a torch IterableDataset, a Hugging Face
-  ``load_dataset(..., streaming=True)`` dataset; an object with ``__getitem__`` is map-style instead); if it has ``set_epoch(epoch)`` it is
-  called before each epoch (Hugging Face reshuffles its shards and buffer with it);
+  ``load_dataset(..., streaming=True)`` dataset; an object with ``__getitem__`` is map-style
+  instead); if it has ``set_epoch(epoch)`` it is called before each epoch (Hugging Face
+  reshuffles its shards and buffer with it);
 * a function ``open(epoch) -> iterator`` (a generator over files, say): called once per epoch.
 
 The contract: for a given epoch the source yields the same samples in the same order on every
