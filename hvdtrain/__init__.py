@@ -34,6 +34,7 @@ _EXPORTS = {
     "StepFn": "hvdtrain.training.steps",
     "supervised_step": "hvdtrain.training.steps",
     "ShardedSampler": "hvdtrain.data.sharding",
+    "StreamShards": "hvdtrain.data.streaming",
     "Callback": "hvdtrain.training.callbacks",
     "EarlyStopping": "hvdtrain.training.callbacks",
     "EMA": "hvdtrain.training.callbacks",

@@ -78,7 +78,7 @@ class TrainingLoop:
                 position.epoch, position.epoch_position = position.epoch + 1, 0
             # max_steps can end training inside an epoch: the record says how far it got.
             record = {
-                "epoch": position.epoch + position.epoch_position / self.batching.dataset_size,
+                "epoch": self.batching.epoch_progress(position.epoch, position.epoch_position),
                 "step": position.step,
                 **{f"train_{name}": value for name, value in train.items()},
                 "samples_per_sec": samples / elapsed,
@@ -108,6 +108,7 @@ class TrainingLoop:
         # 2. A new permutation each epoch, the same on every rank; each rank takes its slice
         #    (from where a resumed epoch stopped).
         self.batching.sampler.set_epoch(position.epoch, start=position.epoch_position)
+        self.batching.exhausted = False
         self.model.train()
         window = RunningMeans(device)
         throughput = Throughput(self.batching.world.size)  # data-parallel width: distinct samples
@@ -167,6 +168,8 @@ class TrainingLoop:
                 totals = window.reduce(name="train.window")
                 epoch_totals += totals
                 self.report(totals.means(), throughput)
+        else:  # the loader ran out: a stream's epoch is over (every rank alike: whole global batches)
+            self.batching.exhausted = True
 
         epoch_totals += window.reduce(name="train.epoch")
         return epoch_totals.means(), epoch_totals.count
@@ -194,7 +197,7 @@ class TrainingLoop:
         if self.precision.scaled:
             extra.update(loss_scale=self.precision.scale, skipped_steps=self.precision.skipped_steps)
         position = self.position
-        self.reporter.window(position.epoch + position.epoch_position / self.batching.dataset_size, position.step,
+        self.reporter.window(self.batching.epoch_progress(position.epoch, position.epoch_position), position.step,
                              means, self.lr.current, samples_per_sec, comm_fraction, extra)
         self.callbacks.call("on_log", position.step, dict(means))
 
@@ -221,7 +224,7 @@ class TrainingLoop:
             metrics = self.evaluate()
         self.model.train()
         position = self.position
-        self.reporter.evaluation({"epoch": position.epoch + position.epoch_position / self.batching.dataset_size,
+        self.reporter.evaluation({"epoch": self.batching.epoch_progress(position.epoch, position.epoch_position),
                                   "step": position.step, **metrics})
         self.callbacks.call("on_evaluation_end", position.step, metrics)
         self.stop_if_agreed("loop.stop.evaluation")

@@ -304,10 +304,7 @@ class Trainer:
         reduced across ranks)."""
         history: List[Dict[str, float]] = []
         cfg, loop = self.config, self.loop
-        total = cfg.epochs * self.batching.steps_per_epoch
-        limit = cfg.max_steps if until_step is None else until_step
-        if limit is not None:
-            total = min(total, limit)
+        total = self.batching.steps_for(cfg.max_steps if until_step is None else until_step)
         self.reporter.start(total, self.position.step)
         self.faults.start_watchdog(self.strategy.pending_communication)
         loop.stopped, self.callbacks.stop_reason = False, None  # a stop ends one fit(); another goes on

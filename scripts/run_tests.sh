@@ -32,7 +32,7 @@ SHARDED_TESTS="tests/mpi/test_strategies.py tests/mpi/test_zero.py tests/mpi/tes
 [ -f tests/mpi/test_sharded_checkpoint.py ] && SHARDED_TESTS="$SHARDED_TESTS tests/mpi/test_sharded_checkpoint.py"
 # Model parallelism's layouts (T x P x D) and the parameter server's servers need 4 ranks to show.
 MODEL_PARALLEL_MESH_TESTS="tests/mpi/test_deferred_init.py tests/mpi/test_model_parallel.py tests/mpi/test_tensor_parallel.py tests/mpi/test_hf_equivalence.py tests/mpi/test_hf_pipeline.py tests/mpi/test_pipeline.py tests/mpi/test_plan_memory.py"
-RESIZED_TESTS="$SHARDED_TESTS tests/mpi/test_reduction.py tests/mpi/test_ps.py $MODEL_PARALLEL_MESH_TESTS"
+RESIZED_TESTS="$SHARDED_TESTS tests/mpi/test_streaming.py tests/mpi/test_reduction.py tests/mpi/test_ps.py $MODEL_PARALLEL_MESH_TESTS"
 status=0
 # phase KEY RANKS TITLE COMMAND...: RANKS 0 is one process writing KEY.xml; otherwise every rank
 # writes KEY-rankR.xml. The summary reads the announced phases, so a launch that died is counted.

@@ -1,6 +1,10 @@
 """What follows from the data-parallel world and the global batch: this rank's loaders over its
 shards, the global batch and the steps per epoch. Built at start, and again when Horovod elastic
-re-forms the world (the global batch then follows the world, and so do the shards)."""
+re-forms the world (the global batch then follows the world, and so do the shards).
+
+A training set that is a stream (hvdtrain.data.streaming) ends its epoch when the stream runs
+out (``exhausted``, set by the loop), not at a count; its steps per epoch are known only when it
+has a len(), and without one train.max_steps is required (the run's length and LR schedule)."""
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
@@ -9,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler, sharded_loader
+from hvdtrain.data.streaming import StreamShards, is_stream, stream_length
 from hvdtrain.distributed.world import World
 
 
@@ -19,7 +24,15 @@ class Batching:
                  val_dataset: Optional[Dataset], collate_fn: Optional[Callable[[List[Any]], Any]] = None) -> None:
         self.config, self.collate_fn = config, collate_fn
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
-        self.dataset_size = len(train_dataset)  # type: ignore[arg-type]
+        self.streaming = is_stream(train_dataset)
+        # None: a stream without len() (its epochs end when it runs out; it may never).
+        self.dataset_size: Optional[int] = (stream_length(train_dataset) if self.streaming
+                                            else len(train_dataset))  # type: ignore[arg-type]
+        if self.dataset_size is None and config.max_steps is None:
+            raise ValueError(f"the training set is a stream without len() ({type(train_dataset).__name__}), maybe "
+                             f"endless: set train.max_steps (the run's length, and where an LR schedule ends), or "
+                             f"give the stream a __len__")
+        self.exhausted = False  # a stream ran out in the current epoch (the loop sets it)
         self.rebuild(world, batch_size)
 
     def rebuild(self, world: World, batch_size: int) -> None:
@@ -37,24 +50,50 @@ class Batching:
             self.val_loader = sharded_loader(self.val_dataset, config.eval_batch_size or batch_size, world.rank,
                                              world.size, config.seed, **loading)
         # Whole global batches only: every step is B x accumulation full micro-batches per rank.
-        self.steps_per_epoch = self.dataset_size // self.global_batch_size
-        self.warmup_steps = round(config.warmup_epochs * self.steps_per_epoch)
+        self.steps_per_epoch: Optional[int] = (None if self.dataset_size is None
+                                               else self.dataset_size // self.global_batch_size)
+        if self.steps_per_epoch is None and config.warmup_epochs:
+            raise ValueError(f"train.warmup_epochs={config.warmup_epochs:g} needs the steps of an epoch, and this "
+                             f"stream has no len(): set train.warmup_epochs=0 and warm up in an lr_scheduler, or "
+                             f"give the stream a __len__")
+        self.warmup_steps = round(config.warmup_epochs * (self.steps_per_epoch or 0))
         # The run's last step, where a decaying LR schedule ends: the epochs', or max_steps if sooner.
-        every_epoch = config.epochs * self.steps_per_epoch
-        self.total_steps = every_epoch if config.max_steps is None else min(config.max_steps, every_epoch)
+        self.total_steps = self.steps_for(config.max_steps)
+
+    def steps_for(self, limit: Optional[int]) -> int:
+        """The run's steps: the epochs' (when known), or ``limit`` if sooner."""
+        if self.steps_per_epoch is None:
+            assert limit is not None  # refused at construction
+            return limit
+        every_epoch = self.config.epochs * self.steps_per_epoch
+        return every_epoch if limit is None else min(limit, every_epoch)
 
     @property
     def global_batch_size(self) -> int:
         return self.batch_size * self.config.accumulation * self.world.size
 
     @property
-    def sampler(self) -> ShardedSampler:
+    def sampler(self) -> "ShardedSampler | StreamShards":
+        """What the loop calls set_epoch(epoch, start) on: the sampler, or a stream's shards."""
+        if self.streaming:
+            return self.train_loader.dataset  # type: ignore[return-value]
         return self.train_loader.sampler  # type: ignore[return-value]
 
     def has_steps_left(self, epoch_position: int) -> bool:
-        """Whether a whole global batch remains after ``epoch_position`` samples of the epoch."""
+        """Whether a whole global batch remains after ``epoch_position`` samples of the epoch (a
+        stream: whether it has not run out yet)."""
+        if self.streaming:
+            return not self.exhausted
         return self.dataset_size - epoch_position >= self.global_batch_size
+
+    def epoch_progress(self, epoch: int, epoch_position: int) -> float:
+        """Epochs done, with the fraction of the current one when the dataset's size is known."""
+        if not self.dataset_size:
+            return float(epoch)
+        return epoch + epoch_position / self.dataset_size
 
     def describe(self) -> str:
         return (f"global batch {self.global_batch_size} = {self.batch_size} x {self.config.accumulation} "
-                f"accumulation x {self.world.size} workers; {self.steps_per_epoch} steps/epoch")
+                f"accumulation x {self.world.size} workers; "
+                + (f"{self.steps_per_epoch} steps/epoch" if self.steps_per_epoch is not None
+                   else "a stream without len(): epochs end when it runs out"))

@@ -159,7 +159,14 @@ def sharded_loader(
     (evaluation): in order, every sample exactly once across ranks, so metrics summed across
     ranks count each sample once. ``collate_fn`` makes a batch of samples (torch's default
     stacks them; a padding collate keeps each batch only as long as its longest sample).
+    A stream (an IterableDataset, a Hugging Face streaming dataset, a function that opens one per
+    epoch) is sharded by hvdtrain.data.streaming instead, with the same meaning of global_batch.
     """
+    from hvdtrain.data.streaming import is_stream, stream_loader  # (streaming imports nothing of this module)
+    if is_stream(dataset):
+        return stream_loader(dataset, batch_size, rank, world_size, seed, global_batch=global_batch,
+                             num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn,
+                             prefetch_factor=prefetch_factor)
     sampler = ShardedSampler(
         len(dataset), rank, world_size, seed=seed,  # type: ignore[arg-type]
         shuffle=global_batch is not None, global_batch=global_batch,

@@ -29,11 +29,16 @@ def evaluate(model: torch.nn.Module, loader, step: StepFn, device: torch.device,
     means = RunningMeans(device)
     extra = 0
     if lockstep:
-        counts = collectives.allgather_object(len(loader), name="val.batches")  # every rank decides alike
+        try:
+            own_batches = len(loader)
+        except TypeError:  # a stream without len(): this rank's batches, read first to count them
+            loader = list(loader)
+            own_batches = len(loader)
+        counts = collectives.allgather_object(own_batches, name="val.batches")  # every rank decides alike
         if min(counts) == 0:
             raise ValueError(f"validation batches per rank {counts}: with a sharded model every rank "
                              f"needs at least one; use fewer workers or a larger validation set")
-        extra = max(counts) - len(loader)
+        extra = max(counts) - own_batches
     batch = None
     for batch in loader:
         batch = to_device(batch, device)

@@ -1,0 +1,131 @@
+"""Streams (IterableDataset, Hugging Face streaming, a function over files) across ranks: every
+sample of an epoch taken once across ranks and DataLoader workers, whole global batches only, and
+the Trainer's epochs ending when the stream runs out, on every rank at the same step."""
+import pytest
+import torch
+from torch.utils.data import IterableDataset
+
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.data.streaming import stream_loader
+from hvdtrain.distributed import collectives
+from hvdtrain.trainer import Trainer
+from tests.mpi.helpers import small_mlp
+
+pytestmark = pytest.mark.mpi
+SAMPLES = 50  # not a multiple of the global batches below: a tail is dropped in training
+
+
+class ShuffledIds(IterableDataset):
+    """Samples (features, label, id), in an order seeded by the epoch (as a shuffled stream is);
+    with ``sized`` it has a len()."""
+
+    def __init__(self, samples: int = SAMPLES, sized: bool = True) -> None:
+        self.samples, self.sized, self.epoch = samples, sized, 0
+        generator = torch.Generator().manual_seed(3)
+        self.inputs = torch.randn(samples, 12, generator=generator, dtype=torch.float64)
+        self.labels = torch.randint(0, 4, (samples,), generator=generator)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(self.samples, generator=torch.Generator().manual_seed(100 + self.epoch))
+        for i in order.tolist():
+            yield self.inputs[i], self.labels[i], torch.tensor(i)
+
+    def __len__(self) -> int:
+        if not self.sized:
+            raise TypeError("no len")
+        return self.samples
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_sample_once_per_epoch_across_ranks_and_loader_workers(world, workers):
+    stream = ShuffledIds()
+    batch = 3
+    global_batch = batch * world.size
+    training = stream_loader(stream, batch, world.rank, world.size, seed=0, global_batch=global_batch,
+                             num_workers=workers)
+    evaluation = stream_loader(stream, batch, world.rank, world.size, seed=0, num_workers=workers)
+    seen = {}
+    for epoch in (0, 1):
+        training.dataset.set_epoch(epoch)
+        seen[epoch] = [int(i) for _, _, ids in training for i in ids]
+    evaluation.dataset.set_epoch(0)
+    evaluated = [int(i) for _, _, ids in evaluation for i in ids]
+    gathered = collectives.allgather_object((seen, evaluated), name="stream.ids")
+
+    whole = SAMPLES // global_batch * global_batch
+    for epoch in (0, 1):
+        union = [i for rank_seen, _ in gathered for i in rank_seen[epoch]]
+        assert len(union) == whole and len(set(union)) == whole, f"epoch {epoch}: repeated or missing samples"
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(100 + epoch)).tolist()
+        assert set(union) == set(order[:whole]), "not the stream's first whole global batches"
+    assert seen[0] != seen[1], "the epoch's order did not reach the stream (set_epoch)"
+    union = [i for _, rank_evaluated in gathered for i in rank_evaluated]
+    assert sorted(union) == list(range(SAMPLES)), "evaluation must take every sample exactly once"
+
+
+def id_recording_step(seen):
+    def step(model, batch):
+        inputs, labels, ids = batch
+        seen.extend(int(i) for i in ids)
+        return torch.nn.functional.cross_entropy(model(inputs), labels), {}
+    return step
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_the_trainer_ends_each_epoch_when_the_stream_runs_out(world, sized):
+    seen = []
+    model = small_mlp(seed=1)
+    config = TrainConfig(seed=5, batch_size=3, epochs=2, log_every=1, progress="off", run_dir=None,
+                         max_steps=None if sized else 100, warmup_epochs=0 if not sized else 1)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), ShuffledIds(sized=sized),
+                      ShuffledIds(), config, world=world, step_fn=id_recording_step(seen))
+    history = trainer.fit()
+    gathered = collectives.allgather_object(seen, name="stream.trainer.ids")
+
+    global_batch = 3 * world.size
+    steps = SAMPLES // global_batch
+    assert trainer.step == 2 * steps, "two epochs of whole global batches"
+    assert [record["step"] for record in history] == [steps, 2 * steps]
+    assert trainer.steps_per_epoch == (steps if sized else None)
+    for epoch in (0, 1):
+        # The training ids of this epoch on every rank (evaluation's follow each epoch's training).
+        union = []
+        for rank_seen in gathered:
+            per_epoch = len(rank_seen) // 2
+            union += rank_seen[epoch * per_epoch: epoch * per_epoch + steps * 3]
+        assert len(set(union)) == len(union) == steps * global_batch, f"epoch {epoch}: a sample twice or lost"
+    assert history[-1]["val_samples"] == SAMPLES
+
+
+def test_an_unsized_stream_without_max_steps_is_refused(world):
+    model = small_mlp(seed=1)
+    with pytest.raises(ValueError, match="set train.max_steps"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), ShuffledIds(sized=False), None,
+                TrainConfig(batch_size=3, progress="off", run_dir=None), world=world)
+
+
+def test_a_generator_object_is_refused_and_a_function_over_files_is_read_per_epoch(world):
+    opened = []
+
+    def lines(epoch):  # as a generator over files would: a new one per epoch
+        opened.append(epoch)
+        return ((torch.zeros(12, dtype=torch.float64), torch.tensor(0), torch.tensor(i)) for i in range(SAMPLES))
+
+    with pytest.raises(TypeError, match="generator object"):
+        stream_loader(lines(0), 3, world.rank, world.size, seed=0)
+    loader = stream_loader(lines, 3, world.rank, world.size, seed=0)
+    loader.dataset.set_epoch(4, start=world.size * 2)
+    ids = [int(i) for _, _, batch in loader for i in batch]
+    assert opened == [0, 4]
+    assert ids == list(range(world.size * 2 + world.rank, SAMPLES, world.size)), "a resumed epoch skips its start"
+
+
+def test_a_dataloader_passed_as_the_dataset_is_refused(world):
+    from torch.utils.data import DataLoader
+    model = small_mlp(seed=1)
+    with pytest.raises(TypeError, match="a DataLoader is not a dataset: .*pass its dataset"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(ShuffledIds(), batch_size=3), None,
+                TrainConfig(batch_size=3, progress="off", run_dir=None), world=world)
