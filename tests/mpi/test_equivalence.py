@@ -55,9 +55,9 @@ def test_n_workers_match_one_process_with_n_times_the_batch(world, optimizer_nam
     batch, steps, seed = 4, 5, 11
     make_optimizer = OPTIMIZERS[optimizer_name]
     model = small_mlp(seed=100 + world.rank)  # different on every rank: set-up must fix that
-    config = TrainConfig(epochs=1, batch_size=batch, accumulation=accumulation, lr=1.0, strategy=strategy,
+    config = TrainConfig(epochs=1, batch_size=batch, accumulation=accumulation, strategy=strategy,
                          scale_lr=False, warmup_epochs=0, max_steps=steps, seed=seed, log_every=1000)
-    # lr=1.0 above is overridden by the optimizer's own rate: the Trainer scales, never sets it.
+    # No train.lr: the optimizer's own rates, which the Trainer scales.
     trainer = Trainer(model, make_optimizer(model.parameters()), data, None, config, world=world)
     initial = copy.deepcopy(trainer.strategy.state_dict()["model"])  # the full model, whatever the strategy
     trainer.fit()

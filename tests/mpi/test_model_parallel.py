@@ -116,7 +116,7 @@ def check_layout(world, layout, max_grad_norm=None, strategy="ddp", activation_c
         pytest.skip("more stages than layers")
     data = token_data()
     model = make_model(100 + world.rank)  # different on every rank: set-up must broadcast rank 0's
-    config = TrainConfig(epochs=1, batch_size=BATCH, lr=1.0, scale_lr=False, warmup_epochs=0, max_steps=STEPS,
+    config = TrainConfig(epochs=1, batch_size=BATCH, scale_lr=False, warmup_epochs=0, max_steps=STEPS,
                          seed=SEED, log_every=1000, tensor_parallel=tensor, pipeline_parallel=pipeline,
                          pipeline_schedule=schedule, micro_batches=micro, max_grad_norm=max_grad_norm,
                          strategy=strategy, activation_checkpointing=activation_checkpointing)
@@ -185,7 +185,7 @@ def test_dropout_masks_agree_within_a_tensor_group(world):
         pytest.skip("tensor_parallel=2 needs an even number of ranks")
     torch.manual_seed(0)
     model = TinyTransformerLM(VOCAB, seq_len=SEQ, d_model=WIDTH, layers=BLOCKS, heads=HEADS, dropout=0.3).double()
-    config = TrainConfig(epochs=1, batch_size=BATCH, lr=1.0, scale_lr=False, warmup_epochs=0, max_steps=3, seed=SEED,
+    config = TrainConfig(epochs=1, batch_size=BATCH, scale_lr=False, warmup_epochs=0, max_steps=3, seed=SEED,
                          log_every=1000, tensor_parallel=2)
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), token_data(), None, config, world=world,
                       loss_fn=lm_loss, model_plan=ModelPlan(tensor_plan=tensor_plan(model), pipeline_layers=pipeline_layers))
