@@ -88,7 +88,16 @@ def test_losing_rank_0s_host_keeps_checkpoints_and_metrics_going_and_the_host_re
         assert len(victims) == 1, f"expected one worker started as rank 0, found {victims}"
         os.kill(victims[0], signal.SIGKILL)
         killed_after = max(checkpoint_steps(checkpoints), default=0)
-        process.wait(timeout=max(1, deadline - time.monotonic()))
+        try:
+            process.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # say where the job stood, and each rank's last log lines
+            kill_session(process.pid)
+            process.wait()
+            reader.join(timeout=10)
+            logs = "".join(f"\n--- {log}:\n" + "".join(log.read_text().splitlines(True)[-8:])
+                           for log in sorted(runs.glob("*/logs/rank-*.log")))
+            pytest.fail(f"the job did not end within {TIMEOUT} s, rank 0's host killed after checkpoint step "
+                        f"{killed_after}:\n{''.join(lines)[-3000:]}{logs}")
     finally:
         if process.poll() is None:
             kill_session(process.pid)
