@@ -40,7 +40,7 @@ def main(argv=None) -> int:
                                world=world, job_config=hvdtrain.to_dict(job))
     if world.is_root:
         print(f"model: {describe(hf_config)}, from {source}", flush=True)
-    if job.model.pretrained and not trainer.step:  # a resumed run continues from its checkpoint instead
+    if job.model.pretrained and not trainer.global_step:  # a resumed run continues from its checkpoint instead
         trainer.load_pretrained(job.model.pretrained)
     final = trainer.run()  # None: preempted, checkpointed (and requeued under SLURM); a restart resumes
     if final is None:

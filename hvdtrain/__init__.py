@@ -5,6 +5,14 @@
     trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, job.train, world=world)
     history = trainer.fit()
 
+or your own loop on the same set-up (hvdtrain.session)::
+
+    hv = hvdtrain.setup(model, optimizer, train_set, job.train)
+    for epoch in hv.epochs():
+        for inputs, targets in hv.batches():
+            hv.backward(F.cross_entropy(hv.model(inputs), targets))
+            hv.step()
+
 The names below are the public API; everything else is internal and may change. They are imported
 on first use, so that ``import hvdtrain`` (and the tools that run on login nodes) does not pay for
 importing torch and Horovod.
@@ -26,7 +34,9 @@ _EXPORTS = {
     "job_argument_parser": "hvdtrain.config.loader",
     "load_job": "hvdtrain.config.loader",
     "to_dict": "hvdtrain.config.loader",
-    # training
+    # training: your own loop on a session, or the Trainer's
+    "setup": "hvdtrain.session",
+    "Session": "hvdtrain.session",
     "Trainer": "hvdtrain.trainer",
     "evaluate_model": "hvdtrain.trainer",
     "ModelPlan": "hvdtrain.parallel.model_plan",

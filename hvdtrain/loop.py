@@ -1,9 +1,9 @@
 """The training loop, the same for every strategy: epochs, and in each the steps of data parallelism.
 
-    2. each rank reads its own shard, reshuffled every epoch             (train_epoch)
-    3. forward and backward on the shard                                 (train_epoch)
+    2. each rank reads its own shard, reshuffled every epoch             (batches)
+    3. forward and backward on the shard                                 (run, or your own loop)
     4. gradients reduced across ranks during backward                    (the strategy's hooks)
-    5. every rank applies the same update                                (update, strategy.step)
+    5. every rank applies the same update                                (step, update)
     6. rank 0 reports; metrics are reduced over every rank's samples     (reporter, evaluate)
 
 (1., rank 0's state everywhere before the first step, is the Trainer's set-up.) How the model's
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -59,6 +59,15 @@ class TrainingLoop:
     # every elastic_commit_every steps, or right after each checkpoint when the checkpoints are the commits.
     commit: Optional[Callable[[], None]] = None
     commit_with_checkpoints: bool = False
+    # The epoch in progress (batches()): its limit, its running means and counts, its micro-batches.
+    until_step: Optional[int] = None
+    epoch_done: bool = True
+    interrupted: bool = False  # step() ended training inside the epoch
+    micro_batches: int = 0
+    samples: int = 0  # in the current micro-batch
+    window: Optional[RunningMeans] = None
+    throughput: Optional[Throughput] = None
+    epoch_totals: Optional[Totals] = None
 
     def finished(self, until_step: Optional[int]) -> bool:
         """Preempted, stopped by a callback, or at the step limit: ``until_step``, else max_steps."""
@@ -66,11 +75,32 @@ class TrainingLoop:
         return self.preempted or self.stopped or (limit is not None and self.position.step >= limit)
 
     def run(self, history: List[Dict[str, float]], until_step: Optional[int] = None) -> None:
-        """Epochs until the configured count, max_steps or ``until_step``; one record per epoch."""
+        """The Trainer's loop: every batch through the strategy's forward and backward (a pipeline
+        runs its schedule there), then step(): the same epochs, batches and steps a library user's
+        own loop runs (hvdtrain.session)."""
+        for _ in self.epochs(history, until_step):
+            for batch in self.batches():
+                self.phase = "the forward and backward pass"
+                loss, metrics = self.strategy.forward_backward(self.step_fn, batch, self.precision.autocast,
+                                                               self.precision.scale_loss, self.config.accumulation)
+                self.record(loss, metrics)
+                self.step()
+
+    def epochs(self, history: List[Dict[str, float]], until_step: Optional[int] = None) -> Iterator[int]:
+        """Yields each epoch to train (its batches: batches()), then closes it: one record each in
+        ``history``, evaluation, the epoch's checkpoint and callbacks; until the configured epochs,
+        max_steps or ``until_step``."""
         position = self.position
+        self.until_step = until_step
         while position.epoch < self.config.epochs and not self.finished(until_step):
             started = time.perf_counter()
-            train, samples = self.train_epoch(until_step)
+            self.epoch_done = False
+            yield position.epoch
+            if not self.epoch_done:
+                raise RuntimeError("an epoch's batches were left before their end: every rank must take them all "
+                                   "(a rank that leaves alone leaves the others waiting in a collective); end "
+                                   "training early with request_stop(reason) or train.max_steps")
+            train, samples = self.epoch_totals.means(), self.epoch_totals.count
             elapsed = time.perf_counter() - started
             if self.preempted:
                 break
@@ -101,78 +131,87 @@ class TrainingLoop:
             with self.faults.checkpoint_io():
                 self.checkpoints.finish()
 
-    def train_epoch(self, until_step: Optional[int] = None) -> Tuple[Dict[str, float], float]:
-        """One pass over this rank's shard; returns (mean train metrics over all ranks, global samples)."""
-        cfg, position, strategy = self.config, self.position, self.strategy
+    def batches(self) -> Iterator[Any]:
+        """This rank's batches of the epoch (on its device), from where a resumed epoch stopped; after
+        each, the caller runs forward and backward (record() its loss) and step(). Ends at the
+        shard's end, or where step() ended training (max_steps, a preemption, an agreed stop)."""
+        position = self.position
         device = self.topology.world.device
         # 2. A new permutation each epoch, the same on every rank; each rank takes its slice
         #    (from where a resumed epoch stopped).
         self.batching.sampler.set_epoch(position.epoch, start=position.epoch_position)
         self.batching.exhausted = False
         self.model.train()
-        window = RunningMeans(device)
-        throughput = Throughput(self.batching.world.size)  # data-parallel width: distinct samples
-        epoch_totals = Totals()
-
-        for index, batch in enumerate(self.batching.train_loader):
-            if self.finished(until_step):
+        self.window = RunningMeans(device)
+        self.throughput = Throughput(self.batching.world.size)  # data-parallel width: distinct samples
+        self.epoch_totals = Totals()
+        self.micro_batches, self.interrupted = 0, False
+        for batch in self.batching.train_loader:
+            if self.finished(self.until_step):
                 break
-            batch = to_device(batch, device)
-            samples = batch_size(batch)
-            # 3. Forward and backward on this rank's micro-batch; the strategy's hooks start each
-            #    gradient's reduction as soon as backward has produced it.
-            self.phase = "the forward and backward pass"
-            loss, metrics = strategy.forward_backward(self.step_fn, batch, self.precision.autocast,
-                                                      self.precision.scale_loss, cfg.accumulation)
-            window.add(loss, metrics, samples if strategy.counts_samples else 0)
-            throughput.add(samples)
-            if (index + 1) % cfg.accumulation:
-                continue
-            # 5. Wait for the reduced gradients, then the same update on every rank. The wait
-            #    is timed apart from the update: it is the step's exposed communication.
-            self.phase = "gradient synchronization"
-            waited = time.perf_counter()
-            strategy.synchronize()
-            throughput.add_wait(time.perf_counter() - waited)
-            self.phase = "the optimizer step"
-            self.update()
-            self.reporter.after_first_step(position.step + 1)
-            strategy.zero_grad()
-            self.lr.step()
-            position.step += 1
-            position.epoch_position += self.batching.global_batch_size
-            self.saved_at = None  # (under elastic a rollback can bring the same step number back)
-            self.faults.beat(position.step)
-            self.reporter.after_step(position.step)
-            self.callbacks.call("on_step_end", position.step)
-            if (cfg.eval_every and position.step % cfg.eval_every == 0 and not self.finished(until_step)
-                    and self.batching.has_steps_left(position.epoch_position)):  # else the epoch's end evaluates
-                self.evaluate_between_steps()
-            if (self.commit is not None and not self.commit_with_checkpoints
-                    and position.step % cfg.elastic_commit_every == 0):
-                self.commit()  # the point survivors roll back to; may raise to resize
-            # The last step of an epoch is saved by the epoch's end, as the start of the next.
-            if (self.checkpoints is not None and cfg.checkpoint_every and position.step % cfg.checkpoint_every == 0
-                    and self.batching.has_steps_left(position.epoch_position)):
-                self.save_checkpoint()
-                if self.commit is not None and self.commit_with_checkpoints:
-                    self.commit()
-            preempted, stop = self.faults.votes(position.step, self.callbacks.stop_reason is not None)
-            if preempted:
-                self.stop_for_preemption()
+            self.samples = batch_size(batch)
+            yield to_device(batch, device)
+            if self.interrupted:
                 break
-            if self.callbacks.agreed(stop):
-                self.stop_at_this_step()
-                break
-            if position.step % cfg.log_every == 0:
-                totals = window.reduce(name="train.window")
-                epoch_totals += totals
-                self.report(totals.means(), throughput)
         else:  # the loader ran out: a stream's epoch is over (every rank alike: whole global batches)
             self.batching.exhausted = True
+        self.epoch_totals += self.window.reduce(name="train.epoch")
+        self.epoch_done = True
 
-        epoch_totals += window.reduce(name="train.epoch")
-        return epoch_totals.means(), epoch_totals.count
+    def record(self, loss: torch.Tensor, metrics: Dict[str, Any]) -> None:
+        """The micro-batch's loss and metrics, for the reported means (3. forward and backward were run)."""
+        self.window.add(loss, metrics, self.samples if self.strategy.counts_samples else 0)
+        self.throughput.add(self.samples)
+
+    def step(self) -> bool:
+        """After each micro-batch's backward: at the last of train.accumulation, the optimizer step
+        (synchronize, unscale, clip, step, zero, LR) and what follows a step (checkpoints, evaluation,
+        logs, the preemption and stop votes). Returns whether a step was taken."""
+        cfg, position, strategy = self.config, self.position, self.strategy
+        self.micro_batches += 1
+        if self.micro_batches % cfg.accumulation:
+            return False
+        # 5. Wait for the reduced gradients, then the same update on every rank. The wait
+        #    is timed apart from the update: it is the step's exposed communication.
+        self.phase = "gradient synchronization"
+        waited = time.perf_counter()
+        strategy.synchronize()
+        self.throughput.add_wait(time.perf_counter() - waited)
+        self.phase = "the optimizer step"
+        self.update()
+        self.reporter.after_first_step(position.step + 1)
+        strategy.zero_grad()
+        self.lr.step()
+        position.step += 1
+        position.epoch_position += self.batching.global_batch_size
+        self.saved_at = None  # (under elastic a rollback can bring the same step number back)
+        self.faults.beat(position.step)
+        self.reporter.after_step(position.step)
+        self.callbacks.call("on_step_end", position.step)
+        if (cfg.eval_every and position.step % cfg.eval_every == 0 and not self.finished(self.until_step)
+                and self.batching.has_steps_left(position.epoch_position)):  # else the epoch's end evaluates
+            self.evaluate_between_steps()
+        if (self.commit is not None and not self.commit_with_checkpoints
+                and position.step % cfg.elastic_commit_every == 0):
+            self.commit()  # the point survivors roll back to; may raise to resize
+        # The last step of an epoch is saved by the epoch's end, as the start of the next.
+        if (self.checkpoints is not None and cfg.checkpoint_every and position.step % cfg.checkpoint_every == 0
+                and self.batching.has_steps_left(position.epoch_position)):
+            self.save_checkpoint()
+            if self.commit is not None and self.commit_with_checkpoints:
+                self.commit()
+        preempted, stop = self.faults.votes(position.step, self.callbacks.stop_reason is not None)
+        if preempted:
+            self.stop_for_preemption()
+            self.interrupted = True
+        elif self.callbacks.agreed(stop):
+            self.stop_at_this_step()
+            self.interrupted = True
+        elif position.step % cfg.log_every == 0:
+            totals = self.window.reduce(name="train.window")
+            self.epoch_totals += totals
+            self.report(totals.means(), self.throughput)
+        return True
 
     def update(self) -> None:
         """The synchronized gradients unscaled and checked (fp16: a step with inf/nan on any rank is

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Dict, Mapping, Optional
 
 from hvdtrain.checkpoint import FORMAT_VERSION
+from hvdtrain.checkpoint import kept as kept_state
 from hvdtrain.checkpoint.protocol import Checkpointing
 from hvdtrain.checkpoint.run_state import RunState
 from hvdtrain.checkpoint.sharded_format import is_sharded, resumes_as_written
@@ -31,8 +32,12 @@ class CheckpointManager:
 
     def __init__(self, config: TrainConfig, topology: Topology, protocol: "Checkpointing | None",
                  strategy: Strategy, position: Position, lr: LearningRate, precision: Precision,
-                 batching: Batching, job_config: Mapping[str, Any], callbacks: Optional[Callbacks] = None) -> None:
+                 batching: Batching, job_config: Mapping[str, Any], callbacks: Optional[Callbacks] = None,
+                 kept: Optional[Dict[str, Any]] = None) -> None:
         self.config, self.topology, self.protocol = config, topology, protocol
+        # The session's keep() objects (a dict it fills later), and their states in the checkpoint resumed.
+        self.kept: Dict[str, Any] = {} if kept is None else kept
+        self.kept_state: Dict[str, Any] = {}
         self.callbacks = callbacks or Callbacks(None, [])
         self.strategy, self.position, self.lr, self.precision = strategy, position, lr, precision
         self.batching, self.job_config = batching, job_config
@@ -44,7 +49,7 @@ class CheckpointManager:
                         world_size=topology.world.size, scheduler=self.lr.state_dict(),
                         data_parallel=topology.data_world.size, mesh=topology.mesh_shape,
                         strategy=self.config.strategy, precision=self.precision.state_dict(),
-                        config=dict(self.job_config))
+                        config=dict(self.job_config), kept=kept_state.encode(self.kept))
 
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to continue exactly, in the full format. Every rank calls it: it gathers
@@ -72,6 +77,9 @@ class CheckpointManager:
                     own_callbacks = state.get("callbacks", [{}] * len(state["rng"]))[self.topology.world.rank]
         self.lr.load_state_dict(saved.scheduler)
         self.precision.load_state_dict(saved.precision)
+        self.kept_state = kept_state.decode(saved.kept)
+        for name in self.kept:
+            self.restore_kept(name)
         self.position.update(saved.epoch, saved.step, saved.epoch_position)
         if own_callbacks is not None:
             self.callbacks.load_state_dict(own_callbacks)
@@ -86,6 +94,11 @@ class CheckpointManager:
             rng.seed_everything(rng.rank_seed(self.config.seed + saved.step, self.topology.rng_rank))
         self.topology.log.info(f"resumed at epoch {saved.epoch + 1}, step {saved.step}, "
                                f"sample {saved.epoch_position} of the epoch")
+
+    def restore_kept(self, name: str) -> None:
+        """keep()'s object ``name`` takes its state from the checkpoint resumed, if that holds one."""
+        if name in self.kept_state:
+            kept_state.restore(self.kept[name], self.kept_state[name])
 
     def save(self) -> None:
         """Every rank calls it. Full: the state is gathered, rank 0 writes, the others wait.

@@ -36,6 +36,7 @@ class TrainConfig:
     lr: Optional[float] = field(default=None, metadata={"help": "ONE worker's peak learning rate, before scale_lr: when set, it replaces the optimizer's rates (the first parameter group's; every other group keeps its ratio to it); null: the optimizer's own rates, as you built it. The start line prints the real peak rates after scaling"})
     scale_lr: bool = field(default=True, metadata={"help": "multiply the LR by the global batch over one worker's batch (workers x accumulation; Goyal et al.'s linear scaling rule, Horovod's default); set false to fine-tune at the rate you chose (e.g. AdamW at 2e-5), whatever the worker count"})
     warmup_epochs: float = field(default=1.0, metadata={"help": "linear warm-up to the scaled LR, in epochs"})
+    warmup_steps: Optional[int] = field(default=None, metadata={"help": "the warm-up in optimizer steps instead of epochs (replaces warmup_epochs when set): for a stream without len(), whose epoch has no known length"})
     lr_schedule: str = field(default="constant", metadata={"help": "after the warm-up: constant; linear or cosine decay to min_lr_ratio at the run's last step (epochs, or max_steps); wsd: constant, then a linear decay over the last decay_fraction of the steps", "choices": LR_SCHEDULES})
     min_lr_ratio: float = field(default=0.0, metadata={"help": "where linear, cosine and wsd end, as a fraction of each parameter group's peak rate"})
     decay_fraction: float = field(default=0.2, metadata={"help": "wsd: the share of the run's steps spent decaying, at its end"})
@@ -67,7 +68,7 @@ class TrainConfig:
     keep_checkpoints: int = field(default=3, metadata={"help": "checkpoints kept; older ones are deleted"})
     checkpoint_format: str = field(default="full", metadata={"help": "full: rank 0 gathers and writes the whole model and optimizer state in one file, which resumes under any strategy and worker count; sharded (zero1, zero2, fsdp): every rank writes its own slices, nothing is gathered; it resumes at any worker count and under any strategy, resharded on load (each rank reads only the slices it needs), and hvdtrain checkpoint consolidate makes it a full one; see docs/concepts/checkpoints.md", "choices": CHECKPOINT_FORMATS})
     checkpoint_async: bool = field(default=False, metadata={"help": "a save stalls training only while the state is copied to host memory; a background thread writes it, and the next save (or the end of the run) waits for that write. Costs one more host copy of what this rank writes; see docs/concepts/checkpoints.md"})
-    resume: str = field(default="true", metadata={"help": "true: continue from the newest valid checkpoint in checkpoint_dir, refused when it was written with settings that define another run (the model, the data, and train's batch_size, lr, scale_lr, warmup_epochs, lr_schedule, min_lr_ratio, decay_fraction, reduction, precision, max_grad_norm, sync_batchnorm, seed); force: continue it all the same, with this run's settings; false: start anew, refused when checkpoint_dir already holds checkpoints; see docs/concepts/checkpoints.md", "choices": RESUME_MODES})
+    resume: str = field(default="true", metadata={"help": "true: continue from the newest valid checkpoint in checkpoint_dir, refused when it was written with settings that define another run (the model, the data, and train's batch_size, lr, scale_lr, warmup_epochs, warmup_steps, lr_schedule, min_lr_ratio, decay_fraction, reduction, precision, max_grad_norm, sync_batchnorm, seed); force: continue it all the same, with this run's settings; false: start anew, refused when checkpoint_dir already holds checkpoints; see docs/concepts/checkpoints.md", "choices": RESUME_MODES})
     preempt_signal: str = field(default="USR1", metadata={"help": "signal that asks for checkpoint + requeue ('' disables)"})
     stall_timeout: float = field(default=600.0, metadata={"help": "seconds without a finished step before a rank ends the job, naming where it is stuck (0: never)"})
     elastic_commit_every: int = field(default=10, metadata={"help": "steps between in-memory commits under Horovod elastic (what a worker loss rolls back to; zero1/zero2/fsdp commit at each checkpoint instead)"})
@@ -85,7 +86,7 @@ class TrainConfig:
     # The settings a resumed run must share with its checkpoint (beside every other section of the
     # job: the model, the data): changed, the run would continue another run's training. The rest
     # (length, strategy and layout, checkpointing, reporting) may change between a run and its resume.
-    DEFINES_THE_RUN = ("batch_size", "lr", "scale_lr", "warmup_epochs", "lr_schedule", "min_lr_ratio",
+    DEFINES_THE_RUN = ("batch_size", "lr", "scale_lr", "warmup_epochs", "warmup_steps", "lr_schedule", "min_lr_ratio",
                        "decay_fraction", "reduction", "precision", "max_grad_norm", "sync_batchnorm", "seed")
 
     def __post_init__(self) -> None:
@@ -111,6 +112,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"TrainConfig.{name} must be a whole number >= 1 or None, got {value!r}")
+        if self.warmup_steps is not None and (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
+                                              or self.warmup_steps < 0):
+            raise ValueError(f"TrainConfig.warmup_steps must be a whole number >= 0, or None to count the warm-up in "
+                             f"warmup_epochs, got {self.warmup_steps!r}")
         if self.prefetch_factor is not None and self.num_workers == 0:
             raise ValueError(f"TrainConfig.prefetch_factor={self.prefetch_factor!r} needs DataLoader worker processes "
                              f"to load ahead: set num_workers > 0 too, or leave prefetch_factor null")

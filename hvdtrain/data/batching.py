@@ -52,11 +52,14 @@ class Batching:
         # Whole global batches only: every step is B x accumulation full micro-batches per rank.
         self.steps_per_epoch: Optional[int] = (None if self.dataset_size is None
                                                else self.dataset_size // self.global_batch_size)
-        if self.steps_per_epoch is None and config.warmup_epochs:
+        if config.warmup_steps is not None:
+            self.warmup_steps = config.warmup_steps
+        elif self.steps_per_epoch is None and config.warmup_epochs:
             raise ValueError(f"train.warmup_epochs={config.warmup_epochs:g} needs the steps of an epoch, and this "
-                             f"stream has no len(): set train.warmup_epochs=0 and warm up in an lr_scheduler, or "
-                             f"give the stream a __len__")
-        self.warmup_steps = round(config.warmup_epochs * (self.steps_per_epoch or 0))
+                             f"stream has no len(): count the warm-up in steps (train.warmup_steps=N), or give the "
+                             f"stream a __len__")
+        else:
+            self.warmup_steps = round(config.warmup_epochs * (self.steps_per_epoch or 0))
         # The run's last step, where a decaying LR schedule ends: the epochs', or max_steps if sooner.
         self.total_steps = self.steps_for(config.max_steps)
 

@@ -145,6 +145,11 @@ class LearningRate:
         self.scheduler = LambdaLR(self.optimizer, lambda at: warmup(at) * decay(at), last_epoch=step - 1)
 
     def step(self) -> None:
+        if self.factory is None and not self.warmup_steps and self.config.lr_schedule == "constant":
+            # The rate never changes after start: leave it alone, so that a scheduler your own loop
+            # steps drives it; the step count still advances (a checkpoint records it).
+            self.scheduler.last_epoch += 1
+            return
         self.scheduler.step()
 
     @property

@@ -25,4 +25,4 @@ config = TrainConfig(epochs=100, batch_size=8, log_every=1, max_steps=max_steps,
 trainer = hvdtrain.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-4), data, None, config, world=world)
 trainer.fit()
 trainer.close()
-print(f"trained to step {trainer.step}", flush=True)
+print(f"trained to step {trainer.global_step}", flush=True)

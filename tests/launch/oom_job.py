@@ -79,7 +79,7 @@ def main(strategy: str, budget_per_parameter: float, meta: bool, tensor: int = 1
     trainer.fit()
     if world.is_root:
         layout = f" x tensor {tensor} x pipeline {pipeline}" if tensor * pipeline > 1 else ""
-        print(f"trained {trainer.step} steps under {strategy}{layout} within {budget_per_parameter:g} bytes "
+        print(f"trained {trainer.global_step} steps under {strategy}{layout} within {budget_per_parameter:g} bytes "
               f"per parameter", flush=True)
     if tensor * pipeline > 1:
         trainer.close_mesh()

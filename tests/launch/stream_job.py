@@ -46,4 +46,4 @@ trainer = hvdtrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, mo
                            world=world)
 trainer.fit()
 trainer.close()
-print(f"trained to step {trainer.step}", flush=True)
+print(f"trained to step {trainer.global_step}", flush=True)

@@ -143,9 +143,9 @@ def test_a_background_write_that_fails_is_raised_on_every_rank_at_the_next_save(
     run = trainer(world, "zero2", checkpoint_format, f"{base}/ckpt", asynchronous=True)
     try:
         run.fit()
-        outcome = f"trained to step {run.step}"
+        outcome = f"trained to step {run.global_step}"
     except CheckpointError as error:
-        outcome = f"{str(error)} (at step {run.step})"
+        outcome = f"{str(error)} (at step {run.global_step})"
     run.close()
     outcomes = collectives.allgather_object(outcome, name=f"async.test.failure.{checkpoint_format}")
     newest = CheckpointStore(f"{base}/ckpt").steps()[0][0]

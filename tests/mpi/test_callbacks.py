@@ -18,7 +18,7 @@ class Recorder(Callback):
         self.calls = []
 
     def on_train_start(self, trainer):
-        self.calls.append(("train_start", trainer.step))
+        self.calls.append(("train_start", trainer.global_step))
 
     def on_step_end(self, trainer, step):
         self.calls.append(("step", step))
@@ -36,7 +36,7 @@ class Recorder(Callback):
         self.calls.append(("checkpoint", step))
 
     def on_train_end(self, trainer, history):
-        self.calls.append(("train_end", trainer.step, len(history)))
+        self.calls.append(("train_end", trainer.global_step, len(history)))
 
 
 class StopOnOneRank(Callback):
@@ -76,7 +76,7 @@ def test_every_hook_is_called_at_its_point_with_the_same_arguments_on_every_rank
 
 def test_a_stop_asked_on_one_rank_stops_every_rank_at_the_next_vote_with_a_checkpoint(world, tmp_path):
     trainer = fit(world, tmp_path, "stop", [StopOnOneRank()], preempt_check_every=5, eval_every=0, checkpoint_every=0)
-    steps = collectives.allgather_object(trainer.step, name="callbacks.stop.steps")
+    steps = collectives.allgather_object(trainer.global_step, name="callbacks.stop.steps")
     saved = sorted(p.name for p in (tmp_path.parent / tmp_path.name).glob("stop/ckpt-*")) if world.is_root else None
 
     assert steps == [5] * world.size  # asked at step 3, agreed at the vote of step 5
@@ -92,7 +92,7 @@ def test_early_stopping_ends_the_run_when_the_metric_stops_improving(world, tmp_
     improve on it, so patience 2 stops the run at step 6 of 20."""
     stopper = EarlyStopping(monitor="val_loss", patience=2, min_delta=1e9)
     trainer = fit(world, tmp_path, "early", [stopper])
-    steps = collectives.allgather_object(trainer.step, name="callbacks.early.steps")
+    steps = collectives.allgather_object(trainer.global_step, name="callbacks.early.steps")
 
     assert steps == [6] * world.size
     # The stop ends the epoch at step 6, and the epoch's record evaluates once more (as at max_steps).

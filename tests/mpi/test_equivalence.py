@@ -71,7 +71,7 @@ def test_n_workers_match_one_process_with_n_times_the_batch(world, optimizer_nam
     everywhere = collectives.allgather_rows(torch.stack([difference, moved]), name=name)
     replicas = collectives.allgather_rows(flat_parameters(trainer.model), name=f"{name}.params")
 
-    assert trainer.step == steps
+    assert trainer.global_step == steps
     assert all(torch.equal(replicas[0], row) for row in replicas), "ranks hold different parameters"
     assert (everywhere[:, 1] > 1e-3).all(), "training did not move the parameters: the test proves nothing"
     assert (everywhere[:, 0] < 1e-10).all(), f"max |distributed - single| per rank: {everywhere[:, 0].tolist()}"

@@ -202,7 +202,7 @@ def test_fp16_skips_a_step_with_inf_on_every_rank_alike(world, strategy):
         # One element on the last rank only: under a sharded strategy it lands in one rank's
         # slice, so the other ranks' own gradients are finite and only a common decision keeps
         # them from stepping.
-        if trainer.step == poisoned_step and world.rank == world.size - 1:
+        if trainer.global_step == poisoned_step and world.rank == world.size - 1:
             grad = grad.clone()
             grad.view(-1)[0] = float("inf")
         return grad
@@ -218,7 +218,7 @@ def test_fp16_skips_a_step_with_inf_on_every_rank_alike(world, strategy):
     def watched_update():
         before = held().clone()
         original_update()
-        if trainer.step == poisoned_step:
+        if trainer.global_step == poisoned_step:
             seen["unchanged"] = torch.equal(before, held())
 
     trainer.loop.update = watched_update
@@ -272,7 +272,7 @@ def test_fp16_loss_scale_resumes_from_a_checkpoint(world, strategy, checkpoint_f
     saved = first.precision.state_dict()
     model = small_mlp(seed=601, dtype=torch.float32)
     resumed = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, None, cfg, world=world)
-    rows = agreed([resumed.step, resumed.precision.scale, resumed.precision.good_steps], name=f"fp16.resume.{strategy}")
+    rows = agreed([resumed.global_step, resumed.precision.scale, resumed.precision.good_steps], name=f"fp16.resume.{strategy}")
 
     assert (rows[:, 0] == STEPS).all(), "the second run did not resume from the first's checkpoint"
     assert (rows[:, 1] == saved["scale"]).all() and (rows[:, 2] == saved["good_steps"]).all(), rows.tolist()
@@ -436,6 +436,6 @@ def test_the_trainer_batches_with_the_user_s_collate_fn(world):
     trainer = Trainer(embedding, torch.optim.SGD(embedding.parameters(), lr=0.1), Sentences(), Sentences(),
                       config("ddp", eval_batch_size=16), world=world, step_fn=step, collate_fn=pad)
     history = trainer.fit()
-    rows = agreed([trainer.step, history[-1]["val_loss"], min(widths), max(widths)], name="collate")
+    rows = agreed([trainer.global_step, history[-1]["val_loss"], min(widths), max(widths)], name="collate")
     assert (rows[:, 0] == STEPS).all() and torch.isfinite(rows[:, 1]).all(), rows.tolist()
     assert (rows[:, 2] < rows[:, 3]).all(), f"every batch padded to one width: {rows.tolist()}"

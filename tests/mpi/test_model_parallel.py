@@ -146,7 +146,7 @@ def check_layout(world, layout, max_grad_norm=None, strategy="ddp", activation_c
     loss_error = (step_losses - torch.tensor(expected_losses, dtype=torch.float64)).abs().max().item()
     trainer.close_mesh()  # the last collective: left open, every later test's collectives slow down
 
-    assert trainer.step == STEPS
+    assert trainer.global_step == STEPS
     assert len(trainer.recomputed_blocks) == (BLOCKS if activation_checkpointing == "full" else 0)
     assert moved > 1e-3, "training did not move the parameters: the test proves nothing"
     assert loss_error < 1e-10, f"per-step loss against one process: {step_losses.tolist()} vs {expected_losses}"

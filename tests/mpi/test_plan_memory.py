@@ -62,7 +62,7 @@ def test_predicted_memory_within_ten_percent_of_counted(world, layout):
     predicted = planner.memory(setup, planner.Layout(strategy, tensor, pipeline, data, micro)).states
     ROWS.append((planner.Layout(strategy, tensor, pipeline, data, micro).name, predicted, counted))
 
-    assert trainer.step == 1
+    assert trainer.global_step == 1
     assert abs(predicted - counted) <= 0.10 * counted, (
         f"{layout_id(layout)}: predicted {predicted:.0f} bytes, counted {counted} (max over ranks)")
 

@@ -138,7 +138,7 @@ def test_the_trainer_under_ps_matches_ddp(world, max_grad_norm):
     ps = train(world, "ps", max_steps=6, max_grad_norm=max_grad_norm)
     difference = (flat_parameters(ps.model) - flat_parameters(ddp.model)).abs().max()
     rows = collectives.allgather_rows(difference.reshape(1), name=f"ps.trainer.{max_grad_norm}")
-    assert ps.step == ddp.step == 6
+    assert ps.global_step == ddp.global_step == 6
     assert (rows < 1e-10).all(), f"max |ps - ddp| per rank: {rows.flatten().tolist()}"
 
 

@@ -40,5 +40,5 @@ def test_resume_mid_epoch_continues_bitwise(world, tmp_path):
 
     rows = collectives.allgather_rows(flat_parameters(resumed.model) - flat_parameters(whole.model), name="resume.diff")
     assert stopped_at[1] != 0, "the stop must fall inside an epoch to test mid-epoch resume"
-    assert resumed.step == whole.step == 20
+    assert resumed.global_step == whole.global_step == 20
     assert torch.count_nonzero(rows) == 0, f"max difference per rank: {rows.abs().max(dim=1).values.tolist()}"

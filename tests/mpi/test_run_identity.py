@@ -69,11 +69,11 @@ def test_a_checkpoint_of_other_settings_is_refused_unless_forced(world, shared_t
     messages = outcome(lambda: trainer(world, shared_tmp_path, lr=0.1, max_steps=40), "identity.settings")
     assert all(m and "train.lr: 0.05 -> 0.1" in m and "train.resume=force" in m for m in messages), messages
     forced = trainer(world, shared_tmp_path, lr=0.1, max_steps=40, resume="force")
-    resumed_at = forced.step
+    resumed_at = forced.global_step
     forced.close()
     # Settings that may change between a run and its resume (its length, the strategy) are accepted.
     longer = trainer(world, shared_tmp_path, max_steps=50, strategy="zero1")
-    longer_at = longer.step
+    longer_at = longer.global_step
     longer.close()
     assert (resumed_at, longer_at) == (30, 30)
 
@@ -87,11 +87,11 @@ def test_a_newer_unreadable_checkpoint_never_displaces_what_the_run_writes(world
         (shared_tmp_path / "ckpt-000000030.pt").write_bytes(b"not a checkpoint")
     collectives.barrier()
     second = trainer(world, shared_tmp_path, max_steps=24, checkpoint_every=2, keep_checkpoints=1)
-    resumed_at = second.step
+    resumed_at = second.global_step
     second.fit()
     second.close()
     third = trainer(world, shared_tmp_path, max_steps=30)
-    third_at = third.step
+    third_at = third.global_step
     third.close()
     assert resumed_at == 20 and third_at == 24
     assert names(shared_tmp_path) == ["ckpt-000000024.pt", "ckpt-000000030.pt"]

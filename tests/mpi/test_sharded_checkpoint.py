@@ -153,7 +153,7 @@ def test_a_stopped_trainer_resumes_from_its_sharded_checkpoint_bitwise(world, tm
     assert sorted(p.name for p in newest.iterdir()) == \
         [sharded.MANIFEST] + [sharded.shard_name(r, world.size) for r in range(world.size)]
     assert (manifest["strategy"], manifest["world_size"], manifest["step"]) == (name, world.size, 10)
-    assert resumed.step == whole.step == 10
+    assert resumed.global_step == whole.global_step == 10
     assert (rows == 0).all(), f"max |resumed - uninterrupted| per rank: {rows.flatten().tolist()}"
     assert all(model for model, _ in checks), "the consolidated model differs from the gathered state_dict()"
     assert all(difference == 0 for _, difference in checks), f"consolidated optimizer state: {checks}"
@@ -171,7 +171,7 @@ def test_a_consolidated_checkpoint_resumes_under_another_strategy(world, tmp_pat
     difference = (flat_parameters(resumed.model) - flat_parameters(whole.model)).abs().max().reshape(1)
     rows = collectives.allgather_rows(difference, name="sharded.test.consolidated")
 
-    assert resumed.step == 8
+    assert resumed.global_step == 8
     # float64: ZeRO sums the gradients in another order than ddp's all-reduce (1e-16 per step).
     assert (rows < 1e-10).all(), f"max |resumed - uninterrupted| per rank: {rows.flatten().tolist()}"
 
@@ -223,7 +223,7 @@ def test_a_sharded_checkpoint_resumes_under_another_strategy_as_its_consolidatio
         rng.seed_everything(rng.rank_seed(1, world.rank))
         run = trainer(world, resumed, f"{base}/{directory}", max_steps=6, model_seed=99,
                       checkpoint_format="full" if resumed == "ddp" else "sharded")
-        started.append(run.step)
+        started.append(run.global_step)
         loaded.append(flat_state(run.strategy))
         run.fit()
         run.strategy.whole_model()
@@ -231,7 +231,7 @@ def test_a_sharded_checkpoint_resumes_under_another_strategy_as_its_consolidatio
     at_load = (loaded[0] - loaded[1]).abs().max().reshape(1)
     trained = (flat_parameters(runs[0].model) - flat_parameters(runs[1].model)).abs().max().reshape(1)
     rows = collectives.allgather_rows(torch.cat([at_load, trained]), name=f"sharded.test.resharded.{written}.{resumed}")
-    assert started == [3, 3] and runs[0].step == runs[1].step == 6
+    assert started == [3, 3] and runs[0].global_step == runs[1].global_step == 6
     assert (rows[:, 0] == 0).all(), f"max |resharded - consolidated| state at load per rank: {rows[:, 0].tolist()}"
     # The sharded strategies reduce each bucket in one call, in a fixed order: bitwise. ddp's
     # gradients go through Horovod's tensor fusion, which groups tensors as they become ready, so

@@ -41,7 +41,7 @@ def test_a_checkpoint_written_under_one_strategy_resumes_under_another(world, tm
 
     difference = (flat_parameters(resumed.model) - flat_parameters(whole.model)).abs().max()
     rows = collectives.allgather_rows(difference.reshape(1), name=f"switch.diff.{first}.{then}")
-    assert resumed.step == whole.step == 10
+    assert resumed.global_step == whole.global_step == 10
     assert (rows < 1e-10).all(), f"max |resumed - uninterrupted| per rank: {rows.flatten().tolist()}"
 
 

@@ -87,7 +87,7 @@ def test_the_trainer_ends_each_epoch_when_the_stream_runs_out(world, sized):
 
     global_batch = 3 * world.size
     steps = SAMPLES // global_batch
-    assert trainer.step == 2 * steps, "two epochs of whole global batches"
+    assert trainer.global_step == 2 * steps, "two epochs of whole global batches"
     assert [record["step"] for record in history] == [steps, 2 * steps]
     assert trainer.steps_per_epoch == (steps if sized else None)
     for epoch in (0, 1):

@@ -58,3 +58,21 @@ def test_prefetch_needs_worker_processes_and_sizes_are_whole_numbers():
     assert TrainConfig(prefetch_factor=4, num_workers=2).prefetch_factor == 4
     with pytest.raises(ValueError, match=r"TrainConfig\.eval_batch_size must be a whole number >= 1 or None, got 0"):
         TrainConfig(eval_batch_size=0)
+
+
+def numbers():
+    """A stream without len(): a function that opens it per epoch."""
+    return iter(range(100))
+
+
+def test_a_stream_without_len_warms_up_in_steps_and_refuses_epochs():
+    with pytest.raises(ValueError, match=r"train.warmup_steps=N"):
+        Batching(TrainConfig(batch_size=4, max_steps=50, warmup_epochs=1), world(0, 2), 4, numbers, None)
+    batching = Batching(TrainConfig(batch_size=4, max_steps=50, warmup_epochs=1, warmup_steps=7), world(0, 2), 4,
+                        numbers, None)
+    assert (batching.steps_per_epoch, batching.warmup_steps, batching.total_steps) == (None, 7, 50)
+    # Sized data: the steps replace the epochs' count all the same.
+    sized = Batching(TrainConfig(batch_size=4, warmup_epochs=1, warmup_steps=3), world(0, 2), 4, Sentences(), None)
+    assert (sized.steps_per_epoch, sized.warmup_steps) == (64 // 8, 3)
+    with pytest.raises(ValueError, match="warmup_steps must be a whole number"):
+        TrainConfig(warmup_steps=-1)

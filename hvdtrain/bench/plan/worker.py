@@ -154,7 +154,7 @@ def build_trainer(args: argparse.Namespace, layout: Dict[str, Any], world):
 
 
 def run_steps(trainer, n: int) -> None:
-    trainer.fit(until_step=trainer.step + n)  # n more steps, continuing where the last fit stopped
+    trainer.fit(until_step=trainer.global_step + n)  # n more steps, continuing where the last fit stopped
 
 
 def run_world(args: argparse.Namespace) -> None:
@@ -198,7 +198,7 @@ def run_world(args: argparse.Namespace) -> None:
             "mode": "world", "size": world.size, "controller": world.controller, "threads": torch.get_num_threads(),
             "local_step_s": slowest["step_s"], "local_update_s": slowest["update_s"], "local_batch": max(1, args.batch // world.size),
             "allreduce_s": reduce, "layout_step_s": per_step, "order": order,
-            "steps_taken": {name: trainers[name].step for name in names}})
+            "steps_taken": {name: trainers[name].global_step for name in names}})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -379,7 +379,7 @@ def run_trainer(args) -> None:
     def steps(n: int) -> None:
         # n more steps, continuing where the last fit stopped.
         before = resource.getrusage(resource.RUSAGE_SELF)
-        trainer.fit(until_step=trainer.step + n)
+        trainer.fit(until_step=trainer.global_step + n)
         after = resource.getrusage(resource.RUSAGE_SELF)
         usage.append((after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime))
 
@@ -393,7 +393,7 @@ def run_trainer(args) -> None:
     per_rank = collectives.allgather_object(mine, name="bench.result")
     if world.is_root:
         jobs.write_result(args.out, result(args, world.size, per_rank, model, {
-            "controller": world.controller, "steps_taken": trainer.step,
+            "controller": world.controller, "steps_taken": trainer.global_step,
             "strategy": args.strategy, "optimizer": args.optimizer,
             "memory_per_rank": trainer.memory.per_rank,
             "step_per_rank_s": [rank["step_s"] for rank in per_rank],  # strategy.step(): update (+ all-gather)

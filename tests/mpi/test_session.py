@@ -1,0 +1,120 @@
+"""Your own loop on hvdtrain.setup: the same run as the Trainer's, bitwise, under every kind of
+strategy; your own state kept in the checkpoints and resumed exactly; what it cannot do refused."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hvdtrain
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.distributed import collectives, rng
+from hvdtrain.trainer import Trainer
+from tests.mpi.helpers import small_mlp, synthetic_classification
+
+pytestmark = pytest.mark.mpi
+
+# Accumulation, clipping, a warm-up and a cosine decay, dropout-free: every part of a step the own
+# loop must reproduce; 40 steps cross three epochs (192 samples, global batch 2 x 2 x 2 = 8 at 2 ranks).
+SETTINGS = dict(epochs=3, batch_size=2, accumulation=2, max_grad_norm=0.5, warmup_epochs=0.5,
+                lr_schedule="cosine", seed=5, log_every=1000)
+
+
+def owned(session):
+    """This rank's parameters as the strategy holds them (its shards under zero/fsdp), float64."""
+    return torch.cat([p.detach().reshape(-1) for p in session.strategy.owned_parameters()])
+
+
+def own_loop(hv, counters=None):
+    """The shape of Horovod's pytorch_mnist.py train(): epochs, batches, forward, backward, step."""
+    for _ in hv.epochs():
+        for inputs, targets in hv.batches():
+            with hv.autocast():
+                loss = F.cross_entropy(hv.model(inputs), targets)
+            hv.backward(loss)
+            if hv.step() and counters is not None:
+                counters["steps"] += 1
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_own_loop_equals_the_trainer_bitwise(world, strategy):
+    config = TrainConfig(strategy=strategy, **SETTINGS)
+    data = synthetic_classification(samples=192)
+
+    model = small_mlp(3)
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, None, config, world=world)
+    rng.seed_everything(rng.rank_seed(1, world.rank))
+    history = trainer.fit()
+
+    model = small_mlp(3)
+    hv = hvdtrain.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, config, world=world)
+    rng.seed_everything(rng.rank_seed(1, world.rank))
+    own_loop(hv)
+
+    difference = collectives.allgather_object(torch.count_nonzero(owned(hv) - owned(trainer)).item(),
+                                              name="session.equal")
+    assert trainer.global_step == hv.global_step == 3 * (192 // (2 * 2 * world.size))
+    assert difference == [0] * world.size, f"elements differing per rank: {difference}"
+    # The same epoch records (train loss means, the LR), reported by the same code.
+    assert [r["train_loss"] for r in hv.history] == [r["train_loss"] for r in history]
+    assert [r["lr"] for r in hv.history] == [r["lr"] for r in history]
+
+
+class Countdown(torch.optim.lr_scheduler.StepLR):
+    """A scheduler the user steps: its state must survive a resume."""
+
+
+def run_own(world, directory, max_steps):
+    model = small_mlp(4)
+    config = TrainConfig(strategy="zero2", checkpoint_dir=directory, checkpoint_every=5, max_steps=max_steps,
+                         checkpoint_format="sharded", **{**SETTINGS, "lr_schedule": "constant", "warmup_epochs": 0})
+    hv = hvdtrain.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), synthetic_classification(),
+                        config, world=world)
+    schedule = torch.optim.lr_scheduler.StepLR(hv.optimizer, step_size=3, gamma=0.5)
+    counters = {"steps": 0}
+    hv.keep(schedule=schedule, counters=counters)
+    for _ in hv.epochs():
+        for inputs, targets in hv.batches():
+            hv.backward(F.cross_entropy(hv.model(inputs), targets))
+            if hv.step():
+                schedule.step()
+                counters["steps"] += 1
+    hv.close()
+    return hv, schedule, counters
+
+
+def test_kept_state_resumes_exactly(world, tmp_path):
+    base = collectives.allgather_object(str(tmp_path), name="session.dir")[0]
+    whole, whole_schedule, whole_counters = run_own(world, f"{base}/whole", max_steps=17)
+    run_own(world, f"{base}/stopped", max_steps=7)  # its last checkpoint: step 7 (max_steps ends on a save)
+    resumed, schedule, counters = run_own(world, f"{base}/stopped", max_steps=17)
+
+    assert counters == whole_counters == {"steps": 17}, "the counter went on from the checkpoint's 7"
+    assert schedule.state_dict() == whole_schedule.state_dict()
+    # hvdtrain's constant schedule leaves the rate to the user's, after scaling it to the global batch.
+    scaled = 0.1 * (2 * 2 * world.size) / 2  # x the global batch (2 x 2 x workers) / batch_size
+    assert resumed.optimizer.param_groups[0]["lr"] == whole.optimizer.param_groups[0]["lr"] == scaled * 0.5 ** 5
+    difference = collectives.allgather_object(torch.count_nonzero(owned(resumed) - owned(whole)).item(),
+                                              name="session.resumed")
+    assert difference == [0] * world.size
+
+
+def test_what_the_own_loop_cannot_do_is_refused(world, tmp_path):
+    model = small_mlp(1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = synthetic_classification(samples=64)
+    with pytest.raises(ValueError, match="use hvdtrain.Trainer"):
+        hvdtrain.setup(model, optimizer, data, TrainConfig(pipeline_parallel=2), world=world)
+
+    hv = hvdtrain.setup(model, optimizer, data, TrainConfig(epochs=1, batch_size=4, log_every=1000), world=world)
+    with pytest.raises(RuntimeError, match="inside an epoch"):
+        hv.batches()
+    with pytest.raises(ValueError, match="train.checkpoint_dir"):
+        hv.save()
+    with pytest.raises(TypeError, match="state_dict"):
+        hv.keep(steps=3)
+    # Every rank leaves its batches early alike here: the error says how to end early instead.
+    with pytest.raises(RuntimeError, match="request_stop"):
+        for _ in hv.epochs():
+            for inputs, targets in hv.batches():
+                hv.backward(F.cross_entropy(hv.model(inputs), targets))
+                hv.step()
+                break
