@@ -22,5 +22,6 @@ def consolidate(path: Path) -> Dict[str, Any]:
     except (KeyError, ValueError) as error:
         raise CheckpointError(f"{path}: the shards do not fit together: {error}") from None
     return {"format": FORMAT_VERSION, **full, **{key: manifest[key] for key in sharded.RUN_KEYS},
+            **{key: manifest[key] for key in sharded.OPTIONAL_RUN_KEYS if key in manifest},
             "world_size": manifest["world_size"], "strategy": manifest["strategy"],
             "rng": [shard["rng"] for shard in shards], "callbacks": [shard.get("callbacks", {}) for shard in shards]}

@@ -25,7 +25,9 @@ class RunState:
     FULL: ClassVar[Tuple[str, ...]] = ("scheduler", "epoch", "step", "epoch_position", "global_batch", "world_size")
     # What a sharded checkpoint's manifest holds beside its own keys (strategy and world size among them).
     SHARDED: ClassVar[Tuple[str, ...]] = ("scheduler", "epoch", "step", "epoch_position", "global_batch", "precision",
-                                "config", "kept")
+                                "config")
+    # What a manifest holds when the run has it (manifests written before it existed lack it).
+    SHARDED_OPTIONAL: ClassVar[Tuple[str, ...]] = ("kept",)
 
     def __post_init__(self) -> None:
         if not self.data_parallel:  # checkpoints before model parallelism: one worker per rank
@@ -41,7 +43,7 @@ class RunState:
 
     def shared(self) -> Dict[str, Any]:
         """The part a sharded checkpoint's manifest stores (JSON)."""
-        return {key: getattr(self, key) for key in self.SHARDED}
+        return {key: getattr(self, key) for key in self.SHARDED + self.SHARDED_OPTIONAL}
 
     @classmethod
     def from_checkpoint(cls, state: Mapping[str, Any]) -> "RunState":

@@ -33,6 +33,7 @@ MANIFEST = "manifest.json"
 DIRECTORY = re.compile(r"^ckpt-(\d{9})$")
 LEFTOVER = re.compile(r"^\.ckpt-(\d{9})\.(tmp|old)$")  # an interrupted save, or a deletion
 RUN_KEYS = RunState.SHARDED
+OPTIONAL_RUN_KEYS = RunState.SHARDED_OPTIONAL
 _MANIFEST_KEYS = ("format", "kind", "strategy", "world_size", "step", "files") + RUN_KEYS
 
 
@@ -152,7 +153,8 @@ def publish(directory: Path, step: int, strategy: str, files: Sequence[Dict[str,
                 f"{directory} is not one directory shared by every rank. Put it on a filesystem every host "
                 f"mounts (hvdtrain doctor --checkpoint-dir DIR checks it), or use checkpoint_format=full")
     manifest = {"format": SHARDED_FORMAT, "kind": KIND, "strategy": strategy, "world_size": len(files),
-                "step": step, "files": list(files), **{key: run_state[key] for key in RUN_KEYS}}
+                "step": step, "files": list(files), **{key: run_state[key] for key in RUN_KEYS},
+                **{key: run_state[key] for key in OPTIONAL_RUN_KEYS if key in run_state}}
     try:
         text = json.dumps(manifest, indent=1)
     except (TypeError, ValueError) as error:

@@ -18,7 +18,7 @@ LAYERS: Dict[str, int] = {
     "strategies": 4,
     "checkpoint": 5, "observability": 5, "fault_tolerance": 5,
     "examples": 6,
-    "top": 7,                                        # hvdtrain/__init__.py, trainer.py, loop.py
+    "top": 7,                                        # hvdtrain/__init__.py, session.py, trainer.py, loop.py
     "bench": 8,
     "cli": 9,
 }
@@ -54,7 +54,7 @@ def module_name(path: Path) -> str:
 
 def package_of(module: str) -> str:
     parts = module.split(".")
-    if len(parts) == 1 or parts[1] in ("trainer", "loop"):
+    if len(parts) == 1 or parts[1] in ("session", "trainer", "loop"):
         return "top"
     return parts[1]
 
