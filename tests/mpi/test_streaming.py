@@ -129,3 +129,45 @@ def test_a_dataloader_passed_as_the_dataset_is_refused(world):
     with pytest.raises(TypeError, match="a DataLoader is not a dataset: .*pass its dataset"):
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(ShuffledIds(), batch_size=3), None,
                 TrainConfig(batch_size=3, progress="off", run_dir=None), world=world)
+
+
+def test_a_hugging_face_streaming_dataset_trains_each_sample_once_per_epoch_in_its_shuffled_order(world, tmp_path):
+    """datasets.load_dataset(..., streaming=True), shuffled: an IterableDataset whose order follows
+    set_epoch (its seed + the epoch), no len(); the Trainer shards it, each epoch in its own order."""
+    datasets = pytest.importorskip("datasets")
+    import json
+    base = collectives.allgather_object(str(tmp_path), name="stream.hf.dir")[0]  # rank 0 writes, all read
+    path = f"{base}/samples.jsonl"
+    if world.rank == 0:
+        generator = torch.Generator().manual_seed(3)
+        with open(path, "w") as out:
+            for i in range(SAMPLES):
+                features = torch.randn(12, generator=generator, dtype=torch.float64).tolist()
+                out.write(json.dumps({"inputs": features, "labels": i % 4, "ids": i}) + "\n")
+    collectives.allgather_object(None, name="stream.hf.written")
+    stream = datasets.load_dataset("json", data_files=path, split="train", streaming=True)
+    stream = stream.shuffle(seed=7, buffer_size=SAMPLES).with_format("torch")
+
+    seen = []
+    def step(model, batch):
+        seen.append([int(i) for i in batch["ids"]])
+        return torch.nn.functional.cross_entropy(model(batch["inputs"].double()), batch["labels"]), {}
+
+    model = small_mlp(seed=1)
+    config = TrainConfig(seed=5, batch_size=3, epochs=2, max_steps=100, warmup_steps=2, log_every=1000,
+                         progress="off", run_dir=None)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), stream, None, config, world=world,
+                      step_fn=step)
+    trainer.fit()
+    gathered = collectives.allgather_object(seen, name="stream.hf.ids")
+
+    global_batch = 3 * world.size
+    steps = SAMPLES // global_batch
+    assert trainer.global_step == 2 * steps, "two epochs of whole global batches, each ended by the stream"
+    epochs = [[i for rank_seen in gathered for batch in rank_seen[epoch * steps:(epoch + 1) * steps] for i in batch]
+              for epoch in (0, 1)]
+    for union in epochs:
+        assert len(union) == len(set(union)) == steps * global_batch, "a sample twice or lost in an epoch"
+    # Shuffled anew each epoch by the dataset itself, every rank alike (else the shards would overlap).
+    firsts = [[gathered[rank][epoch][0] for rank in range(world.size)] for epoch in (0, 1)]
+    assert firsts[0] != firsts[1], firsts
