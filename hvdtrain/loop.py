@@ -54,7 +54,7 @@ class TrainingLoop:
     grad_norm: float = float("nan")  # before clipping, at the last step (train.max_grad_norm)
     preempted: bool = False
     stopped: bool = False  # a callback asked, and every rank agreed
-    saved_at: Optional[int] = None  # the step of the last checkpoint, until the next step is taken
+    saved_at: Optional[int] = None  # the step of the last checkpoint, until the next step (or elastic sync)
     # Under Horovod elastic: commits the state survivors roll back to (hvdtrain.fault_tolerance.elastic),
     # every elastic_commit_every steps, or right after each checkpoint when the checkpoints are the commits.
     commit: Optional[Callable[[], None]] = None
@@ -267,6 +267,15 @@ class TrainingLoop:
                                   "step": position.step, **metrics})
         self.callbacks.call("on_evaluation_end", position.step, metrics)
         self.stop_if_agreed("loop.stop.evaluation")
+
+    def forget_saved_step(self) -> None:
+        """Under Horovod elastic, at every sync: ``saved_at`` is this process's own memory, and after a
+        world change the ranks' differ (a worker that joins saved nothing; a survivor may have written
+        the very checkpoint the world continues from, or finished a save that a lost worker cut short
+        for another survivor). It decides whether a save, a collective, runs: forgotten on every rank,
+        every rank saves alike. (A survivor that skipped the save a joiner made, after an epoch left
+        with no step in the larger world, hung the job.)"""
+        self.saved_at = None
 
     def save_checkpoint(self) -> None:
         """A checkpoint of this step, unless it was just written, no step since (max_steps ending a

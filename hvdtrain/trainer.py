@@ -60,7 +60,8 @@ class Trainer(Session):
 
     def _elastic_state(self):
         """What Horovod elastic commits, rolls back to and syncs (hvdtrain.fault_tolerance.elastic)."""
-        on_sync = [self.restart_schedule, self.reporter.agree_run_directory]
+        # Each rank's memory of its own last save differs after a world change: forgotten at every sync.
+        on_sync = [self.loop.forget_saved_step, self.restart_schedule, self.reporter.agree_run_directory]
         if self.strategy.elastic_from_checkpoint:
             self.loop.commit_with_checkpoints = True
             return elastic.CheckpointedElasticState(self.continue_from_newest_checkpoint, on_reset=self.follow_world,

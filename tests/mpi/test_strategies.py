@@ -59,6 +59,32 @@ def test_what_cannot_run_under_horovod_elastic_is_refused_before_any_collective(
                 config=TrainConfig(strategy=strategy, checkpoint_dir=None), world=world)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_after_an_elastic_sync_every_rank_decides_alike_whether_to_save(world, monkeypatch, tmp_path, strategy):
+    """Under Horovod elastic a survivor may have written the very checkpoint the new world continues
+    from (no step since), while a worker that joins wrote nothing. The sync makes every rank forget:
+    else, when the larger world has no step left in the epoch, the survivors skipped the epoch's save
+    that the joiner made, and the job hung in mismatched collectives (zero2, sharded, in test_elastic)."""
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    base = collectives.allgather_object(str(tmp_path), name=f"elastic.saved.dir.{strategy}")[0]
+    model = small_mlp(seed=0)
+    config = TrainConfig(epochs=1, batch_size=4, lr=0.05, warmup_epochs=0, seed=5, strategy=strategy,
+                         checkpoint_dir=f"{base}/ckpt", checkpoint_format="full" if strategy == "ddp" else "sharded",
+                         log_every=1000, tensorboard=False)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=config.lr), synthetic_classification(samples=64),
+                      None, config, world=world)
+    state = trainer._elastic_state()
+    state.sync()  # zero2: rank 0's state everywhere, and step 0's checkpoint
+    trainer.loop.save_checkpoint()  # ddp: its own (zero2: the one the sync wrote, not again)
+    # Rank 0 as a worker that joins; the others as survivors that wrote the checkpoint and took no step since.
+    trainer.loop.saved_at = None if world.is_root else trainer.position.step
+    state.sync()
+    remembered = collectives.allgather_object(trainer.loop.saved_at, name=f"elastic.saved.{strategy}")
+    trainer.close()
+
+    assert remembered == [None] * world.size, f"each rank's last saved step after the sync: {remembered}"
+
+
 def wide_mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(12, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4)).double()
