@@ -118,3 +118,43 @@ def test_what_the_own_loop_cannot_do_is_refused(world, tmp_path):
                 hv.backward(F.cross_entropy(hv.model(inputs), targets))
                 hv.step()
                 break
+
+
+@pytest.mark.process_sets
+def test_own_loop_equals_the_trainer_bitwise_under_tensor_parallelism(world):
+    """T=2 (the example transformer, hvdtrain's own plan): the own loop's backward and step drive the
+    split layers' collectives as the Trainer's do."""
+    from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
+    from hvdtrain.examples.textlm_parallel import tensor_plan
+    from hvdtrain.parallel.model_plan import ModelPlan
+    from torch.utils.data import TensorDataset
+    if world.size % 2:
+        pytest.skip("T=2 needs an even world")
+    ids = torch.randint(0, 11, (64, 9), generator=torch.Generator().manual_seed(3))
+    data = TensorDataset(ids[:, :-1], ids[:, 1:])
+    config = TrainConfig(tensor_parallel=2, max_steps=6, **{**SETTINGS, "epochs": 1, "batch_size": 4})
+
+    def build():
+        torch.manual_seed(0)
+        model = TinyTransformerLM(11, seq_len=8, d_model=16, layers=2, heads=4).double()
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01), ModelPlan(tensor_plan=tensor_plan(model))
+
+    model, optimizer, plan = build()
+    trainer = Trainer(model, optimizer, data, None, config, world=world, loss_fn=lm_loss, model_plan=plan)
+    rng.seed_everything(rng.rank_seed(1, world.rank))
+    trainer.fit()
+    trained = owned(trainer)
+    trainer.close_mesh()
+
+    model, optimizer, plan = build()
+    hv = hvdtrain.setup(model, optimizer, data, config, world=world, model_plan=plan)
+    rng.seed_everything(rng.rank_seed(1, world.rank))
+    for _ in hv.epochs():
+        for inputs, targets in hv.batches():
+            hv.backward(lm_loss(hv.model(inputs), targets))
+            hv.step()
+    difference = collectives.allgather_object(torch.count_nonzero(owned(hv) - trained).item(), name="session.tp")
+    steps = hv.global_step
+    hv.close_mesh()
+    assert steps == 6
+    assert difference == [0] * world.size, f"elements differing per rank: {difference}"
