@@ -290,6 +290,12 @@ class Session:
             raise RuntimeError("batches() belongs inside an epoch: iterate over them in `for epoch in hv.epochs():`")
         return self.loop.batches()
 
+    @property
+    def preempted(self) -> bool:
+        """The epochs ended for a preemption signal (train.preempt_signal): the step is checkpointed and,
+        under SLURM, the job requeued; your script should end (the next start resumes)."""
+        return self.loop.preempted
+
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward's mixed precision (train.precision): ``with hv.autocast(): loss = ...``."""
         return self.precision.autocast()

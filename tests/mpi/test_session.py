@@ -1,5 +1,7 @@
 """Your own loop on hvdtrain.setup: the same run as the Trainer's, bitwise, under every kind of
 strategy; your own state kept in the checkpoints and resumed exactly; what it cannot do refused."""
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -158,3 +160,24 @@ def test_own_loop_equals_the_trainer_bitwise_under_tensor_parallelism(world):
     hv.close_mesh()
     assert steps == 6
     assert difference == [0] * world.size, f"elements differing per rank: {difference}"
+
+
+def test_a_preemption_ends_the_own_loop_on_every_rank_with_a_checkpoint(world, tmp_path):
+    import os
+    import signal
+    base = collectives.allgather_object(str(tmp_path), name="session.preempt.dir")[0]
+    model = small_mlp(2)
+    config = TrainConfig(checkpoint_dir=f"{base}/ckpt", preempt_check_every=1, **SETTINGS)
+    hv = hvdtrain.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), synthetic_classification(), config,
+                        world=world)
+    for _ in hv.epochs():
+        for inputs, targets in hv.batches():
+            hv.backward(F.cross_entropy(hv.model(inputs), targets))
+            if hv.step() and hv.global_step == 3 and world.is_root:
+                os.kill(os.getpid(), signal.SIGUSR1)  # as SLURM's --signal would: rank 0 alone gets it
+    hv.close()
+    # The next step's vote carries rank 0's signal to every rank: all stop after step 4, checkpointed.
+    ended = collectives.allgather_object((hv.preempted, hv.global_step), name="session.preempt.ended")
+    assert ended == [(True, 4)] * world.size
+    if world.is_root:
+        assert (Path(base) / "ckpt" / "ckpt-000000004.pt").exists()
