@@ -59,11 +59,15 @@ def checkpoint_steps(directory):
 # ends the test with a stack dump instead of the run's output.
 @pytest.mark.timeout(TIMEOUT + 60)
 @pytest.mark.skipif(HOST in ("localhost", ""), reason="needs a hostname other than localhost")
-@pytest.mark.parametrize("strategy,checkpoint_format", [("ddp", "full"), ("zero2", "sharded"), ("fsdp", "sharded")])
+# The two ways a world change continues: ddp from its in-memory commit, a sharded strategy from the newest
+# checkpoint cut for the new world (zero2 here; fsdp takes the same elastic path, and its units' re-cut and
+# the continued checkpoint are checked at 1, 2 and 4 ranks in tests/mpi/test_fsdp.py: a third launch of
+# 90 s here proved nothing more).
+@pytest.mark.parametrize("strategy,checkpoint_format", [("ddp", "full"), ("zero2", "sharded")])
 def test_losing_rank_0s_host_keeps_checkpoints_and_metrics_going_and_the_host_rejoins(tmp_path, strategy,
                                                                                       checkpoint_format):
-    """ddp rolls back to its in-memory commit; zero2 and fsdp, whose lost worker took its shard along,
-    to the newest checkpoint, resharded for 2 workers, then for 3 when the host is back."""
+    """ddp rolls back to its in-memory commit; zero2, whose lost worker took its shard along, to the
+    newest checkpoint, resharded for 2 workers, then for 3 when the host is back."""
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\nprintf 'localhost:1\\n127.0.0.1:1\\n{HOST}:1\\n'\n")
     discover.chmod(0o755)
