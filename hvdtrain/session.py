@@ -34,7 +34,7 @@ from hvdtrain.checkpoint import hf_export
 from hvdtrain.checkpoint import pretrained
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.batching import Batching
-from hvdtrain.data.sharding import ShardedSampler, sharded_loader
+from hvdtrain.data.sharding import LoaderFactory, ShardedSampler, sharded_loader
 from hvdtrain.distributed import collectives
 from hvdtrain.distributed import rng
 from hvdtrain.distributed import startup
@@ -78,6 +78,9 @@ class Session:
     your own LR schedule, built over the optimizer the strategy steps once its rates are scaled to
     the global batch, stepped after every optimizer step and kept in checkpoints; it replaces
     train.warmup_epochs and train.lr_schedule (set them to 0 and constant).
+    ``loader_factory(dataset, sampler, batch_size) -> DataLoader``: your own loaders (any DataLoader
+    argument: workers, persistent_workers, worker_init_fn, collate_fn...) over hvdtrain's sampler and
+    batch size, for training and evaluation; a loader that does not read through them is refused.
 
     A model built under ``torch.device("meta")`` (and its optimizer over it) takes no memory until
     the session gives it values from ``train.seed``: the modules' own initialization, then Hugging
@@ -102,6 +105,7 @@ class Session:
         callbacks: Sequence[Callback] = (),
         lr_scheduler: Optional[SchedulerFactory] = None,
         init_fn: Optional[InitFn] = None,
+        loader_factory: Optional[LoaderFactory] = None,
     ) -> None:
         self.config = cfg = config or TrainConfig()
         self.job_config = dict(job_config) if job_config is not None else {"train": cfg.to_dict()}
@@ -143,7 +147,7 @@ class Session:
                 raise ValueError(f"each worker's batch of {batch_size} (from the checkpoint's global batch) cannot be "
                                  f"cut into train.micro_batches={cfg.micro_batches}: choose a divisor of {batch_size}")
             self.batching = Batching(cfg, self.topology.data_world, batch_size, train_dataset, val_dataset,
-                                     collate_fn)
+                                     collate_fn, loader_factory)
 
             # 4. The strategy wraps the optimizer: for ddp, Horovod's hooks start each gradient's
             #    all-reduce as soon as backward produces it (overlap, tensor fusion).
@@ -341,8 +345,9 @@ class Session:
         sample once; batches of train.eval_batch_size (else the training batch) unless given."""
         data = self.topology.data_world
         size = batch_size or self.config.eval_batch_size or self.batching.batch_size
+        factory = self.batching.loader_factory if collate_fn is None else None  # the session's loaders, else yours
         return sharded_loader(dataset, size, data.rank, data.size, seed=0, collate_fn=collate_fn,
-                              num_workers=self.config.num_workers)
+                              num_workers=self.config.num_workers, loader_factory=factory)
 
     def _begin_training(self, until_step: Optional[int]) -> None:
         """What every fit() and every epochs() starts with."""

@@ -12,7 +12,7 @@ from typing import Any, Callable, List, Optional
 from torch.utils.data import DataLoader, Dataset
 
 from hvdtrain.config.train import TrainConfig
-from hvdtrain.data.sharding import ShardedSampler, sharded_loader
+from hvdtrain.data.sharding import LoaderFactory, ShardedSampler, sharded_loader
 from hvdtrain.data.streaming import StreamShards, is_stream, stream_length
 from hvdtrain.distributed.world import World
 
@@ -21,10 +21,18 @@ class Batching:
     """This rank's view of the data for one world: loaders over its shards, whole global batches."""
 
     def __init__(self, config: TrainConfig, world: World, batch_size: int, train_dataset: Dataset,
-                 val_dataset: Optional[Dataset], collate_fn: Optional[Callable[[List[Any]], Any]] = None) -> None:
-        self.config, self.collate_fn = config, collate_fn
+                 val_dataset: Optional[Dataset], collate_fn: Optional[Callable[[List[Any]], Any]] = None,
+                 loader_factory: Optional[LoaderFactory] = None) -> None:
+        self.config, self.collate_fn, self.loader_factory = config, collate_fn, loader_factory
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self.streaming = is_stream(train_dataset)
+        if loader_factory is not None and (self.streaming or (val_dataset is not None and is_stream(val_dataset))):
+            raise ValueError("loader_factory builds loaders over hvdtrain's sampler, and a stream has none (its shards "
+                             "are the dataset hvdtrain reads): pass collate_fn, and train.num_workers and "
+                             "train.prefetch_factor, instead")
+        if loader_factory is not None and collate_fn is not None:
+            raise ValueError("give the loader its collate_fn in your loader_factory, not both (the factory's "
+                             "DataLoader is used as it is)")
         # None: a stream without len() (its epochs end when it runs out; it may never).
         self.dataset_size: Optional[int] = (stream_length(train_dataset) if self.streaming
                                             else len(train_dataset))  # type: ignore[arg-type]
@@ -40,7 +48,8 @@ class Batching:
         config = self.config
         self.world, self.batch_size = world, batch_size
         loading = {"num_workers": config.num_workers, "pin_memory": world.device.type == "cuda",
-                   "collate_fn": self.collate_fn, "prefetch_factor": config.prefetch_factor}
+                   "collate_fn": self.collate_fn, "prefetch_factor": config.prefetch_factor,
+                   "loader_factory": self.loader_factory}
         self.train_loader: DataLoader = sharded_loader(
             self.train_dataset, batch_size, world.rank, world.size, config.seed,
             global_batch=self.global_batch_size, **loading,

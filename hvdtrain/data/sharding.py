@@ -152,6 +152,7 @@ def sharded_loader(
     pin_memory: bool = False,
     collate_fn: Optional[Callable[[List[Any]], Any]] = None,
     prefetch_factor: Optional[int] = None,
+    loader_factory: Optional[LoaderFactory] = None,
 ) -> DataLoader:
     """A DataLoader over this rank's shard.
 
@@ -161,6 +162,8 @@ def sharded_loader(
     stacks them; a padding collate keeps each batch only as long as its longest sample).
     A stream (an IterableDataset, a Hugging Face streaming dataset, a function that opens one per
     epoch) is sharded by hvdtrain.data.streaming instead, with the same meaning of global_batch.
+    ``loader_factory(dataset, sampler, batch_size)``: your own DataLoader over hvdtrain's sampler
+    (own_loader: the other arguments are then yours to give it).
     """
     from hvdtrain.data.streaming import is_stream, stream_loader  # (streaming imports nothing of this module)
     if is_stream(dataset):
@@ -171,6 +174,8 @@ def sharded_loader(
         len(dataset), rank, world_size, seed=seed,  # type: ignore[arg-type]
         shuffle=global_batch is not None, global_batch=global_batch,
     )
+    if loader_factory is not None:
+        return own_loader(loader_factory, dataset, sampler, batch_size, seed + rank)
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -184,3 +189,34 @@ def sharded_loader(
         # RNG (for worker seeds), and a resumed run's dropout masks would shift by one draw.
         generator=torch.Generator().manual_seed(seed + rank),
     )
+
+
+LoaderFactory = Callable[[Dataset, ShardedSampler, int], DataLoader]
+
+
+def own_loader(factory: LoaderFactory, dataset: Dataset, sampler: ShardedSampler, batch_size: int,
+               seed: int) -> DataLoader:
+    """``factory(dataset, sampler, batch_size)``, checked: a loader that does not read through this
+    rank's sampler would give every rank the whole data (or another order), and one that drops or
+    regroups samples would break the global batches; each is refused with what to change."""
+    loader = factory(dataset, sampler, batch_size)
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"loader_factory must return a torch DataLoader, got {type(loader).__name__}")
+    batches = loader.batch_sampler
+    problems = []
+    if loader.dataset is not dataset:
+        problems.append("it reads another dataset than the one it is given")
+    if getattr(batches, "sampler", None) is not sampler:
+        problems.append("it does not read through the sampler it is given (pass sampler=sampler, no shuffle)")
+    if getattr(batches, "batch_size", None) != batch_size:
+        problems.append(f"its batch size is {getattr(batches, 'batch_size', None)}, not the {batch_size} it is given")
+    if getattr(batches, "drop_last", False):
+        problems.append("it drops the last batch (the sampler already keeps whole global batches only: drop_last=False)")
+    if problems:
+        raise ValueError("loader_factory(dataset, sampler, batch_size) must return DataLoader(dataset, "
+                         "batch_size=batch_size, sampler=sampler, ...your other arguments): " + "; ".join(problems))
+    if loader.generator is None:
+        # Each epoch's iterator draws its workers' base seed from this generator, else from torch's
+        # global one: a resumed run's random stream (dropout) would then differ by those draws.
+        loader.generator = torch.Generator().manual_seed(seed)
+    return loader

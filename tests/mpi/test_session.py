@@ -181,3 +181,23 @@ def test_a_preemption_ends_the_own_loop_on_every_rank_with_a_checkpoint(world, t
     assert ended == [(True, 4)] * world.size
     if world.is_root:
         assert (Path(base) / "ckpt" / "ckpt-000000004.pt").exists()
+
+
+def test_your_own_loader_factory_trains_what_hvdtrain_s_loaders_train(world):
+    """A DataLoader of your own over hvdtrain's sampler (2 worker processes, persistent): the same
+    batches, so the same weights, bitwise."""
+    from torch.utils.data import DataLoader
+
+    def own(dataset, sampler, batch_size):
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=2, persistent_workers=True)
+
+    runs = []
+    for factory in (None, own):
+        model = small_mlp(6)
+        hv = hvdtrain.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), synthetic_classification(),
+                            TrainConfig(**{**SETTINGS, "epochs": 2}), world=world, loader_factory=factory)
+        rng.seed_everything(rng.rank_seed(1, world.rank))
+        own_loop(hv)
+        runs.append(owned(hv))
+    difference = collectives.allgather_object(torch.count_nonzero(runs[0] - runs[1]).item(), name="session.factory")
+    assert difference == [0] * world.size

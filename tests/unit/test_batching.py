@@ -76,3 +76,41 @@ def test_a_stream_without_len_warms_up_in_steps_and_refuses_epochs():
     assert (sized.steps_per_epoch, sized.warmup_steps) == (64 // 8, 3)
     with pytest.raises(ValueError, match="warmup_steps must be a whole number"):
         TrainConfig(warmup_steps=-1)
+
+
+def own_loader(dataset, sampler, batch_size):
+    """Your own DataLoader over hvdtrain's sampler: persistent workers and a worker_init_fn of yours."""
+    from torch.utils.data import DataLoader
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=pad, num_workers=2,
+                      persistent_workers=True, worker_init_fn=lambda worker: torch.set_num_threads(1))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_your_own_loader_over_the_sampler_gives_the_batches_hvdtrain_s_would(rank):
+    config = TrainConfig(batch_size=4, seed=3, accumulation=2)
+    own = Batching(config, world(rank, 2), 4, Sentences(), Sentences(), loader_factory=own_loader)
+    hvdtrain_s = Batching(config, world(rank, 2), 4, Sentences(), Sentences(), collate_fn=pad)
+    for epoch in (0, 1):
+        own.sampler.set_epoch(epoch)
+        hvdtrain_s.sampler.set_epoch(epoch)
+        for mine, theirs in zip(own.train_loader, hvdtrain_s.train_loader, strict=True):
+            assert torch.equal(mine["tokens"], theirs["tokens"]) and torch.equal(mine["labels"], theirs["labels"])
+    evaluated = [batch["labels"] for batch in own.val_loader]
+    assert torch.cat(evaluated).tolist() == list(range(rank, 64, 2)), "evaluation: this rank's half, in order, once"
+    assert own.train_loader.generator is not None, "its epochs must not draw from torch's global generator"
+
+
+def test_a_loader_that_bypasses_the_sampler_is_refused_with_what_to_change():
+    from torch.utils.data import DataLoader
+    config = TrainConfig(batch_size=4)
+    shuffled = lambda dataset, sampler, batch_size: DataLoader(dataset, batch_size=batch_size, shuffle=True)
+    with pytest.raises(ValueError, match="does not read through the sampler it is given"):
+        Batching(config, world(0, 2), 4, Sentences(), None, loader_factory=shuffled)
+    bigger = lambda dataset, sampler, batch_size: DataLoader(dataset, batch_size=8, sampler=sampler, drop_last=True)
+    with pytest.raises(ValueError, match=r"its batch size is 8, not the 4 .*drops the last batch"):
+        Batching(config, world(0, 2), 4, Sentences(), None, loader_factory=bigger)
+    with pytest.raises(ValueError, match="give the loader its collate_fn in your loader_factory"):
+        Batching(config, world(0, 2), 4, Sentences(), None, collate_fn=pad, loader_factory=own_loader)
+    with pytest.raises(ValueError, match="a stream has none"):
+        Batching(TrainConfig(batch_size=4, max_steps=5, warmup_steps=0), world(0, 2), 4, numbers, None,
+                 loader_factory=own_loader)
