@@ -265,7 +265,6 @@ class Session:
         self.lr.start(self.batching.global_batch_size, self.batching.warmup_steps, self.topology.data_world,
                       self.position.step, self.batching.total_steps)
 
-
     # --- your own loop ----------------------------------------------------------------------------
 
     @property
