@@ -34,7 +34,7 @@ from hvdtrain.checkpoint import hf_export
 from hvdtrain.checkpoint import pretrained
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.batching import Batching
-from hvdtrain.data.sharding import LoaderFactory, ShardedSampler, sharded_loader
+from hvdtrain.data.sharding import LoaderFactory, ShardedSampler
 from hvdtrain.distributed import collectives
 from hvdtrain.distributed import rng
 from hvdtrain.distributed import startup
@@ -341,12 +341,9 @@ class Session:
     def loader(self, dataset: Dataset, batch_size: Optional[int] = None,
                collate_fn: Optional[Callable[[List[Any]], Any]] = None) -> DataLoader:
         """Another data set (a test set), cut into one shard per data-parallel rank, in order, each
-        sample once; batches of train.eval_batch_size (else the training batch) unless given."""
-        data = self.topology.data_world
-        size = batch_size or self.config.eval_batch_size or self.batching.batch_size
-        factory = self.batching.loader_factory if collate_fn is None else None  # the session's loaders, else yours
-        return sharded_loader(dataset, size, data.rank, data.size, seed=0, collate_fn=collate_fn,
-                              num_workers=self.config.num_workers, loader_factory=factory)
+        sample once; batches of train.eval_batch_size (else the training batch) unless given, made by
+        the session's collate_fn (or loader_factory) unless another collate_fn is given."""
+        return self.batching.evaluation_loader(dataset, batch_size, collate_fn)
 
     def _begin_training(self, until_step: Optional[int]) -> None:
         """What every fit() and every epochs() starts with."""

@@ -47,17 +47,13 @@ class Batching:
         """Shards, loaders and steps for ``world`` (the data-parallel view) and this batch per worker."""
         config = self.config
         self.world, self.batch_size = world, batch_size
-        loading = {"num_workers": config.num_workers, "pin_memory": world.device.type == "cuda",
-                   "collate_fn": self.collate_fn, "prefetch_factor": config.prefetch_factor,
-                   "loader_factory": self.loader_factory}
         self.train_loader: DataLoader = sharded_loader(
             self.train_dataset, batch_size, world.rank, world.size, config.seed,
-            global_batch=self.global_batch_size, **loading,
+            global_batch=self.global_batch_size, **self._loading(),
         )
         self.val_loader: Optional[DataLoader] = None
         if self.val_dataset is not None:
-            self.val_loader = sharded_loader(self.val_dataset, config.eval_batch_size or batch_size, world.rank,
-                                             world.size, config.seed, **loading)
+            self.val_loader = self.evaluation_loader(self.val_dataset)
         # Whole global batches only: every step is B x accumulation full micro-batches per rank.
         self.steps_per_epoch: Optional[int] = (None if self.dataset_size is None
                                                else self.dataset_size // self.global_batch_size)
@@ -71,6 +67,24 @@ class Batching:
             self.warmup_steps = round(config.warmup_epochs * (self.steps_per_epoch or 0))
         # The run's last step, where a decaying LR schedule ends: the epochs', or max_steps if sooner.
         self.total_steps = self.steps_for(config.max_steps)
+
+    def _loading(self, collate_fn: Optional[Callable[[List[Any]], Any]] = None) -> dict:
+        """How every loader of this run loads: the workers, pinning, prefetch, and the run's collate_fn or
+        loader_factory; given another ``collate_fn``, that one with hvdtrain's loader."""
+        config, own = self.config, collate_fn is None
+        return {"num_workers": config.num_workers, "pin_memory": self.world.device.type == "cuda",
+                "collate_fn": self.collate_fn if own else collate_fn, "prefetch_factor": config.prefetch_factor,
+                "loader_factory": self.loader_factory if own else None}
+
+    def evaluation_loader(self, dataset: Dataset, batch_size: Optional[int] = None,
+                          collate_fn: Optional[Callable[[List[Any]], Any]] = None) -> DataLoader:
+        """``dataset`` cut into one shard per data-parallel rank, in order, each sample once: the
+        validation set's loader, and any other set's (Session.loader). Batches of ``batch_size``, else
+        train.eval_batch_size, else the training batch; the run's collate_fn (or loader_factory)
+        unless another ``collate_fn`` is given."""
+        size = batch_size or self.config.eval_batch_size or self.batch_size
+        return sharded_loader(dataset, size, self.world.rank, self.world.size, self.config.seed,
+                              **self._loading(collate_fn))
 
     def steps_for(self, limit: Optional[int]) -> int:
         """The run's steps: the epochs' (when known), or ``limit`` if sooner."""

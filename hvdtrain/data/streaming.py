@@ -46,7 +46,8 @@ def is_stream(dataset: Any) -> bool:
     if isinstance(dataset, DataLoader):
         raise TypeError("a DataLoader is not a dataset: hvdtrain builds each rank's loader over its shard (an own "
                         "loader over the whole data would give every rank the same batches); pass its dataset, and "
-                        "its collate_fn as the Trainer's collate_fn, num_workers/prefetch_factor as train settings")
+                        "its collate_fn as the Trainer's collate_fn, num_workers/prefetch_factor as train settings; or "
+                        "build it in loader_factory(dataset, sampler, batch_size) over hvdtrain's sampler")
     if isinstance(dataset, (IterableDataset, StreamShards)):
         return True
     if hasattr(dataset, "__getitem__"):

@@ -176,6 +176,7 @@ class EMA(Callback):
         self.decay = float(decay)
         self.averages: Optional[List[torch.Tensor]] = None
         self.updates = 0  # steps averaged since the averages started
+        self._on_device = True  # false after a load: the averages come on the CPU
 
     def on_train_start(self, trainer: Any) -> None:
         if self.averages is None:  # not resumed from a checkpoint of this layout
@@ -234,7 +235,7 @@ class EMA(Callback):
             raise ValueError(f"the EMA's averages do not fit the parameters this rank holds ({len(self.averages)} "
                              f"tensors vs {len(weights)}): the model, strategy or worker count changed without a "
                              f"resume through the Trainer's checkpoints; build a new EMA")
-        if not getattr(self, "_on_device", True):
+        if not self._on_device:
             self.averages = [average.to(weight.device) for average, weight in zip(self.averages, weights)]
             self._on_device = True
         return weights

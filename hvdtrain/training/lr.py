@@ -121,6 +121,7 @@ class LearningRate:
         self.factory = factory
         self.base_lrs: List[float] = configured_rates(optimizer, config.lr)  # one worker's
         self.scale = 1.0
+        self.rate_fixed = False  # start() decides
         self.scheduler: LRScheduler  # hvdtrain's LambdaLR, or the user's own
 
     def start(self, global_batch: int, warmup_steps: int, world: World, step: int, total_steps: int) -> None:
@@ -132,6 +133,10 @@ class LearningRate:
         self.scale = lr_scale(global_batch, config.batch_size, config.scale_lr, config.reduction, world.size, adasum)
         self.warmup_steps, self.total_steps = warmup_steps, total_steps
         set_scaled_lr(self.optimizer, self.base_lrs, self.scale)
+        # Constant without warm-up, the rate never changes after this: step() then leaves it alone, so
+        # that a scheduler your own loop steps drives it (the step count still advances: checkpoints
+        # record it). Decided here, once, not in every step.
+        self.rate_fixed = self.factory is None and not warmup_steps and config.lr_schedule == "constant"
         if self.factory is not None:
             if step:  # the Trainer refuses what would restart it mid-run (Horovod elastic)
                 raise RuntimeError(f"a scheduler of your own starts at step 0, not {step}: its state resumes it")
@@ -145,9 +150,7 @@ class LearningRate:
         self.scheduler = LambdaLR(self.optimizer, lambda at: warmup(at) * decay(at), last_epoch=step - 1)
 
     def step(self) -> None:
-        if self.factory is None and not self.warmup_steps and self.config.lr_schedule == "constant":
-            # The rate never changes after start: leave it alone, so that a scheduler your own loop
-            # steps drives it; the step count still advances (a checkpoint records it).
+        if self.rate_fixed:
             self.scheduler.last_epoch += 1
             return
         self.scheduler.step()

@@ -114,3 +114,17 @@ def test_a_loader_that_bypasses_the_sampler_is_refused_with_what_to_change():
     with pytest.raises(ValueError, match="a stream has none"):
         Batching(TrainConfig(batch_size=4, max_steps=5, warmup_steps=0), world(0, 2), 4, numbers, None,
                  loader_factory=own_loader)
+
+
+def test_another_set_s_loader_takes_the_run_s_collate_or_the_one_given():
+    """Session.loader: any data set, in order, this rank's half, made by the run's collate_fn unless
+    another is given (then with hvdtrain's loader)."""
+    batching = Batching(TrainConfig(batch_size=4, eval_batch_size=8), world(1, 2), 4, Sentences(), None,
+                        collate_fn=pad)
+    padded = list(batching.evaluation_loader(Sentences()))
+    assert [len(batch["labels"]) for batch in padded] == [8, 8, 8, 8]
+    assert torch.cat([batch["labels"] for batch in padded]).tolist() == list(range(1, 64, 2))
+    labels_only = lambda samples: torch.tensor([label for _, label in samples])
+    assert torch.cat(list(batching.evaluation_loader(Sentences(), 16, labels_only))).tolist() == list(range(1, 64, 2))
+    own = Batching(TrainConfig(batch_size=4), world(0, 2), 4, Sentences(), None, loader_factory=own_loader)
+    assert own.evaluation_loader(Sentences()).num_workers == 2, "the run's own loaders serve other sets too"
