@@ -11,21 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
-from typing import Any, BinaryIO, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import yaml
 
-from hvdtrain.common.atomic import atomic_path, write_atomically, write_text_atomically
+from hvdtrain.checkpoint.safetensors_stream import StreamedSafetensors
+from hvdtrain.common.atomic import atomic_path, write_text_atomically
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.yaml"
-# safetensors' names of torch's dtypes (its format's specification).
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                      torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 def _plain_tensors(state: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
@@ -82,39 +78,14 @@ def export_model_streamed(tensors: Iterable[Tuple[str, torch.Tensor]], aliases: 
 
 def _write_streamed(tensors: Iterator[Tuple[str, torch.Tensor]], aliases: Mapping[str, List[str]], directory: Path,
                     metadata: Mapping[str, Any]) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    weights = directory / WEIGHTS_FILE
-    header: Dict[str, Any] = {"__metadata__": {"format": "pt", **{k: json.dumps(v) for k, v in metadata.items()}}}
-    data_path = weights.with_name(f".{WEIGHTS_FILE}.data")
-    offset = 0
+    writer = StreamedSafetensors(directory / WEIGHTS_FILE, {k: json.dumps(v) for k, v in metadata.items()})
     try:
-        with open(data_path, "wb") as data:
-            for name, tensor in tensors:
-                # A copy: numpy's view of a tensor makes its storage unresizable, and fsdp frees the
-                # gathered unit (resizes its storage to 0) once the next tensor is asked for.
-                copy = tensor.detach().to("cpu", copy=True).contiguous()
-                raw = copy.reshape(-1).view(torch.uint8).numpy().tobytes()
-                for alias in aliases.get(name, [name]):
-                    if alias in header:
-                        continue
-                    if tensor.dtype not in SAFETENSORS_DTYPES:
-                        raise ValueError(f"{alias}: safetensors has no dtype {tensor.dtype}")
-                    data.write(raw)
-                    header[alias] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                                     "data_offsets": [offset, offset + len(raw)]}
-                    offset += len(raw)
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # the data start 8-byte aligned, as safetensors writes them
-
-        def write(out: BinaryIO) -> None:
-            out.write(len(encoded).to_bytes(8, "little"))
-            out.write(encoded)
-            with open(data_path, "rb") as data:
-                shutil.copyfileobj(data, out, 16 * 2**20)
-
-        write_atomically(weights, write)
-    finally:
-        data_path.unlink(missing_ok=True)
+        for name, tensor in tensors:
+            writer.add(tensor, aliases.get(name, [name]))
+    except BaseException:
+        writer.discard()
+        raise
+    writer.close()
 
 
 def export_checkpoint(checkpoint: Mapping[str, Any], directory: os.PathLike) -> Path:
@@ -122,6 +93,18 @@ def export_checkpoint(checkpoint: Mapping[str, Any], directory: os.PathLike) -> 
     metadata = {"step": checkpoint.get("step"), "strategy": checkpoint.get("strategy", "ddp"),
                 "world_size": checkpoint.get("world_size")}
     return export_model(checkpoint["model"], directory, checkpoint.get("config"), metadata)
+
+
+def export_tensors(tensors: Iterable[Tuple[str, torch.Tensor]], aliases: Mapping[str, List[str]],
+                   directory: os.PathLike, config: Optional[Mapping[str, Any]] = None,
+                   metadata: Optional[Mapping[str, Any]] = None) -> Path:
+    """``model.safetensors`` (and ``config.yaml``) from tensors read one at a time (a checkpoint read
+    by slice: ``hvdtrain export``), each under every name in ``aliases``; raises what went wrong."""
+    directory = Path(directory)
+    _write_streamed(iter(tensors), aliases, directory, metadata or {})
+    if config is not None:
+        write_text_atomically(directory / CONFIG_FILE, yaml.safe_dump(dict(config), sort_keys=False))
+    return directory / WEIGHTS_FILE
 
 
 def read_metadata(path: os.PathLike) -> Dict[str, Any]:

@@ -4,8 +4,8 @@ and ``model.safetensors``, or past ``max_shard_bytes`` ``model-0000i-of-0000N.sa
 state_dict names, a tied weight once (as ``save_pretrained`` writes it; loading ties it again).
 
 The tensors come from ``Strategy.full_tensors()``, one at a time: under fsdp one unit is gathered
-at a time, and rank 0 holds at most one file's worth before writing it, so no rank holds the whole
-model. The directory is written beside its place and moved there whole once complete (an existing
+at a time, under a tensor/pipeline mesh one tensor, and rank 0 writes each before the next comes
+(hvdtrain.checkpoint.safetensors_stream), so no rank holds the whole model. The directory is written beside its place and moved there whole once complete (an existing
 one is replaced only then): a run killed mid-export leaves the previous export, or none.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
-from hvdtrain.common.atomic import fsync_directory, fsync_path, write_text_atomically
+from hvdtrain.checkpoint.safetensors_stream import StreamedSafetensors
+from hvdtrain.common.atomic import fsync_directory, write_text_atomically
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -39,14 +40,26 @@ def hf_config_text(model: torch.nn.Module) -> str:
     return config.to_json_string(use_diff=True)
 
 
+def _storage_key(tensor: torch.Tensor) -> Tuple[Any, ...]:
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+
+
 def distinct_tensors(state: Mapping[str, torch.Tensor]) -> Iterator[Tuple[str, torch.Tensor]]:
     """A loaded state_dict's entries, a tensor that another name shares (a tied weight) once."""
     seen = set()
     for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        key = _storage_key(tensor)
         if key not in seen:
             seen.add(key)
             yield name, tensor
+
+
+def shared_names(state: Mapping[str, torch.Tensor]) -> Dict[str, List[str]]:
+    """The first name of each tensor that several names share -> all its names (a tied weight)."""
+    names: Dict[Tuple[Any, ...], List[str]] = {}
+    for name, tensor in state.items():
+        names.setdefault(_storage_key(tensor), []).append(name)
+    return {group[0]: group for group in names.values() if len(group) > 1}
 
 
 def export_hf(config_json: str, tensors: Iterable[Tuple[str, torch.Tensor]], directory: os.PathLike,
@@ -73,33 +86,27 @@ def _write_directory(config_json: str, tensors: Iterator[Tuple[str, torch.Tensor
     staging = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    files: List[Dict[str, Any]] = []
-    pending: Dict[str, torch.Tensor] = {}
-    pending_bytes = total = 0
-    for name, tensor in tensors:
-        copy = tensor.detach().to("cpu", copy=True).contiguous()
-        size = copy.numel() * copy.element_size()
-        if pending and pending_bytes + size > max_shard_bytes:
-            files.append(_write_part(staging, len(files), pending))
-            pending, pending_bytes = {}, 0
-        pending[name] = copy
-        pending_bytes += size
-        total += size
-    files.append(_write_part(staging, len(files), pending))
-    _name_parts(staging, files, total)
+    parts: List[StreamedSafetensors] = []
+    total = 0
+    try:
+        for name, tensor in tensors:
+            size = tensor.numel() * tensor.element_size()
+            if not parts or (parts[-1].bytes and parts[-1].bytes + size > max_shard_bytes):
+                if parts:
+                    parts[-1].close()
+                # A provisional name: the count of files is known at the end.
+                parts.append(StreamedSafetensors(staging / f"part-{len(parts):05d}.safetensors"))
+            total += parts[-1].add(tensor, [name])
+        if not parts:
+            raise ValueError("the model has no tensors to export")
+        parts[-1].close()
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _name_parts(staging, [{"path": part.path, "names": part.names} for part in parts], total)
     write_text_atomically(staging / CONFIG, config_json)
     fsync_directory(staging)
     _replace_directory(staging, final)
-
-
-def _write_part(directory: Path, index: int, tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
-    """One file of the export, under a provisional name (the count of files is known at the end)."""
-    from safetensors.torch import save_file  # only an export pays for the import
-
-    path = directory / f"part-{index:05d}.safetensors"
-    save_file(tensors, str(path), metadata={"format": "pt"})  # transformers checks format == "pt"
-    fsync_path(path)
-    return {"path": path, "names": list(tensors)}
 
 
 def _name_parts(directory: Path, parts: List[Dict[str, Any]], total: int) -> None:

@@ -64,8 +64,13 @@ class CheckpointManager:
         reads its own file: its slices and its RNG states)."""
         saved = RunState.from_checkpoint(state)
         own_rng, own_callbacks = None, None
-        if is_sharded(state) and resumes_as_written(state, self.config.strategy, self.topology.world.size):
+        as_written = is_sharded(state) and resumes_as_written(state, self.config.strategy, self.topology.world.size,
+                                                              self.topology.mesh_shape)
+        if as_written and not self.strategy.reads_every_part:
             shard = self.protocol.load_own_shard(state, self.strategy)
+            own_rng, own_callbacks = shard["rng"], shard.get("callbacks", {})
+        elif as_written:  # a mesh: every rank's file holds a part of what this rank keeps
+            shard = self.protocol.load_resharded(state, self.strategy, keep_own=True)
             own_rng, own_callbacks = shard["rng"], shard.get("callbacks", {})
         elif is_sharded(state):  # another worker count or strategy: each rank's RNG is seeded anew below
             self.protocol.load_resharded(state, self.strategy)

@@ -235,20 +235,27 @@ class Checkpointing:
         strategy.load_shard_state_dict(shard["strategy"])
         return shard
 
-    def load_resharded(self, state: Dict[str, Any], strategy: Strategy) -> None:
+    def load_resharded(self, state: Dict[str, Any], strategy: Strategy, keep_own: bool = False
+                       ) -> Optional[Dict[str, Any]]:
         """The sharded checkpoint ``state`` (a manifest) written at another worker count or under
-        another strategy: every file is checked against the manifest (each by one rank), then a
-        sharded strategy's ranks each read their own part in their own layout, any other strategy
-        the whole state; only when every rank's part is ready does any rank load."""
+        another strategy, or by a mesh (``strategy.reads_every_part``: read from every rank's file at
+        any layout): every file is checked against the manifest (each by one rank), then a sharded
+        strategy's ranks each read their own part in their own layout, a mesh's ranks their slices
+        and stages one whole tensor at a time, any other strategy the whole state; only when every
+        rank's part is ready does any rank load (a mesh's ranks load as they read: no collective).
+        ``keep_own``: the checkpoint was written at this layout; returns this rank's own file (its
+        "rng" and "callbacks" states)."""
         world, path = self.topology.world, Path(state["path"])
-        part = None
+        part = source = None
 
         def prepare() -> None:
-            nonlocal part
+            nonlocal part, source
             resharding.verify(path, state, resharding.files_to_verify(world.size, world.rank, len(state["files"])))
-            source = resharding.ShardedSource(path, state)
+            source = resharding.open_source(path, state)
             try:
-                if isinstance(strategy, ShardedStrategy):
+                if strategy.reads_every_part:
+                    strategy.load_from(source)
+                elif isinstance(strategy, ShardedStrategy):
                     part = resharding.own_part(source, strategy.shard_layout(), world.rank, world.size)
                 else:
                     part = source.full_state()
@@ -257,13 +264,15 @@ class Checkpointing:
         problems = problems_on_any_rank(attempt(prepare), "checkpoint.resharded.check")
         if problems:
             raise CheckpointError(f"the sharded checkpoint {path} cannot be resumed: {'; '.join(problems)}")
-        ranks = lambda count: f"{count} rank{'s' if count != 1 else ''}"  # noqa: E731
-        self.topology.log.info(f"resharding {path} ({ranks(state['world_size'])}, {state['strategy']}) for "
-                               f"{ranks(world.size)} under {self.config.strategy}")
+        if not keep_own:
+            ranks = lambda count: f"{count} rank{'s' if count != 1 else ''}"  # noqa: E731
+            self.topology.log.info(f"resharding {path} ({ranks(state['world_size'])}, {state['strategy']}) for "
+                                   f"{ranks(world.size)} under {self.config.strategy}")
         if isinstance(strategy, ShardedStrategy):
             strategy.load_shard_state_dict(part)
-        else:
+        elif not strategy.reads_every_part:
             strategy.load_state_dict(part)
+        return source.files[world.rank] if keep_own else None
 
     def _agree(self, outcome: Any, name: str) -> None:
         """Rank 0's outcome on every rank: its error (a message) raised everywhere."""

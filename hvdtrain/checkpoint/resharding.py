@@ -1,24 +1,26 @@
 """A sharded checkpoint resumed at another worker count or under another strategy, without
 consolidating it first.
 
-Each rank's file holds its slice of every flat bucket and the layout (per bucket: the parameters'
-names, shapes and offsets), so every element has a global position: bucket, offset, rank. A rank
+Each rank's file of a flat strategy holds its slice of every flat bucket and the layout (per
+bucket: the parameters' names, shapes and offsets), so every element has a global position:
+bucket, offset, rank; a mesh's files hold slices and stages (hvdtrain.checkpoint.mesh_source). A rank
 of the new run asks for the elements its own part needs (its slice of each of its buckets, under
 its own layout) and reads just those: the files are memory-mapped, so only the pages asked for
 are read. A sharded strategy (zero1, zero2, fsdp) receives its part in its own layout and holds
-no more than that part and one bucket's slice; any other (ddp, ps, model parallel) holds the
-whole state anyway and receives it whole.
+no more than that part and one bucket's slice; a tensor x pipeline mesh takes one whole tensor at
+a time and keeps its slices; ddp and ps hold the whole state anyway and receive it whole.
 """
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 
 from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint import sharded_format as sharded
+from hvdtrain.checkpoint.mesh_source import MeshSource, is_mesh_part
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.shard_state import assemble_full_state
 
@@ -29,29 +31,40 @@ def files_to_verify(world_size: int, rank: int, files: int) -> List[int]:
     return list(range(rank, files, world_size))
 
 
-class ShardedSource:
-    """Every rank's part of one sharded checkpoint, memory-mapped, read by parameter and element."""
+def open_source(path: Path, manifest: Mapping[str, Any]) -> "ShardedSource | MeshSource":
+    """Every rank's file of the sharded checkpoint at ``path``, memory-mapped: a flat strategy's
+    (buckets) or a tensor x pipeline mesh's, read through the same questions."""
+    files = []
+    for entry in manifest["files"]:
+        file = Path(path) / entry["name"]
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
+            raise CheckpointError(f"{file} is unreadable: {type(error).__name__}: {error}") from None
+        if not isinstance(state, dict) or state.get("rank") != entry["rank"] or "strategy" not in state:
+            raise CheckpointError(f"{file} is not rank {entry['rank']}'s shard of an hvdtrain sharded checkpoint")
+        files.append(state)
+    if is_mesh_part(files[0]["strategy"]):
+        return MeshSource(path, files)
+    return ShardedSource(path, files)
 
-    def __init__(self, path: Path, manifest: Mapping[str, Any]) -> None:
-        self.path = Path(path)
-        self.parts = []
-        for entry in manifest["files"]:
-            file = self.path / entry["name"]
-            try:
-                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
-                raise CheckpointError(f"{file} is unreadable: {type(error).__name__}: {error}") from None
-            if not isinstance(state, dict) or state.get("rank") != entry["rank"] or "strategy" not in state:
-                raise CheckpointError(f"{file} is not rank {entry['rank']}'s shard of an hvdtrain sharded checkpoint")
-            self.parts.append(state["strategy"])
+
+class ShardedSource:
+    """Every rank's part of one sharded checkpoint of flat buckets, memory-mapped, read by parameter
+    and element."""
+
+    def __init__(self, path: Path, files: Sequence[Dict[str, Any]]) -> None:
+        self.path, self.files = Path(path), list(files)
+        self.parts = [file["strategy"] for file in self.files]
         self.world_size = len(self.parts)
         self.layout = self.parts[0]["layout"]
-        # name -> (bucket position, bucket index, offset in the bucket, elements)
-        self._where: Dict[str, Tuple[int, int, int, int]] = {}
+        self.model_keys: List[str] = list(self.layout["model_keys"])
+        # name -> (bucket position, bucket index, offset in the bucket, shape)
+        self._where: Dict[str, Tuple[int, int, int, Tuple[int, ...]]] = {}
         for position, entry in enumerate(self.layout["buckets"]):
             for names, shape, offset in zip(entry["names"], entry["shapes"], entry["offsets"]):
                 for name in names:
-                    self._where[name] = (position, entry["index"], offset, math.prod(shape))
+                    self._where[name] = (position, entry["index"], offset, tuple(shape))
         self._slice = [entry["padded_numel"] // self.world_size for entry in self.layout["buckets"]]
 
     def has(self, name: str) -> bool:
@@ -83,11 +96,44 @@ class ShardedSource:
         """The whole {"model", "optimizer"} state, as consolidation makes it."""
         return assemble_full_state(self.parts)
 
+    def check_same_model(self, layout: Mapping[str, Any]) -> None:
+        _check_same_model(self.layout, layout)
 
-def own_part(source: ShardedSource, layout: Mapping[str, Any], rank: int, world_size: int) -> Dict[str, Any]:
+    # One whole tensor at a time (a tensor x pipeline mesh loading it, an export).
+
+    def full_tensor(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            return self.unmanaged()[name]
+        shape = self._where[name][3]
+        return self.read(name, 0, math.prod(shape)).reshape(shape)
+
+    def optimizer_state_of(self, index: int, name: str) -> Dict[str, Any]:
+        """The user's optimizer's state of its parameter ``index`` (named ``name``), whole."""
+        if name not in self._where:
+            return {}
+        shape = self._where[name][3]
+        return {key: self.read(name, 0, math.prod(shape), key).reshape(shape) if fb.is_elementwise(value) else value
+                for key, value in self.optimizer_state(name).items()}
+
+    def parameter_count(self) -> int:
+        return sum(len(indices) for indices in self.layout["group_indices"])
+
+    def aliases(self) -> Dict[str, List[str]]:
+        """A tied parameter's first state_dict name -> all its names."""
+        return {names[0]: list(names) for entry in self.layout["buckets"] for names in entry["names"] if len(names) > 1}
+
+    def model_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(first name, whole tensor) of every distinct tensor, one at a time (a tied weight once)."""
+        later = {name for names in self.aliases().values() for name in names[1:]}
+        for name in self.model_keys:
+            if name not in later:
+                yield name, self.full_tensor(name)
+
+
+def own_part(source: "ShardedSource | MeshSource", layout: Mapping[str, Any], rank: int, world_size: int) -> Dict[str, Any]:
     """Rank ``rank``'s part under ``layout`` (a sharded strategy's own, for ``world_size`` ranks),
     filled from ``source``: what that strategy's shard_state_dict() would hold had it written it."""
-    _check_same_model(source.layout, layout)
+    source.check_same_model(layout)
     params: List[torch.Tensor] = []
     states: Dict[int, Dict[str, Any]] = {}
     for entry in layout["buckets"]:

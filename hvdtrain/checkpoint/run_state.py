@@ -26,8 +26,8 @@ class RunState:
     # What a sharded checkpoint's manifest holds beside its own keys (strategy and world size among them).
     SHARDED: ClassVar[Tuple[str, ...]] = ("scheduler", "epoch", "step", "epoch_position", "global_batch", "precision",
                                 "config")
-    # What a manifest holds when the run has it (manifests written before it existed lack it).
-    SHARDED_OPTIONAL: ClassVar[Tuple[str, ...]] = ("kept",)
+    # What a manifest holds when the run has it (manifests written before these existed lack them).
+    SHARDED_OPTIONAL: ClassVar[Tuple[str, ...]] = ("kept", "data_parallel", "mesh")
 
     def __post_init__(self) -> None:
         if not self.data_parallel:  # checkpoints before model parallelism: one worker per rank
@@ -43,7 +43,9 @@ class RunState:
 
     def shared(self) -> Dict[str, Any]:
         """The part a sharded checkpoint's manifest stores (JSON)."""
-        return {key: getattr(self, key) for key in self.SHARDED + self.SHARDED_OPTIONAL}
+        shared = {key: getattr(self, key) for key in self.SHARDED + self.SHARDED_OPTIONAL}
+        shared["mesh"] = list(self.mesh)
+        return shared
 
     @classmethod
     def from_checkpoint(cls, state: Mapping[str, Any]) -> "RunState":

@@ -228,10 +228,14 @@ def check_manifest(manifest: Any, path: Path) -> None:
             raise CheckpointError(f"{file} has {file.stat().st_size} bytes, {where} says {entry['bytes']}")
 
 
-def resumes_as_written(state: Dict[str, Any], strategy: str, world_size: int) -> bool:
+def resumes_as_written(state: Dict[str, Any], strategy: str, world_size: int,
+                       mesh: Sequence[int] = ()) -> bool:
     """Whether each rank of this run takes back its own file of the sharded checkpoint ``state``
-    (the same worker count and strategy), rather than a resharded part (hvdtrain.checkpoint.resharding)."""
-    return state["world_size"] == world_size and state["strategy"] == strategy
+    (the same worker count, strategy and mesh), rather than a resharded part (hvdtrain.checkpoint.
+    resharding). Manifests written before meshes had sharded checkpoints name no mesh: a flat one."""
+    flat = [world_size, 1, 1]
+    same_mesh = list(state.get("mesh") or flat) == (list(mesh) if mesh else flat)
+    return state["world_size"] == world_size and state["strategy"] == strategy and same_mesh
 
 
 def check_file(path: Path, manifest: Dict[str, Any], rank: int) -> Path:

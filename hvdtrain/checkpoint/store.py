@@ -107,13 +107,14 @@ class CheckpointStore:
             return None
 
     @staticmethod
-    def read(path: Path) -> Dict[str, Any]:
+    def read(path: Path, mmap: bool = False) -> Dict[str, Any]:
         """Load one checkpoint: tensors and plain values only (``weights_only``), never code. Of a
-        sharded one, its manifest only: each rank reads its own file when it loads."""
+        sharded one, its manifest only: each rank reads its own file when it loads. ``mmap``: the
+        tensors stay in the file until read (an export reads one at a time)."""
         if path.is_dir():
             return sharded.read_manifest(path)
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
             raise CheckpointError(f"{path} is unreadable: {type(error).__name__}: {error}") from None
         missing = missing_keys(state, REQUIRED_KEYS)

@@ -2,19 +2,19 @@
 
     hvdtrain export runs/ckpt                          # the newest valid checkpoint in it
     hvdtrain export runs/ckpt/ckpt-000000066.pt        # a full checkpoint
-    hvdtrain export runs/ckpt/ckpt-000000066           # a sharded one (consolidated in memory)
+    hvdtrain export runs/ckpt/ckpt-000000066           # a sharded one (of any strategy or mesh)
     # wrote runs/ckpt/ckpt-000000066-export/model.safetensors and config.yaml
     hvdtrain export runs/ckpt --format hf --hf-config path/to/config.json   # a Hugging Face model
 
 Load it into your own module: ``model.load_state_dict(safetensors.torch.load_file(path))``; with
-``--format hf``, ``AutoModelForCausalLM.from_pretrained(out)`` (or the model's own class).
+``--format hf``, ``AutoModelForCausalLM.from_pretrained(out)`` (or the model's own class). The
+model is read and written one tensor at a time: the export never holds the whole model.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Dict, Tuple
 
 
 HELP = "a checkpoint's model as model.safetensors + config.yaml, loadable without hvdtrain"
@@ -39,29 +39,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hvdtrain.checkpoint import export  # imports torch: only when running
     from hvdtrain.checkpoint import CheckpointError
 
     try:
-        path, state = _read(args.checkpoint)
+        checkpoint = _open(args.checkpoint)
     except CheckpointError as error:
         print(f"hvdtrain export: {error}", file=sys.stderr)
         return 1
+    path = checkpoint.path
     out = args.out or path.parent / f"{path.name.removesuffix('.pt')}-export"
     if args.format == "hf":
-        return _export_hf(args, path, state, out)
+        return _export_hf(args, checkpoint, out)
+    from hvdtrain.checkpoint import export
+
     existing = [out / name for name in (export.WEIGHTS_FILE, export.CONFIG_FILE) if (out / name).exists()]
     if existing and not args.force:
         print(f"hvdtrain export: {', '.join(map(str, existing))} exists: choose another --out, or --force "
               "to overwrite", file=sys.stderr)
         return 1
-    weights = export.export_checkpoint(state, out)
-    print(f"wrote {weights} ({len(state['model'])} tensors, step {state['step']}, trained under "
-          f"{state.get('strategy', 'ddp')} on {state['world_size']} workers) and {out / export.CONFIG_FILE}")
+    info = checkpoint.info
+    try:
+        weights = export.export_tensors(checkpoint.tensors(), checkpoint.aliases, out, info.get("config"),
+                                        {"step": info["step"], "strategy": info.get("strategy", "ddp"),
+                                         "world_size": info["world_size"]})
+    except (OSError, ValueError, RuntimeError, CheckpointError) as error:
+        print(f"hvdtrain export: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {weights} ({checkpoint.count} tensors, step {info['step']}, trained under "
+          f"{info.get('strategy', 'ddp')} on {info['world_size']} workers) and {out / export.CONFIG_FILE}")
     return 0
 
 
-def _export_hf(args: argparse.Namespace, path: Path, state: Dict[str, Any], out: Path) -> int:
+def _export_hf(args: argparse.Namespace, checkpoint: "Checkpoint", out: Path) -> int:
     from hvdtrain.checkpoint import hf_export
 
     if args.hf_config is None:
@@ -75,19 +84,47 @@ def _export_hf(args: argparse.Namespace, path: Path, state: Dict[str, Any], out:
     if out.exists() and not args.force:
         print(f"hvdtrain export: {out} exists: choose another --out, or --force to replace it", file=sys.stderr)
         return 1
-    failure = hf_export.export_hf(config.read_text(), hf_export.distinct_tensors(state["model"]), out, writes=True,
+    failure = hf_export.export_hf(config.read_text(), checkpoint.tensors(), out, writes=True,
                                   max_shard_bytes=max(1, int(args.max_shard_mb * 1e6)))
     if failure:
         print(f"hvdtrain export: {failure}", file=sys.stderr)
         return 1
-    print(f"wrote {out} (Hugging Face format, {config.name} from {config.parent}; step {state['step']} of {path})")
+    print(f"wrote {out} (Hugging Face format, {config.name} from {config.parent}; step {checkpoint.info['step']} "
+          f"of {checkpoint.path})")
     return 0
 
 
-def _read(given: Path) -> Tuple[Path, Dict[str, Any]]:
-    """(the checkpoint's path, its full state): a sharded checkpoint is consolidated in memory."""
+class Checkpoint:
+    """A checkpoint's model, read one tensor at a time: a full checkpoint's file is memory-mapped, a
+    sharded one's tensors are put together from every rank's file as they are asked for, so the
+    export never holds the whole model (``info``: the step, the strategy, the settings)."""
+
+    def __init__(self, path: Path) -> None:
+        from hvdtrain.checkpoint import resharding
+        from hvdtrain.checkpoint import sharded_format as sharded
+        from hvdtrain.checkpoint.hf_export import distinct_tensors, shared_names
+        from hvdtrain.checkpoint.store import CheckpointStore
+
+        self.path = path
+        if path.is_dir():
+            self.info = sharded.read_manifest(path)
+            resharding.verify(path, self.info, range(self.info["world_size"]))
+            source = resharding.open_source(path, self.info)
+            self.aliases = source.aliases()
+            self.tensors = source.model_tensors
+            self.count = len(source.model_keys)
+        else:
+            self.info = CheckpointStore.read(path, mmap=True)
+            model = self.info["model"]
+            self.aliases = shared_names(model)
+            self.tensors = lambda: distinct_tensors(model)
+            self.count = len(model)
+
+
+def _open(given: Path) -> Checkpoint:
+    """The checkpoint ``given`` names: a file, a sharded checkpoint's directory, or the newest valid
+    checkpoint in a checkpoint_dir."""
     from hvdtrain.checkpoint import sharded_format as sharded
-    from hvdtrain.checkpoint.consolidate import consolidate
     from hvdtrain.checkpoint.store import CheckpointStore
     from hvdtrain.checkpoint import CheckpointError
 
@@ -99,5 +136,4 @@ def _read(given: Path) -> Tuple[Path, Dict[str, Any]]:
         if newest is None:
             raise CheckpointError(f"{given} holds no valid checkpoint (ckpt-NNNNNNNNN.pt or ckpt-NNNNNNNNN/)")
         path = newest[0]
-    state = consolidate(path) if path.is_dir() else CheckpointStore.read(path)
-    return path, state
+    return Checkpoint(path)

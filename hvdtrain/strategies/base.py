@@ -171,6 +171,10 @@ class Strategy(ABC):
 
     # Sharded checkpoints (train.checkpoint_format=sharded): each rank's own part, no collective.
     # Only strategies that shard the state have them (hvdtrain.strategies.sharding.shard_state).
+    # A strategy that ``reads_every_part`` (a tensor x pipeline mesh: a rank's tensors were written by
+    # the ranks of its replica and stage that write each element) loads through ``load_from(source)``
+    # from every rank's file, also at its own layout, instead of its own file.
+    reads_every_part: ClassVar[bool] = False
 
     def shard_state_dict(self) -> Dict[str, Any]:
         """This rank's own slices of the parameters and optimizer state, its buffers, and the layout

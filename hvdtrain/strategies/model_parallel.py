@@ -27,9 +27,10 @@ from hvdtrain.parallel import gathered_state as full_state
 from hvdtrain.parallel.gathered_state import Placement
 from hvdtrain.parallel.mesh import Mesh
 from hvdtrain.parallel.model_plan import ModelPlan
-from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
+from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes, tensor_names
 from hvdtrain.strategies.optimizers import check_elementwise, optimizer_like
-from hvdtrain.strategies.registry import ADASUM, COMPILE, ELASTIC, SHARDED_CHECKPOINTS
+from hvdtrain.strategies.sharding.shard_state import compact
+from hvdtrain.strategies.registry import ADASUM, COMPILE, ELASTIC
 
 if TYPE_CHECKING:
     from hvdtrain.strategies.deferred_init import DeferredInit
@@ -58,6 +59,26 @@ def deal_out(sizes: Sequence[Tuple[str, int]], ranks: int) -> Dict[str, int]:
     return owner
 
 
+class FullState:
+    """A gathered checkpoint's {"model", "optimizer"} state, asked as a sharded source is asked."""
+
+    def __init__(self, state: Dict[str, Any]) -> None:
+        self.model, self.optimizer = state["model"], state["optimizer"]
+        self.model_keys = list(self.model)
+
+    def full_tensor(self, name: str) -> torch.Tensor:
+        return self.model[name]
+
+    def optimizer_state_of(self, index: int, name: str) -> Dict[str, Any]:
+        return self.optimizer["state"].get(index, {})
+
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.optimizer["param_groups"]
+
+    def parameter_count(self) -> int:
+        return sum(len(group["params"]) for group in self.optimizer["param_groups"])
+
+
 class ModelParallelStrategy(Strategy):
     """ddp, or zero1, over the data-parallel groups of a mesh whose model replicas span tensor x
     pipeline ranks."""
@@ -67,8 +88,6 @@ class ModelParallelStrategy(Strategy):
     collective_forward = True  # tensor-parallel layers all-reduce in forward; stages exchange activations
     refuses = {
         ELASTIC: "a lost worker takes a part of a model replica with it, and the mesh is fixed at start",
-        SHARDED_CHECKPOINTS: "a model-parallel run writes its checkpoint gathered (the whole model, resumable "
-                             "under any layout)",
         ADASUM: "Adasum combines over the whole world, not over a data-parallel group",
         COMPILE: "Horovod's collectives inside the forward do not compile (a graph break at every "
                  "tensor-parallel layer)",
@@ -329,12 +348,23 @@ class ModelParallelStrategy(Strategy):
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        full_state.scatter_into(self._model_placements, state["model"])
-        saved = state["optimizer"]
-        flat_names = [name for names in self._optimizer_names for name in names]
-        if len(flat_names) != sum(len(g["params"]) for g in saved["param_groups"]):
-            raise ValueError("the checkpoint's optimizer has another number of parameters than this model's")
-        index_of = {name: i for i, name in enumerate(flat_names)}
+        self.load_from(FullState(state))
+
+    def load_from(self, source: Any) -> None:
+        """The whole state from ``source``, one whole tensor at a time; this rank keeps its slices and
+        its stage's tensors (no collective). ``source``: a full checkpoint's state (FullState), or a
+        sharded checkpoint of any layout (hvdtrain.checkpoint.resharding.open_source), answering
+        full_tensor(name), optimizer_state_of(index, name), param_groups() and parameter_count()."""
+        self.check_source(source)
+        with torch.no_grad():
+            for placement in self._model_placements:
+                if placement.local is not None:
+                    whole = source.full_tensor(placement.name)
+                    if tuple(whole.shape) != tuple(placement.shape):
+                        raise ValueError(f"the checkpoint's {placement.name} has shape {tuple(whole.shape)}, this "
+                                         f"model's {tuple(placement.shape)}: it is another model")
+                    placement.local.copy_(placement.local_from_full(whole.to(placement.local.device)))
+        index_of = {name: i for i, name in enumerate(n for names in self._optimizer_names for n in names)}
         local_state: Dict[int, Dict[str, Any]] = {}
         position = 0
         for names in self._owned_names:
@@ -342,7 +372,7 @@ class ModelParallelStrategy(Strategy):
                 shard = getattr(self._live[name], "tensor_shard", None)
                 full_shape = self._full_shapes[name][0]
                 entry = {}
-                for key, value in saved["state"].get(index_of[name], {}).items():
+                for key, value in source.optimizer_state_of(index_of[name], name).items():
                     if isinstance(value, torch.Tensor) and shard is not None and tuple(value.shape) == tuple(full_shape):
                         value = shard.take(value)
                     entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
@@ -350,18 +380,65 @@ class ModelParallelStrategy(Strategy):
                     local_state[position] = entry
                 position += 1
         groups, position = [], 0
-        for names, saved_group in zip(self._owned_names, saved["param_groups"]):
+        for names, saved_group in zip(self._owned_names, source.param_groups()):
             groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
                            "params": list(range(position, position + len(names)))})
             position += len(names)
         self.optimizer.load_state_dict({"state": local_state, "param_groups": groups})
 
+    def check_source(self, source: Any) -> None:
+        """ValueError unless ``source`` holds this model's tensors and optimizer (before any is read)."""
+        flat_names = [name for names in self._optimizer_names for name in names]
+        if source.parameter_count() != len(flat_names):
+            raise ValueError(f"the checkpoint's optimizer has {source.parameter_count()} parameters, this model's "
+                             f"{len(flat_names)}: it is another model")
+        keys = getattr(source, "model_keys", None)
+        if keys is not None and set(keys) != set(self._full_shapes):
+            extra = sorted(set(keys) ^ set(self._full_shapes))[:5]
+            raise ValueError(f"the checkpoint holds another model: the names differ ({', '.join(extra)})")
+
+    # Sharded checkpoints (train.checkpoint_format=sharded): what this rank writes of the state, each
+    # element by one rank (the rule of a gathered checkpoint, _writes); read back through a source
+    # over every rank's file (hvdtrain.checkpoint.mesh_source), at this layout or any other.
+    reads_every_part = True
+
+    def shard_state_dict(self) -> Dict[str, Any]:
+        model = {p.name: compact(p.local) for p in self._model_placements if p.writes}
+        model_shards = {p.name: p.shard.spec() for p in self._model_placements if p.writes and p.shard is not None}
+        index_of = {name: i for i, name in enumerate(n for names in self._optimizer_names for n in names)}
+        state: Dict[int, Dict[str, Any]] = {}
+        shards: Dict[int, Dict[str, List[int]]] = {}
+        for names, group in zip(self._owned_names, self.optimizer.param_groups):
+            for name, parameter in zip(names, group["params"]):
+                shard = getattr(self._live[name], "tensor_shard", None)
+                for key, value in self.optimizer.state.get(parameter, {}).items():
+                    split = (shard is not None and isinstance(value, torch.Tensor)
+                             and tuple(value.shape) == tuple(parameter.shape))
+                    if not self._writes(name, split, self._owner[name]):
+                        continue
+                    index = index_of[name]
+                    state.setdefault(index, {})[key] = compact(value) if isinstance(value, torch.Tensor) else value
+                    if split:
+                        shards.setdefault(index, {})[key] = shard.spec()
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        shape = self.mesh.shape
+        return {"rank": self.world.rank, "world_size": self.world.size,
+                "layout": {"kind": "mesh", "mesh": [shape.data, shape.pipeline, shape.tensor], "model_keys": list(self._full_shapes),
+                           "tied": [names for names, _ in tensor_names(self.model) if len(names) > 1],
+                           "optimizer_names": [list(names) for names in self._optimizer_names]},
+                "model": model, "model_shards": model_shards,
+                "optimizer": {"state": state, "shards": shards, "param_groups": groups}}
+
     def exported_model_state(self) -> Dict[str, torch.Tensor]:
         return self._gather_model()
 
     def full_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        """The whole model gathered first (a split layer's slices come together), then handed out."""
-        return iter(self._gather_model().items())
+        """One whole tensor at a time (a split layer's slices come together, a stage's tensors reach
+        every rank), each distinct tensor once under its first name: no rank holds the whole model."""
+        first_names = {names[0] for names, _ in tensor_names(self.model)}
+        placements = [p for p in self._model_placements if p.name in first_names]
+        for placement, full in full_state.gather_each(placements, self.world.device, "model_parallel.export"):
+            yield placement.name, full
 
     def memory_bytes(self) -> Dict[str, int]:
         return {

@@ -101,7 +101,9 @@ def check_settings(config: "TrainConfig") -> None:
             if ASKED[capability](config) and not layered.supports(capability):
                 raise ValueError(f"TrainConfig.{layout} does not work with {setting}: {layered.refuses[capability]}; "
                                  f"{way_out}")
-    for capability in (COMPILE, ADASUM, SHARDED_CHECKPOINTS):
+    # Over a mesh the layout writes the sharded checkpoints (its slices and stages), whatever the data groups run.
+    own = (COMPILE, ADASUM) if config.model_parallel else (COMPILE, ADASUM, SHARDED_CHECKPOINTS)
+    for capability in own:
         if ASKED[capability](config) and not cls.supports(capability):
             raise ValueError(_refusal(capability, config.strategy, cls.refuses[capability]))
 

@@ -64,10 +64,19 @@ def test_wrong_uses_are_refused_and_a_failed_export_keeps_the_previous_one(tmp_p
     assert main(["export", str(tmp_path / "ckpt"), "--format", "hf", "--hf-config", str(config), "--out", str(out)]) == 1
     assert "exists: choose another --out, or --force" in capsys.readouterr().err
 
-    def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-    monkeypatch.setattr("safetensors.torch.save_file", disk_full)
+    from hvdtrain.checkpoint.safetensors_stream import StreamedSafetensors
+
+    written = []
+    add = StreamedSafetensors.add
+
+    def disk_full_at_the_third_tensor(self, tensor, names):
+        if len(written) == 2:
+            raise OSError(28, "No space left on device")
+        written.append(names)
+        return add(self, tensor, names)
+    monkeypatch.setattr(StreamedSafetensors, "add", disk_full_at_the_third_tensor)
     assert main(["export", str(tmp_path / "ckpt"), "--format", "hf", "--hf-config", str(config), "--out", str(out),
                  "--force"]) == 1
     assert "No space left on device" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf", "pretrained"]  # no staging left

@@ -55,8 +55,6 @@ def test_the_start_lines_say_where_every_rank_is():
     (dict(pipeline_parallel=2, micro_batches=3, batch_size=16), "micro_batches=3 does not divide batch_size=16"),
     (dict(tensor_parallel=2, strategy="zero2"), "does not work with strategy=zero2.*or zero1"),
     (dict(pipeline_parallel=2, strategy="fsdp"), "does not work with strategy=fsdp"),
-    (dict(tensor_parallel=2, strategy="zero1", checkpoint_format="sharded"),
-     "does not work with checkpoint_format=sharded"),
     (dict(pipeline_parallel=2, precision="fp16"), "does not work with precision=fp16"),
     (dict(tensor_parallel=2, compile=True), "does not work with compile"),
     (dict(tensor_parallel=2, sync_batchnorm=True), "does not work with sync_batchnorm"),
@@ -71,6 +69,9 @@ def test_model_parallel_settings_refused_with_the_reason(settings, message):
 def test_a_valid_layout_is_model_parallel():
     assert TrainConfig(tensor_parallel=2, pipeline_parallel=2, micro_batches=4, precision="bf16").model_parallel
     assert TrainConfig(pipeline_parallel=2, strategy="zero1").model_parallel
+    # A mesh writes its own slices and stages: sharded checkpoints under ddp or zero1 data groups.
+    assert TrainConfig(tensor_parallel=2, strategy="zero1", checkpoint_format="sharded").model_parallel
+    assert TrainConfig(pipeline_parallel=2, checkpoint_format="sharded").model_parallel
     assert not TrainConfig().model_parallel
 
 

@@ -42,7 +42,7 @@ def layout(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket], group_indic
     }
 
 
-def _compact(tensor: torch.Tensor) -> torch.Tensor:
+def compact(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor that owns exactly its elements: torch.save writes a view's whole storage (a ZeRO
     shard is a view of its full bucket), which would put the full bucket in every rank's file."""
     tensor = tensor.detach()
@@ -63,7 +63,7 @@ def shard_state_dict(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket], o
     for bucket in buckets:
         state = optimizer.state.get(bucket.shard, {})
         if state:
-            states[bucket.index] = {key: _compact(value) if isinstance(value, torch.Tensor) else value
+            states[bucket.index] = {key: compact(value) if isinstance(value, torch.Tensor) else value
                                     for key, value in state.items()}
     groups = [{**{k: v for k, v in group.items() if k != "params"},
                "params": [b.index for b in buckets if b.group == g]}
@@ -72,9 +72,9 @@ def shard_state_dict(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket], o
     return {
         "rank": first.rank if first else 0,
         "world_size": first.world_size if first else 1,
-        "params": [_compact(bucket.shard) for bucket in buckets],
+        "params": [compact(bucket.shard) for bucket in buckets],
         "optimizer": {"state": states, "param_groups": groups},
-        "unmanaged": {name: _compact(tensor) for name, tensor in unmanaged_state(model, buckets).items()},
+        "unmanaged": {name: compact(tensor) for name, tensor in unmanaged_state(model, buckets).items()},
         "layout": layout(model, buckets, group_indices),
     }
 

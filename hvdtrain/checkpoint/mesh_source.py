@@ -1,0 +1,172 @@
+"""A sharded checkpoint written over a tensor x pipeline mesh, read back a tensor at a time.
+
+Each rank's file holds what that rank writes of the state (every element is written by exactly
+one rank: the first data replica's, the first stage holding it, each tensor rank's slice of a split
+tensor and tensor rank 0's copy of a replicated one; zero1's optimizer state by its owner):
+
+  layout     {"kind": "mesh", "mesh": [data, pipeline, tensor], "model_keys": the full model's state_dict
+             names in order, "tied": the names of each tensor that has several, "optimizer_names": per
+             parameter group, the full optimizer's parameters by name}
+  model      {name: this rank's slice or copy}          model_shards     {name: TensorShard.spec()}
+  optimizer  {"state": {index: {key: slice or value}}, "shards": {index: {key: spec}}, "param_groups": [...]}
+
+A reader asks for one whole tensor at a time: its pieces come from the files that hold them (the
+files are memory-mapped: only the pages asked for are read) and are put together, so no reader
+holds more than the tensor asked for and its own part. The same source serves a mesh of any other
+shape, the flat strategies (zero1/zero2/fsdp read element ranges through ``read``; ddp and ps
+``full_state()``), consolidation and export.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.parallel.tensor_shard import TensorShard
+
+KIND = "mesh"
+Piece = Tuple[Optional[List[int]], torch.Tensor]  # (the slice's spec, or None for the whole tensor; its values)
+
+
+def is_mesh_part(part: Mapping[str, Any]) -> bool:
+    """Whether a rank's strategy part was written over a mesh (rather than in flat buckets)."""
+    return isinstance(part.get("layout"), dict) and part["layout"].get("kind") == KIND
+
+
+def assemble(pieces: Sequence[Piece], what: str) -> torch.Tensor:
+    """The whole tensor from the pieces the ranks wrote: one whole copy, or slices that tile it."""
+    whole = [tensor for spec, tensor in pieces if spec is None]
+    if whole:
+        return whole[0]
+    if not pieces:
+        raise CheckpointError(f"no rank wrote {what}")
+    first = TensorShard.from_spec(pieces[0][0])
+    shape = list(pieces[0][1].shape)
+    shape[first.dim] *= first.parts
+    full = torch.empty(shape, dtype=pieces[0][1].dtype)
+    indices = sorted(TensorShard.from_spec(spec).index for spec, _ in pieces)
+    if indices != list(range(first.parts)):
+        raise CheckpointError(f"{what}: the files hold slices {indices} of {first.parts}: a file is missing or "
+                              f"from another checkpoint")
+    for spec, tensor in pieces:
+        TensorShard.from_spec(spec).place(full, tensor)
+    return full
+
+
+class MeshSource:
+    """Every rank's file of one mesh checkpoint, memory-mapped, read one whole tensor at a time."""
+
+    def __init__(self, path: Path, files: Sequence[Dict[str, Any]]) -> None:
+        self.path, self.files = Path(path), list(files)
+        parts = [file["strategy"] for file in self.files]
+        self.layout = parts[0]["layout"]
+        for rank, part in enumerate(parts):
+            if part.get("layout") != self.layout:
+                raise CheckpointError(f"{self.path}: rank {rank}'s layout differs from rank 0's: the files come from "
+                                      f"different runs")
+        self.model_keys: List[str] = list(self.layout["model_keys"])
+        self.optimizer_names: List[List[str]] = [list(names) for names in self.layout["optimizer_names"]]
+        self.index_of = {name: i for i, name in enumerate(n for names in self.optimizer_names for n in names)}
+        self._model: Dict[str, List[Piece]] = {}
+        self._state: Dict[int, Dict[str, List[Piece]]] = {}
+        self._values: Dict[int, Dict[str, Any]] = {}
+        for part in parts:
+            for name, tensor in part["model"].items():
+                self._model.setdefault(name, []).append((part["model_shards"].get(name), tensor))
+            shards = part["optimizer"]["shards"]
+            for index, entries in part["optimizer"]["state"].items():
+                for key, value in entries.items():
+                    if isinstance(value, torch.Tensor):
+                        spec = shards.get(index, {}).get(key)
+                        self._state.setdefault(index, {}).setdefault(key, []).append((spec, value))
+                    else:
+                        self._values.setdefault(index, {})[key] = value
+        missing = [name for name in self.model_keys if name not in self._model]
+        if missing:
+            raise CheckpointError(f"{self.path}: no file holds {', '.join(missing[:5])}")
+        self._cached: Tuple[Any, Optional[torch.Tensor]] = (None, None)
+
+    # --- one whole tensor at a time -----------------------------------------------------------
+
+    def full_tensor(self, name: str) -> torch.Tensor:
+        """The model's tensor ``name``, whole."""
+        return assemble(self._model[name], name)
+
+    def optimizer_state_of(self, index: int, name: str = "") -> Dict[str, Any]:
+        """The full optimizer's state of its parameter ``index``: per-element entries whole, scalars."""
+        state = {key: assemble(pieces, f"the optimizer's {key} of {name or index}")
+                 for key, pieces in self._state.get(index, {}).items()}
+        state.update(self._values.get(index, {}))
+        return state
+
+    def param_groups(self) -> List[Dict[str, Any]]:
+        """The parameter groups' hyperparameters (rank 0's: every rank steps with the same)."""
+        return [dict(group) for group in self.files[0]["strategy"]["optimizer"]["param_groups"]]
+
+    def parameter_count(self) -> int:
+        return len(self.index_of)
+
+    def aliases(self) -> Dict[str, List[str]]:
+        """A tied tensor's first state_dict name -> all its names (a tied embedding and head)."""
+        return {names[0]: list(names) for names in self.layout.get("tied", [])}
+
+    def model_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(first name, whole tensor) of every distinct tensor, in state_dict order, one at a time
+        (an export: a tied weight once)."""
+        later = {name for names in self.aliases().values() for name in names[1:]}
+        for name in self.model_keys:
+            if name not in later:
+                yield name, self.full_tensor(name)
+
+    def full_state(self) -> Dict[str, Any]:
+        """The whole {"model", "optimizer"} state, as a gathered checkpoint holds it (it needs the
+        memory of all of it: consolidation, and the strategies that hold everything anyway)."""
+        state = {index: entry for index in range(self.parameter_count())
+                 if (entry := self.optimizer_state_of(index))}
+        groups, start = [], 0
+        for group, names in zip(self.param_groups(), self.optimizer_names):
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": list(range(start, start + len(names)))})
+            start += len(names)
+        return {"model": {name: self.full_tensor(name).clone() for name in self.model_keys},
+                "optimizer": {"state": state, "param_groups": groups}}
+
+    # --- element ranges, for a flat sharded strategy (hvdtrain.checkpoint.resharding.own_part) ---
+
+    def has(self, name: str) -> bool:
+        return name in self.index_of
+
+    def _trained(self, name: str) -> bool:
+        """Whether the optimizer trains ``name``'s tensor (under this name or a tied one's)."""
+        return name in self.index_of or any(name in names and names[0] in self.index_of
+                                            for names in self.aliases().values())
+
+    def read(self, name: str, start: int, stop: int, key: str = "") -> torch.Tensor:
+        """Elements [start, stop) of parameter ``name`` (flattened), or of its optimizer state ``key``.
+        The whole tensor is kept until another is asked for: a bucket reads a tensor's elements in
+        one or two calls."""
+        if self._cached[0] != (name, key):
+            whole = self.full_tensor(name) if not key else self.optimizer_state_of(self.index_of[name], name)[key]
+            self._cached = ((name, key), whole.reshape(-1))
+        return self._cached[1][start:stop].clone()
+
+    def optimizer_state(self, name: str) -> Dict[str, Any]:
+        return self.optimizer_state_of(self.index_of[name], name)
+
+    def unmanaged(self) -> Dict[str, torch.Tensor]:
+        """Buffers and the parameters the optimizer does not train, whole."""
+        return {name: self.full_tensor(name) for name in self.model_keys if not self._trained(name)}
+
+    def check_same_model(self, layout: Mapping[str, Any]) -> None:
+        """CheckpointError unless a flat strategy's ``layout`` is of the model and optimizer written here."""
+        if list(layout["model_keys"]) != self.model_keys:
+            extra = sorted(set(layout["model_keys"]) ^ set(self.model_keys))[:5]
+            raise CheckpointError(f"it was written for another model: the keys differ ({', '.join(extra) or 'their order'})")
+        if [len(g) for g in layout["group_indices"]] != [len(names) for names in self.optimizer_names]:
+            raise CheckpointError(f"it was written for other parameter groups ({[len(n) for n in self.optimizer_names]} "
+                                  f"parameters per group saved, {[len(g) for g in layout['group_indices']]} here)")
+        missing = [names[0] for entry in layout["buckets"] for names in entry["names"] if names[0] not in self.index_of]
+        if missing:
+            raise CheckpointError(f"its optimizer did not train {', '.join(missing[:5])}, which this run's does")
