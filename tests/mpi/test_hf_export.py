@@ -10,7 +10,7 @@ import torch
 
 from hvdtrain.distributed import collectives
 from hvdtrain.strategies.fsdp import units as fu
-from tests.mpi.hf_models import SEQ, VOCAB, tiny_llama, trainer_for, transformers
+from tests.mpi.hf_models import SEQ, VOCAB, causal_lm_step, tiny_llama, trainer_for, transformers
 
 pytestmark = pytest.mark.mpi
 
@@ -77,3 +77,56 @@ def test_run_writes_the_hf_directory_at_its_end(world, tmp_path):
         ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(2))
         with torch.no_grad():
             assert torch.equal(loaded(ids).logits, logits_of(trained, ids))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", [{"tensor_parallel": 2}, {"pipeline_parallel": 2, "micro_batches": 2}],
+                         ids=["T2", "P2"])
+def test_a_mesh_exports_one_whole_tensor_at_a_time_what_from_pretrained_loads(world, tmp_path, layout):
+    """Split by its own tp_plan or cut into stages: the tensors are gathered whole one by one, each
+    written by rank 0 and let go once the next has come (so at most two are alive: the writer's and
+    the one just gathered; holding them all would show here), and the directory loads in plain
+    transformers to the logits of the trained model."""
+    import weakref
+
+    from hvdtrain.config.train import TrainConfig
+    from hvdtrain.trainer import Trainer
+
+    mesh = layout.get("tensor_parallel", 1) * layout.get("pipeline_parallel", 1)
+    if world.size % mesh:
+        pytest.skip(f"a mesh of {mesh} does not divide {world.size} ranks")
+    base = Path(collectives.allgather_object(str(tmp_path), name=f"hf.mesh.dir.{mesh}")[0])
+    ids = torch.randint(0, VOCAB, (64, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    model = tiny_llama(dtype=torch.float64)
+    config = TrainConfig(epochs=1, batch_size=4, warmup_epochs=0, max_steps=2, seed=3, log_every=1000,
+                         tensorboard=False, **layout)
+    # A pipeline's last stage hands the logits to a loss_fn; one pass runs the step_fn.
+    step = ({"loss_fn": lambda logits, targets: torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                                                                  targets.reshape(-1))}
+            if "pipeline_parallel" in layout else {"step_fn": causal_lm_step})
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), torch.utils.data.TensorDataset(
+        ids[:, :-1], ids[:, 1:]), None, config, world=world, **step)
+    trainer.fit()
+    alive_at_once = []
+    streamed = trainer.strategy.full_tensors
+
+    def watched():
+        handed = []
+        for name, tensor in streamed():
+            handed.append(weakref.ref(tensor))
+            alive_at_once.append(sum(ref() is not None for ref in handed))
+            del tensor
+            yield name, handed[-1]()
+
+    trainer.strategy.full_tensors = watched
+    trainer.export_hf(base / "hf")
+    trained = trainer.strategy.exported_model_state()  # whole, to compare with
+    trainer.close_mesh()
+
+    assert len(alive_at_once) == len(trained) - 1  # every distinct tensor, the tied head once
+    assert max(alive_at_once) <= 2, f"whole tensors alive at once while exporting: {alive_at_once}"
+    if world.is_root:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(base / "hf", dtype=torch.float64)
+        probe = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            assert torch.equal(loaded(probe).logits, logits_of(trained, probe))
