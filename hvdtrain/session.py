@@ -38,8 +38,8 @@ from hvdtrain.data.sharding import LoaderFactory, ShardedSampler
 from hvdtrain.distributed import collectives
 from hvdtrain.distributed import rng
 from hvdtrain.distributed import startup
+from hvdtrain.distributed.environments import is_elastic_launch
 from hvdtrain.distributed.world import World
-from hvdtrain.fault_tolerance import elastic
 from hvdtrain.fault_tolerance import out_of_memory as oom
 from hvdtrain.fault_tolerance.handling import FaultHandling
 from hvdtrain.loop import TrainingLoop
@@ -115,7 +115,7 @@ class Session:
         # Under Horovod elastic, set-up runs no collective: a worker that joins later runs this while
         # the others wait in the elastic sync, and mismatched collectives deadlock. The elastic sync
         # broadcasts rank 0's state (and its checkpoint, if it read one) instead.
-        self.elastic_launch = elastic.is_elastic_launch()
+        self.elastic_launch = is_elastic_launch()
         self.callbacks = Callbacks(self, callbacks)
         self._refuse_what_cannot_run(world, step_fn, lr_scheduler)
         self.kept: Dict[str, Any] = {}  # keep(): your own state, in every checkpoint
@@ -457,7 +457,7 @@ def setup(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_datase
         raise ValueError("train.pipeline_parallel > 1 runs forward and backward together in the pipeline's schedule, "
                          "which your own loop cannot interleave: use hvdtrain.Trainer (loss_fn, or dict batches with "
                          "labels for a Hugging Face model), or tensor_parallel in your own loop")
-    if elastic.is_elastic_launch():
+    if is_elastic_launch():
         raise ValueError("your own loop under Horovod elastic (--min-np/--max-np) is not supported: a world change "
                          "rolls the loop back to a commit, which hvdtrain.Trainer does; launch with a fixed -np")
     return Session(model, optimizer, train_dataset, config=config, **options)

@@ -4,9 +4,11 @@
 #   system packages (Open MPI, cmake, a C++ compiler)  -> apt-get when root, else the exact command
 #   a virtual environment in .venv                     -> VENV=... to choose another place
 #   torch                                              -> an importable torch is reused; else TORCH_SPEC
-#   Horovod 0.28.1, patched for C++17, from its sdist  -> wheel cached in .cache/wheels/<key>/
-#   mpi4py (built against the system MPI), hvdtrain    -> pip install -e .[test,examples,docs]
+#   Horovod 0.28.1 from its sdist, patched: C++17,     -> wheel cached in .cache/wheels/<key>/
+#     no -g, and with NCCL a libnccl.so link              (NCCL when torch is a CUDA build and nvcc is here)
+#   mpi4py (loads the system MPI), hvdtrain           -> pip install -e .[test,examples,docs]
 #   horovodrun --check-build                           -> fails unless PyTorch, MPI and Gloo are built
+#                                                         (and NCCL, when it was built with NCCL)
 set -Eeuo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

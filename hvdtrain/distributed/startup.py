@@ -131,7 +131,9 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
     ``dynamic_process_sets``: set HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init(), so that process
     sets can be added later (hvdtrain.parallel.mesh); refused when Horovod already started without it.
     Safe to call more than once: Horovod's init is idempotent. Fails, naming both values and
-    the likely fix, when the launcher's variables disagree with the world Horovod formed.
+    the likely fix, when the launcher's variables disagree with the world Horovod formed. The
+    ranks agree on their devices (hvdtrain.distributed.devices.take_device, a collective): every
+    rank starts, or every rank raises the same error naming the ranks and hosts at fault.
     """
     if hierarchical_allreduce and not hierarchical_requested():
         if hvd.is_initialized():
@@ -154,14 +156,11 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
     launcher_env.check_world(launcher, hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
 
     hostname = socket.gethostname()
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device = torch.device(devices.choose_device(hvd.local_rank(), hvd.local_size(), visible, hostname))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-        problems = devices.shared_gpus(hvd.allgather_object((hvd.rank(), hostname, uuid), name="hvdtrain.gpus"))
-        if problems:
-            raise ValueError(devices.sharing_refusal(problems))
+    # Distributed: every rank's device (or why it has none) to every rank, so that all start or all
+    # refuse. Not under elastic: a worker joining later would wait here for ranks that never come.
+    gather = None if launcher_env.is_elastic_launch() else (
+        lambda record: hvd.allgather_object(record, name="hvdtrain.devices"))
+    device = devices.take_device(hvd.rank(), hvd.local_rank(), hvd.local_size(), hostname, gather)
     if threads is None:
         threads = threads_set_by_user() or threads_per_rank(
             hvd.local_size(), len(os.sched_getaffinity(0)), os.cpu_count() or 1

@@ -10,8 +10,7 @@ newest checkpoint takes the in-memory commit's place (CheckpointedElasticState).
 from __future__ import annotations
 
 import copy
-import os
-from typing import Callable, Dict, Mapping, Sequence
+from typing import Callable, Dict, Sequence
 
 import torch
 
@@ -22,10 +21,6 @@ from horovod.common.exceptions import HostsUpdatedInterrupt
 from hvdtrain.distributed import collectives
 from hvdtrain.training.position import Position
 from hvdtrain.training.precision import Precision
-
-
-def is_elastic_launch(environ: Mapping[str, str] = os.environ) -> bool:
-    return environ.get("HOROVOD_ELASTIC") == "1"
 
 
 class ElasticState(State):

@@ -153,12 +153,51 @@ def setup_rows(found: Mapping[str, Any], expect: str) -> List[Row]:
                 for r in ranks if r["device"].startswith("cuda") and r["device"] != f"cuda:{r['current']}"]
     shared = found.get("shared", [])
     problems = wrong + unpinned + list(shared)
-    listing = ", ".join(f"rank {r['rank']} {r['host']} {r['device']}" + (f" {r['uuid'][:12]}" if r.get("uuid") else "")
-                        for r in ranks)
     if wrong and expect == "cuda":
-        problems.append("HINT: torch sees no GPU in those ranks (a CPU build of torch, or CUDA_VISIBLE_DEVICES)")
-    rows.append(Row("pinning", where, FAIL if problems else OK, "; ".join(problems) if problems else listing))
+        problems.append(NO_GPU_HINT)
+    rows.append(Row("pinning", where, FAIL if problems else OK, "; ".join(problems) if problems else listing(ranks)))
     return rows
+
+
+NO_GPU_HINT = "HINT: torch sees no GPU in those ranks (a CPU build of torch, or CUDA_VISIBLE_DEVICES)"
+
+
+def listing(ranks: Sequence[Mapping[str, Any]], visible_devices: bool = False) -> str:
+    """"rank 0 n1 cuda:0 GPU-1a2b3c4d", one entry per rank (with the CUDA_VISIBLE_DEVICES it was given)."""
+    return ", ".join(f"rank {r['rank']} {r['host']}"
+                     + (f" CUDA_VISIBLE_DEVICES={r.get('cuda_visible_devices')}" if visible_devices else "")
+                     + f" {r['device']}" + (f" {r['uuid'][:12]}" if r.get("uuid") else "") for r in ranks)
+
+
+def one_gpu_per_rank_row(result: Mapping[str, Any], expect: str) -> Row:
+    """The second layout (srun --gpus-per-task=1, a CUDA_VISIBLE_DEVICES wrapper): each rank given its
+    local rank's GPU alone must compute on cuda:0, see one GPU, and no two ranks of a host share one.
+    On the CPU the GPU part cannot be seen: the row then checks that the ranks were given distinct
+    entries and stayed on the CPU, and says it is a CPU run."""
+    check = "pinning 1 GPU/rank"
+    if "error" in result:
+        return Row(check, "", FAIL, result["error"])
+    ranks, where = result["pinning"], f"{result['ranks']} ranks"
+    given: Dict[Tuple[str, Optional[str]], List[int]] = {}
+    for r in ranks:
+        given.setdefault((r["host"], r.get("cuda_visible_devices")), []).append(r["rank"])
+    problems = [f"ranks {', '.join(map(str, sharing))} on {host} were all given CUDA_VISIBLE_DEVICES={entry}"
+                for (host, entry), sharing in given.items() if len(sharing) > 1]
+    if expect != "cuda":
+        problems += [f"rank {r['rank']} on {r['device']}" for r in ranks if r["device"] != "cpu"]
+        detail = "; ".join(problems) if problems else f"CPU run, no GPU to pin: {listing(ranks, visible_devices=True)}"
+        return Row(check, where, FAIL if problems else OK, detail)
+    problems += [f"rank {r['rank']} on {r['device']}, not cuda:0 (its one GPU)" for r in ranks
+                 if r["device"] != "cuda:0"]
+    problems += [f"rank {r['rank']}'s current CUDA device is cuda:{r['current']}" for r in ranks
+                 if r["device"] == "cuda:0" and r["current"] != 0]
+    problems += [f"rank {r['rank']} sees {r['visible']} GPUs with CUDA_VISIBLE_DEVICES={r.get('cuda_visible_devices')}"
+                 for r in ranks if r["visible"] != 1]
+    problems += list(result.get("shared", []))
+    if any(r["device"] == "cpu" for r in ranks):
+        problems.append(NO_GPU_HINT)
+    return Row(check, where, FAIL if problems else OK,
+               "; ".join(problems) if problems else listing(ranks, visible_devices=True))
 
 
 def allreduce_rows(measured: Sequence[Mapping[str, Any]], ranks: int, link: Optional[Tuple[float, str]],
@@ -238,8 +277,11 @@ def memory_row(peaks: Sequence[Mapping[str, Any]], expect: str) -> Row:
 
 
 def rows_from_result(found: Mapping[str, Any], expect: str, link_gbps: Optional[float] = None) -> List[Row]:
-    """Every row of the self-test, in the order the worker ran the checks."""
+    """Every row of the self-test, in the order the worker ran the checks (the second job's pinning
+    beside the first's)."""
     rows = setup_rows(found, expect)
+    if "one_gpu_per_rank" in found:
+        rows.append(one_gpu_per_rank_row(found["one_gpu_per_rank"], expect))
     gpu_name = found.get("gpu_name") or ""
     rows += allreduce_rows(found["allreduce"], found["ranks"], link_figure(gpu_name, link_gbps), expect == "cuda")
     for name, result in found["strategies"].items():

@@ -1,7 +1,8 @@
 """``hvdtrain doctor --gpu`` on this machine, which has no GPU: it says so with its own exit code;
 and the self-test's worker, run for real on CPU tensors (the same code a GPU node runs, with the
 device its start-up picks), passes every check here and fails the node when torch sees no GPU
-that nvidia-smi lists."""
+that nvidia-smi lists. Both of its jobs run: every rank seeing every GPU, then each rank given
+its local rank's GPU alone through CUDA_VISIBLE_DEVICES (on the CPU: the entries it was given)."""
 import os
 import stat
 
@@ -44,12 +45,16 @@ def test_bad_arguments_exit_2():
 def test_every_check_of_the_worker_passes_on_cpu_tensors():
     rows = selftest(2, "cpu", sizes=SIZES, iters=3, timeout=600)
     by_check = {row.check: row for row in rows}
-    assert list(by_check) == ["horovod", "pinning", "allreduce 64.0 KiB", "allreduce 1.0 MiB", "strategy ddp",
-                              "strategy zero1", "strategy zero2", "strategy fsdp", "mesh T=2", "mesh P=2",
-                              "bf16", "fp16", "cuda memory"]
+    assert list(by_check) == ["horovod", "pinning", "pinning 1 GPU/rank", "allreduce 64.0 KiB", "allreduce 1.0 MiB",
+                              "strategy ddp", "strategy zero1", "strategy zero2", "strategy fsdp", "strategy ps",
+                              "mesh T=2", "mesh P=2", "bf16", "fp16", "cuda memory"]
     assert all(row.status == "ok" for row in rows), "\n".join(map(str, rows))
     assert exit_code(rows) == 0
     assert by_check["pinning"].detail.count(" cpu") == 2
+    # The second job's ranks were each given their local rank's entry, before Horovod and CUDA started.
+    one_each = by_check["pinning 1 GPU/rank"].detail
+    assert one_each.startswith("CPU run, no GPU to pin: rank 0 ") and "CUDA_VISIBLE_DEVICES=0 cpu" in one_each
+    assert "CUDA_VISIBLE_DEVICES=1 cpu" in one_each
 
 
 def test_a_gpu_node_whose_torch_sees_no_gpu_fails_the_pinning_row(tmp_path, monkeypatch):
@@ -62,4 +67,7 @@ def test_a_gpu_node_whose_torch_sees_no_gpu_fails_the_pinning_row(tmp_path, monk
     assert pinning and " FAIL " in pinning[0] and "rank 0 on cpu" in pinning[0] and "torch sees no GPU" in pinning[0]
     horovod = [line for line in out.splitlines() if line.startswith("horovod")]
     assert " FAIL " in horovod[0] and "NCCL built: False" in horovod[0]
-    assert "hvdtrain doctor --gpu: FAIL, 3 of 14 checks failed: horovod, pinning, cuda memory" in out
+    one_each = [line for line in out.splitlines() if line.startswith("pinning 1 GPU/rank")]
+    assert " FAIL " in one_each[0] and "rank 0 on cpu, not cuda:0 (its one GPU)" in one_each[0]
+    assert ("hvdtrain doctor --gpu: FAIL, 4 of 16 checks failed: horovod, pinning, pinning 1 GPU/rank, cuda memory"
+            in out)

@@ -24,3 +24,28 @@ def test_world_matches_the_launcher(world):
     assert sorted(ranks[:, 0].tolist()) == list(range(world.size))
     assert world.local_size * world.cross_size == world.size
     assert 1 <= world.threads <= (os.cpu_count() or 1)
+
+
+def test_a_rank_that_cannot_take_its_device_makes_every_rank_refuse_at_start(world, monkeypatch):
+    """The last rank's CUDA fails while start-up picks its device (start-up again: Horovod's init is
+    idempotent, the device gather runs again). It still enters the gather, and every rank raises the
+    same error naming it; before, it raised alone and the others waited in the gather."""
+    from hvdtrain.distributed import startup
+
+    def broken():
+        raise RuntimeError("CUDA driver initialization failed")
+
+    if world.rank == world.size - 1:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", broken)
+    try:
+        startup.init(seed=1234, threads=world.threads)
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    everyone = collectives.allgather_object(refusal, name="world.device_refusal")
+
+    assert len(set(everyone)) == 1, everyone
+    last = collectives.allgather_object(world.hostname, name="world.hosts")[-1]
+    assert everyone[0].startswith(f"no device for rank {world.size - 1} on {last}: RuntimeError: CUDA driver "
+                                  f"initialization failed")

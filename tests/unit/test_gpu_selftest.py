@@ -86,14 +86,24 @@ def test_precision_rows(result, status, words):
     assert row.status == status and words in row.detail
 
 
-def pinned(rank, device, current, uuid, host="n1"):
-    return {"rank": rank, "host": host, "device": device, "current": current, "uuid": uuid}
+def pinned(rank, device, current, uuid, host="n1", visible=2, given=None):
+    return {"rank": rank, "host": host, "device": device, "current": current, "uuid": uuid, "visible": visible,
+            "cuda_visible_devices": given}
+
+
+def one_gpu_each(*ranks, shared=()):
+    return {"ranks": len(ranks), "pinning": list(ranks), "shared": list(shared)}
+
+
+HEALTHY_ONE_GPU_EACH = one_gpu_each(pinned(0, "cuda:0", 0, "GPU-a", visible=1, given="0"),
+                                    pinned(1, "cuda:0", 0, "GPU-b", visible=1, given="1"))
 
 
 def found(**changes):
     result = {"ranks": 2, "horovod": "0.28.1", "torch": "2.13.0+cu130", "torch_cuda": "13.0", "nccl_built": True,
               "gpu_name": "NVIDIA A100-SXM4-80GB",
               "pinning": [pinned(0, "cuda:0", 0, "GPU-a"), pinned(1, "cuda:1", 1, "GPU-b")], "shared": [],
+              "one_gpu_per_rank": HEALTHY_ONE_GPU_EACH,
               "allreduce": [measured(2**28, 1.2e-3)],  # busbw 224 GB/s: 75% of NVLink 3
               "strategies": {s: {"worst": 1e-16, "moved": 0.05, "where": "2 ranks"} for s in ("ddp", "fsdp")},
               "model_parallel": {"T=2": {"worst": 4e-14, "moved": 0.05, "where": "2 ranks"}},
@@ -105,10 +115,12 @@ def found(**changes):
 
 def test_a_healthy_node_passes_with_every_check_in_one_table():
     rows = selftest.rows_from_result(found(), "cuda")
-    assert [r.check for r in rows] == ["horovod", "pinning", "allreduce 256.0 MiB", "strategy ddp", "strategy fsdp",
-                                       "mesh T=2", "bf16", "cuda memory"]
+    assert [r.check for r in rows] == ["horovod", "pinning", "pinning 1 GPU/rank", "allreduce 256.0 MiB",
+                                       "strategy ddp", "strategy fsdp", "mesh T=2", "bf16", "cuda memory"]
     assert all(r.status == "ok" for r in rows), rows
-    assert selftest.exit_code(rows) == 0 and selftest.summary(rows).startswith("hvdtrain doctor --gpu: PASS, 8 of 8")
+    assert selftest.exit_code(rows) == 0 and selftest.summary(rows).startswith("hvdtrain doctor --gpu: PASS, 9 of 9")
+    assert rows[2].detail == ("rank 0 n1 CUDA_VISIBLE_DEVICES=0 cuda:0 GPU-a, "
+                              "rank 1 n1 CUDA_VISIBLE_DEVICES=1 cuda:0 GPU-b")
     assert "allocated 128.0 MiB reserved 256.0 MiB of 80.0 GiB" in rows[-1].detail
 
 
@@ -119,6 +131,19 @@ def test_a_healthy_node_passes_with_every_check_in_one_table():
      "rank 1 computes on cuda:1 but its current CUDA device is cuda:0"),
     ({"shared": ["ranks 0, 1 on n1 use the same GPU (GPU-a)"]}, "pinning", "use the same GPU"),
     ({"memory": [{"rank": 0, "peak_rss": 1, "cuda_peak_allocated": 0}]}, "cuda memory", "no CUDA peak on rank(s) 0"),
+    ({"one_gpu_per_rank": {"error": "mpirun ... exited 1: ranks 0, 1 on n1 use the same GPU"}}, "pinning 1 GPU/rank",
+     "use the same GPU"),
+    ({"one_gpu_per_rank": one_gpu_each(pinned(0, "cuda:0", 0, "GPU-a", visible=1, given="0"),
+                                       pinned(1, "cuda:1", 1, "GPU-b", visible=2, given="0,1"))},
+     "pinning 1 GPU/rank",
+     "rank 1 on cuda:1, not cuda:0 (its one GPU); rank 1 sees 2 GPUs with CUDA_VISIBLE_DEVICES=0,1"),
+    ({"one_gpu_per_rank": one_gpu_each(pinned(0, "cuda:0", 0, "GPU-a", visible=1, given="0"),
+                                       pinned(1, "cuda:0", 0, "GPU-a", visible=1, given="0"),
+                                       shared=["ranks 0, 1 on n1 use the same GPU (GPU-a)"])},
+     "pinning 1 GPU/rank", "ranks 0, 1 on n1 were all given CUDA_VISIBLE_DEVICES=0; ranks 0, 1 on n1 use the same GPU"),
+    ({"one_gpu_per_rank": one_gpu_each(pinned(0, "cuda:0", 0, "GPU-a", visible=1, given="0"),
+                                       pinned(1, "cpu", None, None, visible=0, given="1"))},
+     "pinning 1 GPU/rank", "rank 1 on cpu, not cuda:0 (its one GPU); rank 1 sees 0 GPUs"),
 ])
 def test_each_failure_fails_its_row_and_the_exit_code(changes, check, words):
     rows = selftest.rows_from_result(found(**changes), "cuda")
@@ -139,3 +164,39 @@ def test_no_gpu_has_its_own_exit_code_distinct_from_pass_fail_and_bad_arguments(
     message = selftest.no_gpu_message("login1", "no nvidia-smi on PATH")
     assert "no GPU visible on login1" in message and "Nothing was tested" in message
     assert f"exit code {selftest.NO_GPU_EXIT}" in message
+
+
+def test_a_cpu_run_of_the_one_gpu_per_rank_layout_says_so_and_checks_what_it_can():
+    """Without a GPU, each rank's own CUDA_VISIBLE_DEVICES entry is what can be checked."""
+    cpu = one_gpu_each(pinned(0, "cpu", None, None, visible=0, given="0"), pinned(1, "cpu", None, None, visible=0,
+                                                                                     given="1"))
+    row = selftest.one_gpu_per_rank_row(cpu, "cpu")
+    assert row.status == "ok"
+    assert row.detail == ("CPU run, no GPU to pin: rank 0 n1 CUDA_VISIBLE_DEVICES=0 cpu, "
+                          "rank 1 n1 CUDA_VISIBLE_DEVICES=1 cpu")
+    same = one_gpu_each(pinned(0, "cpu", None, None, given="0"), pinned(1, "cpu", None, None, given="0"))
+    row = selftest.one_gpu_per_rank_row(same, "cpu")
+    assert row.status == "FAIL" and row.detail == "ranks 0, 1 on n1 were all given CUDA_VISIBLE_DEVICES=0"
+
+
+@pytest.mark.parametrize("local_rank,visible,entry", [
+    (1, None, "1"),                          # the launch hid nothing: the local rank is the index
+    (1, "4,5,6,7", "5"),                     # the launch's own list: its local rank's entry
+    (0, "GPU-aaaa1111, GPU-bbbb2222", "GPU-aaaa1111"),
+])
+def test_each_rank_keeps_its_local_rank_s_gpu(local_rank, visible, entry):
+    from hvdtrain.bench.gpu.worker import gpu_of_local_rank
+
+    assert gpu_of_local_rank(local_rank, visible) == entry
+
+
+def test_a_rank_without_a_gpu_of_its_own_or_a_local_rank_is_refused():
+    from hvdtrain.bench.gpu.worker import gpu_of_local_rank, keep_one_gpu
+
+    with pytest.raises(ValueError, match="local rank 2 has no GPU of its own: CUDA_VISIBLE_DEVICES='0,1' lists 2"):
+        gpu_of_local_rank(2, "0,1")
+    with pytest.raises(ValueError, match="needs the launcher's local rank"):
+        gpu_of_local_rank(None, None)
+    environ = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    keep_one_gpu(environ)  # what mpirun's rank 3 of a host does first
+    assert environ["CUDA_VISIBLE_DEVICES"] == "3"

@@ -137,6 +137,7 @@ class StandInHorovod:
     rank = local_rank = cross_rank = staticmethod(lambda: 0)
     size = local_size = cross_size = staticmethod(lambda: 1)
     gloo_enabled = staticmethod(lambda: False)
+    allgather_object = staticmethod(lambda obj, name: [obj])  # the devices' agreement, of one rank
 
 
 @pytest.fixture
@@ -146,7 +147,7 @@ def stand_in(monkeypatch):
         monkeypatch.setenv(key, "")  # recorded as it was, so that teardown removes what dist.init sets
         monkeypatch.delenv(key)
     launcher = types.SimpleNamespace(detect=lambda: types.SimpleNamespace(name="none"),
-                                     check_world=lambda *args: None)
+                                     check_world=lambda *args: None, is_elastic_launch=lambda: False)
     monkeypatch.setattr(dist, "launcher_env", launcher)
     monkeypatch.setattr(dist.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(dist.rng, "seed_everything", lambda seed: None)  # leave this process's RNGs alone

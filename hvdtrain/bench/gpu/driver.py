@@ -1,6 +1,7 @@
 """``hvdtrain doctor --gpu``: the GPU self-test of one node. Launches the worker
-(hvdtrain.bench.gpu.worker) under mpirun with a rank per visible GPU on this host, and judges its
-figures with hvdtrain.launch.gpu_selftest: one table, PASS or FAIL, the exit code to match.
+(hvdtrain.bench.gpu.worker) under mpirun with a rank per visible GPU on this host, twice: every
+check with every rank seeing every GPU, then the pinning alone with each rank given one GPU. Judges
+the figures with hvdtrain.launch.gpu_selftest: one table, PASS or FAIL, the exit code to match.
 
 No torch here: whether a GPU is visible is read from nvidia-smi, so that a machine without one
 answers at once (exit NO_GPU_EXIT) instead of starting a job.
@@ -17,8 +18,8 @@ from hvdtrain.launch.gpu_selftest import NO_GPU_EXIT, exit_code, gpus_here, no_g
 from hvdtrain.launch.hostfile import Host
 
 WORKER = "hvdtrain.bench.gpu.worker"
-# Start-up, NCCL's first communicator, 3 sizes, 4 strategies, 2 meshes, 2 precisions on 2-8 GPUs:
-# about a minute; a hang (a rank that cannot reach NCCL's peers) ends here.
+# Start-up, NCCL's first communicator, 3 sizes, 5 strategies, 2 meshes, 2 precisions on 2-8 GPUs:
+# about a minute; a hang (a rank that cannot reach NCCL's peers) ends here. Each of the two jobs.
 TIMEOUT = 900
 
 
@@ -31,11 +32,18 @@ def selftest(ranks: int, expect: str, link_gbps: Optional[float] = None, sizes: 
     args = ["--iters", str(iters)]
     if sizes:
         args += ["--sizes", ",".join(str(size) for size in sizes)]
+    def job(arguments: List[str]):
+        return jobs.run_job(WORKER, arguments, np=ranks, launcher="mpirun", timeout=timeout,
+                            hosts=[Host("localhost", ranks)])
+
     try:
-        found = jobs.run_job(WORKER, args, np=ranks, launcher="mpirun", timeout=timeout,
-                             hosts=[Host("localhost", ranks)])
+        found = job(args)
     except jobs.JobFailed as error:
         return [Row("self-test job", f"{ranks} ranks", FAIL, str(error)[-1500:])]
+    try:  # the other layout: each rank given one GPU (a job of its own: CUDA reads the variable once)
+        found["one_gpu_per_rank"] = job(["--one-gpu-per-rank"])
+    except jobs.JobFailed as error:
+        found["one_gpu_per_rank"] = {"error": str(error)[-1500:]}
     return rows_from_result(found, expect, link_gbps)
 
 

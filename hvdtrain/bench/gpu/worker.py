@@ -4,16 +4,23 @@ sees one GPU), through Horovod on that device's tensors (NCCL on a GPU). Rank 0 
 figures as JSON (``--out``); hvdtrain.launch.gpu_selftest turns them into verdicts.
 
 Nothing here names a device: the same code runs on the CPU when no GPU is visible, which is how
-the tests run every check on this machine (tests/mpi/test_gpu_selftest.py).
+the tests run every check on this machine (tests/launch/test_gpu_selftest.py).
 
     python -m hvdtrain.bench.gpu.worker --out FILE [--sizes 1048576,33554432] [--iters 10]
+    python -m hvdtrain.bench.gpu.worker --out FILE --one-gpu-per-rank
+
+``--one-gpu-per-rank``: the other way sites hand out GPUs (srun --gpus-per-task=1, or a wrapper
+setting CUDA_VISIBLE_DEVICES per rank). Before Horovod or CUDA start, each rank keeps only its local
+rank's entry of the GPUs the launch left visible, so it sees one GPU; then start-up and the pinning
+check alone (every rank on cuda:0, each on its own GPU). A job of its own: CUDA reads
+CUDA_VISIBLE_DEVICES once, when it starts.
 
 Checks, in order (each one's failure is recorded, and the next still runs):
   pinning         each rank's device, its current CUDA device and its GPU's UUID
   allreduce       a Sum all-reduce per size, checked for the right sum, then timed (slowest rank's
                   mean per call, the device synchronized before the clock stops)
-  strategies      ddp, zero1, zero2, fsdp: N ranks x batch B against one process x batch N*B, in
-                  float64 (tests/mpi/test_equivalence.py's comparison)
+  strategies      ddp, zero1, zero2, fsdp, ps: N ranks x batch B against one process x batch N*B,
+                  in float64 (tests/mpi/test_equivalence.py's comparison; ps with one server, rank 0)
   model_parallel  T=2 and P=2 (where the world divides): the example transformer against one
                   process (tests/mpi/test_model_parallel.py's comparison)
   precision       bf16 and fp16 steps against the same steps in fp32
@@ -23,10 +30,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +45,7 @@ from hvdtrain.bench.common.jobs import write_result
 from hvdtrain.common.units import MiB
 
 DEFAULT_SIZES = (1 * MiB, 32 * MiB, 256 * MiB)
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "ps")
 MESHES = {"T=2": (2, 1), "P=2": (1, 2)}
 PRECISIONS = ("bf16", "fp16")
 BATCH, STEPS, SEED = 4, 5, 11
@@ -50,7 +58,35 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="all-reduce sizes in bytes per rank, comma-separated")
     parser.add_argument("--iters", type=int, default=10, help="timed all-reduces per size")
     parser.add_argument("--warmup", type=int, default=3, help="untimed all-reduces per size")
+    parser.add_argument("--one-gpu-per-rank", action="store_true",
+                        help="each rank sees only its local rank's GPU; start-up and the pinning check alone")
     return parser.parse_args(argv)
+
+
+def gpu_of_local_rank(local_rank: Optional[int], visible: Optional[str]) -> str:
+    """The CUDA_VISIBLE_DEVICES of one rank given one GPU: its local rank's entry of ``visible``
+    (the launch's CUDA_VISIBLE_DEVICES, indices or UUIDs), or its local rank when the launch set none."""
+    if local_rank is None:
+        raise ValueError("--one-gpu-per-rank needs the launcher's local rank (OMPI_COMM_WORLD_LOCAL_RANK, "
+                         "HOROVOD_LOCAL_RANK, SLURM_LOCALID...): start the worker under mpirun, horovodrun or srun")
+    if visible is None:
+        return str(local_rank)
+    entries = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    if local_rank >= len(entries):
+        raise ValueError(f"local rank {local_rank} has no GPU of its own: CUDA_VISIBLE_DEVICES={visible!r} lists "
+                         f"{len(entries)}; start at most one rank per listed GPU")
+    return entries[local_rank]
+
+
+def keep_one_gpu(environ: MutableMapping[str, str]) -> None:
+    """What a site's wrapper does before the program starts: this rank's GPU alone in CUDA_VISIBLE_DEVICES.
+    Only before CUDA starts (it reads the variable once); torch starts it lazily, at the first query."""
+    from hvdtrain.distributed import environments
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA started before --one-gpu-per-rank could set CUDA_VISIBLE_DEVICES")
+    environ["CUDA_VISIBLE_DEVICES"] = gpu_of_local_rank(environments.detect(environ).local_rank(),
+                                                        environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def synchronize(device: torch.device) -> None:
@@ -81,6 +117,7 @@ def pinning(world) -> Dict[str, Any]:
 
     device = world.device
     mine = {"rank": world.rank, "host": world.hostname, "device": str(device), "local_rank": world.local_rank,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "current": torch.cuda.current_device() if device.type == "cuda" else None,
             "uuid": str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None,
             "visible": torch.cuda.device_count() if torch.cuda.is_available() else 0}
@@ -284,6 +321,14 @@ def memory_peaks(world) -> List[Dict[str, Any]]:
 
 # ---- the job ----------------------------------------------------------------------------------
 
+def run_one_gpu_per_rank() -> Dict[str, Any]:
+    """Start-up and the pinning check, each rank seeing one GPU (``keep_one_gpu`` ran first)."""
+    from hvdtrain.distributed import startup
+
+    world = startup.init(seed=SEED)
+    return {"ranks": world.size, **pinning(world)}
+
+
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     import horovod
     import horovod.torch as hvd
@@ -312,10 +357,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.one_gpu_per_rank:
+        keep_one_gpu(os.environ)  # first: before Horovod and CUDA start
     import horovod.torch as hvd
 
-    args = parse_args(argv)
-    found = run(args)
+    found = run_one_gpu_per_rank() if args.one_gpu_per_rank else run(args)
     if hvd.rank() == 0:  # rank 0 owns the result file
         write_result(args.out, found)
     return 0

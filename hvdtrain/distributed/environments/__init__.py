@@ -36,6 +36,11 @@ def detect(env: Optional[Mapping[str, str]] = None) -> ClusterEnvironment:
     raise AssertionError("SingleProcessEnvironment always matches")
 
 
+def is_elastic_launch(environ: Mapping[str, str] = os.environ) -> bool:
+    """Started by Horovod elastic (horovodrun --min-np/--max-np), whose workers may join mid-run."""
+    return environ.get("HOROVOD_ELASTIC") == "1"
+
+
 def world_mismatches(environment: ClusterEnvironment, rank: int, size: int,
                      local_rank: int, local_size: int) -> List[str]:
     """Each value the launcher published that Horovod contradicts, as a sentence naming both."""
@@ -65,7 +70,7 @@ def check_world(environment: ClusterEnvironment, rank: int, size: int,
 
 
 __all__ = [
-    "ENVIRONMENTS", "ClusterEnvironment", "LauncherEnvironmentError", "check_world", "detect",
+    "ENVIRONMENTS", "ClusterEnvironment", "LauncherEnvironmentError", "check_world", "detect", "is_elastic_launch",
     "world_mismatches", "HorovodRunEnvironment", "OpenMPIEnvironment", "MPICHEnvironment",
     "SlurmEnvironment", "PMIxEnvironment", "SingleProcessEnvironment",
 ]
