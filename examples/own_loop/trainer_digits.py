@@ -1,43 +1,20 @@
-"""horovod_digits.py ported to hvdtrain's Trainer instead of the library API: the loop and the test
-set's evaluation are the Trainer's (the test set as its validation set: val_loss and val_accuracy
-each epoch); the model, the optimizer, the data and the settings are the script's. It trains bitwise
-the weights hvdtrain_digits.py trains, the same job in your own loop (tests/launch/test_own_loop.py).
+"""horovod_digits.py's job through hvdtrain's Trainer instead of your own loop: its model and
+arguments (imported from it), with the optimizer, data and TrainConfig of its port hvdtrain_digits.py;
+the loop and the test set's evaluation are the Trainer's (the test set as its validation set:
+val_loss, val_accuracy each epoch; --log-interval is unused, the Trainer logs every log_every
+steps). It trains bitwise the weights the port trains (tests/launch/test_own_loop.py).
 
     horovodrun -np 2 python examples/own_loop/trainer_digits.py --checkpoint-dir /tmp/digits-ckpt
 """
-import argparse
-
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
 import hvdtrain
 
 from hvdtrain.examples.digits import load_digits_datasets
+from horovod_digits import Net, parser  # the Horovod script's model and arguments: the same job
 
-parser = argparse.ArgumentParser(description="PyTorch digits example")
-parser.add_argument("--batch-size", type=int, default=16, help="input batch size for training")
-parser.add_argument("--epochs", type=int, default=3, help="number of epochs to train")
-parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
-parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-parser.add_argument("--seed", type=int, default=42, help="random seed")
 parser.add_argument("--checkpoint-dir", default=None, help="where checkpoints go")
-parser.add_argument("--save", default=None, help="where the trained model's state_dict goes")
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, kernel_size=3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, kernel_size=3, padding=1)
-        self.fc1 = nn.Linear(32 * 2 * 2, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x):
-        x = F.relu(F.max_pool2d(self.conv1(x), 2))
-        x = F.relu(F.max_pool2d(self.conv2(x), 2))
-        x = F.relu(self.fc1(x.flatten(1)))
-        return F.log_softmax(self.fc2(x), dim=1)
 
 
 if __name__ == "__main__":
