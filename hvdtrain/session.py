@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import torch
 import torch.nn.functional as F
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
 from hvdtrain.checkpoint.manager import CheckpointManager
@@ -77,7 +78,7 @@ class Session:
     (hvdtrain.training.callbacks; EarlyStopping is one). ``lr_scheduler(optimizer) -> scheduler``:
     your own LR schedule, built over the optimizer the strategy steps once its rates are scaled to
     the global batch, stepped after every optimizer step and kept in checkpoints; it replaces
-    train.warmup_epochs and train.lr_schedule (set them to 0 and constant).
+    train.warmup_epochs, train.warmup_steps and train.lr_schedule (set them to 0, null and constant).
     ``loader_factory(dataset, sampler, batch_size) -> DataLoader``: your own loaders (any DataLoader
     argument: workers, persistent_workers, worker_init_fn, collate_fn...) over hvdtrain's sampler and
     batch size, for training and evaluation; a loader that does not read through them is refused.
@@ -119,6 +120,7 @@ class Session:
         self.callbacks = Callbacks(self, callbacks)
         self._refuse_what_cannot_run(world, step_fn, lr_scheduler)
         self.kept: Dict[str, Any] = {}  # keep(): your own state, in every checkpoint
+        self.given_optimizer = optimizer  # as the user built it; the strategy may step another (keep() checks)
         self.step_fn = step_fn or supervised_step(loss_fn)
         # Before anything holds the model's tensors: a model built on the meta device gets tensors
         # on this rank's device that take memory only once the strategy gives them values.
@@ -201,10 +203,12 @@ class Session:
             raise ValueError("train.checkpoint_async is not supported under Horovod elastic (a world change while a "
                              "write is in flight is not handled): launch without --min-np/--max-np, or "
                              "set train.checkpoint_async=false")
-        if lr_scheduler is not None and (cfg.warmup_epochs or cfg.lr_schedule != "constant"):
-            raise ValueError(f"lr_scheduler replaces hvdtrain's own schedule: set train.warmup_epochs=0 and "
-                             f"train.lr_schedule=constant (got {cfg.warmup_epochs:g} and {cfg.lr_schedule}), and "
-                             f"put a warm-up into your scheduler if you want one")
+        warmup = cfg.warmup_steps if cfg.warmup_steps is not None else cfg.warmup_epochs  # steps replace epochs
+        if lr_scheduler is not None and (warmup or cfg.lr_schedule != "constant"):
+            raise ValueError(f"lr_scheduler replaces hvdtrain's own schedule: set train.warmup_epochs=0, "
+                             f"train.warmup_steps=null (or 0) and train.lr_schedule=constant (got "
+                             f"{cfg.warmup_epochs:g}, {cfg.warmup_steps} and {cfg.lr_schedule}), and put a warm-up "
+                             f"into your scheduler if you want one")
         if lr_scheduler is not None and self.elastic_launch:
             raise ValueError("lr_scheduler is not supported under Horovod elastic: the global batch and the scaled "
                              "rates change with the world, and your scheduler was built for one; use train.lr_schedule, "
@@ -323,13 +327,36 @@ class Session:
         """Your own state, saved in every checkpoint this session writes and given back on resume:
         each object has state_dict()/load_state_dict() (your LR scheduler, a metric) or is a dict
         (your counters: updated in place). The same on every rank: rank 0's is saved. Keep them
-        right after set-up: a run that resumed loads their saved state now."""
+        right after set-up: a run that resumed loads their saved state now. A scheduler you step
+        yourself is built over ``hv.optimizer``, with train.warmup_epochs=0, train.warmup_steps
+        null and train.lr_schedule=constant (else hvdtrain's schedule sets the rates after each
+        step): otherwise it is refused, as it would change nothing."""
         for name, value in objects.items():
             if not (isinstance(value, dict) or (hasattr(value, "state_dict") and hasattr(value, "load_state_dict"))):
                 raise TypeError(f"keep({name}=...): give an object with state_dict() and load_state_dict(), or a "
                                 f"dict; got {type(value).__name__}")
+            if isinstance(value, LRScheduler):
+                self._check_kept_scheduler(name, value)
             self.kept[name] = value
             self.checkpoints.restore_kept(name)
+
+    def _check_kept_scheduler(self, name: str, scheduler: LRScheduler) -> None:
+        """A scheduler you step yourself must set the rates of the optimizer the strategy steps, and
+        be the only one that does: either mistake would leave your schedule silently unused."""
+        stepped = {id(group) for group in self.optimizer.param_groups}
+        drives = any(id(group) in stepped for group in scheduler.optimizer.param_groups)
+        if not drives and scheduler.optimizer is self.given_optimizer:
+            raise ValueError(f"keep({name}=...): this scheduler sets the rates of the optimizer you built, which is "
+                             f"not the one the session steps (train.strategy={self.config.strategy} steps one of "
+                             f"its own, hv.optimizer): build the scheduler over hv.optimizer")
+        if drives and not self.lr.rate_fixed and scheduler is not self.lr.scheduler:
+            ours = ("your lr_scheduler" if self.lr.factory is not None else
+                    f"a warm-up of {self.lr.warmup_steps} steps and train.lr_schedule={self.config.lr_schedule}")
+            raise ValueError(f"keep({name}=...): hvdtrain's own schedule ({ours}) sets this optimizer's rates after "
+                             f"every step, over what your {type(scheduler).__name__} sets. To step it yourself, set "
+                             f"train.warmup_epochs=0, train.warmup_steps=null and train.lr_schedule=constant "
+                             f"(hvdtrain then scales the rates once and leaves them to you); or give it to setup as "
+                             f"lr_scheduler=lambda optimizer: ..., which hvdtrain steps and keeps")
 
     def save(self) -> None:
         """A checkpoint of this step into train.checkpoint_dir, now (every rank calls it)."""

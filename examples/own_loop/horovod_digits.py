@@ -22,7 +22,6 @@ parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
 parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
 parser.add_argument("--seed", type=int, default=42, help="random seed")
 parser.add_argument("--log-interval", type=int, default=10, help="batches between logs")
-parser.add_argument("--checkpoint-dir", default=None, help="where checkpoints go")
 parser.add_argument("--save", default=None, help="where the trained model's state_dict goes")
 
 

@@ -85,8 +85,8 @@ if __name__ == "__main__":
 
     model = Net()
     optimizer = optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    hv = hvdtrain.setup(model, optimizer, train_dataset, hvdtrain.TrainConfig(
-        batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, checkpoint_dir=args.checkpoint_dir))
+    hv = hvdtrain.setup(model, optimizer, train_dataset, hvdtrain.TrainConfig(batch_size=args.batch_size,
+        epochs=args.epochs, seed=args.seed, checkpoint_dir=args.checkpoint_dir, checkpoint_every=20))
 
     for epoch in hv.epochs():
         train(epoch)

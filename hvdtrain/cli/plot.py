@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from hvdtrain.observability.plots import MetricsError, load_metrics, plot_accuracy, plot_loss, plot_throughput
-from hvdtrain.observability.run_directory import METRICS_FILE
+from hvdtrain.observability.metric_sinks import METRICS_FILE
 
 HELP = "PNGs of a run's loss, accuracy and throughput"
 

@@ -20,6 +20,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 RESUME_MODES = ("true", "false", "force")
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "selective")
+PIN_MEMORY_MODES = ("auto", "true", "false")
 LOGGERS = ("csv", "mlflow", "wandb")  # beside metrics.jsonl and TensorBoard (hvdtrain.observability.metric_sinks)
 
 
@@ -35,7 +36,7 @@ class TrainConfig:
     batch_size: int = field(default=32, metadata={"help": "samples per worker per micro-batch"})
     lr: Optional[float] = field(default=None, metadata={"help": "ONE worker's peak learning rate, before scale_lr: when set, it replaces the optimizer's rates (the first parameter group's; every other group keeps its ratio to it); null: the optimizer's own rates, as you built it. The start line prints the real peak rates after scaling"})
     scale_lr: bool = field(default=True, metadata={"help": "multiply the LR by the global batch over one worker's batch (workers x accumulation; Goyal et al.'s linear scaling rule, Horovod's default); set false to fine-tune at the rate you chose (e.g. AdamW at 2e-5), whatever the worker count"})
-    warmup_epochs: float = field(default=1.0, metadata={"help": "linear warm-up to the scaled LR, in epochs"})
+    warmup_epochs: float = field(default=1.0, metadata={"help": "linear warm-up to the peak LR, in epochs: from one worker's rate when scale_lr scales it (Goyal et al.), else (one worker, scale_lr=false) from the peak / its steps; 0: none. The start line says where it starts"})
     warmup_steps: Optional[int] = field(default=None, metadata={"help": "the warm-up in optimizer steps instead of epochs (replaces warmup_epochs when set): for a stream without len(), whose epoch has no known length"})
     lr_schedule: str = field(default="constant", metadata={"help": "after the warm-up: constant; linear or cosine decay to min_lr_ratio at the run's last step (epochs, or max_steps); wsd: constant, then a linear decay over the last decay_fraction of the steps", "choices": LR_SCHEDULES})
     min_lr_ratio: float = field(default=0.0, metadata={"help": "where linear, cosine and wsd end, as a fraction of each parameter group's peak rate"})
@@ -63,6 +64,7 @@ class TrainConfig:
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank"})
     eval_batch_size: Optional[int] = field(default=None, metadata={"help": "samples per worker per evaluation batch (null: batch_size)"})
     prefetch_factor: Optional[int] = field(default=None, metadata={"help": "batches each DataLoader worker process loads ahead (null: torch's default, 2); needs num_workers > 0"})
+    pin_memory: str = field(default="auto", metadata={"help": "the loaders' batches in page-locked host memory, whose copies to the GPU are faster and overlap the compute: auto (on when this rank's device is a GPU), true (refused on a CPU device, which copies nothing), false (less host memory locked, e.g. with many DataLoader workers on hosts short of RAM); a loader_factory's loaders are yours to set", "choices": PIN_MEMORY_MODES})
     checkpoint_dir: Optional[str] = field(default=None, metadata={"help": "where rank 0 writes checkpoints (none: no checkpoints)"})
     checkpoint_every: int = field(default=0, metadata={"help": "steps between checkpoints (0: at the end of each epoch only)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "checkpoints kept; older ones are deleted"})
@@ -90,8 +92,9 @@ class TrainConfig:
                        "decay_fraction", "reduction", "precision", "max_grad_norm", "sync_batchnorm", "seed")
 
     def __post_init__(self) -> None:
-        if isinstance(self.resume, bool):  # TrainConfig(resume=False) from Python
-            self.resume = "true" if self.resume else "false"
+        for name in ("resume", "pin_memory"):  # TrainConfig(resume=False) from Python: settings of words
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, "true" if getattr(self, name) else "false")
         check_choices(self)  # every field with "choices" in its metadata (strategy, precision, resume, ...)
         for name in ("checkpoint_dir", "run_dir"):
             if getattr(self, name) == "":

@@ -9,12 +9,22 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
 
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import LoaderFactory, ShardedSampler, sharded_loader
 from hvdtrain.data.streaming import StreamShards, is_stream, stream_length
 from hvdtrain.distributed.world import World
+
+
+def pins_memory(setting: str, device: torch.device) -> bool:
+    """train.pin_memory for a rank on ``device``: auto pins for a GPU only; true on a CPU is refused
+    (pinned memory speeds host-to-GPU copies, and a CPU device makes none)."""
+    if setting == "true" and device.type != "cuda":
+        raise ValueError(f"train.pin_memory=true pins the batches for copies to a GPU, and this rank's device is "
+                         f"{device.type}: set train.pin_memory=auto (pins only on a GPU) or false")
+    return device.type == "cuda" if setting == "auto" else setting == "true"
 
 
 class Batching:
@@ -72,7 +82,7 @@ class Batching:
         """How every loader of this run loads: the workers, pinning, prefetch, and the run's collate_fn or
         loader_factory; given another ``collate_fn``, that one with hvdtrain's loader."""
         config, own = self.config, collate_fn is None
-        return {"num_workers": config.num_workers, "pin_memory": self.world.device.type == "cuda",
+        return {"num_workers": config.num_workers, "pin_memory": pins_memory(config.pin_memory, self.world.device),
                 "collate_fn": self.collate_fn if own else collate_fn, "prefetch_factor": config.prefetch_factor,
                 "loader_factory": self.loader_factory if own else None}
 

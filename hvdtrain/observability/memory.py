@@ -35,7 +35,7 @@ class MemoryReport:
         self.strategy, self.topology, self.gather = strategy, topology, gather
         self.per_rank: Optional[List[Dict[str, Any]]] = None
 
-    def after_first_step(self, run_dir: Optional[RunDirectory], step: int, started: float) -> None:
+    def after_first_step(self, run_dir: Optional[RunDirectory], step: int) -> None:
         if self.per_rank is not None:
             return
         counted = self.strategy.memory_bytes()
@@ -51,5 +51,4 @@ class MemoryReport:
         self.topology.log.info(f"memory held per rank ({self.strategy.name}, counted from tensor storages; "
                                f"peak RSS of the process; on a GPU, torch's peak allocated and reserved):\n  " + "\n  ".join(lines))
         if run_dir is not None:
-            run_dir.record("memory", {"step": step, "strategy": self.strategy.name,
-                                      "per_rank": self.per_rank}, started)
+            run_dir.record("memory", {"step": step, "strategy": self.strategy.name, "per_rank": self.per_rank})

@@ -1,7 +1,9 @@
-"""Where rank 0's metric records go besides metrics.jsonl (train.tensorboard, train.loggers): one
-small interface, ``write(kind, values)`` and ``close()``, called only where the run directory's
+"""Where rank 0's metric records go: metrics.jsonl always, and train.tensorboard and train.loggers.
+One small interface, ``write(kind, values)`` and ``close()``, called only where the run directory's
 shared files are open (rank 0; under Horovod elastic, whichever rank is 0 now).
 
+    jsonl        metrics.jsonl, one JSON line per record: its kind, the time, the seconds since the
+                 run started, and the values (what ``hvdtrain plot`` reads)
     tensorboard  event files in tensorboard/ (``kind/key`` scalars)
     csv          metrics-<kind>.csv, one row per record, a column per key (a new key adds a column)
     mlflow       an MLflow run in train.mlflow_tracking_uri (default: sqlite in run_dir/mlflow.db),
@@ -16,6 +18,7 @@ shared files are open (rank 0; under Horovod elastic, whichever rank is 0 now).
 from __future__ import annotations
 
 import csv
+import json
 import math
 import time
 import uuid
@@ -24,6 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from hvdtrain.common.nested import flatten
 
+METRICS_FILE = "metrics.jsonl"
 MLFLOW_RUN_ID_FILE = "mlflow_run_id"
 WANDB_RUN_ID_FILE = "wandb_run_id"
 
@@ -33,6 +37,31 @@ def numbers(values: Mapping[str, Any], skip: tuple = ("step",)) -> Dict[str, flo
     return {key: float(value) for key, value in values.items()
             if key not in skip and isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(value)}
+
+
+class JSONLinesSink:
+    """metrics.jsonl, appended to (a run started again under the same name goes on in it)."""
+
+    def __init__(self, path: Path, started: float) -> None:
+        self.started = started  # the run's start: each record's "elapsed" counts from it
+        self.file = open(path / METRICS_FILE, "a", encoding="utf-8")
+
+    def write(self, kind: str, values: Mapping[str, Any]) -> None:
+        now = time.time()
+        entry = {"kind": kind, "time": round(now, 3), "elapsed": round(now - self.started, 3), **values}
+        # One line per write, flushed: a run killed now leaves at most one partial line.
+        self.file.write(json.dumps({key: _plain(value) for key, value in entry.items()}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _plain(value: Any) -> Any:
+    """JSON has no NaN: write null for a value that is not a finite number."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 class TensorBoardSink:

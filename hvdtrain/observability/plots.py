@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from hvdtrain.observability.figures import new_figure, save_figure
-from hvdtrain.observability.run_directory import METRICS_FILE
+from hvdtrain.observability.metric_sinks import METRICS_FILE
 
 RESTART = "_restart"  # set by load_metrics on the first step record after a restart
 # An epoch record may lack train_loss: under Horovod elastic an epoch can end with no step of its own.

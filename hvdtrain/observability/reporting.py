@@ -73,7 +73,7 @@ class Reporter:
         config = self.config
         self.run_dir = RunDirectory(path, self.topology.world, log, config.tensorboard, lambda directory: open_sinks(
             directory, config.tensorboard, config.loggers, name, self.job_config, config.mlflow_tracking_uri,
-            config.mlflow_experiment, config.wandb_project))
+            config.mlflow_experiment, config.wandb_project), started=self.started)
         self.run_dir.write_config(self.job_config)
         log.info(f"run directory {path} (config.yaml, metrics.jsonl, tensorboard/, logs/rank-*.log)")
 
@@ -97,7 +97,7 @@ class Reporter:
 
     def record(self, kind: str, values: Mapping[str, Any]) -> None:
         if self.run_dir is not None:
-            self.run_dir.record(kind, values, self.started)
+            self.run_dir.record(kind, values)
 
     # --- start lines -------------------------------------------------------------------------
 
@@ -142,7 +142,7 @@ class Reporter:
 
     def after_first_step(self, step: int) -> None:
         """What each rank holds, once, before the first step's gradients are cleared (a collective)."""
-        self.memory.after_first_step(self.run_dir, step, self.started)
+        self.memory.after_first_step(self.run_dir, step)
 
     def window(self, epoch: float, step: int, means: Dict[str, float], lr: float, samples_per_sec: float,
                comm_fraction: float, extra: Mapping[str, Any]) -> None:

@@ -14,9 +14,7 @@ appends to the same files; ``hvdtrain plot`` lets the later record of a step win
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
@@ -25,12 +23,11 @@ import yaml
 
 from hvdtrain.common.atomic import write_text_atomically
 from hvdtrain.distributed.logs import add_file
-from hvdtrain.observability.metric_sinks import TensorBoardSink
+from hvdtrain.observability.metric_sinks import JSONLinesSink, TensorBoardSink
 
 if TYPE_CHECKING:  # `hvdtrain plot` reads these names on machines without torch or Horovod
     from hvdtrain.distributed.world import World
 
-METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
 TIMELINE_FILE = "horovod-timeline.json"
 
@@ -47,13 +44,14 @@ class RunDirectory:
     """Files of one run. Rank 0 writes the shared files; every rank writes its own log."""
 
     def __init__(self, path: Path, world: "World", logger: logging.Logger, tensorboard: bool,
-                 open_sinks: Optional[Callable[[Path], list]] = None) -> None:
+                 open_sinks: Optional[Callable[[Path], list]] = None, started: Optional[float] = None) -> None:
         """``open_sinks(path)``: where records go besides metrics.jsonl (hvdtrain.observability.
-        metric_sinks); default: TensorBoard when ``tensorboard``."""
+        metric_sinks); default: TensorBoard when ``tensorboard``. ``started``: the run's start, which
+        each record's elapsed seconds count from (default: now)."""
         self.path = path
+        self.started = time.time() if started is None else started
         self._open_sinks = open_sinks or (lambda path: [TensorBoardSink(path)] if tensorboard else [])
-        self._metrics = None
-        self._sinks: list = []
+        self._sinks: list = []  # open on rank 0 only: metrics.jsonl's first
         self._logger: Optional[logging.Logger] = None
         self._log_handler: Optional[logging.Handler] = None
         self.follow(world, logger)
@@ -67,9 +65,8 @@ class RunDirectory:
             self._log_handler.close()
         self._logger = logger
         self._log_handler = add_file(logger, self.path / "logs" / f"rank-{world.rank}.log", world)
-        if world.is_root and self._metrics is None:
-            self._metrics = open(self.path / METRICS_FILE, "a", encoding="utf-8")
-            self._sinks = self._open_sinks(self.path)
+        if world.is_root and not self._sinks:
+            self._sinks = [JSONLinesSink(self.path, self.started), *self._open_sinks(self.path)]
         elif not world.is_root:
             self._close_shared_files()
 
@@ -78,15 +75,8 @@ class RunDirectory:
             return
         write_text_atomically(self.path / CONFIG_FILE, yaml.safe_dump(dict(config), sort_keys=False))
 
-    def record(self, kind: str, values: Mapping[str, Any], started: float) -> None:
-        """Append one metrics record (rank 0) and hand it to the other sinks (TensorBoard, ...)."""
-        if self._metrics is None:
-            return
-        now = time.time()
-        entry = {"kind": kind, "time": round(now, 3), "elapsed": round(now - started, 3), **values}
-        # One line per write, flushed: a run killed now leaves at most one partial line.
-        self._metrics.write(json.dumps({k: _plain(v) for k, v in entry.items()}) + "\n")
-        self._metrics.flush()
+    def record(self, kind: str, values: Mapping[str, Any]) -> None:
+        """One metrics record, to every sink (rank 0): metrics.jsonl, TensorBoard, ..."""
         for sink in self._sinks:
             sink.write(kind, values)
 
@@ -98,16 +88,6 @@ class RunDirectory:
         self._close_shared_files()
 
     def _close_shared_files(self) -> None:
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
         for sink in self._sinks:
             sink.close()
         self._sinks = []
-
-
-def _plain(value: Any) -> Any:
-    """JSON has no NaN: write null for a value that is not a finite number."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value

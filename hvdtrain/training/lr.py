@@ -4,9 +4,10 @@ warm-up, stable, then a linear decay over the last part of the run).
 
 One step over N workers x batch B sees N*B samples: the linear scaling rule (Goyal et al. 2017)
 multiplies the rate by N (and by the accumulated micro-batches), reached by a linear warm-up from
-one worker's rate. Under Adasum the rate is not scaled by the workers (Adasum adds orthogonal
-updates and averages parallel ones; Horovod's rule: one worker's rate over MPI, times the GPUs per
-host with NCCL).
+one worker's rate. A rate that is not scaled (one worker, scale_lr=false) warms up from its peak
+divided by the warm-up's steps. Under Adasum the rate is not scaled by the workers (Adasum adds
+orthogonal updates and averages parallel ones; Horovod's rule: one worker's rate over MPI, times
+the GPUs per host with NCCL).
 """
 from __future__ import annotations
 
@@ -44,17 +45,27 @@ def adasum_lr_factor(device_type: str, nccl_built: bool, local_size: int) -> int
     return local_size if device_type == "cuda" and nccl_built else 1
 
 
-def warmup_factor(scale: float, warmup_steps: int) -> Callable[[int], float]:
-    """Multiplier on the scaled LR at each step: 1/scale at step 0, rising linearly to 1.
+def warmup_start(scale: float, warmup_steps: int) -> float:
+    """The warm-up's multiplier on the scaled LR at step 0 (1: no warm-up).
 
-    The optimizer's LR is already multiplied by ``scale``, so training starts at the
-    single-worker rate and reaches the scaled rate after ``warmup_steps`` steps.
+    Scaled (``scale`` > 1): 1/scale, so training starts at one worker's rate, from which Goyal et
+    al. ramp to the scaled one. Not scaled (one worker, scale_lr=false; or below 1, a run resumed
+    under Adasum on more workers): no smaller rate is known to be safe, so 1/warmup_steps, as
+    transformers' get_linear_schedule_with_warmup ramps from 0, but without its step at rate 0.
     """
     if scale <= 0:
         raise ValueError(f"LR scale must be positive, got {scale}")
-    if warmup_steps <= 0 or scale == 1.0:
+    if warmup_steps <= 0:
+        return 1.0
+    return 1.0 / scale if scale > 1.0 else 1.0 / warmup_steps
+
+
+def warmup_factor(scale: float, warmup_steps: int) -> Callable[[int], float]:
+    """Multiplier on the scaled LR at each step: warmup_start at step 0, rising linearly to 1 at
+    step ``warmup_steps``, then 1. The optimizer's LR is already multiplied by ``scale``."""
+    start = warmup_start(scale, warmup_steps)
+    if start == 1.0:
         return lambda step: 1.0
-    start = 1.0 / scale
 
     def factor(step: int) -> float:
         progress = min(1.0, step / warmup_steps)
@@ -165,6 +176,18 @@ class LearningRate:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state)
 
+    def _describe_warmup(self) -> str:
+        """Where the warm-up starts, and why there (warmup_start)."""
+        if not self.warmup_steps:
+            return ", no warm-up"
+        start = warmup_start(self.scale, self.warmup_steps)
+        rates = "/".join(f"{rate * self.scale * start:g}" for rate in dict.fromkeys(self.base_lrs))
+        origin = "one worker's rate" if self.scale > 1.0 else f"peak / {self.warmup_steps}"
+        text = f" after {self.warmup_steps} warm-up steps from {rates} ({origin})"
+        if self.warmup_steps > self.total_steps:
+            text += f" (longer than the run's {self.total_steps} steps: the peak is never reached)"
+        return text
+
     def _adasum_factor(self) -> int:
         return adasum_lr_factor(self.world.device.type, collectives.nccl_built(), self.world.local_size)
 
@@ -177,7 +200,7 @@ class LearningRate:
         rates = f"peak lr {peaks} ({source} {rates} x {self.scale:g})"
         if self.factory is not None:
             return f"{rates}, then your {type(self.scheduler).__name__}"
-        text = f"{rates} after {self.warmup_steps} warm-up steps"
+        text = f"{rates}{self._describe_warmup()}"
         if config.lr_schedule != "constant":
             text += f", {config.lr_schedule} decay to x {config.min_lr_ratio:g} at step {self.total_steps}"
         if config.reduction != "adasum" or not config.scale_lr:

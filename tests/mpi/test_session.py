@@ -64,12 +64,17 @@ class Countdown(torch.optim.lr_scheduler.StepLR):
     """A scheduler the user steps: its state must survive a resume."""
 
 
-def run_own(world, directory, max_steps):
+def run_own(world, directory, max_steps, strategy, checkpoint_format):
     model = small_mlp(4)
-    config = TrainConfig(strategy="zero2", checkpoint_dir=directory, checkpoint_every=5, max_steps=max_steps,
-                         checkpoint_format="sharded", **{**SETTINGS, "lr_schedule": "constant", "warmup_epochs": 0})
-    hv = hvdtrain.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), synthetic_classification(),
-                        config, world=world)
+    config = TrainConfig(strategy=strategy, checkpoint_dir=directory, checkpoint_every=5, max_steps=max_steps,
+                         checkpoint_format=checkpoint_format,
+                         **{**SETTINGS, "lr_schedule": "constant", "warmup_epochs": 0})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    hv = hvdtrain.setup(model, optimizer, synthetic_classification(), config, world=world)
+    # The strategy steps an optimizer of its own (Horovod's wrapper; one over this rank's shards): a
+    # scheduler over the one built would change rates nothing reads.
+    with pytest.raises(ValueError, match="build the scheduler over hv.optimizer"):
+        hv.keep(schedule=torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5))
     schedule = torch.optim.lr_scheduler.StepLR(hv.optimizer, step_size=3, gamma=0.5)
     counters = {"steps": 0}
     hv.keep(schedule=schedule, counters=counters)
@@ -83,17 +88,20 @@ def run_own(world, directory, max_steps):
     return hv, schedule, counters
 
 
-def test_kept_state_resumes_exactly(world, tmp_path):
+@pytest.mark.parametrize("strategy,checkpoint_format", [
+    ("ddp", "full"), ("zero1", "full"), ("zero1", "sharded"), ("zero2", "full"), ("zero2", "sharded"),
+    ("fsdp", "full"), ("fsdp", "sharded")])
+def test_kept_state_resumes_exactly(world, tmp_path, strategy, checkpoint_format):
     base = collectives.allgather_object(str(tmp_path), name="session.dir")[0]
-    whole, whole_schedule, whole_counters = run_own(world, f"{base}/whole", max_steps=17)
-    run_own(world, f"{base}/stopped", max_steps=7)  # its last checkpoint: step 7 (max_steps ends on a save)
-    resumed, schedule, counters = run_own(world, f"{base}/stopped", max_steps=17)
+    whole, whole_schedule, whole_counters = run_own(world, f"{base}/whole", 12, strategy, checkpoint_format)
+    run_own(world, f"{base}/stopped", 7, strategy, checkpoint_format)  # its last checkpoint: step 7 (max_steps saves)
+    resumed, schedule, counters = run_own(world, f"{base}/stopped", 12, strategy, checkpoint_format)
 
-    assert counters == whole_counters == {"steps": 17}, "the counter went on from the checkpoint's 7"
+    assert counters == whole_counters == {"steps": 12}, "the counter went on from the checkpoint's 7"
     assert schedule.state_dict() == whole_schedule.state_dict()
     # hvdtrain's constant schedule leaves the rate to the user's, after scaling it to the global batch.
     scaled = 0.1 * (2 * 2 * world.size) / 2  # x the global batch (2 x 2 x workers) / batch_size
-    assert resumed.optimizer.param_groups[0]["lr"] == whole.optimizer.param_groups[0]["lr"] == scaled * 0.5 ** 5
+    assert resumed.optimizer.param_groups[0]["lr"] == whole.optimizer.param_groups[0]["lr"] == scaled * 0.5 ** 4
     difference = collectives.allgather_object(torch.count_nonzero(owned(resumed) - owned(whole)).item(),
                                               name="session.resumed")
     assert difference == [0] * world.size
@@ -113,6 +121,15 @@ def test_what_the_own_loop_cannot_do_is_refused(world, tmp_path):
         hv.save()
     with pytest.raises(TypeError, match="state_dict"):
         hv.keep(steps=3)
+    # A one-epoch warm-up (the default) sets the rate at every step: a scheduler of your own would be
+    # overwritten, silently. Refused, saying how to step it yourself or have hvdtrain step it.
+    with pytest.raises(ValueError, match=r"train.warmup_epochs=0, train.warmup_steps=null and train.lr_schedule="
+                                         r"constant .* or give it to setup as lr_scheduler="):
+        hv.keep(schedule=torch.optim.lr_scheduler.StepLR(hv.optimizer, step_size=3))
+    with pytest.raises(ValueError, match=r"set train.warmup_epochs=0, train.warmup_steps=null \(or 0\) and "
+                                         r"train.lr_schedule=constant \(got 0, 5 and constant\)"):
+        hvdtrain.setup(model, optimizer, data, TrainConfig(warmup_epochs=0, warmup_steps=5), world=world,
+                       lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=3))
     # Every rank leaves its batches early alike here: the error says how to end early instead.
     with pytest.raises(RuntimeError, match="request_stop"):
         for _ in hv.epochs():

@@ -1,6 +1,8 @@
 """A rank's loaders (hvdtrain.data.batching): the user's collate_fn makes every batch, for training
 and evaluation, over the same shards; the evaluation batch size and the workers' prefetch are the
 user's to set."""
+import dataclasses
+
 import pytest
 import torch
 from torch.utils.data import Dataset
@@ -58,6 +60,23 @@ def test_prefetch_needs_worker_processes_and_sizes_are_whole_numbers():
     assert TrainConfig(prefetch_factor=4, num_workers=2).prefetch_factor == 4
     with pytest.raises(ValueError, match=r"TrainConfig\.eval_batch_size must be a whole number >= 1 or None, got 0"):
         TrainConfig(eval_batch_size=0)
+
+
+@pytest.mark.parametrize("setting,device,pinned", [("auto", "cpu", False), ("auto", "cuda", True),
+                                                    ("false", "cuda", False), ("true", "cuda", True)])
+def test_pin_memory_pins_every_loader_of_the_run_as_set(setting, device, pinned):
+    """train.pin_memory: auto pins for a GPU only (the default, as before the setting), false never,
+    true always; the evaluation loaders as the training one."""
+    on_device = dataclasses.replace(world(0, 2), device=torch.device(device))
+    batching = Batching(TrainConfig(batch_size=4, pin_memory=setting), on_device, 4, Sentences(), Sentences())
+    loaders = [batching.train_loader, batching.val_loader, batching.evaluation_loader(Sentences())]
+    assert [loader.pin_memory for loader in loaders] == [pinned] * 3
+
+
+def test_pin_memory_true_on_a_cpu_device_is_refused():
+    with pytest.raises(ValueError, match=r"train.pin_memory=true pins the batches for copies to a GPU, and this "
+                                         r"rank's device is cpu: set train.pin_memory=auto .* or false"):
+        Batching(TrainConfig(batch_size=4, pin_memory="true"), world(0, 2), 4, Sentences(), None)
 
 
 def numbers():

@@ -15,7 +15,7 @@ from hvdtrain.config.loader import ConfigError, job_argument_parser, load_job, p
     ("batch_size", 2.5), ("progress", "fancy"), ("timeline_steps", -1), ("run_name", "a/b"),
     ("strategy", "zero4"), ("lr", float("inf")), ("lr", float("nan")), ("stall_timeout", float("nan")),
     ("stall_timeout", float("inf")), ("checkpoint_dir", ""), ("run_dir", ""), ("resume", "maybe"),
-    ("max_grad_norm", float("inf")),
+    ("max_grad_norm", float("inf")), ("pin_memory", "always"),
 ])
 def test_invalid_settings_name_the_field_and_the_value(field_name, value):
     with pytest.raises(ValueError, match=rf"TrainConfig\.{field_name} must be .*{value!r}"):
@@ -137,6 +137,12 @@ def test_resume_takes_true_false_and_force_from_yaml_the_command_line_and_python
     assert load_job(Job, write(tmp_path, "train:\n  resume: false\n")).train.resume == "false"
     assert load_job(Job, overrides=["--train.resume=force"]).train.resume == "force"
     assert TrainConfig(resume=False).resume == "false" and TrainConfig().resume == "true"
+
+
+def test_pin_memory_takes_auto_true_and_false_from_yaml_the_command_line_and_python(tmp_path):
+    assert load_job(Job, write(tmp_path, "train:\n  pin_memory: false\n")).train.pin_memory == "false"
+    assert load_job(Job, overrides=["--train.pin_memory=true"]).train.pin_memory == "true"
+    assert TrainConfig(pin_memory=True).pin_memory == "true" and TrainConfig().pin_memory == "auto"
 
 
 @dataclass

@@ -32,9 +32,9 @@ def run_directory(path, loggers, uri=None):
 
 def test_csv_writes_a_row_per_record_and_a_late_key_adds_a_column(tmp_path):
     run = run_directory(tmp_path, ["csv"])
-    run.record("step", {"step": 2, "loss": 1.5, "lr": 0.1}, started=0.0)
-    run.record("step", {"step": 4, "loss": 1.25, "lr": 0.1, "grad_norm": 3.0}, started=0.0)
-    run.record("epoch", {"step": 4, "epoch": 1.0, "val_loss": 1.1, "per_rank": [{"a": 1}]}, started=0.0)
+    run.record("step", {"step": 2, "loss": 1.5, "lr": 0.1})
+    run.record("step", {"step": 4, "loss": 1.25, "lr": 0.1, "grad_norm": 3.0})
+    run.record("epoch", {"step": 4, "epoch": 1.0, "val_loss": 1.1, "per_rank": [{"a": 1}]})
     run.close()
 
     with open(tmp_path / "metrics-step.csv", newline="") as handle:
@@ -53,11 +53,11 @@ def test_mlflow_holds_the_settings_and_every_record_and_a_reopened_run_goes_on(t
     path = tmp_path / "run-1"
     path.mkdir()
     run = run_directory(path, ["mlflow"], uri)
-    run.record("step", {"step": 2, "loss": 1.5, "accuracy": float("nan")}, started=0.0)
+    run.record("step", {"step": 2, "loss": 1.5, "accuracy": float("nan")})
     run.close()
     again = run_directory(path, ["mlflow"], uri)  # a requeued job opens the same run directory
-    again.record("step", {"step": 4, "loss": 1.25}, started=0.0)
-    again.record("evaluation", {"step": 4, "val_loss": 1.0}, started=0.0)
+    again.record("step", {"step": 4, "loss": 1.25})
+    again.record("evaluation", {"step": 4, "val_loss": 1.0})
     again.close()
 
     client = MlflowClient(tracking_uri=uri)
@@ -77,14 +77,14 @@ def test_wandb_writes_an_offline_run_with_the_settings_and_every_record_and_a_re
     path = tmp_path / "run-1"
     path.mkdir()
     run = run_directory(path, ["wandb"])
-    run.record("step", {"step": 2, "loss": 1.5, "accuracy": float("nan")}, started=0.0)
-    run.record("evaluation", {"step": 2, "val_loss": 1.0}, started=0.0)
+    run.record("step", {"step": 2, "loss": 1.5, "accuracy": float("nan")})
+    run.record("evaluation", {"step": 2, "val_loss": 1.0})
     run.close()
     # W&B names an offline run's directory by the second it started and the run's id: a requeued job,
     # seconds later at least, gets its own; one started in the same second would write into the first's.
     time.sleep(1.1)
     again = run_directory(path, ["wandb"])  # a requeued job opens the same run directory
-    again.record("step", {"step": 4, "loss": 1.25}, started=0.0)
+    again.record("step", {"step": 4, "loss": 1.25})
     again.close()
 
     run_id = (path / WANDB_RUN_ID_FILE).read_text().strip()

@@ -24,9 +24,20 @@ def test_warmup_rises_linearly_from_the_single_worker_rate_to_the_scaled_rate():
     assert factor(1000) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("scale,steps", [(1.0, 10), (4.0, 0)])
-def test_no_warmup_when_nothing_is_scaled_or_no_steps_are_asked(scale, steps):
-    assert warmup_factor(scale, steps)(0) == 1.0
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_a_rate_not_scaled_warms_up_from_its_peak_over_the_warmup_steps(scale):
+    """One worker or scale_lr=false (or below 1: Adasum resumed on more workers): there is no
+    one-worker rate below the peak to start from, so the warm-up starts at peak / steps; it used to
+    do nothing at all, while the start line announced it."""
+    factor = warmup_factor(scale, warmup_steps=10)
+    assert [factor(step) for step in (0, 5, 10, 1000)] == pytest.approx([0.1, 0.55, 1.0, 1.0])
+    rates = [factor(step) for step in range(11)]
+    assert all(a < b for a, b in zip(rates, rates[1:])), "it rises at every warm-up step"
+
+
+@pytest.mark.parametrize("scale", [1.0, 4.0])
+def test_no_warmup_when_no_steps_are_asked(scale):
+    assert warmup_factor(scale, 0)(0) == 1.0
 
 
 def test_a_non_positive_scale_is_refused():
@@ -66,8 +77,8 @@ def test_the_optimizer_steps_at_the_warmed_up_decayed_rate_of_each_group():
     assert seen[4] == pytest.approx([0.4, 0.04])  # the scaled peak
     assert seen[8] == pytest.approx([0.2, 0.02])  # halfway through the decay: cos(pi/2)
     assert seen[12] == pytest.approx([0.0, 0.0], abs=1e-15)
-    assert rate.describe() == ("peak lr 0.4/0.04 (train.lr 0.1/0.01 x 4) after 4 warm-up steps, cosine decay to "
-                               "x 0 at step 12")
+    assert rate.describe() == ("peak lr 0.4/0.04 (train.lr 0.1/0.01 x 4) after 4 warm-up steps from 0.1/0.01 "
+                               "(one worker's rate), cosine decay to x 0 at step 12")
 
 
 @pytest.mark.parametrize("name,value", [("lr_schedule", "step"), ("min_lr_ratio", 1.5), ("min_lr_ratio", float("nan")),
@@ -85,7 +96,7 @@ def test_train_lr_replaces_the_optimizers_rates_keeping_each_groups_ratio():
     rate = LearningRate(TrainConfig(batch_size=8, lr=1e-4, scale_lr=False, warmup_epochs=0), optimizer)
     rate.start(global_batch=32, warmup_steps=0, world=FOUR_WORKERS, step=0, total_steps=12)
     assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([1e-4, 1e-3], rel=1e-12)
-    assert rate.describe() == "peak lr 0.0001/0.001 (train.lr 0.0001/0.001 x 1) after 0 warm-up steps"
+    assert rate.describe() == "peak lr 0.0001/0.001 (train.lr 0.0001/0.001 x 1), no warm-up"
 
 
 def test_without_train_lr_the_optimizers_own_rates_are_scaled_and_printed_as_they_are_reached():
@@ -95,7 +106,23 @@ def test_without_train_lr_the_optimizers_own_rates_are_scaled_and_printed_as_the
     rate.start(global_batch=32, warmup_steps=0, world=FOUR_WORKERS, step=0, total_steps=12)
     assert TrainConfig().lr is None
     assert optimizer.param_groups[0]["lr"] == pytest.approx(8e-5, rel=1e-12)  # scale_lr: 32 / 8 = 4 one-worker batches
-    assert rate.describe() == "peak lr 8e-05 (the optimizer's 2e-05 x 4) after 0 warm-up steps"
+    assert rate.describe() == "peak lr 8e-05 (the optimizer's 2e-05 x 4), no warm-up"
+
+
+def test_one_worker_steps_at_the_warmed_up_rate_and_the_start_line_says_from_where():
+    """scale_lr=false, 4 warm-up steps: the optimizer's rate at each step, 0.05 / 4 first."""
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.2)
+    rate = LearningRate(TrainConfig(batch_size=8, scale_lr=False), optimizer)
+    rate.start(global_batch=32, warmup_steps=4, world=FOUR_WORKERS, step=0, total_steps=12)
+    seen = []
+    for _ in range(6):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        rate.step()
+    assert seen == pytest.approx([0.05, 0.0875, 0.125, 0.1625, 0.2, 0.2])
+    assert rate.describe() == "peak lr 0.2 (the optimizer's 0.2 x 1) after 4 warm-up steps from 0.05 (peak / 4)"
+    rate.start(global_batch=32, warmup_steps=40, world=FOUR_WORKERS, step=0, total_steps=12)
+    assert rate.describe().endswith("(longer than the run's 12 steps: the peak is never reached)")
 
 
 def test_train_lr_cannot_scale_an_optimizer_whose_first_group_has_no_rate():

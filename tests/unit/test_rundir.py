@@ -20,17 +20,16 @@ def test_run_name_is_the_slurm_job_so_a_requeue_appends_else_the_start_time():
 
 def test_rank_0_writes_config_metrics_and_events_every_rank_its_log(tmp_path):
     logger = logging.getLogger("test.rundir.rank0")
-    root = RunDirectory(tmp_path, world(0), logger, tensorboard=True)
+    root = RunDirectory(tmp_path, world(0), logger, tensorboard=True, started=0.0)
     other_logger = logging.getLogger("test.rundir.rank1")
     other_logger.setLevel(logging.INFO)
     other = RunDirectory(tmp_path, world(1), other_logger, tensorboard=True)
     root.write_config({"train": {"epochs": 2}, "model": {"width": 8}})
     other.write_config({"train": {"epochs": 999}})  # only rank 0 writes shared files
     root.record("step", {"step": 10, "epoch": 0.5, "loss": 1.5, "lr": 0.1, "samples_per_sec": 100.0,
-                         "comm_fraction": 0.2}, started=0.0)
-    root.record("epoch", {"step": 20, "epoch": 1.0, "train_loss": float("nan"), "val_accuracy": 0.9},
-                started=0.0)
-    other.record("step", {"step": 10, "loss": 9.0}, started=0.0)
+                         "comm_fraction": 0.2})
+    root.record("epoch", {"step": 20, "epoch": 1.0, "train_loss": float("nan"), "val_accuracy": 0.9})
+    other.record("step", {"step": 10, "loss": 9.0})
     other_logger.info("rank 1 saw this")
     root.close()
     other.close()
@@ -50,7 +49,7 @@ def test_rank_0_writes_config_metrics_and_events_every_rank_its_log(tmp_path):
 def test_a_run_started_again_appends(tmp_path):
     for step in (10, 20):
         run = RunDirectory(tmp_path, world(0), logging.getLogger("test.rundir.append"), tensorboard=False)
-        run.record("step", {"step": step, "loss": 1.0}, started=0.0)
+        run.record("step", {"step": step, "loss": 1.0})
         run.close()
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [10, 20] and not (tmp_path / "tensorboard").exists()
