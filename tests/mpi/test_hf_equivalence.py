@@ -3,8 +3,9 @@ zero2, fsdp) and split by their own tensor-parallel plans (``model.tp_plan``: no
 (grouped-query attention; a tied embedding and head, cut by vocabulary rows under tensor
 parallelism), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms whose gradients are summed over the
 tensor group) and Mistral, in float64, compared step by step (the loss) and at the end (every
-parameter, gathered) with one process on the global batch. Tensor parallelism runs at T=2 (2 ranks)
-and T=2 x D=2 (4 ranks); the strategies at every world size.
+parameter, gathered) with one process on the global batch. Tensor parallelism runs at T=2 (2 ranks),
+T=2 x D=2 and T=4 (4 ranks); the strategies at every world size. Activation checkpointing (full and
+selective) on Llama, Qwen3 and Mistral under fsdp, T=2 and P=2, and on Llama under T=2 x P=2.
 
 Why 1e-10 holds on any x86-64 CPU: as in test_model_parallel.py, split products, all-reduced
 partial sums and averaged gradients differ from one process's only in the order of float64
@@ -148,14 +149,21 @@ def test_the_models_own_tensor_plan_takes_one_process_steps(world, family, tenso
     check_against_one_process(family, data, initial, final, step_losses, BATCH * world.size // tensor)
 
 
+RECOMPUTED_LAYOUTS = {"fsdp": {"strategy": "fsdp"}, "T2": {"tensor_parallel": 2},
+                      "P2": {"pipeline_parallel": 2, "micro_batches": 2},
+                      "T2-P2": {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}}
+# Three families under fsdp, T=2 and P=2; T=2 x P=2 (4 ranks) on Llama alone, for the suite's time.
+RECOMPUTED = [(family, layout) for family in ("llama", "qwen3", "mistral") for layout in ("fsdp", "T2", "P2")]
+RECOMPUTED.append(("llama", "T2-P2"))
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout", [{"strategy": "fsdp"}, {"tensor_parallel": 2},
-                                    {"pipeline_parallel": 2, "micro_batches": 2}], ids=["fsdp", "T2", "P2"])
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family,layout", RECOMPUTED, ids=["-".join(case) for case in RECOMPUTED])
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_takes_one_process_steps(world, family, layout, mode):
     """Every decoder layer computed again in backward (the tensor group's all-reduces, the pipeline
     stage's own layers, fsdp's gathers again): the same steps."""
+    layout = RECOMPUTED_LAYOUTS[layout]
     mesh = layout.get("tensor_parallel", 1) * layout.get("pipeline_parallel", 1)
     if world.size % mesh:
         pytest.skip(f"a mesh of {mesh} does not divide {world.size} ranks")
