@@ -128,7 +128,8 @@ def main(strategy: str, budget_per_parameter: float, meta: bool, tensor: int = 1
         print(f"trained {trainer.global_step} steps under {strategy}{layout} within {budget_per_parameter:g} bytes "
               f"per parameter ({parameters} parameters)", flush=True)
         for rank, figures in enumerate(every):
-            print(f"memory of rank {rank}: " + ", ".join(f"{key} {value}" for key, value in figures.items()), flush=True)
+            listed = ", ".join(f"{key} {value}" for key, value in figures.items())
+            print(f"memory of rank {rank}: {listed}", flush=True)
     if tensor * pipeline > 1:
         trainer.close_mesh()
 

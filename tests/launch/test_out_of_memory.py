@@ -38,8 +38,6 @@ BUDGET = "13.5"
 # against RLIMIT_DATA long after torch freed them; a fixed threshold returns them. The fusion
 # buffer is capped so that Horovod's own 128 MiB default does not dominate a 100 MB model.
 ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "HOROVOD_FUSION_THRESHOLD": str(16 * 2**20)}
-
-
 RANKS = 4
 
 
@@ -64,7 +62,8 @@ def check_memory(out, counted_formula=None):
     for rank, figures in enumerate(ranks):
         assert figures["peak_rss"] <= figures["rss_cap"], (rank, figures)
         if counted_formula is not None:
-            assert abs(figures["peak_counted"] - counted_formula) < 0.1 * counted_formula, (rank, figures, counted_formula)
+            off = abs(figures["peak_counted"] - counted_formula)
+            assert off < 0.1 * counted_formula, (rank, figures, counted_formula)
 
 
 def fsdp_peak(parameters, unit, bytes_per_parameter):
