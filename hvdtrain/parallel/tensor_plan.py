@@ -17,6 +17,10 @@ transformer:
   norm that sees only this rank's heads).
 - ``attention``: hvdtrain's own self-attention (qkv and proj) split by heads.
 
+transformers 4.x plans name two of them otherwise, taken as aliases: ``colwise_rep`` is
+``colwise_gather_output`` and ``rowwise_rep`` is ``rowwise_split_input`` (transformers registers each
+pair as the same layer: ColwiseParallel, RowwiseParallel with a replicated input and output).
+
 Checking a plan changes nothing and talks to no other rank: every rank holds the same model, so
 every rank decides alike.
 """
@@ -34,7 +38,8 @@ from hvdtrain.parallel.tensor import (ColumnParallelLinear, GatheredColumnParall
 COLUMN_STYLES = ("colwise", "colwise_gather_output", "packed_colwise")
 ROW_STYLES = ("rowwise", "rowwise_split_input")
 STYLES = COLUMN_STYLES + ROW_STYLES + ("embedding_rowwise", "replicated_with_grad_allreduce", "attention")
-ALIASES = {"column": "colwise", "row": "rowwise"}
+ALIASES = {"column": "colwise", "row": "rowwise",
+           "colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
 # Styles whose layers get new, split parameters (the last two above keep theirs whole).
 SPLITTING = COLUMN_STYLES + ROW_STYLES + ("embedding_rowwise", "attention")
 _SPLIT_LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelSelfAttention, VocabParallelEmbedding)

@@ -8,7 +8,7 @@ serves ``(inputs, targets)`` batches, with accuracy for integer class targets.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -20,15 +20,22 @@ def supervised_step(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
     def step(model: torch.nn.Module, batch: Any) -> Tuple[torch.Tensor, Metrics]:
         inputs, targets = batch
         outputs = model(inputs)
-        metrics: Metrics = {}
-        # Class scores in the last dimension, one integer label per position: a classifier (or a
-        # language model's next-token prediction). A regression's targets are floats: no accuracy.
-        scores = getattr(outputs, "logits", outputs)  # a Hugging Face model returns an output object
-        if isinstance(scores, torch.Tensor) and not targets.is_floating_point() and scores.dim() == targets.dim() + 1:
-            metrics["accuracy"] = (scores.detach().argmax(dim=-1) == targets).double().mean()
-        return loss_fn(outputs, targets), metrics
+        accuracy = class_accuracy(outputs, targets)
+        return loss_fn(outputs, targets), {} if accuracy is None else {"accuracy": accuracy}
 
     return step
+
+
+def class_accuracy(outputs: Any, targets: Any) -> Optional[torch.Tensor]:
+    """The share of positions whose highest score is the target (float64, detached), when the outputs
+    are class scores in the last dimension with one integer label per position: a classifier, or a
+    language model's next-token prediction. None otherwise (a regression's targets are floats).
+    What supervised_step reports, and a pipeline's last stage for it."""
+    scores = getattr(outputs, "logits", outputs)  # a Hugging Face model returns an output object
+    if (isinstance(scores, torch.Tensor) and isinstance(targets, torch.Tensor) and not targets.is_floating_point()
+            and scores.dim() == targets.dim() + 1):
+        return (scores.detach().argmax(dim=-1) == targets).double().mean()
+    return None
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -8,6 +8,13 @@ so it measures what training adds: gradients, optimizer state and communication 
 Adam in fp32, ddp adds 12 bytes per parameter (gradients 4, two moments 8) on every rank;
 zero2 at 4 workers adds 3 (its 1/4 of the gradients and moments) plus transient buffers.
 
+A rank that trained reports, after training (rank 0 prints one line per rank, "memory of rank R:
+..."): its baseline (VmData and VmRSS when the cap was set), the cap, the peak RSS since then
+(VmHWM, reset when the cap is set) against the cap counted as RSS (the RSS baseline plus the same
+budget), and the most bytes the strategy counted in parameters, gradients and optimizer state
+(``memory_bytes()``, sampled before every module's forward and at every gradient: each place where
+a strategy allocates one of them) and what the Trainer's memory report counted after the first step.
+
 With --meta the model is built on the meta device, deeper and narrower (smaller fsdp units), and
 trained with plain SGD: the cap then counts the parameters themselves too, from their first byte.
 --tensor and --pipeline split it over a T x P mesh: its linears alternately by columns and by rows,
@@ -24,17 +31,47 @@ from torch.utils.data import TensorDataset
 
 import hvdtrain
 from hvdtrain.config.train import TrainConfig
+from hvdtrain.distributed import collectives
 from hvdtrain.trainer import Trainer
 
 WIDTH, DEPTH = 2048, 6  # 25.2M parameters: 101 MB of fp32 weights
 
 
-def private_bytes() -> int:
-    """VmData: the private memory RLIMIT_DATA counts."""
+def status_bytes(field: str) -> int:
+    """A size in /proc/self/status: VmData (the private memory RLIMIT_DATA counts), VmRSS (resident
+    now), VmHWM (the peak resident since start, or since reset_peak_rss)."""
     for line in open("/proc/self/status"):
-        if line.startswith("VmData:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmData in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    """VmHWM from now on (Linux >= 4.0): the warm-up's freed memory does not count."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+class CountedPeak:
+    """The most bytes ``strategy.memory_bytes()`` counts during training: sampled after each module's
+    pre-forward hooks (fsdp has gathered the unit and started the next one's gather) and at each
+    parameter's gradient, before and after it is accumulated (fsdp has allocated the unit's full
+    gradient; a mesh's .grad grows): the places where parameters, gradients or optimizer state
+    (created in the first step, kept after) grow."""
+
+    def __init__(self, strategy, model: nn.Module) -> None:
+        self.strategy, self.peak = strategy, 0
+        self.hooks = [module.register_forward_pre_hook(lambda *_: self.sample()) for module in model.modules()]
+        for param in model.parameters():
+            self.hooks.append(param.register_hook(lambda grad: self.sample()))
+            self.hooks.append(param.register_post_accumulate_grad_hook(lambda param: self.sample()))
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, sum(self.strategy.memory_bytes().values()))
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
 
 
 def build(width: int, depth: int) -> nn.Module:
@@ -66,7 +103,10 @@ def main(strategy: str, budget_per_parameter: float, meta: bool, tensor: int = 1
         hvd.synchronize(handle)
     del warm, handles
     parameters = sum(p.numel() for p in model.parameters())
-    cap = private_bytes() + int(budget_per_parameter * parameters)
+    budget = int(budget_per_parameter * parameters)
+    reset_peak_rss()
+    baseline = {"data": status_bytes("VmData"), "rss": status_bytes("VmRSS")}
+    cap = baseline["data"] + budget
     resource.setrlimit(resource.RLIMIT_DATA, (cap, resource.RLIM_INFINITY))
 
     config = TrainConfig(strategy=strategy, epochs=1, batch_size=8, max_steps=3, lr=1e-4, warmup_epochs=0,
@@ -76,11 +116,20 @@ def main(strategy: str, budget_per_parameter: float, meta: bool, tensor: int = 1
     plan = hvdtrain.ModelPlan(tensor_plan=alternating_plan(depth) if tensor > 1 else None)
     trainer = Trainer(model, optimizer, data, None, config, world=world, model_plan=plan,
                       loss_fn=torch.nn.functional.cross_entropy)
+    counted = CountedPeak(trainer.strategy, trainer.model)
     trainer.fit()
+    counted.close()
+    mine = {"baseline_data": baseline["data"], "baseline_rss": baseline["rss"], "cap": cap,
+            "rss_cap": baseline["rss"] + budget, "peak_rss": status_bytes("VmHWM"), "peak_counted": counted.peak,
+            "counted_after_first_step": trainer.memory.per_rank[world.rank]["total"]}
+    every = collectives.allgather_object(mine, name="oom_job.memory")
     if world.is_root:
         layout = f" x tensor {tensor} x pipeline {pipeline}" if tensor * pipeline > 1 else ""
         print(f"trained {trainer.global_step} steps under {strategy}{layout} within {budget_per_parameter:g} bytes "
-              f"per parameter", flush=True)
+              f"per parameter ({parameters} parameters)", flush=True)
+        for rank, figures in enumerate(every):
+            listed = ", ".join(f"{key} {value}" for key, value in figures.items())
+            print(f"memory of rank {rank}: {listed}", flush=True)
     if tensor * pipeline > 1:
         trainer.close_mesh()
 

@@ -1,6 +1,8 @@
 """train_hf.py: a Llama built on the meta device, split by its own tensor-parallel plan (T=2), learns
 the shipped text; its hf/ export loads in plain transformers and scores the held-out text as the
-run did; a second run starts from that directory under fsdp and begins where the first ended."""
+run did; a second run starts from that directory under fsdp and begins where the first ended. Cut
+into two pipeline stages it learns too, and its metrics.jsonl holds the metrics of the unsplit step."""
+import json
 import re
 
 import pytest
@@ -27,6 +29,17 @@ def train_hf(run_dir, *settings):
     return out, float(final.group(1)), float(final.group(2)), float(final.group(3))
 
 
+# What the Trainer's step reports for train_hf.py's (inputs, targets) windows, with or without a pipeline.
+EPOCH_METRICS = {"train_loss", "train_accuracy", "val_loss", "val_accuracy", "val_samples"}
+
+
+def epoch_metrics(run_dir) -> set:
+    """The train_ and val_ names of the run's last epoch record in metrics.jsonl."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    epoch = [record for record in records if record["kind"] == "epoch"][-1]
+    return {name for name in epoch if name.startswith(("train_", "val_"))}
+
+
 def held_out_loss(directory) -> float:
     """The exported model's mean cross-entropy over the held-out windows, in this process."""
     from hvdtrain.examples.textlm import load_text_datasets
@@ -46,6 +59,7 @@ def test_a_tensor_parallel_llama_learns_exports_and_is_continued_under_fsdp(tmp_
     assert "tensor plan: the model's own tp_plan" in out and "built on the meta device" in out
     assert bpc < unigram - 0.2, "30 steps learn more than the characters' frequencies"
     exported = tmp_path / "tp" / "run" / "hf"
+    assert epoch_metrics(exported.parent) == EPOCH_METRICS
     # The printed loss has 4 decimals; the evaluation's batches sum in another order than one pass here.
     assert held_out_loss(exported) == pytest.approx(loss, abs=2e-4)
 
@@ -62,3 +76,4 @@ def test_a_llama_cut_into_two_pipeline_stages_learns(tmp_path):
                                     "--train.max_steps=30", AT_THE_PEAK)
     assert "mesh: data 1 x pipeline 2 x tensor 1" in out
     assert bpc < unigram - 0.2, "30 steps learn more than the characters' frequencies"
+    assert epoch_metrics(tmp_path / "run") == EPOCH_METRICS, "the last stage reports the unsplit step's metrics"

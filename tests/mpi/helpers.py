@@ -24,14 +24,17 @@ def flat_parameters(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def record_step_losses(trainer) -> list:
-    """The list each optimizer step's loss (this rank's, float64) is appended to while the trainer runs."""
+def record_step_losses(trainer, metrics_seen=None) -> list:
+    """The list each optimizer step's loss (this rank's, float64) is appended to while the trainer runs;
+    each step's metrics dict to ``metrics_seen`` too, when given."""
     losses = []
     train_batch = trainer.strategy.forward_backward
 
     def recording(*args, **kwargs):
         loss, metrics = train_batch(*args, **kwargs)
         losses.append(loss.detach().double().reshape(()))
+        if metrics_seen is not None:
+            metrics_seen.append(dict(metrics))
         return loss, metrics
 
     trainer.strategy.forward_backward = recording

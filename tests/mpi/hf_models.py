@@ -1,6 +1,7 @@
-"""A Hugging Face model at toy size for the tests that train, export or load one (they skip where
+"""Hugging Face models at toy size for the tests that train, export or load one (they skip where
 transformers is not installed): Llama's layout, grouped-query attention (2 key/value heads for 4),
-tied embeddings; and a Trainer over random token windows for it."""
+tied embeddings; Qwen3's (per-head q/k norms, its own head); and a Trainer over random token windows
+for them."""
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -13,12 +14,22 @@ transformers = pytest.importorskip("transformers")
 VOCAB, SEQ = 64, 8
 
 
-def tiny_llama(seed=0, layers=2, dtype=torch.float32):
+def tiny_config(family="llama", layers=2):
+    sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**sizes, head_dim=8, tie_word_embeddings=False)
+    return transformers.LlamaConfig(**sizes, tie_word_embeddings=True)
+
+
+def tiny_model(family="llama", seed=0, layers=2, dtype=torch.float32):
+    """The toy model of ``family`` (llama or qwen3), from ``seed``."""
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                      tie_word_embeddings=True)
-    return transformers.LlamaForCausalLM(config).to(dtype)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(family, layers)).to(dtype)
+
+
+def tiny_llama(seed=0, layers=2, dtype=torch.float32):
+    return tiny_model("llama", seed, layers, dtype)
 
 
 def causal_lm_step(model, batch):

@@ -42,9 +42,9 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def trainer(world, model, strategy, steps=3, **kwargs):
+def trainer(world, model, strategy, steps=3, checkpoint_dir=None, **kwargs):
     config = TrainConfig(epochs=1, batch_size=8, lr=0.05, warmup_epochs=0, max_steps=steps, seed=SEED,
-                         strategy=strategy, log_every=1000, tensorboard=False)
+                         strategy=strategy, log_every=1000, tensorboard=False, checkpoint_dir=checkpoint_dir)
     return Trainer(model, torch.optim.AdamW(model.parameters(), lr=config.lr),
                    synthetic_classification(dtype=torch.float32), None, config, world=world, **kwargs)
 
@@ -57,6 +57,19 @@ def gathered(trainer):
 def differences(state, expected):
     assert state.keys() == expected.keys()
     return [name for name in expected if not torch.equal(state[name], expected[name])]
+
+
+def assert_trained_alike(world, trained, expected):
+    """Two runs of the same steps from the same values: equal bitwise up to 2 ranks (a + b = b + a);
+    beyond, Horovod's fusion groups the gradients as they come ready, which may differ between two
+    runs, and Gloo's all-reduce then sums 4 terms in another order: a float32 rounding (1e-7
+    relative) per step, which AdamW (lr 0.05) turns into at most ~1e-8 a step; 1e-6 leaves a
+    hundredfold margin and a wrong tensor differs by > 1e-3."""
+    if world.size <= 2:
+        assert differences(trained, expected) == []
+    else:
+        worst = max((trained[name] - expected[name]).abs().max().item() for name in expected)
+        assert worst < 1e-6, f"max difference between the two runs: {worst}"
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
@@ -73,18 +86,34 @@ def test_a_model_built_on_meta_starts_and_trains_as_the_model_built_whole(world,
     trained, expected_trained = gathered(from_meta), gathered(whole)
 
     # The same random numbers in the same order as the constructors drew them, every rank alike:
-    # equal bitwise. Three steps of the same strategy on the same data then stay equal bitwise up to
-    # 2 ranks (a + b = b + a); beyond, Horovod's fusion groups the gradients as they come ready,
-    # which may differ between two runs, and Gloo's all-reduce then sums 4 terms in another order:
-    # a float32 rounding (1e-7 relative) per step, which AdamW (lr 0.05) turns into at most ~1e-8 a
-    # step; 1e-6 leaves a hundredfold margin and a wrong tensor differs by > 1e-3.
+    # equal bitwise. Three steps of the same strategy on the same data then stay alike.
     assert differences(start, expected_start) == []
-    if world.size <= 2:
-        assert differences(trained, expected_trained) == []
-    else:
-        worst = max((trained[name] - expected_trained[name]).abs().max().item() for name in expected_trained)
-        assert worst < 1e-6, f"max |from meta - built whole| after training: {worst}"
+    assert_trained_alike(world, trained, expected_trained)
     assert differences(trained, expected_start) != []  # it did train
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_model_built_on_meta_resumes_from_its_checkpoint_as_the_run_that_went_on(world, tmp_path, strategy):
+    """Two steps, a full checkpoint, then a second model built on the meta device resumes: it starts
+    from the checkpoint's values (not from train.seed's initialization) and its five steps are the
+    run's that never stopped."""
+    base = collectives.allgather_object(str(tmp_path), name=f"deferred.resume.{strategy}.dir")[0]
+
+    def run(directory, steps):
+        with torch.device("meta"):
+            model = Net()
+        built = trainer(world, model, strategy, steps=steps, checkpoint_dir=f"{base}/{directory}")
+        start = gathered(built)
+        built.fit()
+        return start, gathered(built), built.global_step
+
+    initial, went_on, _ = run("whole", 5)
+    _, stopped, _ = run("stopped", 2)
+    resumed_start, resumed, resumed_steps = run("stopped", 5)
+
+    assert differences(resumed_start, stopped) == [] and differences(stopped, initial) != []
+    assert resumed_steps == 5
+    assert_trained_alike(world, resumed, went_on)
 
 
 def hugging_face_model(family):

@@ -3,8 +3,9 @@ zero2, fsdp) and split by their own tensor-parallel plans (``model.tp_plan``: no
 (grouped-query attention; a tied embedding and head, cut by vocabulary rows under tensor
 parallelism), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms whose gradients are summed over the
 tensor group) and Mistral, in float64, compared step by step (the loss) and at the end (every
-parameter, gathered) with one process on the global batch. Tensor parallelism runs at T=2 (2 ranks)
-and T=2 x D=2 (4 ranks); the strategies at every world size.
+parameter, gathered) with one process on the global batch. Tensor parallelism runs at T=2 (2 ranks),
+T=2 x D=2 and T=4 (4 ranks); the strategies at every world size. Activation checkpointing (full and
+selective) on Llama, Qwen3 and Mistral under fsdp, T=2 and P=2, and on Llama under T=2 x P=2.
 
 Why 1e-10 holds on any x86-64 CPU: as in test_model_parallel.py, split products, all-reduced
 partial sums and averaged gradients differ from one process's only in the order of float64
@@ -22,6 +23,7 @@ from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.distributed import collectives
 from hvdtrain.trainer import Trainer
+from hvdtrain.training.steps import class_accuracy
 from tests.mpi.helpers import record_step_losses
 
 transformers = pytest.importorskip("transformers")
@@ -51,33 +53,43 @@ def causal_lm_step(model, batch):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)), {}
 
 
+def logits_loss(outputs, targets):
+    """Cross-entropy of the logits (the model's output's, or a pipeline's last stage's: the logits themselves)."""
+    logits = getattr(outputs, "logits", outputs)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
 def token_data(samples=64):
     ids = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=torch.Generator().manual_seed(3))
     return TensorDataset(ids[:, :-1], ids[:, 1:])
 
 
 def reference(family, initial, data, global_batch):
-    """One process, no Horovod: the global batches in the sampler's global order."""
+    """One process, no Horovod: the global batches in the sampler's global order. Returns the final
+    state, each step's loss and each step's token accuracy (supervised_step's)."""
     model = make_model(family, 0)
     model.load_state_dict(initial)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     sampler = ShardedSampler(len(data), rank=0, world_size=1, seed=SEED)
     sampler.set_epoch(0)
     order = list(sampler)
-    losses = []
+    losses, accuracies = [], []
     for step in range(STEPS):
         batch = order[step * global_batch:(step + 1) * global_batch]
         optimizer.zero_grad()
-        loss, _ = causal_lm_step(model, (data.tensors[0][batch], data.tensors[1][batch]))
+        logits = model(input_ids=data.tensors[0][batch]).logits
+        loss = logits_loss(logits, data.tensors[1][batch])
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return model.state_dict(), losses
+        accuracies.append(class_accuracy(logits, data.tensors[1][batch]).item())
+    return model.state_dict(), losses, accuracies
 
 
-def train(world, family, step=None, **settings):
+def train(world, family, step=None, metrics_seen=None, **settings):
     """(the trainer, the data, its initial and final gathered model, each step's loss averaged over
-    the world). ``step``: the Trainer's step_fn or loss_fn (default: step_fn=causal_lm_step)."""
+    the world). ``step``: the Trainer's step_fn or loss_fn (default: step_fn=causal_lm_step);
+    ``metrics_seen``: a list each step's metrics (this rank's) are appended to."""
     data = token_data()
     model = make_model(family, 100 + world.rank)  # different on every rank: set-up must broadcast rank 0's
     config = TrainConfig(epochs=1, batch_size=BATCH, lr=0.01, scale_lr=False, warmup_epochs=0, max_steps=STEPS,
@@ -85,15 +97,16 @@ def train(world, family, step=None, **settings):
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, None, config, world=world,
                       **(step or {"step_fn": causal_lm_step}))
     initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
-    losses = record_step_losses(trainer)
+    losses = record_step_losses(trainer, metrics_seen)
     trainer.fit()
     final = trainer.strategy.state_dict()["model"]
     step_losses = collectives.allreduce_sum(torch.stack(losses), name=f"hf.{family}.{settings}.losses") / world.size
     return trainer, data, initial, final, step_losses
 
 
-def check_against_one_process(family, data, initial, final, step_losses, global_batch):
-    expected, expected_losses = reference(family, initial, data, global_batch)
+def check_against_one_process(family, data, initial, final, step_losses, global_batch, step_accuracies=None):
+    """``step_accuracies``: each step's token accuracy averaged over the world, when the step reports it."""
+    expected, expected_losses, expected_accuracies = reference(family, initial, data, global_batch)
     worst = max((final[name] - expected[name]).abs().max().item() for name in expected)
     moved = min((expected[name] - initial[name]).abs().max().item() for name in expected
                 if name.endswith("weight"))
@@ -101,6 +114,10 @@ def check_against_one_process(family, data, initial, final, step_losses, global_
     assert moved > 1e-4, "training did not move every weight: the test proves nothing"
     assert loss_error < 1e-10, f"per-step loss against one process: {step_losses.tolist()} vs {expected_losses}"
     assert worst < 1e-10, f"max |gathered - one process| = {worst}"
+    if step_accuracies is not None:
+        # A share of argmaxes: equal unless two logits tie within 1e-10 (they do not, random init).
+        accuracy_error = (step_accuracies - torch.tensor(expected_accuracies, dtype=torch.float64)).abs().max()
+        assert accuracy_error < 1e-12, f"per-step accuracy: {step_accuracies.tolist()} vs {expected_accuracies}"
 
 
 @pytest.mark.timeout(240)
@@ -132,19 +149,21 @@ def test_the_models_own_tensor_plan_takes_one_process_steps(world, family, tenso
     check_against_one_process(family, data, initial, final, step_losses, BATCH * world.size // tensor)
 
 
-def logits_loss(outputs, targets):
-    """Cross-entropy of the logits (a pipeline's last stage gives the logits themselves)."""
-    return torch.nn.functional.cross_entropy(outputs.reshape(-1, VOCAB), targets.reshape(-1))
+RECOMPUTED_LAYOUTS = {"fsdp": {"strategy": "fsdp"}, "T2": {"tensor_parallel": 2},
+                      "P2": {"pipeline_parallel": 2, "micro_batches": 2},
+                      "T2-P2": {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}}
+# Three families under fsdp, T=2 and P=2; T=2 x P=2 (4 ranks) on Llama alone, for the suite's time.
+RECOMPUTED = [(family, layout) for family in ("llama", "qwen3", "mistral") for layout in ("fsdp", "T2", "P2")]
+RECOMPUTED.append(("llama", "T2-P2"))
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout", [{"strategy": "fsdp"}, {"tensor_parallel": 2},
-                                    {"pipeline_parallel": 2, "micro_batches": 2}], ids=["fsdp", "T2", "P2"])
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family,layout", RECOMPUTED, ids=["-".join(case) for case in RECOMPUTED])
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_takes_one_process_steps(world, family, layout, mode):
     """Every decoder layer computed again in backward (the tensor group's all-reduces, the pipeline
     stage's own layers, fsdp's gathers again): the same steps."""
+    layout = RECOMPUTED_LAYOUTS[layout]
     mesh = layout.get("tensor_parallel", 1) * layout.get("pipeline_parallel", 1)
     if world.size % mesh:
         pytest.skip(f"a mesh of {mesh} does not divide {world.size} ranks")

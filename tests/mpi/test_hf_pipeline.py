@@ -3,7 +3,9 @@ embedding, each decoder layer, the norm with the head; each stage computes the m
 position embeddings its model would. Llama (its tied embedding and head on the first and last
 stage), Qwen3 and Mistral take one process's steps in float64: P=2 under 1f1b and gpipe (2 ranks),
 P=2 x D=2 and T=2 x P=2 (4 ranks, the tensor split by the model's own plan), each step's loss and
-every gathered parameter to 1e-10 (the bound of test_model_parallel.py, for the same reason).
+every gathered parameter to 1e-10 (the bound of test_model_parallel.py, for the same reason). The
+last stage reports the metrics the Trainer's step reports without a pipeline (the token accuracy),
+in training and evaluation, equal to one process's.
 """
 import copy
 
@@ -15,9 +17,10 @@ from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.distributed import collectives
 from hvdtrain.parallel.pipeline.hf_layers import causal_lm_loss
 from hvdtrain.trainer import Trainer
+from hvdtrain.training.steps import supervised_step
 from tests.mpi.helpers import record_step_losses
-from tests.mpi.test_hf_equivalence import (BATCH, SEED, SEQ, STEPS, VOCAB, check_against_one_process, logits_loss,
-                                           make_model, train)
+from tests.mpi.test_hf_equivalence import (BATCH, SEED, SEQ, STEPS, VOCAB, causal_lm_step, check_against_one_process,
+                                           logits_loss, make_model, token_data, train)
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,16 +37,43 @@ def test_the_model_cut_into_stages_takes_one_process_steps(world, family, layout
     tensor, pipeline, schedule, micro = layout
     if world.size % (tensor * pipeline):
         pytest.skip(f"T={tensor} x P={pipeline} does not divide {world.size} ranks")
+    metrics = []
     trainer, data, initial, final, step_losses = train(
-        world, family, step={"loss_fn": logits_loss}, tensor_parallel=tensor, pipeline_parallel=pipeline,
-        pipeline_schedule=schedule, micro_batches=micro)
+        world, family, step={"loss_fn": logits_loss}, metrics_seen=metrics, tensor_parallel=tensor,
+        pipeline_parallel=pipeline, pipeline_schedule=schedule, micro_batches=micro)
     stages = collectives.allgather_object(len(trainer.strategy.pipeline.module.layers),
                                           name=f"hf.pp.{family}.{layout}.layers")
+    # Each replica's batches are equal in size: the world's mean of the steps' accuracies is the global batch's.
+    nan = torch.tensor(float("nan"), dtype=torch.float64)
+    accuracies = collectives.allreduce_sum(torch.stack([m.get("accuracy", nan).double() for m in metrics]),
+                                           name=f"hf.pp.{family}.{layout}.accuracy") / world.size
+    evaluated = trainer.strategy.forward_only(trainer.step_fn, (data.tensors[0][:BATCH], data.tensors[1][:BATCH]))
     trainer.close_mesh()
 
     # 2 decoder layers + the embedding and the norm with the head: 4 layers over the stages.
     assert sum(stages[:pipeline * tensor:tensor]) == 4 and min(stages) >= 1
-    check_against_one_process(family, data, initial, final, step_losses, BATCH * world.size // (tensor * pipeline))
+    # The keys the Trainer's step reports for this model without a pipeline (ddp's metrics.jsonl).
+    reference = make_model(family, 0)
+    reference.load_state_dict(final)
+    unsplit = supervised_step(logits_loss)(reference, (data.tensors[0][:BATCH], data.tensors[1][:BATCH]))
+    assert all(set(m) == set(unsplit[1]) == {"accuracy"} for m in metrics), metrics
+    assert set(evaluated[1]) == {"accuracy"}
+    assert abs(evaluated[0].item() - unsplit[0].item()) < 1e-10
+    assert evaluated[1]["accuracy"].item() == unsplit[1]["accuracy"].item()
+    check_against_one_process(family, data, initial, final, step_losses, BATCH * world.size // (tensor * pipeline),
+                              step_accuracies=accuracies)
+
+
+@pytest.mark.timeout(60)
+def test_a_step_fn_is_refused_under_a_pipeline_with_the_reason(world):
+    """Refused on every rank before any collective: the step needs the whole model, a stage has a part."""
+    model = make_model("llama", 0)
+    config = TrainConfig(epochs=1, batch_size=BATCH, pipeline_parallel=2, micro_batches=2, tensorboard=False)
+    with pytest.raises(ValueError, match=r"train\.pipeline_parallel > 1 computes the loss on the last stage with "
+                                         r"loss_fn\(outputs, targets\) and cannot run a step_fn, which needs the "
+                                         r"whole model: pass loss_fn"):
+        Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), token_data(), None, config, world=world,
+                step_fn=causal_lm_step)
 
 
 class PaddedWindows(torch.utils.data.Dataset):

@@ -1,6 +1,8 @@
 """Trainer.load_pretrained: a Hugging Face directory (several safetensors files and an index) read by
 slice, each rank only what it keeps, gives every strategy exactly the weights from_pretrained gives
-one process; a directory of another model is refused on every rank."""
+one process, for Llama (tied embedding and head) and Qwen3 (its own head, per-head norms), and to a
+model built on the meta device as to one built whole; a directory of another model is refused on
+every rank."""
 from pathlib import Path
 
 import pytest
@@ -8,36 +10,68 @@ import torch
 
 from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.distributed import collectives
-from tests.mpi.hf_models import tiny_llama, trainer_for, transformers
+from tests.mpi.hf_models import tiny_config, tiny_llama, tiny_model, trainer_for, transformers
 
 pytestmark = pytest.mark.mpi
 
 
 @pytest.fixture(scope="module")
-def pretrained_dir(world, tmp_path_factory):
+def pretrained_dirs(world, tmp_path_factory):
+    """family -> a directory save_pretrained wrote for it, in several files with an index."""
     base = Path(collectives.allgather_object(str(tmp_path_factory.mktemp("pretrained")), name="pretrained.dir")[0])
     if world.is_root:
-        tiny_llama(seed=0).save_pretrained(base / "llama", max_shard_size="40KB")  # several files + an index
+        for family in ("llama", "qwen3"):
+            tiny_model(family, seed=0).save_pretrained(base / family, max_shard_size="40KB")
     collectives.allgather_object(None, name="pretrained.written")
-    return base / "llama"
+    return {family: base / family for family in ("llama", "qwen3")}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
-def test_each_rank_reads_what_it_keeps_and_gets_from_pretrained_weights(world, pretrained_dir, strategy):
-    expected = transformers.AutoModelForCausalLM.from_pretrained(pretrained_dir).state_dict()
-    total = sum(t.numel() * t.element_size() for name, t in expected.items() if name != "lm_head.weight")
-    trainer = trainer_for(world, strategy, tiny_llama(seed=5), max_steps=1)  # other weights: the load must replace them
-    read = trainer.load_pretrained(pretrained_dir)
+@pytest.fixture(scope="module")
+def pretrained_dir(pretrained_dirs):
+    return pretrained_dirs["llama"]
+
+
+def pretrained_weights(directory):
+    """(from_pretrained's state_dict, the bytes of its distinct tensors: a tied weight once)."""
+    expected = transformers.AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    distinct = {t.untyped_storage().data_ptr(): t.numel() * t.element_size() for t in expected.values()}
+    return expected, sum(distinct.values())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_each_rank_reads_what_it_keeps_and_gets_from_pretrained_weights(world, pretrained_dirs, strategy, family):
+    directory = pretrained_dirs[family]
+    expected, total = pretrained_weights(directory)
+    # Other weights: the load must replace them.
+    trainer = trainer_for(world, strategy, tiny_model(family, seed=5), max_steps=1)
+    read = trainer.load_pretrained(directory)
     loaded = trainer.strategy.exported_model_state()
-    reads = collectives.allgather_object(read, name=f"pretrained.read.{strategy}")
+    reads = collectives.allgather_object(read, name=f"pretrained.read.{strategy}.{family}")
     different = [name for name, value in expected.items() if not torch.equal(loaded[name], value)]
 
-    assert len(list(pretrained_dir.glob("model-*.safetensors"))) > 2
+    assert len(list(directory.glob("model-*.safetensors"))) > 2
     assert not different, f"not the pretrained values: {different}"
     if strategy == "ddp":
-        assert reads == [total] * world.size  # a replica reads the whole model, the tied weight once
+        assert reads == [total] * world.size  # a replica reads the whole model, a tied weight once
     else:  # its slice of every bucket: the ranks together read the model once (padding is not read)
         assert sum(reads) == total and (world.size == 1 or max(reads) < 0.6 * total), reads
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+def test_a_model_built_on_meta_gets_from_pretrained_weights_bitwise(world, pretrained_dir, strategy):
+    """Built on the meta device, initialized by the Trainer (under fsdp unit by unit, never whole),
+    then loaded: exactly from_pretrained's weights, as the model built whole gets them."""
+    expected, _ = pretrained_weights(pretrained_dir)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))
+    trainer = trainer_for(world, strategy, model, max_steps=1)
+    trainer.load_pretrained(pretrained_dir)
+    loaded = trainer.strategy.exported_model_state()
+    different = [name for name, value in expected.items() if not torch.equal(loaded[name], value)]
+
+    assert trainer.initialization is not None, "the Trainer initialized the model from the meta device"
+    assert not different, f"not the pretrained values: {different}"
 
 
 def test_another_models_weights_are_refused_on_every_rank(world, pretrained_dir):

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from hvdtrain.parallel.mesh import Group
-from hvdtrain.parallel.tensor import GatheredColumnParallelLinear, VocabParallelEmbedding
+from hvdtrain.parallel.tensor import (GatheredColumnParallelLinear, SplitInputRowParallelLinear,
+                                      VocabParallelEmbedding)
 from hvdtrain.parallel.tensor_plan import STYLES, check_plan, model_tensor_plan, parallelize
 
 transformers = pytest.importorskip("transformers")
@@ -63,6 +64,26 @@ def test_a_style_hvdtrain_does_not_implement_is_refused_with_the_ones_it_does():
                                          "colwise_gather_output, packed_colwise, rowwise"):
         check_plan(llama(), {"model.layers.*.mlp.gate_proj": "grouped_gemm"}, 2)
     assert "replicated_with_grad_allreduce" in STYLES and "embedding_rowwise" in STYLES
+
+
+def test_transformers_4_style_names_are_the_same_layers_as_their_5_names():
+    """colwise_rep and rowwise_rep (transformers 4.x's names) build what colwise_gather_output and
+    rowwise_split_input build: one rank's slices, the output whole."""
+    def split(head_style, down_style):
+        model = llama(tied=False)
+        plan = {"lm_head": head_style, "model.layers.*.mlp.down_proj": down_style}
+        chosen = dict(check_plan(model, plan, 2))
+        parallelize(model, plan, pair(1))
+        return chosen, model
+
+    old_chosen, old = split("colwise_rep", "rowwise_rep")
+    new_chosen, new = split("colwise_gather_output", "rowwise_split_input")
+    assert old_chosen == new_chosen and old_chosen["lm_head"] == "colwise_gather_output"
+    assert old_chosen["model.layers.0.mlp.down_proj"] == "rowwise_split_input"
+    assert type(old.lm_head) is type(new.lm_head) is GatheredColumnParallelLinear
+    down = (old.model.layers[1].mlp.down_proj, new.model.layers[1].mlp.down_proj)
+    assert type(down[0]) is type(down[1]) is SplitInputRowParallelLinear
+    assert torch.equal(old.lm_head.weight, new.lm_head.weight) and old.lm_head.weight.shape == (32, 32)
 
 
 def test_a_tie_cut_on_one_side_only_is_refused():

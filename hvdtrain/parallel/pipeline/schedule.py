@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
 import torch
@@ -22,6 +22,38 @@ SCHEDULES = ("gpipe", "1f1b")
 # layers that take them (``takes_extras``) on every stage.
 MicroBatch = Tuple[Any, ...]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Measure(NamedTuple):
+    """What the last stage measures beside the loss: ``fn(outputs, targets)`` gives a micro-batch's
+    float64 vector of one value per name in ``names`` (NaN: not measured for it). Every stage knows
+    the names, so the values travel with the loss in one broadcast."""
+
+    names: Tuple[str, ...]
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def read(self, values: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The measured ones by name (the same on every stage: they came in one broadcast)."""
+        return {name: value for name, value in zip(self.names, values) if not torch.isnan(value)}
+
+
+def from_last_stage(mesh: Mesh, name: str, device: torch.device, measure: Optional[Measure],
+                    loss: Optional[torch.Tensor],
+                    measured: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """(the loss, the metrics by name) as the last stage of this pipeline computed them (``loss`` and
+    ``measure``'s values there, None on the other stages), on every stage: one broadcast over
+    ``mesh.pipeline``, in float64 (the other stages receive into zeros on their own device: one
+    device kind per collective)."""
+    summary = torch.zeros(1 + (len(measure.names) if measure is not None else 0), dtype=torch.float64, device=device)
+    if loss is not None:
+        summary[0] = loss
+        if measured is not None:
+            summary[1:] = measured
+    if mesh.pipeline.process_set is not None:
+        # Distributed: the loss and the metrics from the last stage to every stage of this pipeline.
+        summary = hvd.broadcast(summary, root_rank=mesh.pipeline.ranks[-1], name=name,
+                                process_set=mesh.pipeline.process_set)
+    return summary[0], measure.read(summary[1:]) if measure is not None else {}
 
 
 # ---- splitting ---------------------------------------------------------------------------------
@@ -126,6 +158,7 @@ class PipelineStage(nn.Module):
         self.layers = nn.ModuleList(layers[i] for i in self.indices)
         self.tied = self._tied_parameters(layers)
         self.stats = ScheduleStats()
+        self.metrics: Dict[str, torch.Tensor] = {}  # the last run's (run_schedule's measure)
         self.step = 0  # schedules run, part of every collective's name
 
     def _tied_parameters(self, layers: Sequence[nn.Module]) -> List[nn.Parameter]:
@@ -177,11 +210,12 @@ class _Runner:
     activations held between them."""
 
     def __init__(self, stage: PipelineStage, mesh: Mesh, micro_batches: List[MicroBatch], loss_fn: LossFn,
-                 links: StageLinks) -> None:
+                 links: StageLinks, measure: Optional[Measure]) -> None:
         self.stage, self.mesh, self.micro_batches, self.loss_fn = stage, mesh, micro_batches, loss_fn
-        self.links = links
+        self.links, self.measure = links, measure
         self.held: Dict[int, Tuple[Optional[torch.Tensor], torch.Tensor]] = {}  # micro-batch -> (input, output)
         self.losses: List[torch.Tensor] = []
+        self.measured: List[torch.Tensor] = []
         self.compute_s = 0.0
         self.max_in_flight = 0
 
@@ -194,7 +228,10 @@ class _Runner:
         micro = self.micro_batches[i]
         out = self.stage(x, micro[2] if len(micro) > 2 else None)
         if self.mesh.is_last_stage:
-            loss = self.loss_fn(out, self.micro_batches[i][1]) / len(self.micro_batches)
+            targets = self.micro_batches[i][1]
+            if self.measure is not None:
+                self.measured.append(self.measure.fn(out.detach(), targets))
+            loss = self.loss_fn(out, targets) / len(self.micro_batches)
             self.losses.append(loss.detach())
             out = loss
         self.held[i] = (None if self.mesh.is_first_stage else x, out)
@@ -254,11 +291,13 @@ _SCHEDULES = {"gpipe": _gpipe, "1f1b": _one_f_one_b}
 
 
 def run_schedule(schedule: str, stage: PipelineStage, mesh: Mesh, micro_batches: Sequence[MicroBatch],
-                 loss_fn: LossFn) -> torch.Tensor:
+                 loss_fn: LossFn, measure: Optional[Measure] = None) -> torch.Tensor:
     """Forward and backward of every micro-batch through the pipeline by ``schedule`` ("gpipe" or
     "1f1b"); a collective over ``mesh.pipeline`` (and ``mesh.ends``). Gradients accumulate in the
     stage's ``.grad`` (the caller zeroes them). Returns the mean loss over the micro-batches
-    (float64, detached), the same on every stage; ``stage.stats`` holds the run's timings.
+    (float64, detached), the same on every stage; ``stage.stats`` holds the run's timings and
+    ``stage.metrics`` what ``measure`` measured, the mean over the micro-batches (equal in size), by
+    name, the same on every stage.
 
     Every stage passes the same number of micro-batches; the first stage uses their inputs, the
     last their targets, the others only their count."""
@@ -273,19 +312,15 @@ def run_schedule(schedule: str, stage: PipelineStage, mesh: Mesh, micro_batches:
     name = f"pp.{stage.step}"
     stage.step += 1
     before = [None if p.grad is None else p.grad.clone() for p in stage.tied]
-    run = _Runner(stage, mesh, micro_batches, loss_fn, links)
+    run = _Runner(stage, mesh, micro_batches, loss_fn, links, measure)
     _SCHEDULES[schedule](run)
     wait_s = links.wait_s
     start = time.perf_counter()
     # Distributed: the tied parameters' gradients summed over the first and last stage.
     stage.reduce_tied_gradients(mesh, before, name)
     wait_s += time.perf_counter() - start
-    # Stages without the loss broadcast into a zero on their device: one device kind per collective.
-    loss = (torch.stack(run.losses).sum().double() if run.losses
-            else torch.zeros((), dtype=torch.float64, device=device))
-    if mesh.pipeline.process_set is not None:
-        # Distributed: the loss from the last stage to every stage of this pipeline.
-        last = mesh.pipeline.ranks[-1]
-        loss = hvd.broadcast(loss, root_rank=last, name=f"{name}.loss", process_set=mesh.pipeline.process_set)
+    loss, stage.metrics = from_last_stage(mesh, f"{name}.loss", device, measure,
+                                          torch.stack(run.losses).sum() if run.losses else None,
+                                          torch.stack(run.measured).mean(dim=0) if run.measured else None)
     stage.stats = ScheduleStats(schedule, len(micro_batches), run.compute_s, wait_s, run.max_in_flight)
     return loss

@@ -1,27 +1,40 @@
 """The Trainer's view of a pipeline: one training batch through the schedule, one evaluation batch
-forward through the stages, each returning the batch's loss on every rank of the pipeline.
+forward through the stages, each returning the batch's loss and metrics on every rank of the pipeline.
 
 Every rank of a pipeline reads the same batch (the data is sharded over data-parallel groups, not
-over stages): the first stage uses its inputs, the last its targets.
+over stages): the first stage uses its inputs, the last its targets. The metrics are those the
+Trainer's step reports without a pipeline (hvdtrain.training.steps.supervised_step): the last stage
+measures them, and they travel with the loss. A dict batch (Hugging Face labels) reports the loss only.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import horovod.torch as hvd
-
 from hvdtrain.parallel.mesh import Mesh
 from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.parallel.pipeline.hf_layers import causal_lm_loss, hf_decoder, hf_pipeline_layers
 from hvdtrain.parallel.pipeline.p2p import StageLinks
-from hvdtrain.parallel.pipeline.schedule import PipelineStage, run_schedule, split_micro_batches
+from hvdtrain.parallel.pipeline.schedule import (Measure, PipelineStage, from_last_stage, run_schedule,
+                                                 split_micro_batches)
+from hvdtrain.training.steps import class_accuracy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    accuracy = class_accuracy(outputs, targets)
+    if accuracy is None:
+        return torch.full((1,), float("nan"), dtype=torch.float64, device=outputs.device)
+    return accuracy.reshape(1)
+
+
+# supervised_step's metrics, measured on the last stage.
+SUPERVISED = Measure(("accuracy",), _accuracy)
 
 
 def _as_pair(batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -57,13 +70,14 @@ class PipelinedModel:
 
     def train_batch(self, batch: Any, autocast, divisor: int) -> Tuple[torch.Tensor, Dict]:
         """Forward and backward of the batch's micro-batches by the schedule; the gradients of
-        ``loss / divisor`` (the accumulation count) accumulate. Returns (the batch's mean loss, {})."""
+        ``loss / divisor`` (the accumulation count) accumulate. Returns (the batch's mean loss, its
+        metrics: the means over the micro-batches)."""
         micro = _micro_batches(batch, self.micro_batches)
         own = self._loss_for(batch)
         loss_fn = own if divisor == 1 else (lambda out, target: own(out, target) / divisor)
         with autocast():
-            loss = run_schedule(self.schedule, self.module, self.mesh, micro, loss_fn)
-        return loss * divisor if divisor > 1 else loss, {}
+            loss = run_schedule(self.schedule, self.module, self.mesh, micro, loss_fn, self._measure_for(batch))
+        return loss * divisor if divisor > 1 else loss, self.module.metrics
 
     def _loss_for(self, batch: Any) -> LossFn:
         """A dict batch's labels are Hugging Face's (the model shifts them, -100 ignored): its causal LM
@@ -72,10 +86,16 @@ class PipelinedModel:
             return causal_lm_loss
         return self.loss_fn
 
+    @staticmethod
+    def _measure_for(batch: Any) -> Optional[Measure]:
+        """supervised_step's metrics for (inputs, targets); none for a dict batch (the Trainer's own
+        step takes one only under a pipeline: there is nothing to report alike)."""
+        return None if isinstance(batch, Mapping) else SUPERVISED
+
     @torch.no_grad()
     def evaluate_batch(self, batch: Any) -> Tuple[torch.Tensor, Dict]:
         """The batch forward through the stages (one micro-batch: no backward to overlap), its loss
-        from the last stage on every rank of the pipeline."""
+        and metrics from the last stage on every rank of the pipeline."""
         (inputs, targets, *extras), = _micro_batches(batch, 1)
         stage, mesh = self.module, self.mesh
         links = StageLinks(mesh, inputs.device)
@@ -84,12 +104,11 @@ class PipelinedModel:
         received = links.recv_forward(0)
         out = stage(inputs if mesh.is_first_stage else received, extras[0] if extras else None)
         links.send_forward(out, 0)
-        loss = (self._loss_for(batch)(out, targets).double() if mesh.is_last_stage
-                else torch.zeros((), dtype=torch.float64, device=inputs.device))
-        if mesh.pipeline.process_set is not None:
-            loss = hvd.broadcast(loss, root_rank=mesh.pipeline.ranks[-1], name=f"pp.{links.step}.loss",
-                                 process_set=mesh.pipeline.process_set)
-        return loss, {}
+        measure = self._measure_for(batch)
+        last = mesh.is_last_stage
+        return from_last_stage(mesh, f"pp.{links.step}.loss", inputs.device, measure,
+                               self._loss_for(batch)(out, targets) if last else None,
+                               measure.fn(out, targets) if last and measure is not None else None)
 
 
 def build_stage(model: nn.Module, plan: ModelPlan, mesh: Mesh, loss_fn: LossFn, micro_batches: int,
