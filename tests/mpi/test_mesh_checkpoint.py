@@ -11,7 +11,6 @@ checkpoint moves values and never computes with them; continuing training is bit
 same operations in the same order as the run that was not stopped)."""
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch

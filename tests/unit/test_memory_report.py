@@ -27,7 +27,7 @@ class Recorded:
     def info(self, text):
         self.lines.append(text)
 
-    def record(self, kind, payload, started):
+    def record(self, kind, payload):
         self.records.append((kind, payload))
 
 
@@ -44,7 +44,7 @@ def test_a_gpu_run_reports_the_allocator_peaks_beside_the_counted_bytes(monkeypa
     topology = types.SimpleNamespace(world=types.SimpleNamespace(device=torch.device("cuda", 0), is_root=True, rank=0),
                                      log=log)
     run_dir = Recorded()
-    memory.MemoryReport(ZeroStrategy(), topology).after_first_step(run_dir, step=1, started=0.0)
+    memory.MemoryReport(ZeroStrategy(), topology).after_first_step(run_dir, step=1)
 
     assert gathered == ["trainer.memory"]
     assert log.lines == [
