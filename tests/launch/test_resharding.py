@@ -19,11 +19,12 @@ STOP, END = 6, 12
 # 96 samples per global batch: whole batches per worker at 1, 2, 3 and 4 workers.
 GLOBAL_BATCH = 96
 WRITTEN = {"zero2-4": ("zero2", 4), "fsdp-2": ("fsdp", 2)}
+# End to end through train.py, two cases: fewer workers that do not divide the buckets, and more
+# workers under another strategy. Every other pair (4 -> 2, 4 -> 1, to ddp, between zero1, zero2,
+# fsdp and the meshes, at 1, 2 and 4 ranks) is checked in one launch against the consolidated state:
+# tests/mpi/test_sharded_checkpoint.py and tests/mpi/test_mesh_checkpoint.py.
 CASES = {  # name: (checkpoint, strategy, workers)
-    "4 zero2 -> 2 zero2": ("zero2-4", "zero2", 2),
     "4 zero2 -> 3 zero2": ("zero2-4", "zero2", 3),
-    "4 zero2 -> 1 fsdp": ("zero2-4", "fsdp", 1),
-    "4 zero2 -> 2 ddp": ("zero2-4", "ddp", 2),
     "2 fsdp -> 4 zero1": ("fsdp-2", "zero1", 4),
 }
 
