@@ -383,6 +383,7 @@ class Session:
     def _end_training(self) -> None:
         self.reporter.finish(self.position.step)
         self.faults.stop_watchdog()
+        self.batching.release_workers()
 
     # --- the public calls -------------------------------------------------------------------------
 

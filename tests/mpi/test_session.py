@@ -218,3 +218,27 @@ def test_your_own_loader_factory_trains_what_hvdtrain_s_loaders_train(world):
         runs.append(owned(hv))
     difference = collectives.allgather_object(torch.count_nonzero(runs[0] - runs[1]).item(), name="session.factory")
     assert difference == [0] * world.size
+
+
+def test_the_loaders_worker_processes_end_with_training(world):
+    """Loader workers persist between epochs, and end when fit() or the own loop ends. Before, they
+    lived on until the garbage collector freed the run, which shut them down after their own
+    queues: each worker then waited out torch's 5 s status interval (10 s at every run's end)."""
+    import psutil
+
+    def workers():
+        return sum(child.status() != psutil.STATUS_ZOMBIE for child in psutil.Process().children())
+
+    model = small_mlp(6)
+    config = TrainConfig(**{**SETTINGS, "epochs": 1, "num_workers": 2})
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), synthetic_classification(),
+                      synthetic_classification(samples=32), config, world=world)
+    trainer.fit()  # trains and evaluates: both loaders' workers ran
+    after_fit = workers()
+    model = small_mlp(6)
+    hv = hvdtrain.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), synthetic_classification(), config,
+                        world=world)
+    own_loop(hv)
+    left = collectives.allgather_object((after_fit, workers()), name="session.loader_workers")
+
+    assert left == [(0, 0)] * world.size, f"worker processes left after training, per rank: {left}"
