@@ -87,6 +87,9 @@ class MeshSource:
         if missing:
             raise CheckpointError(f"{self.path}: no file holds {', '.join(missing[:5])}")
         self._cached: Tuple[Any, Optional[torch.Tensor]] = (None, None)
+        # A tied tensor's names, all trained or none: the optimizer knows it by its first name.
+        self._tied_trained = {name for names in self.layout.get("tied", []) if names[0] in self.index_of
+                              for name in names}
 
     # --- one whole tensor at a time -----------------------------------------------------------
 
@@ -140,8 +143,7 @@ class MeshSource:
 
     def _trained(self, name: str) -> bool:
         """Whether the optimizer trains ``name``'s tensor (under this name or a tied one's)."""
-        return name in self.index_of or any(name in names and names[0] in self.index_of
-                                            for names in self.aliases().values())
+        return name in self.index_of or name in self._tied_trained
 
     def read(self, name: str, start: int, stop: int, key: str = "") -> torch.Tensor:
         """Elements [start, stop) of parameter ``name`` (flattened), or of its optimizer state ``key``.
