@@ -226,19 +226,20 @@ def test_the_loaders_worker_processes_end_with_training(world):
     queues: each worker then waited out torch's 5 s status interval (10 s at every run's end)."""
     import psutil
 
-    def workers():
-        return sum(child.status() != psutil.STATUS_ZOMBIE for child in psutil.Process().children())
+    def live_children():
+        return {child.pid for child in psutil.Process().children() if child.status() != psutil.STATUS_ZOMBIE}
 
+    before = live_children()  # what earlier tests may have left (under Gloo, one process per rank)
     model = small_mlp(6)
     config = TrainConfig(**{**SETTINGS, "epochs": 1, "num_workers": 2})
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), synthetic_classification(),
                       synthetic_classification(samples=32), config, world=world)
     trainer.fit()  # trains and evaluates: both loaders' workers ran
-    after_fit = workers()
+    after_fit = len(live_children() - before)
     model = small_mlp(6)
     hv = hvdtrain.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), synthetic_classification(), config,
                         world=world)
     own_loop(hv)
-    left = collectives.allgather_object((after_fit, workers()), name="session.loader_workers")
+    left = collectives.allgather_object((after_fit, len(live_children() - before)), name="session.loader_workers")
 
     assert left == [(0, 0)] * world.size, f"worker processes left after training, per rank: {left}"
