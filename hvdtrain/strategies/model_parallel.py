@@ -10,6 +10,9 @@ rank from the seed (model_parallel_initialization.py), and nothing is broadcast.
 all-reduce of the gradients over the data-parallel group. Under zero1 a rank's parameters are dealt
 out among the D ranks of its data group (whole tensors, largest first, as PyTorch's
 ZeroRedundancyOptimizer does): each steps and keeps state for its share, then broadcasts it.
+Checkpoints: gathered whole (the full format), or each rank's own part (the sharded format, read
+back a tensor at a time at any layout: hvdtrain.checkpoint.mesh_source); exports gather one tensor
+at a time.
 """
 from __future__ import annotations
 
