@@ -62,8 +62,11 @@ on_gloo() {  # KEY NP LIMIT TESTS...
 }
 
 # The slowest tests are listed: the suite's time is a budget (CI's limit), spent where it proves most.
+# Two files at a time (pytest-xdist; a file's tests stay together, so its module-wide runs are shared):
+# a launch spends much of its time starting, waiting for a stall or a checkpoint, not computing.
 phase single 0 "one process: tests/unit tests/launch" \
-  timeout -k 10 1800 $PYTEST --durations=20 tests/unit tests/launch --junitxml="$RESULTS/single.xml"
+  timeout -k 10 1800 $PYTEST -n "${TEST_FILES_AT_ONCE:-2}" --dist loadfile --durations=20 tests/unit tests/launch \
+  --junitxml="$RESULTS/single.xml"
 on_mpirun mpi "$NP" 900 tests/mpi
 on_gloo gloo "$NP" 900 tests/mpi $GLOO_IGNORED
 on_mpirun mpi-1 1 600 $RESIZED_TESTS
