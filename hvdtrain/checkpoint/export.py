@@ -18,46 +18,16 @@ import torch
 import yaml
 
 from hvdtrain.checkpoint.safetensors_stream import StreamedSafetensors
-from hvdtrain.common.atomic import atomic_path, write_text_atomically
+from hvdtrain.common.atomic import write_text_atomically
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.yaml"
 
 
-def _plain_tensors(state: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
-    """Contiguous CPU copies that own their memory; anything that is not a tensor is refused."""
-    tensors = {}
-    for name, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"model state entry {name!r} is a {type(value).__name__}, not a tensor: "
-                            "only tensors can be exported")
-        tensors[name] = value.detach().to("cpu", copy=True).contiguous()
-    return tensors
-
-
-def export_model(model_state: Mapping[str, Any], directory: os.PathLike, config: Optional[Mapping[str, Any]] = None,
-                 metadata: Optional[Mapping[str, Any]] = None) -> Path:
-    """Write ``directory/model.safetensors`` (and ``config.yaml`` when ``config`` is given); each
-    file appears whole or not at all. ``metadata`` (step, strategy...) goes into the file's string
-    table. Returns the weights' path."""
-    from safetensors.torch import save_file  # only an export pays for the import
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    weights = directory / WEIGHTS_FILE
-    strings = {"format": "pt", **{key: json.dumps(value) for key, value in (metadata or {}).items()}}
-    tensors = _plain_tensors(model_state)
-    with atomic_path(weights) as temporary:
-        save_file(tensors, str(temporary), metadata=strings)
-    if config is not None:
-        write_text_atomically(directory / CONFIG_FILE, yaml.safe_dump(dict(config), sort_keys=False))
-    return weights
-
-
 def export_model_streamed(tensors: Iterable[Tuple[str, torch.Tensor]], aliases: Mapping[str, List[str]],
                           directory: os.PathLike, writes: bool, metadata: Optional[Mapping[str, Any]] = None,
                           ) -> Optional[str]:
-    """``directory/model.safetensors`` as ``export_model`` writes it, from tensors handed one at a
+    """``directory/model.safetensors`` as ``export_tensors`` writes it, from tensors handed one at a
     time (``Strategy.full_tensors()``: under fsdp one unit gathered at a time), each under every
     name in ``aliases`` (a tied weight under each of its names). Only where ``writes`` (rank 0) is
     anything copied: one tensor at a time into a data file beside the result; once every name, dtype
@@ -86,13 +56,6 @@ def _write_streamed(tensors: Iterator[Tuple[str, torch.Tensor]], aliases: Mappin
         writer.discard()
         raise
     writer.close()
-
-
-def export_checkpoint(checkpoint: Mapping[str, Any], directory: os.PathLike) -> Path:
-    """A full checkpoint's model and settings as ``model.safetensors`` + ``config.yaml``."""
-    metadata = {"step": checkpoint.get("step"), "strategy": checkpoint.get("strategy", "ddp"),
-                "world_size": checkpoint.get("world_size")}
-    return export_model(checkpoint["model"], directory, checkpoint.get("config"), metadata)
 
 
 def export_tensors(tensors: Iterable[Tuple[str, torch.Tensor]], aliases: Mapping[str, List[str]],

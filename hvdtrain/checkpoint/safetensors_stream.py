@@ -40,6 +40,10 @@ class StreamedSafetensors:
     def add(self, tensor: torch.Tensor, names: Iterable[str]) -> int:
         """Write ``tensor`` under each of ``names`` (a tied weight under each of its names, as
         separate copies: safetensors refuses shared memory); returns the bytes written."""
+        names = list(names)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"model state entry {names[0]!r} is a {type(tensor).__name__}, not a tensor: only tensors "
+                            "can be exported")
         if tensor.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"{', '.join(names)}: safetensors has no dtype {tensor.dtype}")
         # A copy on the host: numpy's view of a tensor makes its storage unresizable, and fsdp frees a

@@ -100,7 +100,9 @@ class Checkpoint:
     export never holds the whole model (``info``: the step, the strategy, the settings)."""
 
     def __init__(self, path: Path) -> None:
-        from hvdtrain.checkpoint import resharding
+        import torch
+
+        from hvdtrain.checkpoint import CheckpointError, resharding
         from hvdtrain.checkpoint import sharded_format as sharded
         from hvdtrain.checkpoint.hf_export import distinct_tensors, shared_names
         from hvdtrain.checkpoint.store import CheckpointStore
@@ -116,6 +118,10 @@ class Checkpoint:
         else:
             self.info = CheckpointStore.read(path, mmap=True)
             model = self.info["model"]
+            odd = next(((name, value) for name, value in model.items() if not isinstance(value, torch.Tensor)), None)
+            if odd:
+                raise CheckpointError(f"{path}: model state entry {odd[0]!r} is a {type(odd[1]).__name__}, not a "
+                                      "tensor: only tensors can be exported")
             self.aliases = shared_names(model)
             self.tensors = lambda: distinct_tensors(model)
             self.count = len(model)

@@ -6,6 +6,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from hvdtrain.checkpoint import export
+from hvdtrain.checkpoint.hf_export import distinct_tensors, shared_names
 
 
 class TiedLM(nn.Module):
@@ -24,13 +25,19 @@ class TiedLM(nn.Module):
         return self.head(self.norm(torch.tanh(self.mix(self.embed(tokens)))))
 
 
+def export_state(state, directory, config=None, metadata=None):
+    """A whole state_dict exported as ``hvdtrain export`` exports a full checkpoint's: a tied tensor
+    handed once, written under each of its names."""
+    return export.export_tensors(distinct_tensors(state), shared_names(state), directory, config, metadata)
+
+
 def test_exported_weights_load_into_the_users_module_and_compute_the_same(tmp_path):
     trained = TiedLM(seed=0)
     trained.train()
     trained(torch.arange(11))  # moves the BatchNorm statistics away from their initial values
     trained.eval()
-    weights = export.export_model(trained.state_dict(), tmp_path / "out", config={"train": {"lr": 0.1}},
-                                  metadata={"step": 7, "strategy": "fsdp"})
+    weights = export_state(trained.state_dict(), tmp_path / "out", config={"train": {"lr": 0.1}},
+                           metadata={"step": 7, "strategy": "fsdp"})
 
     fresh = TiedLM(seed=1).eval()
     tokens = torch.tensor([3, 1, 4, 1, 5])
@@ -41,38 +48,52 @@ def test_exported_weights_load_into_the_users_module_and_compute_the_same(tmp_pa
     assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text()) == {"train": {"lr": 0.1}}
 
 
-def test_a_checkpoint_exports_its_model_and_settings(tmp_path):
+def test_a_checkpoint_exports_its_model_and_settings(tmp_path, capsys):
+    from hvdtrain.checkpoint.store import FORMAT_VERSION, CheckpointStore
+    from hvdtrain.cli import main
+
     model = TiedLM(seed=2)
-    checkpoint = {"model": model.state_dict(), "step": 42, "strategy": "zero2", "world_size": 4,
-                  "config": {"train": {"strategy": "zero2"}, "model": {"width": 6}}}
-    weights = export.export_checkpoint(checkpoint, tmp_path)
+    path = CheckpointStore(tmp_path / "ckpt").save(
+        {"format": FORMAT_VERSION, "model": model.state_dict(), "optimizer": {}, "scheduler": {}, "epoch": 0,
+         "step": 42, "epoch_position": 0, "global_batch": 8, "strategy": "zero2", "world_size": 4,
+         "config": {"train": {"strategy": "zero2"}, "model": {"width": 6}}}, 42)
+    assert main(["export", str(path), "--out", str(tmp_path / "out")]) == 0
+    weights = tmp_path / "out" / "model.safetensors"
     loaded = load_file(str(weights))
     assert set(loaded) == set(model.state_dict())
     assert all(torch.equal(loaded[name], value) for name, value in model.state_dict().items())
     assert export.read_metadata(weights)["step"] == 42
-    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["model"] == {"width": 6}
+    assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["model"] == {"width": 6}
 
 
 def test_a_failed_export_leaves_the_previous_file_whole(tmp_path, monkeypatch):
-    first = export.export_model(TiedLM(seed=0).state_dict(), tmp_path)
+    first = export_state(TiedLM(seed=0).state_dict(), tmp_path)
     before = first.read_bytes()
 
-    def half_written(tensors, path, metadata=None):
-        with open(path, "wb") as handle:
-            handle.write(b"\x00" * 10)
+    def half_written(source, out, length=0):
+        out.write(b"\x00" * 10)
         raise OSError("disk full")
 
-    import safetensors.torch
-    monkeypatch.setattr(safetensors.torch, "save_file", half_written)
+    from hvdtrain.checkpoint import safetensors_stream
+    monkeypatch.setattr(safetensors_stream.shutil, "copyfileobj", half_written)
     with pytest.raises(OSError, match="disk full"):
-        export.export_model(TiedLM(seed=3).state_dict(), tmp_path)
+        export_state(TiedLM(seed=3).state_dict(), tmp_path)
     assert first.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no temporary left
 
 
-def test_a_state_entry_that_is_not_a_tensor_is_named(tmp_path):
+def test_a_state_entry_that_is_not_a_tensor_is_named(tmp_path, capsys):
+    from hvdtrain.checkpoint.store import FORMAT_VERSION, CheckpointStore
+    from hvdtrain.cli import main
+
     with pytest.raises(TypeError, match="'extra'"):
-        export.export_model({"weight": torch.ones(2), "extra": 3}, tmp_path)
+        export.export_tensors({"weight": torch.ones(2), "extra": 3}.items(), {}, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no data file left
+    path = CheckpointStore(tmp_path / "ckpt").save(
+        {"format": FORMAT_VERSION, "model": {"weight": torch.ones(2), "extra": 3}, "optimizer": {}, "scheduler": {},
+         "epoch": 0, "step": 1, "epoch_position": 0, "global_batch": 8, "world_size": 1}, 1)
+    assert main(["export", str(path)]) == 1
+    assert "model state entry 'extra' is a int, not a tensor" in capsys.readouterr().err
 
 
 def test_the_export_command_takes_a_checkpoint_file_or_the_newest_in_a_directory(tmp_path, capsys):
@@ -129,7 +150,7 @@ def test_a_streamed_export_is_the_same_file_content_one_tensor_at_a_time(tmp_pat
 
 
 def test_a_rank_that_does_not_write_only_iterates_and_a_failed_write_is_reported(tmp_path):
-    first = export.export_model(TiedLM(seed=0).state_dict(), tmp_path)
+    first = export_state(TiedLM(seed=0).state_dict(), tmp_path)
     before = first.read_bytes()
     consumed = []
 
