@@ -19,11 +19,12 @@ shape, the flat strategies (zero1/zero2/fsdp read element ranges through ``read`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.checkpoint.tensor_source import WholeTensorSource
 from hvdtrain.parallel.tensor_shard import TensorShard
 
 KIND = "mesh"
@@ -55,7 +56,7 @@ def assemble(pieces: Sequence[Piece], what: str) -> torch.Tensor:
     return full
 
 
-class MeshSource:
+class MeshSource(WholeTensorSource):
     """Every rank's file of one mesh checkpoint, memory-mapped, read one whole tensor at a time."""
 
     def __init__(self, path: Path, files: Sequence[Dict[str, Any]]) -> None:
@@ -114,14 +115,6 @@ class MeshSource:
     def aliases(self) -> Dict[str, List[str]]:
         """A tied tensor's first state_dict name -> all its names (a tied embedding and head)."""
         return {names[0]: list(names) for names in self.layout.get("tied", [])}
-
-    def model_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        """(first name, whole tensor) of every distinct tensor, in state_dict order, one at a time
-        (an export: a tied weight once)."""
-        later = {name for names in self.aliases().values() for name in names[1:]}
-        for name in self.model_keys:
-            if name not in later:
-                yield name, self.full_tensor(name)
 
     def full_state(self) -> Dict[str, Any]:
         """The whole {"model", "optimizer"} state, as a gathered checkpoint holds it (it needs the

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 
 from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint import sharded_format as sharded
 from hvdtrain.checkpoint.mesh_source import MeshSource, is_mesh_part
+from hvdtrain.checkpoint.tensor_source import WholeTensorSource
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.shard_state import assemble_full_state
 
@@ -49,7 +50,7 @@ def open_source(path: Path, manifest: Mapping[str, Any]) -> "ShardedSource | Mes
     return ShardedSource(path, files)
 
 
-class ShardedSource:
+class ShardedSource(WholeTensorSource):
     """Every rank's part of one sharded checkpoint of flat buckets, memory-mapped, read by parameter
     and element."""
 
@@ -121,13 +122,6 @@ class ShardedSource:
     def aliases(self) -> Dict[str, List[str]]:
         """A tied parameter's first state_dict name -> all its names."""
         return {names[0]: list(names) for entry in self.layout["buckets"] for names in entry["names"] if len(names) > 1}
-
-    def model_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        """(first name, whole tensor) of every distinct tensor, one at a time (a tied weight once)."""
-        later = {name for names in self.aliases().values() for name in names[1:]}
-        for name in self.model_keys:
-            if name not in later:
-                yield name, self.full_tensor(name)
 
 
 def own_part(source: "ShardedSource | MeshSource", layout: Mapping[str, Any], rank: int, world_size: int) -> Dict[str, Any]:
