@@ -66,11 +66,10 @@ class CheckpointManager:
         own_rng, own_callbacks = None, None
         as_written = is_sharded(state) and resumes_as_written(state, self.config.strategy, self.topology.world.size,
                                                               self.topology.mesh_shape)
-        if as_written and not self.strategy.reads_every_part:
-            shard = self.protocol.load_own_shard(state, self.strategy)
-            own_rng, own_callbacks = shard["rng"], shard.get("callbacks", {})
-        elif as_written:  # a mesh: every rank's file holds a part of what this rank keeps
-            shard = self.protocol.load_resharded(state, self.strategy, keep_own=True)
+        if as_written:
+            # A mesh's rank keeps parts of every rank's file; its own file still holds its RNG states.
+            shard = (self.protocol.load_resharded(state, self.strategy, keep_own=True) if self.strategy.reads_every_part
+                     else self.protocol.load_own_shard(state, self.strategy))
             own_rng, own_callbacks = shard["rng"], shard.get("callbacks", {})
         elif is_sharded(state):  # another worker count or strategy: each rank's RNG is seeded anew below
             self.protocol.load_resharded(state, self.strategy)

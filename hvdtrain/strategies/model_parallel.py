@@ -144,6 +144,7 @@ class ModelParallelStrategy(Strategy):
         names_of = self._names_by_tensor(model)
         # The full optimizer's parameter order, by name: a full checkpoint's optimizer indices.
         self._optimizer_names = [[names_of[id(p)][0] for p in group["params"]] for group in optimizer.param_groups]
+        self._optimizer_index = {name: i for i, name in enumerate(n for names in self._optimizer_names for n in names)}
         # 2. Tensor parallelism replaces layers in place; the state_dict names stay the full model's.
         replacements: List[Any] = []
         if shape.tensor > 1:
@@ -320,8 +321,7 @@ class ModelParallelStrategy(Strategy):
                 if keys:
                     known.setdefault(name, keys)
         placements, order, plain = [], [], []
-        flat_names = [name for names in self._optimizer_names for name in names]
-        for index, name in enumerate(flat_names):
+        for name, index in self._optimizer_index.items():
             for key, entry in sorted(known.get(name, {}).items()):
                 if entry[0] == "value":
                     plain.append((index, key, entry[1]))
@@ -367,7 +367,6 @@ class ModelParallelStrategy(Strategy):
                         raise ValueError(f"the checkpoint's {placement.name} has shape {tuple(whole.shape)}, this "
                                          f"model's {tuple(placement.shape)}: it is another model")
                     placement.local.copy_(placement.local_from_full(whole.to(placement.local.device)))
-        index_of = {name: i for i, name in enumerate(n for names in self._optimizer_names for n in names)}
         local_state: Dict[int, Dict[str, Any]] = {}
         position = 0
         for names in self._owned_names:
@@ -375,7 +374,7 @@ class ModelParallelStrategy(Strategy):
                 shard = getattr(self._live[name], "tensor_shard", None)
                 full_shape = self._full_shapes[name][0]
                 entry = {}
-                for key, value in source.optimizer_state_of(index_of[name], name).items():
+                for key, value in source.optimizer_state_of(self._optimizer_index[name], name).items():
                     if isinstance(value, torch.Tensor) and shard is not None and tuple(value.shape) == tuple(full_shape):
                         value = shard.take(value)
                     entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
@@ -391,10 +390,9 @@ class ModelParallelStrategy(Strategy):
 
     def check_source(self, source: Any) -> None:
         """ValueError unless ``source`` holds this model's tensors and optimizer (before any is read)."""
-        flat_names = [name for names in self._optimizer_names for name in names]
-        if source.parameter_count() != len(flat_names):
+        if source.parameter_count() != len(self._optimizer_index):
             raise ValueError(f"the checkpoint's optimizer has {source.parameter_count()} parameters, this model's "
-                             f"{len(flat_names)}: it is another model")
+                             f"{len(self._optimizer_index)}: it is another model")
         keys = getattr(source, "model_keys", None)
         if keys is not None and set(keys) != set(self._full_shapes):
             extra = sorted(set(keys) ^ set(self._full_shapes))[:5]
@@ -408,7 +406,6 @@ class ModelParallelStrategy(Strategy):
     def shard_state_dict(self) -> Dict[str, Any]:
         model = {p.name: compact(p.local) for p in self._model_placements if p.writes}
         model_shards = {p.name: p.shard.spec() for p in self._model_placements if p.writes and p.shard is not None}
-        index_of = {name: i for i, name in enumerate(n for names in self._optimizer_names for n in names)}
         state: Dict[int, Dict[str, Any]] = {}
         shards: Dict[int, Dict[str, List[int]]] = {}
         for names, group in zip(self._owned_names, self.optimizer.param_groups):
@@ -419,7 +416,7 @@ class ModelParallelStrategy(Strategy):
                              and tuple(value.shape) == tuple(parameter.shape))
                     if not self._writes(name, split, self._owner[name]):
                         continue
-                    index = index_of[name]
+                    index = self._optimizer_index[name]
                     state.setdefault(index, {})[key] = compact(value) if isinstance(value, torch.Tensor) else value
                     if split:
                         shards.setdefault(index, {})[key] = shard.spec()
