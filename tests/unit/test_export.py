@@ -25,6 +25,15 @@ class TiedLM(nn.Module):
         return self.head(self.norm(torch.tanh(self.mix(self.embed(tokens)))))
 
 
+def save_checkpoint(directory, model_state, step, **run):
+    """A full checkpoint of ``model_state`` at ``step`` in ``directory`` (its path), as a run writes one."""
+    from hvdtrain.checkpoint.store import FORMAT_VERSION, CheckpointStore
+
+    return CheckpointStore(directory).save({"format": FORMAT_VERSION, "model": model_state, "optimizer": {},
+                                            "scheduler": {}, "epoch": 0, "step": step, "epoch_position": 0,
+                                            "global_batch": 8, "world_size": 2, **run}, step)
+
+
 def export_state(state, directory, config=None, metadata=None):
     """A whole state_dict exported as ``hvdtrain export`` exports a full checkpoint's: a tied tensor
     handed once, written under each of its names."""
@@ -49,14 +58,11 @@ def test_exported_weights_load_into_the_users_module_and_compute_the_same(tmp_pa
 
 
 def test_a_checkpoint_exports_its_model_and_settings(tmp_path, capsys):
-    from hvdtrain.checkpoint.store import FORMAT_VERSION, CheckpointStore
     from hvdtrain.cli import main
 
     model = TiedLM(seed=2)
-    path = CheckpointStore(tmp_path / "ckpt").save(
-        {"format": FORMAT_VERSION, "model": model.state_dict(), "optimizer": {}, "scheduler": {}, "epoch": 0,
-         "step": 42, "epoch_position": 0, "global_batch": 8, "strategy": "zero2", "world_size": 4,
-         "config": {"train": {"strategy": "zero2"}, "model": {"width": 6}}}, 42)
+    path = save_checkpoint(tmp_path / "ckpt", model.state_dict(), 42, strategy="zero2", world_size=4,
+                           config={"train": {"strategy": "zero2"}, "model": {"width": 6}})
     assert main(["export", str(path), "--out", str(tmp_path / "out")]) == 0
     weights = tmp_path / "out" / "model.safetensors"
     loaded = load_file(str(weights))
@@ -83,29 +89,22 @@ def test_a_failed_export_leaves_the_previous_file_whole(tmp_path, monkeypatch):
 
 
 def test_a_state_entry_that_is_not_a_tensor_is_named(tmp_path, capsys):
-    from hvdtrain.checkpoint.store import FORMAT_VERSION, CheckpointStore
     from hvdtrain.cli import main
 
     with pytest.raises(TypeError, match="'extra'"):
         export.export_tensors({"weight": torch.ones(2), "extra": 3}.items(), {}, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no data file left
-    path = CheckpointStore(tmp_path / "ckpt").save(
-        {"format": FORMAT_VERSION, "model": {"weight": torch.ones(2), "extra": 3}, "optimizer": {}, "scheduler": {},
-         "epoch": 0, "step": 1, "epoch_position": 0, "global_batch": 8, "world_size": 1}, 1)
+    path = save_checkpoint(tmp_path / "ckpt", {"weight": torch.ones(2), "extra": 3}, 1)
     assert main(["export", str(path)]) == 1
     assert "model state entry 'extra' is a int, not a tensor" in capsys.readouterr().err
 
 
 def test_the_export_command_takes_a_checkpoint_file_or_the_newest_in_a_directory(tmp_path, capsys):
-    from hvdtrain.checkpoint.store import FORMAT_VERSION, CheckpointStore
     from hvdtrain.cli import main
 
-    store = CheckpointStore(tmp_path / "ckpt")
     models = {step: TiedLM(seed=step).state_dict() for step in (5, 10)}
     for step, state in models.items():
-        store.save({"format": FORMAT_VERSION, "model": state, "optimizer": {}, "scheduler": {}, "epoch": 0,
-                    "step": step, "epoch_position": 0, "global_batch": 8, "world_size": 2,
-                    "config": {"train": {"seed": step}}}, step)
+        save_checkpoint(tmp_path / "ckpt", state, step, config={"train": {"seed": step}})
 
     assert main(["export", str(tmp_path / "ckpt")]) == 0  # the newest: step 10
     written = tmp_path / "ckpt" / "ckpt-000000010-export"
