@@ -10,7 +10,7 @@ Trainer seeds a group's ranks alike).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import horovod.torch as hvd
 import torch
@@ -240,10 +240,18 @@ class SplitInputRowParallelLinear(RowParallelLinear):
 class VocabParallelEmbedding(nn.Module):
     """Hugging Face's ``embedding_rowwise`` (Megatron's vocabulary-parallel embedding): this rank
     holds rows [start, end) of the table; ids outside them look up nothing here (zeros), and the
-    sum over the group gives every id its one row. Same state_dict key (``weight``)."""
+    sum over the group gives every id its one row. Same state_dict key (``weight``).
+
+    An embedding of a class of its own whose forward wraps nn.Embedding's (Gemma's scales the
+    lookup by sqrt(hidden)) keeps its forward: the split layer is that class with this lookup put
+    in place of nn.Embedding's (``split_class``), so what the family does around the lookup still
+    happens. hvdtrain.parallel.own_forward decides which forwards can be kept."""
 
     def __init__(self, weight: nn.Parameter, padding_idx: Optional[int], group: Any, name: str) -> None:
         super().__init__()
+        self._take(weight, padding_idx, group, name)
+
+    def _take(self, weight: nn.Parameter, padding_idx: Optional[int], group: Any, name: str) -> None:
         self.weight, self.group, self.name = weight, group, name
         self.num_embeddings, self.embedding_dim = weight.shape  # local
         self.start = group.index * self.num_embeddings
@@ -254,7 +262,19 @@ class VocabParallelEmbedding(nn.Module):
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group: Any, name: str = "embedding") -> "VocabParallelEmbedding":
         shard = TensorShard(dim=0, parts=group.size, index=group.index)
-        return cls(_shard(embedding.weight, shard), embedding.padding_idx, group, name)
+        weight = _shard(embedding.weight, shard)
+        if type(embedding).forward is nn.Embedding.forward:
+            return cls(weight, embedding.padding_idx, group, name)
+        split_class = _own_forward_split_class(type(embedding))
+        split = split_class.__new__(split_class)
+        # The family's module as it is (its buffers, such as Gemma's embed_scale, and attributes),
+        # then this rank's rows in place of the whole table.
+        split.__dict__.update(embedding.__dict__)
+        for registry in ("_parameters", "_buffers", "_modules"):
+            split.__dict__[registry] = dict(embedding.__dict__[registry])
+        split._non_persistent_buffers_set = set(embedding._non_persistent_buffers_set)
+        split._take(weight, embedding.padding_idx, group, name)
+        return split
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
@@ -264,6 +284,22 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rows {self.start}:{self.end} of the vocabulary, embedding_dim={self.embedding_dim}, group={self.group}"
+
+
+class _SplitLookup(VocabParallelEmbedding, nn.Embedding):
+    """The split lookup placed before nn.Embedding in a class's method order: a family's forward
+    that calls ``super().forward(ids)`` reaches it instead of nn.Embedding's."""
+
+
+_SPLIT_CLASSES: Dict[type, type] = {}
+
+
+def _own_forward_split_class(own: type) -> type:
+    """``own`` (an nn.Embedding subclass with a forward of its own) with the split lookup beneath it:
+    method order own -> _SplitLookup -> VocabParallelEmbedding -> nn.Embedding. One class per family."""
+    if own not in _SPLIT_CLASSES:
+        _SPLIT_CLASSES[own] = type(f"VocabParallel{own.__name__}", (own, _SplitLookup), {"__module__": __name__})
+    return _SPLIT_CLASSES[own]
 
 
 def sum_gradients_over_group(module: nn.Module, group: Any, name: str) -> None:

@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from torch import nn
 
+from hvdtrain.parallel.own_forward import has_own_forward, own_forward_problem
 from hvdtrain.parallel.tensor import (ColumnParallelLinear, GatheredColumnParallelLinear, ParallelSelfAttention,
                                       RowParallelLinear, SplitInputRowParallelLinear, VocabParallelEmbedding,
                                       sum_gradients_over_group)
@@ -90,6 +91,11 @@ def _check_module(path: str, module: nn.Module, parent: Optional[nn.Module], sty
     if style in COLUMN_STYLES + ROW_STYLES:
         if not isinstance(module, nn.Linear):
             raise ValueError(f"tensor plan: {path} is {type(module).__name__}, but style {style!r} splits an nn.Linear")
+        if has_own_forward(module, nn.Linear):
+            raise ValueError(f"tensor plan: {path} is a {type(module).__name__}, an nn.Linear with a forward of its "
+                             f"own, which a split layer would not run (it computes nn.Linear's on its slice): the "
+                             f"split would train another model. Leave {path} out of the plan "
+                             f"(ModelPlan(tensor_plan=...) without it)")
         width, what = (module.in_features, "in_features") if style in ROW_STYLES else (module.out_features, "out_features")
         parts = 2 * size if style == "packed_colwise" else size
         if width % parts:
@@ -105,6 +111,11 @@ def _check_module(path: str, module: nn.Module, parent: Optional[nn.Module], sty
         if module.num_embeddings % size:
             raise ValueError(f"tensor plan: {path} has {module.num_embeddings} rows, not divisible by "
                              f"tensor_parallel={size}: pad the vocabulary to a multiple of it")
+        problem = own_forward_problem(module, nn.Embedding) if has_own_forward(module, nn.Embedding) else None
+        if problem is not None:
+            raise ValueError(f"tensor plan: {path} is a {type(module).__name__}, an nn.Embedding with a forward of its "
+                             f"own that a split table cannot keep ({problem}): the split would train another model. "
+                             f"Leave {path} out of the plan (and a head tied to it)")
         if module.max_norm is not None or module.sparse:
             raise ValueError(f"tensor plan: {path} uses max_norm or sparse gradients, which a split table "
                              f"cannot reproduce; keep it whole (leave it out of the plan)")

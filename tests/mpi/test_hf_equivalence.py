@@ -24,6 +24,7 @@ from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.distributed import collectives
 from hvdtrain.trainer import Trainer
 from hvdtrain.training.steps import class_accuracy
+from hvdtrain.verify.exact import float64_throughout
 from tests.mpi.helpers import record_step_losses
 
 transformers = pytest.importorskip("transformers")
@@ -40,11 +41,21 @@ FAMILIES = {
     "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=8, tie_word_embeddings=False),
     "mistral": lambda: transformers.MistralConfig(**SHAPE, tie_word_embeddings=False, sliding_window=None),
 }
+# Families that do work outside their tensor plan's layers, each run float64 throughout (their norms
+# compute in float32 otherwise: hvdtrain.verify.exact). Gemma2: an embedding class of its own that
+# scales the lookup by sqrt(hidden), soft-capped attention and logits, 1 + weight norms, sliding and
+# full attention layers in turn.
+OWN_FORWARD_FAMILIES = {
+    "gemma2": lambda: transformers.Gemma2Config(**SHAPE, head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
+                                                attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                                tie_word_embeddings=True),
+}
 
 
 def make_model(family, seed):
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).double()
+    config = {**FAMILIES, **OWN_FORWARD_FAMILIES}[family]()
+    return transformers.AutoModelForCausalLM.from_config(config).double()
 
 
 def causal_lm_step(model, batch):
@@ -147,6 +158,23 @@ def test_the_models_own_tensor_plan_takes_one_process_steps(world, family, tenso
     assert not any("norm" in name for name in split)
     assert tied == (family == "llama"), "the tied embedding and head stay one parameter"
     check_against_one_process(family, data, initial, final, step_losses, BATCH * world.size // tensor)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tensor", [2, 4])
+@pytest.mark.parametrize("family", list(OWN_FORWARD_FAMILIES))
+def test_a_family_that_works_outside_its_plan_splits_as_one_process(world, family, tensor):
+    """Gemma2's embedding is a class of its own (the lookup times sqrt(hidden)): split by vocabulary
+    rows, its own forward still runs around the split lookup. On the main of 2026-11-25 the split
+    table dropped the scale and T=2 trained silently to weights 8e-3 away from one process."""
+    if world.size % tensor:
+        pytest.skip(f"tensor_parallel={tensor} does not divide {world.size} ranks")
+    with float64_throughout():
+        trainer, data, initial, final, step_losses = train(world, family, tensor_parallel=tensor)
+        embedding = type(trainer.model.get_input_embeddings()).__name__
+        trainer.close_mesh()
+        check_against_one_process(family, data, initial, final, step_losses, BATCH * world.size // tensor)
+    assert embedding == "VocabParallelGemma2TextScaledWordEmbedding"
 
 
 RECOMPUTED_LAYOUTS = {"fsdp": {"strategy": "fsdp"}, "T2": {"tensor_parallel": 2},

@@ -115,3 +115,50 @@ def test_one_rank_computes_the_whole_model_with_its_plan():
     with torch.no_grad():
         after = model(input_ids=ids).logits
     assert torch.equal(before, after)
+
+
+class _DoubledLookup(nn.Embedding):
+    """Reads its own table: a split layer beneath it would not see what it does."""
+
+    def forward(self, ids):
+        return torch.nn.functional.embedding(ids, self.weight) * 2
+
+
+class _ScaledLookup(nn.Embedding):
+    """Wraps nn.Embedding's forward, as Gemma's embedding does: kept around the split lookup."""
+
+    def forward(self, ids):
+        return super().forward(ids) * torch.tensor(3.0, dtype=self.weight.dtype)
+
+
+class _ClampedLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x).clamp(-1, 1)
+
+
+def test_an_embedding_with_its_own_forward_keeps_it_around_the_split_lookup(monkeypatch):
+    # No other rank here: the lookup's sum over the group is this rank's part, enough for ids it holds.
+    monkeypatch.setattr("hvdtrain.parallel.tensor.reduce_from_tensor_group", lambda x, group, name: x)
+    model = llama(tied=False)
+    whole = _ScaledLookup(64, 32)
+    model.model.embed_tokens = whole
+    parallelize(model, model_tensor_plan(model), pair(1))
+    split = model.model.embed_tokens
+    assert isinstance(split, _ScaledLookup) and isinstance(split, VocabParallelEmbedding)
+    assert type(split).__name__ == "VocabParallel_ScaledLookup" and split.weight.shape == (32, 32)
+    ids = torch.tensor([[40, 63]])  # rows of rank 1: the lookup needs no other rank's part
+    assert torch.equal(split(ids), whole(ids))
+
+
+@pytest.mark.parametrize("layer,path,reason", [
+    (lambda: _DoubledLookup(64, 32), "model.embed_tokens",
+     r"_DoubledLookup.forward computes with torch.nn.functional.embedding itself"),
+    (lambda: _ClampedLinear(32, 32, bias=False), "model.layers.0.self_attn.q_proj",
+     r"an nn.Linear with a forward of its own"),
+])
+def test_a_layer_whose_forward_a_split_would_drop_is_refused_by_name(layer, path, reason):
+    model = llama(tied=False)
+    parent_path, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent_path), child, layer())
+    with pytest.raises(ValueError, match=rf"tensor plan: {path} is a _\w+, .*{reason}.*Leave {path} out of the plan"):
+        check_plan(model, model_tensor_plan(model), 2)
