@@ -10,7 +10,7 @@ Trainer seeds a group's ranks alike).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import horovod.torch as hvd
 import torch
@@ -302,15 +302,24 @@ def _own_forward_split_class(own: type) -> type:
     return _SPLIT_CLASSES[own]
 
 
-def sum_gradients_over_group(module: nn.Module, group: Any, name: str) -> None:
+def sum_gradients_over_group(module: nn.Module, group: Any, name: str,
+                             observe: Optional[Callable[[str, torch.Tensor], None]] = None) -> None:
     """Hugging Face's ``replicated_with_grad_allreduce`` (Qwen3's per-head q_norm/k_norm): the
     module stays whole on every rank but sees only this rank's heads, so each rank's gradient of
-    its parameters is a part: summed over the group as soon as it is computed."""
+    its parameters is a part: summed over the group as soon as it is computed. ``observe(name,
+    part)`` sees each part first (hvdtrain.parallel.tensor_audit's first-step check)."""
     if not _communicates(group):
         return
+
+    def summed(grad: torch.Tensor, path: str) -> torch.Tensor:
+        if observe is not None:
+            observe(f"{name}.{path}", grad)
+        return _allreduce_sum(grad, group, f"tp.gradsum.{name}.{path}")
+
     for path, parameter in module.named_parameters():
         if parameter.requires_grad:
-            parameter.register_hook(lambda grad, key=f"tp.gradsum.{name}.{path}": _allreduce_sum(grad, group, key))
+            parameter.register_hook(lambda grad, path=path: summed(grad, path))
+
 
 def full_tensor(local: torch.Tensor, shard: Optional[TensorShard], group: Any, name: str) -> torch.Tensor:
     """The full value of ``local`` (a parameter or its gradient), slice ``shard`` on this rank: every

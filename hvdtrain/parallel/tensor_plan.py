@@ -27,8 +27,9 @@ every rank decides alike.
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+import torch
 from torch import nn
 
 from hvdtrain.parallel.own_forward import has_own_forward, own_forward_problem
@@ -135,6 +136,12 @@ def _check_module(path: str, module: nn.Module, parent: Optional[nn.Module], sty
         raise ValueError(f"tensor plan: {path} has heads={heads}, not divisible by tensor_parallel={size}")
 
 
+def summed_parameters(model: nn.Module, chosen: List[Tuple[str, str]]) -> List[str]:
+    """The names of the parameters whose gradients the plan sums over the tensor group."""
+    return [f"{path}.{name}" for path, style in chosen if style == "replicated_with_grad_allreduce"
+            for name, p in model.get_submodule(path).named_parameters() if p.requires_grad]
+
+
 def _vocabulary_rows(style: str) -> bool:
     """Whether ``style`` cuts its weight into the group's parts along dim 0, one block per rank (an
     embedding's rows and a head's output rows: a tied embedding and head may share that cut)."""
@@ -200,7 +207,8 @@ def check_plan(model: nn.Module, plan: Mapping[str, str], size: int) -> List[Tup
     return [(path, chosen[path]) for path in modules if path in chosen]
 
 
-def _split(module: nn.Module, style: str, group: Any, path: str) -> Optional[nn.Module]:
+def _split(module: nn.Module, style: str, group: Any, path: str,
+           observe: Optional[Callable[[str, torch.Tensor], None]]) -> Optional[nn.Module]:
     """The split layer replacing ``module``, or None where the module stays (its gradients summed)."""
     if style == "colwise":
         return ColumnParallelLinear.from_linear(module, group, name=path)
@@ -216,7 +224,7 @@ def _split(module: nn.Module, style: str, group: Any, path: str) -> Optional[nn.
         return VocabParallelEmbedding.from_embedding(module, group, name=path)
     if style == "attention":
         return ParallelSelfAttention.from_attention(module, group, name=path)
-    sum_gradients_over_group(module, group, path)
+    sum_gradients_over_group(module, group, path, observe)
     return None
 
 
@@ -224,12 +232,14 @@ Replacement = Tuple[nn.Module, str, nn.Module, nn.Module]  # (parent, attribute,
 
 
 def parallelize(model: nn.Module, plan: Mapping[str, str], group: Any,
-                replacements: Optional[List[Replacement]] = None) -> nn.Module:
+                replacements: Optional[List[Replacement]] = None,
+                observe: Optional[Callable[[str, torch.Tensor], None]] = None) -> nn.Module:
     """Split ``model``'s layers in place over the tensor ``group`` (a mesh Group) as ``plan`` says.
     Every layer is checked first (ValueError naming it; the model is then unchanged). Returns
     ``model``. Its collectives are named after the layers' paths, so every rank of the group
     matches them. A tied weight split alike on both sides stays one parameter. Each layer replaced
-    is appended to ``replacements`` (a model built on the meta device is initialized as built)."""
+    is appended to ``replacements`` (a model built on the meta device is initialized as built).
+    ``observe(name, part)`` sees each summed parameter's gradient part before its sum."""
     size = 1 if group is None else group.size
     if group is None:
         group = _Alone()
@@ -237,7 +247,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, str], group: Any,
     for path, style in check_plan(model, plan, size):
         module = model.get_submodule(path)
         whole = getattr(module, "weight", None)
-        new = _split(module, style, group, path)
+        new = _split(module, style, group, path, observe)
         if new is None:
             continue
         if whole is not None and id(whole) in split_weights:

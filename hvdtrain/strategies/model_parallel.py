@@ -133,7 +133,7 @@ class ModelParallelStrategy(Strategy):
                 self.plan_note = f"tensor plan: the model's own tp_plan ({len(tensor_plan)} entries)"
             else:
                 self.plan_note = f"tensor plan: given ({len(tensor_plan)} entries)"
-            check_plan(model, tensor_plan, shape.tensor)  # before any collective: refused on every rank alike
+            chosen = check_plan(model, tensor_plan, shape.tensor)  # before any collective: refused on every rank alike
             check_sliceable(optimizer)
         # 1. While every rank holds the whole model: rank 0's state everywhere. A model built on the
         #    meta device gets the same values on every rank from the seed, after it is split (4.).
@@ -147,9 +147,12 @@ class ModelParallelStrategy(Strategy):
         self._optimizer_index = {name: i for i, name in enumerate(n for names in self._optimizer_names for n in names)}
         # 2. Tensor parallelism replaces layers in place; the state_dict names stay the full model's.
         replacements: List[Any] = []
+        self._audit = None
         if shape.tensor > 1:
-            from hvdtrain.parallel.tensor_plan import parallelize
-            parallelize(model, tensor_plan, mesh.tensor, replacements)
+            from hvdtrain.parallel.tensor_audit import SplitAudit
+            from hvdtrain.parallel.tensor_plan import parallelize, summed_parameters
+            self._audit = SplitAudit(mesh.tensor, summed_parameters(model, chosen), world.device)
+            parallelize(model, tensor_plan, mesh.tensor, replacements, observe=self._audit.observe_part)
         # 3. Pipeline stages.
         self.pipeline = None
         if shape.pipeline > 1:
@@ -181,6 +184,9 @@ class ModelParallelStrategy(Strategy):
         # Decided once: every rank of a data group holds the same names, so all decide alike.
         self._broadcasts = mesh.data.process_set is not None and len(set(self._owner.values())) > 1
         self._model_placements = self._placements_of(model)
+        if self._audit is not None:  # the first step proves the split counts every contribution once
+            self._audit.watch([(name, p) for name, p in model.named_parameters()
+                               if id(p) in held and p.requires_grad and not hasattr(p, "tensor_shard")])
 
     # --- who holds what -------------------------------------------------------------------
 
@@ -249,7 +255,15 @@ class ModelParallelStrategy(Strategy):
     def forward_backward(self, step_fn, batch: Any, autocast, scale_loss, divisor: int) -> Tuple[torch.Tensor, Dict]:
         if self.pipeline is None:
             return super().forward_backward(step_fn, batch, autocast, scale_loss, divisor)
-        return self.pipeline.train_batch(batch, autocast, divisor)
+        loss, metrics = self.pipeline.train_batch(batch, autocast, divisor)
+        if self._audit is not None:
+            self._audit.observe_loss(loss)
+        return loss, metrics
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self._audit is not None:
+            self._audit.observe_loss(loss)
+        loss.backward()
 
     def forward_only(self, step_fn, batch: Any) -> Tuple[torch.Tensor, Dict]:
         if self.pipeline is None:
@@ -257,6 +271,8 @@ class ModelParallelStrategy(Strategy):
         return self.pipeline.evaluate_batch(batch)
 
     def synchronize(self) -> None:
+        if self._audit is not None:  # the first step only: refused on every rank before any update
+            self._audit.check(None)
         # (The pipeline's schedule already summed the tied parameters' gradients over its two ends.)
         gradients = [p.grad for p in self._local if p.grad is not None]
         if self.mesh.data.process_set is not None and gradients:

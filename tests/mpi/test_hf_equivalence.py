@@ -204,3 +204,41 @@ def test_activation_checkpointing_takes_one_process_steps(world, family, layout,
 
     assert recomputed == ["model.layers.0", "model.layers.1"]
     check_against_one_process(family, data, initial, final, step_losses, BATCH * world.size // mesh)
+
+
+def _qwen3_plan_without(*dropped, added=None):
+    plan = {key: style for key, style in make_model("qwen3", 0).tp_plan.items()
+            if not any(key.endswith(d) for d in dropped)}
+    return {**plan, **(added or {})}
+
+
+# A plan that leaves Qwen3's per-head norms unsummed trains each rank's copy on its own heads; one that
+# sums the whole-width input norm counts its gradient twice. Both train silently without the audit.
+MISCOUNTED_PLANS = {
+    "per-head norm left unsummed": (lambda: _qwen3_plan_without("q_norm", "k_norm"),
+                                    r"the gradient of model\.layers\.0\.self_attn\.q_norm\.weight, kept whole, differs"),
+    "whole-input norm summed": (lambda: _qwen3_plan_without(added={"layers.*.input_layernorm":
+                                                                   "replicated_with_grad_allreduce"}),
+                                r"the gradient of model\.layers\.0\.input_layernorm\.weight is summed .* counts it 2 times"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(MISCOUNTED_PLANS))
+def test_a_plan_that_counts_a_gradient_otherwise_than_once_is_refused_before_the_first_update(world, case):
+    from hvdtrain.parallel.model_plan import ModelPlan
+
+    if world.size % 2:
+        pytest.skip("tensor_parallel=2 needs an even number of ranks")
+    plan, reason = MISCOUNTED_PLANS[case]
+    model = make_model("qwen3", 100)
+    config = TrainConfig(epochs=1, batch_size=BATCH, lr=0.01, scale_lr=False, warmup_epochs=0, max_steps=STEPS,
+                         seed=SEED, log_every=1000, tensorboard=False, tensor_parallel=2)
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), token_data(), None, config, world=world,
+                      step_fn=causal_lm_step, model_plan=ModelPlan(tensor_plan=plan()))
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    with pytest.raises(ValueError, match=reason):
+        trainer.fit()
+    unchanged = all(torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
+    trainer.close_mesh()
+    assert unchanged, "a parameter was stepped before the refusal"
