@@ -151,8 +151,13 @@ class ModelParallelStrategy(Strategy):
         if shape.tensor > 1:
             from hvdtrain.parallel.tensor_audit import SplitAudit
             from hvdtrain.parallel.tensor_plan import parallelize, summed_parameters
+            from hvdtrain.parallel.tensor_probe import ForwardProbe
             self._audit = SplitAudit(mesh.tensor, summed_parameters(model, chosen), world.device)
+            probe = ForwardProbe(world.device)
+            if deferred is None:  # a model built on the meta device has no values to run whole
+                probe.before_split(model)
             parallelize(model, tensor_plan, mesh.tensor, replacements, observe=self._audit.observe_part)
+            probe.after_split(model)
         # 3. Pipeline stages.
         self.pipeline = None
         if shape.pipeline > 1:

@@ -242,3 +242,20 @@ def test_a_plan_that_counts_a_gradient_otherwise_than_once_is_refused_before_the
     unchanged = all(torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
     trainer.close_mesh()
     assert unchanged, "a parameter was stepped before the refusal"
+
+
+@pytest.mark.timeout(120)
+def test_a_split_that_computes_otherwise_is_refused_at_set_up(world, monkeypatch):
+    """The probe at set-up: with Gemma2's embedding split as a plain table again (the bug fixed above,
+    put back), the split model's logits on a probe are not the whole model's: refused before training."""
+    from hvdtrain.parallel import tensor
+
+    if world.size % 2:
+        pytest.skip("tensor_parallel=2 needs an even number of ranks")
+    plain = lambda embedding, group, name: tensor.VocabParallelEmbedding(  # noqa: E731
+        tensor._shard(embedding.weight, tensor.TensorShard(dim=0, parts=group.size, index=group.index)),
+        embedding.padding_idx, group, name)
+    monkeypatch.setattr(tensor.VocabParallelEmbedding, "from_embedding", plain)
+    with pytest.raises(ValueError, match=r"found at set-up\): on a probe of 8 tokens its logits are \S+ away from "
+                                         r"the whole model's"):
+        train(world, "gemma2", tensor_parallel=2)
