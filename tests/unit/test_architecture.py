@@ -19,7 +19,7 @@ LAYERS: Dict[str, int] = {
     "checkpoint": 5, "observability": 5, "fault_tolerance": 5,
     "examples": 6,
     "top": 7,                                        # hvdtrain/__init__.py, session.py, trainer.py, loop.py
-    "bench": 8,
+    "bench": 8, "verify": 8,                       # leaves: they drive the Trainer; nothing imports them
     "cli": 9,
 }
 # Imports against the layers, each for a reason: (importing package, imported module) -> where it may
