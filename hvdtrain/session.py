@@ -195,10 +195,6 @@ class Session:
         cfg = self.config
         if cfg.hierarchical_allreduce and not world.hierarchical_allreduce:
             raise ValueError(startup.hierarchical_conflict())
-        if step_fn is not None and cfg.pipeline_parallel > 1:
-            raise ValueError("train.pipeline_parallel > 1 computes the loss on the last stage with loss_fn(outputs, "
-                             "targets) and cannot run a step_fn, which needs the whole model: pass loss_fn "
-                             "(and (inputs, targets) batches), or use tensor_parallel instead of a pipeline")
         if cfg.checkpoint_async and self.elastic_launch:
             raise ValueError("train.checkpoint_async is not supported under Horovod elastic (a world change while a "
                              "write is in flight is not handled): launch without --min-np/--max-np, or "

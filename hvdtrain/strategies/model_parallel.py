@@ -145,6 +145,11 @@ class ModelParallelStrategy(Strategy):
         # The full optimizer's parameter order, by name: a full checkpoint's optimizer indices.
         self._optimizer_names = [[names_of[id(p)][0] for p in group["params"]] for group in optimizer.param_groups]
         self._optimizer_index = {name: i for i, name in enumerate(n for names in self._optimizer_names for n in names)}
+        # Where a Hugging Face model cuts into stages, probed while it is whole (refused by name here).
+        hf_plan = None
+        if shape.pipeline > 1:
+            from hvdtrain.parallel.pipeline.stage import probe_model
+            hf_plan = probe_model(model, plan)
         # 2. Tensor parallelism replaces layers in place; the state_dict names stay the full model's.
         replacements: List[Any] = []
         self._audit = None
@@ -162,7 +167,7 @@ class ModelParallelStrategy(Strategy):
         self.pipeline = None
         if shape.pipeline > 1:
             from hvdtrain.parallel.pipeline.stage import build_stage
-            self.pipeline = build_stage(model, plan, mesh, loss_fn, micro_batches, schedule)
+            self.pipeline = build_stage(model, plan, mesh, loss_fn, micro_batches, schedule, hf_plan)
             held = {id(t) for t in self.pipeline.module.parameters()} | {id(b) for b in self.pipeline.module.buffers()}
         else:
             held = {id(t) for t in model.parameters()} | {id(b) for b in model.buffers()}
@@ -260,7 +265,7 @@ class ModelParallelStrategy(Strategy):
     def forward_backward(self, step_fn, batch: Any, autocast, scale_loss, divisor: int) -> Tuple[torch.Tensor, Dict]:
         if self.pipeline is None:
             return super().forward_backward(step_fn, batch, autocast, scale_loss, divisor)
-        loss, metrics = self.pipeline.train_batch(batch, autocast, divisor)
+        loss, metrics = self.pipeline.train_batch(batch, autocast, divisor, step_fn)
         if self._audit is not None:
             self._audit.observe_loss(loss)
         return loss, metrics
@@ -273,7 +278,7 @@ class ModelParallelStrategy(Strategy):
     def forward_only(self, step_fn, batch: Any) -> Tuple[torch.Tensor, Dict]:
         if self.pipeline is None:
             return step_fn(self.model, batch)
-        return self.pipeline.evaluate_batch(batch)
+        return self.pipeline.evaluate_batch(batch, step_fn)
 
     def synchronize(self) -> None:
         if self._audit is not None:  # the first step only: refused on every rank before any update

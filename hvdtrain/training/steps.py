@@ -11,18 +11,30 @@ from collections.abc import Mapping
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 Metrics = Dict[str, Any]
 StepFn = Callable[[torch.nn.Module, Any], Tuple[torch.Tensor, Metrics]]
 
 
 def supervised_step(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> StepFn:
+    """The Trainer's step when given no step_fn. ``(inputs, targets)``: ``loss_fn(model(inputs),
+    targets)`` and the accuracy. A dict batch with ``labels`` (a tokenized dataset's, as Hugging Face
+    scripts batch): the model's own loss, ``model(**batch).loss``, unless ``loss_fn`` is one of
+    your own (not the default cross-entropy): then ``loss_fn(model(**inputs), labels)``. A pipeline
+    computes the same on its last stage (it reads ``supervised_loss_fn``)."""
     def step(model: torch.nn.Module, batch: Any) -> Tuple[torch.Tensor, Metrics]:
+        if isinstance(batch, Mapping) and "labels" in batch:
+            if loss_fn is F.cross_entropy:
+                return model(**batch).loss, {}
+            inputs = {key: value for key, value in batch.items() if key != "labels"}
+            return loss_fn(model(**inputs), batch["labels"]), {}
         inputs, targets = batch
         outputs = model(inputs)
         accuracy = class_accuracy(outputs, targets)
         return loss_fn(outputs, targets), {} if accuracy is None else {"accuracy": accuracy}
 
+    step.supervised_loss_fn = loss_fn
     return step
 
 

@@ -8,6 +8,7 @@ last stage reports the metrics the Trainer's step reports without a pipeline (th
 in training and evaluation, equal to one process's.
 """
 import copy
+import math
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.distributed import collectives
-from hvdtrain.parallel.pipeline.hf_layers import causal_lm_loss
+from hvdtrain.verify.exact import float64_throughout
 from hvdtrain.trainer import Trainer
 from hvdtrain.training.steps import supervised_step
 from tests.mpi.helpers import record_step_losses
@@ -64,80 +65,203 @@ def test_the_model_cut_into_stages_takes_one_process_steps(world, family, layout
                               step_accuracies=accuracies)
 
 
-@pytest.mark.timeout(60)
-def test_a_step_fn_is_refused_under_a_pipeline_with_the_reason(world):
-    """Refused on every rank before any collective: the step needs the whole model, a stage has a part."""
-    model = make_model("llama", 0)
-    config = TrainConfig(epochs=1, batch_size=BATCH, pipeline_parallel=2, micro_batches=2, tensorboard=False)
-    with pytest.raises(ValueError, match=r"train\.pipeline_parallel > 1 computes the loss on the last stage with "
-                                         r"loss_fn\(outputs, targets\) and cannot run a step_fn, which needs the "
-                                         r"whole model: pass loss_fn"):
-        Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), token_data(), None, config, world=world,
-                step_fn=causal_lm_step)
+# ---- the Hugging Face job: dict batches, the model's own loss ----------------------------------
+
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=SEQ)
+# Tiny families whose forward does more around its layers than embed -> norm -> head, or keeps its
+# layers under another name; each one's own pipeline description cuts it (no list of names).
+NEW_FAMILIES = {
+    # Scaled embeddings, soft-capped attention and logits (a cap small enough to bend these logits),
+    # sliding and full attention alternating over the layers, the embedding tied to the head.
+    "gemma2": lambda: transformers.Gemma2Config(**SHAPE, head_dim=4, sliding_window=4, final_logit_softcapping=0.5,
+                                                attn_logit_softcapping=5.0, tie_word_embeddings=True),
+    # Multipliers on the embeddings, the residuals, the attention and the logits.
+    "granite": lambda: transformers.GraniteConfig(**SHAPE, embedding_multiplier=3.0, logits_scaling=2.5,
+                                                  residual_multiplier=0.5, attention_multiplier=0.3,
+                                                  tie_word_embeddings=False),
+    "olmo2": lambda: transformers.Olmo2Config(**SHAPE, tie_word_embeddings=False),
+    # Its layers are gpt_neox.layers, its embedding embed_in, followed by a dropout.
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**SHAPE, tie_word_embeddings=False),
+}
 
 
-class PaddedWindows(torch.utils.data.Dataset):
-    """A tokenized dataset's dict samples: input_ids padded on the left to SEQ (so that the real
-    tokens would attend to the padding without its mask), the attention mask, and labels that are
-    the ids (Hugging Face's convention: the model shifts them), -100 at padding."""
+def build(family, seed):
+    if family not in NEW_FAMILIES:
+        return make_model(family, seed)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(NEW_FAMILIES[family]()).double()
 
-    def __init__(self, samples=64):
+
+class PromptWindows(torch.utils.data.Dataset):
+    """Dict samples as a tokenizer and a collator give them: input_ids, an attention mask, and labels
+    that are the ids (the model shifts them) with a prompt of 1 to 4 tokens left out (-100): the
+    micro-batches hold different numbers of label tokens. ``padded``: each sample padded on the left
+    to SEQ too (masked, -100), so that the real tokens would attend to the padding without its mask."""
+
+    def __init__(self, padded, samples=64):
         generator = torch.Generator().manual_seed(5)
         self.ids = torch.randint(1, VOCAB, (samples, SEQ), generator=generator)
-        self.lengths = torch.randint(3, SEQ + 1, (samples,), generator=generator)
+        self.lengths = torch.randint(4, SEQ + 1, (samples,), generator=generator) if padded else \
+            torch.full((samples,), SEQ)
+        self.prompts = torch.randint(1, 5, (samples,), generator=generator)
 
     def __len__(self):
         return len(self.ids)
 
     def __getitem__(self, index):
-        mask = (torch.arange(SEQ) >= SEQ - self.lengths[index]).long()
+        start = SEQ - self.lengths[index]
+        mask = (torch.arange(SEQ) >= start).long()
         ids = self.ids[index] * mask
-        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+        labels = ids.masked_fill(torch.arange(SEQ) < start + self.prompts[index], -100)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout", [(1, 2, 2), (2, 2, 1)], ids=["P2-M2", "T2-P2-M1"])
-def test_dict_batches_with_padding_take_one_process_steps(world, layout):
-    """Each stage masks the padding as the model would (the attention mask travels with the batch,
-    not between stages) and the last computes Hugging Face's causal LM loss of the labels: the
-    mean over each micro-batch's unpadded tokens, averaged over the micro-batches, as one process
-    computes it on the same chunks."""
+def padding_share(model, batch):
+    """A step_fn as Hugging Face scripts write it: the model's own loss, and a metric of the batch."""
+    return model(**batch).loss, {"padding": (batch["attention_mask"] == 0).double().mean()}
+
+
+def train_dict_job(world, family, data, layout, step_fn=None):
+    """The job under ``layout`` (tensor, pipeline, micro-batches) on one data replica, float64
+    throughout: (initial and final gathered model, each step's loss, each step's metrics)."""
     tensor, pipeline, micro = layout
-    if world.size != tensor * pipeline:
-        pytest.skip(f"T={tensor} x P={pipeline} on exactly {tensor * pipeline} ranks (one data replica)")
-    data = PaddedWindows()
-    model = make_model("llama", 100 + world.rank)
+    model = build(family, 100 + world.rank)  # different on every rank: set-up must broadcast rank 0's
     config = TrainConfig(epochs=1, batch_size=BATCH, lr=0.01, scale_lr=False, warmup_epochs=0, max_steps=STEPS,
                          seed=SEED, log_every=1000, tensorboard=False, tensor_parallel=tensor,
                          pipeline_parallel=pipeline, micro_batches=micro)
-    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, None, config, world=world)
-    initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
-    losses = record_step_losses(trainer)
-    trainer.fit()
-    final = trainer.strategy.state_dict()["model"]
-    step_losses = collectives.allreduce_sum(torch.stack(losses), name=f"hf.pp.dict.{layout}") / world.size
+    metrics = []
+    with float64_throughout():
+        trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, None, config, world=world,
+                          **({"step_fn": step_fn} if step_fn else {}))
+        initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
+        losses = record_step_losses(trainer, metrics)
+        trainer.fit()
+        final = trainer.strategy.state_dict()["model"]
+    name = f"hf.pp.job.{family}.{layout}.{step_fn is not None}"
+    step_losses = collectives.allreduce_sum(torch.stack(losses), name=name) / world.size
     trainer.close_mesh()
+    return initial, final, step_losses, metrics
 
-    reference = make_model("llama", 0)
+
+def one_process(family, data, initial, step_fn=None):
+    """The same job in one process, float64 throughout: model(**batch).loss over each whole batch."""
+    reference = build(family, 0)
     reference.load_state_dict(initial)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
     sampler = ShardedSampler(len(data), rank=0, world_size=1, seed=SEED)
     sampler.set_epoch(0)
-    order, expected_losses = list(sampler), []
-    for step in range(STEPS):
-        batch = torch.utils.data.default_collate([data[i] for i in order[step * BATCH:(step + 1) * BATCH]])
-        optimizer.zero_grad()
-        loss = 0
-        for chunk in zip(*(batch[key].chunk(micro) for key in ("input_ids", "attention_mask", "labels"))):
-            logits = reference(input_ids=chunk[0], attention_mask=chunk[1]).logits
-            loss = loss + causal_lm_loss(logits, chunk[2]) / micro
-        loss.backward()
-        optimizer.step()
-        expected_losses.append(loss.item())
-    expected = reference.state_dict()
-    worst = max((final[key] - expected[key]).abs().max().item() for key in expected)
-    padded = sum(int((data[i]["attention_mask"] == 0).any()) for i in order[:STEPS * BATCH])
+    order, losses, metrics = list(sampler), [], []
+    with float64_throughout():
+        for step in range(STEPS):
+            batch = torch.utils.data.default_collate([data[i] for i in order[step * BATCH:(step + 1) * BATCH]])
+            optimizer.zero_grad()
+            loss, metric = (step_fn or (lambda model, batch: (model(**batch).loss, {})))(reference, batch)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            metrics.append({key: float(value) for key, value in metric.items()})
+    return reference.state_dict(), losses, metrics
 
-    assert padded >= STEPS, "the batches hold padding: the test checks the mask"
-    assert (step_losses - torch.tensor(expected_losses, dtype=torch.float64)).abs().max() < 1e-10
+
+def check_job(family, data, initial, final, step_losses, metrics, step_fn=None):
+    expected, expected_losses, expected_metrics = one_process(family, data, initial, step_fn)
+    worst = max((final[key] - expected[key]).abs().max().item() for key in expected)
+    moved = min((expected[key] - initial[key]).abs().max().item() for key in expected if key.endswith("weight"))
+    loss_error = (step_losses - torch.tensor(expected_losses, dtype=torch.float64)).abs().max().item()
+    assert moved > 1e-4, "training did not move every weight: the test proves nothing"
+    assert loss_error < 1e-10, f"per-step loss against one process: {step_losses.tolist()} vs {expected_losses}"
     assert worst < 1e-10, f"max |gathered - one process| = {worst}"
+    assert [set(m) for m in metrics] == [set(m) for m in expected_metrics], (metrics, expected_metrics)
+    for seen, want in zip(metrics, expected_metrics):
+        assert all(math.isclose(float(seen[key]), want[key], abs_tol=1e-12) for key in want), (seen, want)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", list(NEW_FAMILIES))
+def test_families_are_cut_by_their_own_pipeline_description(world, family):
+    """P=2 (2 micro-batches, 1f1b) cuts each family by its base_model_pp_plan, the first and last
+    stage running the model's own forward around the layers; the Hugging Face job (dict batches,
+    labels with prompts left out, no step_fn: the model's own loss) takes one process's steps.
+    1e-10 for the reason of the module's docstring; float64 throughout in both runs, since these
+    families' norms (and Gemma2's attention softmax) round to float32 as shipped."""
+    if world.size != 2:
+        pytest.skip("P=2 on exactly 2 ranks (one data replica)")
+    data = PromptWindows(padded=False)
+    initial, final, step_losses, metrics = train_dict_job(world, family, data, (1, 2, 2))
+    check_job(family, data, initial, final, step_losses, metrics)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("with_step_fn", [False, True], ids=["no-step_fn", "loss-step_fn"])
+@pytest.mark.parametrize("layout", [(1, 2, 2), (2, 2, 2)], ids=["P2-M2", "T2-P2-M2"])
+def test_the_hugging_face_job_runs_unchanged_under_a_pipeline(world, layout, with_step_fn):
+    """The job that runs under ddp, fsdp and T=2 (left-padded dict batches with an attention mask,
+    labels -100 at padding and prompts; no step_fn, or one returning model(**batch).loss with a
+    metric) at P=2 and T=2 x P=2: each stage masks the padding as the model would, the last computes
+    the model's loss_function over the batch's label tokens (num_items_in_batch: the micro-batches'
+    losses add up to the batch's token mean, not a mean of micro-batch means), equal to one process's
+    model(**batch).loss over the whole batch; the step_fn's metric reaches every rank."""
+    tensor, pipeline, micro = layout
+    if world.size != tensor * pipeline:
+        pytest.skip(f"T={tensor} x P={pipeline} on exactly {tensor * pipeline} ranks (one data replica)")
+    data = PromptWindows(padded=True)
+    step_fn = padding_share if with_step_fn else None
+    initial, final, step_losses, metrics = train_dict_job(world, "llama", data, layout, step_fn)
+    sampler = ShardedSampler(len(data), rank=0, world_size=1, seed=SEED)
+    sampler.set_epoch(0)
+    order = list(sampler)[:STEPS * BATCH]
+
+    assert sum(int((data[i]["attention_mask"] == 0).any()) for i in order) >= STEPS, "the batches hold padding"
+    check_job("llama", data, initial, final, step_losses, metrics, step_fn)
+
+
+class HalvedBetweenLayers(torch.nn.Module):
+    """A Llama base model whose forward halves the hidden states between its decoder layers."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.embed_tokens, self.layers, self.norm, self.rotary_emb = base.embed_tokens, base.layers, base.norm, base.rotary_emb
+
+    def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, **kwargs):
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        position_ids = torch.arange(hidden.shape[1])[None]
+        embeddings = self.rotary_emb(hidden, position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, position_embeddings=embeddings, position_ids=position_ids) * 0.5
+        return transformers.modeling_outputs.BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
+
+
+def calls_the_model_twice(model, batch):
+    model(**batch)
+    return model(**batch).loss, {}
+
+
+def reads_the_parameters(model, batch):
+    return model(**batch).loss + 0 * sum(p.sum() for p in model.parameters()), {}
+
+
+@pytest.mark.timeout(60)
+def test_what_a_pipeline_cannot_reproduce_is_refused_before_the_first_step(world):
+    """Refused on every rank alike (no rank waits in an exchange): work between decoder layers at
+    set-up, by probing the forward; a step_fn doing more than model(**batch).loss in the first step,
+    before any exchange, naming what it did."""
+    if world.size != 2:
+        pytest.skip("P=2 on exactly 2 ranks")
+    config = TrainConfig(epochs=1, batch_size=BATCH, max_steps=1, pipeline_parallel=2, micro_batches=2,
+                         tensorboard=False, log_every=1000)
+    model = build("llama", 0)
+    model.model = HalvedBetweenLayers(model.model)
+    with pytest.raises(ValueError, match=r"cannot cut a 'llama' model by itself: it does work between decoder layers "
+                                         r"0 and 1 \(the input of layer 1 is not what layer 0 returned\); give "
+                                         r"Trainer\(\.\.\., model_plan=ModelPlan\(pipeline_layers=fn\)\)"):
+        Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), PromptWindows(padded=False), None, config,
+                world=world)
+    for step_fn, said in [(calls_the_model_twice, r"calls the model once; this one called it 2 times"),
+                          (reads_the_parameters, r"can only call model\(\*\*batch\).*this one read model\.parameters")]:
+        model = build("llama", 0)
+        trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), PromptWindows(padded=False), None,
+                          config, world=world, step_fn=step_fn)
+        with pytest.raises(ValueError, match=said):
+            trainer.fit()
+        trainer.close_mesh()

@@ -210,9 +210,9 @@ class _Runner:
     activations held between them."""
 
     def __init__(self, stage: PipelineStage, mesh: Mesh, micro_batches: List[MicroBatch], loss_fn: LossFn,
-                 links: StageLinks, measure: Optional[Measure]) -> None:
+                 links: StageLinks, measure: Optional[Measure], shares: bool) -> None:
         self.stage, self.mesh, self.micro_batches, self.loss_fn = stage, mesh, micro_batches, loss_fn
-        self.links, self.measure = links, measure
+        self.links, self.measure, self.shares = links, measure, shares
         self.held: Dict[int, Tuple[Optional[torch.Tensor], torch.Tensor]] = {}  # micro-batch -> (input, output)
         self.losses: List[torch.Tensor] = []
         self.measured: List[torch.Tensor] = []
@@ -229,9 +229,12 @@ class _Runner:
         out = self.stage(x, micro[2] if len(micro) > 2 else None)
         if self.mesh.is_last_stage:
             targets = self.micro_batches[i][1]
+            # The loss first, then the measure: a step_fn's metrics come out of the same call as its loss.
+            loss = self.loss_fn(out, targets)
+            if not self.shares:
+                loss = loss / len(self.micro_batches)
             if self.measure is not None:
                 self.measured.append(self.measure.fn(out.detach(), targets))
-            loss = self.loss_fn(out, targets) / len(self.micro_batches)
             self.losses.append(loss.detach())
             out = loss
         self.held[i] = (None if self.mesh.is_first_stage else x, out)
@@ -291,7 +294,7 @@ _SCHEDULES = {"gpipe": _gpipe, "1f1b": _one_f_one_b}
 
 
 def run_schedule(schedule: str, stage: PipelineStage, mesh: Mesh, micro_batches: Sequence[MicroBatch],
-                 loss_fn: LossFn, measure: Optional[Measure] = None) -> torch.Tensor:
+                 loss_fn: LossFn, measure: Optional[Measure] = None, shares: bool = False) -> torch.Tensor:
     """Forward and backward of every micro-batch through the pipeline by ``schedule`` ("gpipe" or
     "1f1b"); a collective over ``mesh.pipeline`` (and ``mesh.ends``). Gradients accumulate in the
     stage's ``.grad`` (the caller zeroes them). Returns the mean loss over the micro-batches
@@ -300,7 +303,9 @@ def run_schedule(schedule: str, stage: PipelineStage, mesh: Mesh, micro_batches:
     name, the same on every stage.
 
     Every stage passes the same number of micro-batches; the first stage uses their inputs, the
-    last their targets, the others only their count."""
+    last their targets, the others only their count. ``loss_fn`` gives a micro-batch's mean loss
+    (the batch's is the mean over the micro-batches), or with ``shares`` its share of the batch's
+    (summed: a token mean over the whole batch, Hugging Face's num_items_in_batch)."""
     if schedule not in _SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     micro_batches = list(micro_batches)
@@ -312,7 +317,7 @@ def run_schedule(schedule: str, stage: PipelineStage, mesh: Mesh, micro_batches:
     name = f"pp.{stage.step}"
     stage.step += 1
     before = [None if p.grad is None else p.grad.clone() for p in stage.tied]
-    run = _Runner(stage, mesh, micro_batches, loss_fn, links, measure)
+    run = _Runner(stage, mesh, micro_batches, loss_fn, links, measure, shares)
     _SCHEDULES[schedule](run)
     wait_s = links.wait_s
     start = time.perf_counter()

@@ -4,12 +4,13 @@ forward through the stages, each returning the batch's loss and metrics on every
 Every rank of a pipeline reads the same batch (the data is sharded over data-parallel groups, not
 over stages): the first stage uses its inputs, the last its targets. The metrics are those the
 Trainer's step reports without a pipeline (hvdtrain.training.steps.supervised_step): the last stage
-measures them, and they travel with the loss. A dict batch (Hugging Face labels) reports the loss only.
+measures them, and they travel with the loss. A dict batch (Hugging Face labels) reports its loss,
+the model's own (hf_step), and the metrics of a step_fn that returns ``model(**batch).loss``.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,9 @@ from torch import nn
 
 from hvdtrain.parallel.mesh import Mesh
 from hvdtrain.parallel.model_plan import ModelPlan
-from hvdtrain.parallel.pipeline.hf_layers import causal_lm_loss, hf_decoder, hf_pipeline_layers
+from hvdtrain.parallel.pipeline.hf_layers import hf_pipeline_layers
+from hvdtrain.parallel.pipeline.hf_plan import HFPipelinePlan, hf_pipeline_plan, is_hf_causal_lm
+from hvdtrain.parallel.pipeline.hf_step import ModelLoss, StageStep, dict_micro_batches
 from hvdtrain.parallel.pipeline.p2p import StageLinks
 from hvdtrain.parallel.pipeline.schedule import (Measure, PipelineStage, from_last_stage, run_schedule,
                                                  split_micro_batches)
@@ -47,56 +50,73 @@ def _as_pair(batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def _micro_batches(batch: Any, count: int) -> List[Tuple[Any, ...]]:
     """(inputs, targets) pairs, or for a dict batch (a tokenized dataset's: input_ids, labels and an
-    optional attention_mask) (input_ids, labels, {"attention_mask": ...}), cut into ``count``."""
-    if not isinstance(batch, Mapping):
-        return split_micro_batches(_as_pair(batch), count)
-    missing = [key for key in ("input_ids", "labels") if key not in batch]
-    if missing:
-        raise TypeError(f"a pipeline's dict batch needs input_ids (for the first stage) and labels (for the "
-                        f"last stage's loss); this one has no {', '.join(missing)} (it has {', '.join(batch)})")
-    tensors = [batch["input_ids"], batch["labels"]]
-    if batch.get("attention_mask") is not None:
-        tensors.append(batch["attention_mask"])
-    pieces = split_micro_batches(tensors, count)
-    return [(ids, labels, {"attention_mask": piece[0]} if piece else None) for ids, labels, *piece in pieces]
+    optional attention_mask) (input_ids, the micro-batch as a dict, {"attention_mask": ...}), cut
+    into ``count``."""
+    if isinstance(batch, Mapping):
+        return dict_micro_batches(batch, count)
+    return split_micro_batches(_as_pair(batch), count)
+
+
+class _LastStageStep(NamedTuple):
+    """How the last stage turns a micro-batch's output into its loss (``shares``: each micro-batch's
+    share of the batch's, summed; else its mean, averaged) and what it measures beside."""
+
+    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]
+    measure: Optional[Measure]
+    shares: bool
+
+
+def _is_default_step(step_fn: Any) -> bool:
+    return step_fn is None or hasattr(step_fn, "supervised_loss_fn")
 
 
 class PipelinedModel:
     """This rank's stage of the pipeline and how batches go through it."""
 
-    def __init__(self, stage: PipelineStage, mesh: Mesh, loss_fn: LossFn, micro_batches: int, schedule: str) -> None:
+    def __init__(self, stage: PipelineStage, mesh: Mesh, loss_fn: LossFn, micro_batches: int, schedule: str,
+                 model: nn.Module) -> None:
         self.module, self.mesh, self.loss_fn = stage, mesh, loss_fn
         self.micro_batches, self.schedule = micro_batches, schedule
+        self.__dict__["model"] = model  # the whole model's object: its loss_function and config
 
-    def train_batch(self, batch: Any, autocast, divisor: int) -> Tuple[torch.Tensor, Dict]:
+    def train_batch(self, batch: Any, autocast, divisor: int, step_fn: Any = None) -> Tuple[torch.Tensor, Dict]:
         """Forward and backward of the batch's micro-batches by the schedule; the gradients of
-        ``loss / divisor`` (the accumulation count) accumulate. Returns (the batch's mean loss, its
+        ``loss / divisor`` (the accumulation count) accumulate. Returns (the batch's loss, its
         metrics: the means over the micro-batches)."""
         micro = _micro_batches(batch, self.micro_batches)
-        own = self._loss_for(batch)
-        loss_fn = own if divisor == 1 else (lambda out, target: own(out, target) / divisor)
+        step = self._step_for(batch, micro, step_fn)  # every rank, before any exchange: refusals alike
+        loss_fn = step.loss_fn if divisor == 1 else (lambda out, target: step.loss_fn(out, target) / divisor)
         with autocast():
-            loss = run_schedule(self.schedule, self.module, self.mesh, micro, loss_fn, self._measure_for(batch))
+            loss = run_schedule(self.schedule, self.module, self.mesh, micro, loss_fn, step.measure, step.shares)
         return loss * divisor if divisor > 1 else loss, self.module.metrics
 
-    def _loss_for(self, batch: Any) -> LossFn:
-        """A dict batch's labels are Hugging Face's (the model shifts them, -100 ignored): its causal LM
-        loss, unless the Trainer was given a loss_fn of its own (not the default cross-entropy)."""
-        if isinstance(batch, Mapping) and self.loss_fn is F.cross_entropy:
-            return causal_lm_loss
-        return self.loss_fn
-
-    @staticmethod
-    def _measure_for(batch: Any) -> Optional[Measure]:
-        """supervised_step's metrics for (inputs, targets); none for a dict batch (the Trainer's own
-        step takes one only under a pipeline: there is nothing to report alike)."""
-        return None if isinstance(batch, Mapping) else SUPERVISED
+    def _step_for(self, batch: Any, micro: List[Tuple[Any, ...]], step_fn: Any) -> _LastStageStep:
+        """(inputs, targets): the Trainer's loss_fn and supervised_step's metrics. A dict batch: the
+        model's own loss (transformers' loss_function over the batch's label tokens) when the Trainer
+        was given no loss_fn of its own, else loss_fn(logits, labels); a user's step_fn run on the
+        last stage against the stage's output (hf_step)."""
+        if not isinstance(batch, Mapping):
+            if not _is_default_step(step_fn):
+                raise ValueError("a step_fn under train.pipeline_parallel takes dict batches (input_ids, labels, "
+                                 "attention_mask) and returns model(**batch).loss; with (inputs, targets) batches pass "
+                                 "loss_fn instead")
+            return _LastStageStep(self.loss_fn, SUPERVISED, False)
+        if _is_default_step(step_fn) and self.loss_fn is not F.cross_entropy:
+            return _LastStageStep(lambda out, micro: self.loss_fn(out, micro["labels"]), None, False)
+        model_loss = ModelLoss(self.model, batch["labels"])
+        if _is_default_step(step_fn):
+            return _LastStageStep(lambda out, micro: model_loss(out, micro["labels"]), None, True)
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        step = StageStep(step_fn, model_loss, [piece[1] for piece in micro], model_loss.vocab_size, dtype)
+        return _LastStageStep(step, step.measure, True)
 
     @torch.no_grad()
-    def evaluate_batch(self, batch: Any) -> Tuple[torch.Tensor, Dict]:
+    def evaluate_batch(self, batch: Any, step_fn: Any = None) -> Tuple[torch.Tensor, Dict]:
         """The batch forward through the stages (one micro-batch: no backward to overlap), its loss
         and metrics from the last stage on every rank of the pipeline."""
-        (inputs, targets, *extras), = _micro_batches(batch, 1)
+        micro = _micro_batches(batch, 1)
+        (inputs, targets, *extras), = micro
+        step = self._step_for(batch, micro, step_fn)
         stage, mesh = self.module, self.mesh
         links = StageLinks(mesh, inputs.device)
         links.step = f"eval{stage.step}"
@@ -104,23 +124,32 @@ class PipelinedModel:
         received = links.recv_forward(0)
         out = stage(inputs if mesh.is_first_stage else received, extras[0] if extras else None)
         links.send_forward(out, 0)
-        measure = self._measure_for(batch)
-        last = mesh.is_last_stage
-        return from_last_stage(mesh, f"pp.{links.step}.loss", inputs.device, measure,
-                               self._loss_for(batch)(out, targets) if last else None,
-                               measure.fn(out, targets) if last and measure is not None else None)
+        loss = measured = None
+        if mesh.is_last_stage:  # the loss first: a step_fn's metrics come with it
+            loss = step.loss_fn(out, targets)
+            measured = step.measure.fn(out, targets) if step.measure is not None else None
+        return from_last_stage(mesh, f"pp.{links.step}.loss", inputs.device, step.measure, loss, measured)
+
+
+def probe_model(model: nn.Module, plan: ModelPlan) -> Optional[HFPipelinePlan]:
+    """Where a Hugging Face causal LM cuts (hf_plan), when no pipeline_layers are given: probed on
+    the whole model, before tensor parallelism splits it; refused by name before any step."""
+    if plan.pipeline_layers is not None or isinstance(model, nn.Sequential) or not is_hf_causal_lm(model):
+        return None
+    return hf_pipeline_plan(model)
 
 
 def build_stage(model: nn.Module, plan: ModelPlan, mesh: Mesh, loss_fn: LossFn, micro_batches: int,
-                schedule: str) -> PipelinedModel:
-    """Cut ``model`` into the mesh's stages (``plan.pipeline_layers(model)``, or an nn.Sequential's
-    children; ``plan.stage_layers`` or balanced by parameter count) and keep this rank's."""
+                schedule: str, hf_plan: Optional[HFPipelinePlan] = None) -> PipelinedModel:
+    """Cut ``model`` into the mesh's stages (``plan.pipeline_layers(model)``, an nn.Sequential's
+    children, or a Hugging Face causal LM's by ``hf_plan``: probe_model's; ``plan.stage_layers`` or
+    balanced by parameter count) and keep this rank's."""
     if plan.pipeline_layers is not None:
         layers = list(plan.pipeline_layers(model))
     elif isinstance(model, nn.Sequential):
         layers = list(model.children())
-    elif hf_decoder(model) is not None:  # a Hugging Face causal LM: embedding, decoder layers, norm + head
-        layers = hf_pipeline_layers(model)
+    elif hf_plan is not None or is_hf_causal_lm(model):  # its own forward around its decoder layers
+        layers = hf_pipeline_layers(model, hf_plan)
     else:
         raise ValueError(f"train.pipeline_parallel={mesh.shape.pipeline} needs the model as a sequence of layers: "
                          f"an nn.Sequential, a Hugging Face causal LM, or Trainer(..., model_plan=ModelPlan(pipeline_layers=fn)) "
@@ -129,4 +158,4 @@ def build_stage(model: nn.Module, plan: ModelPlan, mesh: Mesh, loss_fn: LossFn, 
     if loss_fn is None:
         raise ValueError("a pipeline computes loss_fn(outputs, targets) on its last stage: pass loss_fn")
     stage = PipelineStage(layers, mesh, plan.stage_layers)
-    return PipelinedModel(stage, mesh, loss_fn, micro_batches, schedule)
+    return PipelinedModel(stage, mesh, loss_fn, micro_batches, schedule, model)

@@ -1,0 +1,220 @@
+"""Where a Hugging Face causal LM can be cut into pipeline stages, read from the model itself.
+
+transformers describes each family's pipeline in ``base_model_pp_plan`` (on the config class; the
+causal LM's ``_pp_plan`` holds it with full paths and adds the head): one entry is the list of
+decoder layers. Everything the model's forward does before the first layer (the embedding and
+whatever the family does to it: Gemma's scaled embeddings, Granite's multiplier, dropout) is the
+first pipeline layer, and everything after the last (the final norm, the head, Granite's logits
+scaling, Gemma2's soft-capping) the last: both run the model's own code (hf_layers), so they
+compute exactly what one process does.
+
+That holds only for a forward of that shape, so it is verified once, on the whole model before it
+is split (real or on the meta device; no decoder layer runs): the forward is run with the layers
+stood in for, and forward pre-hooks tell which modules with parameters it calls before the first
+layer and after the last. Refused by name, before the first step: a family with no
+``base_model_pp_plan``; work between decoder layers (layer i + 1's input is not what layer i
+returned); a module with parameters called between layers, on both sides of them, or not at all;
+a module with parameters called before the first layer even when the forward is given
+``inputs_embeds`` (the last stage runs the forward that way, and does not hold it).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+_PROBE_TOKENS = 2
+
+
+@dataclass(frozen=True)
+class HFPipelinePlan:
+    """Paths in the causal LM: the base model, its decoder layer list, and the modules with
+    parameters its forward calls before the first layer (``entry``) and after the last (``exit``)."""
+
+    family: str
+    base: str
+    layers: str
+    entry: Tuple[str, ...]
+    exit: Tuple[str, ...]
+
+
+class _Stop(Exception):
+    """Raised by a stand-in to end the model's forward where the pipeline needs no more of it."""
+
+
+def _refusal(family: str, reason: str) -> ValueError:
+    return ValueError(f"train.pipeline_parallel cannot cut a {family!r} model by itself: {reason}; give "
+                      f"Trainer(..., model_plan=ModelPlan(pipeline_layers=fn)) with its layers in order")
+
+
+def is_hf_causal_lm(model: nn.Module) -> bool:
+    """A transformers model with a base model inside it (a causal LM's shape), whatever its family."""
+    base = getattr(model, "base_model", None)
+    return hasattr(model, "config") and hasattr(model, "base_model_prefix") and isinstance(base, nn.Module) \
+        and base is not model
+
+
+def layer_list_path(model: nn.Module) -> str:
+    """The path of the decoder layer list, from the model's own ``_pp_plan`` (ValueError naming the
+    family when it has none, or none of its entries is a list of layers)."""
+    family = getattr(model.config, "model_type", type(model).__name__)
+    plan = getattr(model, "_pp_plan", None) or {}
+    if not plan:
+        raise _refusal(family, f"transformers describes no pipeline for it ({type(model.config).__name__} has no "
+                               f"base_model_pp_plan)")
+    lists = [path for path in plan if isinstance(_get(model, path), nn.ModuleList)]
+    if len(lists) != 1:
+        raise _refusal(family, f"its base_model_pp_plan ({', '.join(plan)}) names {len(lists)} lists of decoder "
+                               f"layers, not one")
+    return lists[0]
+
+
+def _get(model: nn.Module, path: str) -> Optional[nn.Module]:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+@contextlib.contextmanager
+def layers_replaced(model: nn.Module, path: str, stand_ins: List[nn.Module]) -> Iterator[None]:
+    """The decoder layer list at ``path`` swapped for ``stand_ins`` while the block runs."""
+    owner_path, _, name = path.rpartition(".")
+    owner = model.get_submodule(owner_path) if owner_path else model
+    layers = getattr(owner, name)
+    setattr(owner, name, nn.ModuleList(stand_ins))
+    try:
+        yield
+    finally:
+        setattr(owner, name, layers)
+
+
+def hidden_of(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[torch.Tensor, Tuple[Any, ...], Dict[str, Any]]:
+    """(the hidden states, the other positional arguments, the keyword arguments) of a decoder
+    layer's call: the hidden states are the first positional argument or ``hidden_states=``."""
+    if args:
+        return args[0], args[1:], kwargs
+    kwargs = dict(kwargs)
+    return kwargs.pop("hidden_states"), (), kwargs
+
+
+class _ProbeLayer(nn.Module):
+    """Stands in for decoder layer ``index`` while the structure is probed: counts where the forward
+    is (``probe.reached``) and checks its input is exactly what the previous layer returned."""
+
+    def __init__(self, probe: "_Probe", index: int) -> None:
+        super().__init__()
+        self.probe, self.index = probe, index
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        hidden, _, _ = hidden_of(args, kwargs)
+        probe = self.probe
+        if self.index and hidden is not probe.returned:
+            probe.problems.append(f"it does work between decoder layers {self.index - 1} and {self.index} (the input of "
+                                  f"layer {self.index} is not what layer {self.index - 1} returned)")
+        probe.returned = hidden.clone()  # a new tensor: the next layer must receive this very one
+        probe.reached = self.index + 1
+        return probe.returned
+
+
+class _Probe:
+    """One forward of the model with its layers stood in for: which modules with parameters it
+    calls before, between and after them."""
+
+    def __init__(self, model: nn.Module, layers_path: str) -> None:
+        self.model, self.layers_path = model, layers_path
+        self.count = len(model.get_submodule(layers_path))
+        self.reached = 0
+        self.returned: Optional[torch.Tensor] = None
+        self.problems: List[str] = []
+        self.calls: Dict[str, set] = {}  # module path -> {"entry", "between", "exit"}
+
+    def run(self, **inputs: Any) -> None:
+        handles = []
+        for path, module in self.model.named_modules():
+            if path == self.layers_path or path.startswith(self.layers_path + "."):
+                continue
+            if any(True for _ in module.parameters(recurse=False)):
+                handles.append(module.register_forward_pre_hook(self._called(path)))
+        stand_ins = [_ProbeLayer(self, i) for i in range(self.count)]
+        try:
+            with layers_replaced(self.model, self.layers_path, stand_ins), torch.no_grad():
+                self.model(**inputs, use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _called(self, path: str):
+        def hook(module, args):
+            where = "entry" if self.reached == 0 else "exit" if self.reached == self.count else "between"
+            self.calls.setdefault(path, set()).add(where)
+        return hook
+
+
+@contextlib.contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """Dropout off while probing: the probe must not draw from the random streams training uses."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _probe_inputs(model: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A tiny input on the model's device (the meta device too) and a ready 4-D additive mask: the
+    family's own mask code would read values (.item()), which a model on the meta device has not."""
+    parameter = next(model.parameters())
+    floating = parameter.dtype if parameter.is_floating_point() else torch.get_default_dtype()
+    ids = torch.zeros(1, _PROBE_TOKENS, dtype=torch.long, device=parameter.device)
+    mask = torch.zeros(1, 1, _PROBE_TOKENS, _PROBE_TOKENS, dtype=floating, device=parameter.device)
+    return ids, mask
+
+
+def hf_pipeline_plan(model: nn.Module) -> HFPipelinePlan:
+    """The model's pipeline plan, verified by probing its forward (see the module's docstring);
+    ValueError naming the family and what it does that a pipeline would compute differently."""
+    family = getattr(model.config, "model_type", type(model).__name__)
+    layers_path = layer_list_path(model)
+    base_path = model.base_model_prefix if _get(model, model.base_model_prefix) is model.base_model else ""
+    ids, mask = _probe_inputs(model)
+    hidden = getattr(model.config.get_text_config(), "hidden_size", None)
+    with _evaluating(model):
+        from_ids = _Probe(model, layers_path)
+        from_ids.run(input_ids=ids, attention_mask=mask)
+        problems = list(from_ids.problems)
+        if from_ids.reached != from_ids.count:
+            problems.append(f"its forward called {from_ids.reached} of its {from_ids.count} decoder layers")
+        elif hidden is not None:
+            # The last stage runs the forward from inputs_embeds: what it calls before layer 0 then
+            # must hold no parameters (the first stage holds those).
+            from_embeds = _Probe(model, layers_path)
+            from_embeds.run(inputs_embeds=torch.zeros(1, _PROBE_TOKENS, hidden, dtype=mask.dtype, device=mask.device),
+                            attention_mask=mask)
+            early = sorted(path for path, where in from_embeds.calls.items() if "entry" in where)
+            if early:
+                problems.append(f"given inputs_embeds, its forward still calls {', '.join(early)} before the first "
+                                f"decoder layer (the last stage, which runs the forward that way, does not hold it)")
+    calls = from_ids.calls
+    for path, where in sorted(calls.items()):
+        if "between" in where:
+            problems.append(f"it calls {path or type(model).__name__}, which has parameters, between decoder layers")
+        elif where == {"entry", "exit"}:
+            problems.append(f"it calls {path or type(model).__name__}, which has parameters, both before the first "
+                            f"decoder layer and after the last")
+    layer_parameters = {id(p) for p in model.get_submodule(layers_path).parameters()}
+    used = {id(p) for path in calls for p in model.get_submodule(path).parameters(recurse=False)}
+    unused = sorted(name for name, p in model.named_parameters() if id(p) not in layer_parameters | used)
+    if unused:
+        problems.append(f"its forward never calls the module of {', '.join(unused[:3])} outside the decoder layers "
+                        f"(a parameter the pipeline would hold nowhere)")
+    if problems:
+        raise _refusal(family, "; ".join(problems))
+    entry = tuple(path for path, where in calls.items() if where == {"entry"})
+    exit_ = tuple(path for path, where in calls.items() if where == {"exit"})
+    return HFPipelinePlan(family, base_path, layers_path, entry, exit_)
