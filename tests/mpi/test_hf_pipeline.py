@@ -225,7 +225,7 @@ class HalvedBetweenLayers(torch.nn.Module):
 
     def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, **kwargs):
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        position_ids = torch.arange(hidden.shape[1])[None]
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None]
         embeddings = self.rotary_emb(hidden, position_ids)
         for layer in self.layers:
             hidden = layer(hidden, position_embeddings=embeddings, position_ids=position_ids) * 0.5

@@ -9,8 +9,8 @@ scaling, Gemma2's soft-capping) the last: both run the model's own code (hf_laye
 compute exactly what one process does.
 
 That holds only for a forward of that shape, so it is verified once, on the whole model before it
-is split (real or on the meta device; no decoder layer runs): the forward is run with the layers
-stood in for, and forward pre-hooks tell which modules with parameters it calls before the first
+is split, its tensors swapped for meta ones (nothing computed; no decoder layer runs): the
+forward is run with the layers stood in for, and forward pre-hooks tell which modules with parameters it calls before the first
 layer and after the last. Refused by name, before the first step: a family with no
 ``base_model_pp_plan``; work between decoder layers (layer i + 1's input is not what layer i
 returned); a module with parameters called between layers, on both sides of them, or not at all;
@@ -166,13 +166,37 @@ def _evaluating(model: nn.Module) -> Iterator[None]:
             module.training = training
 
 
+@contextlib.contextmanager
+def _on_meta(model: nn.Module) -> Iterator[None]:
+    """Every parameter and buffer swapped for one of its shape on the meta device while the block
+    runs (ties kept): the probe computes nothing, draws no random number, and runs alike on a model
+    whose tensors hold no memory yet (built on the meta device, given values after the split)."""
+    twins: Dict[int, torch.Tensor] = {}
+    swapped = []
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None:
+                    continue
+                if id(tensor) not in twins:
+                    empty = torch.empty_like(tensor, device="meta")
+                    twins[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) \
+                        if isinstance(tensor, nn.Parameter) else empty
+                swapped.append((table, name, tensor))
+                table[name] = twins[id(tensor)]
+    try:
+        yield
+    finally:
+        for table, name, tensor in swapped:
+            table[name] = tensor
+
+
 def _probe_inputs(model: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A tiny input on the model's device (the meta device too) and a ready 4-D additive mask: the
-    family's own mask code would read values (.item()), which a model on the meta device has not."""
-    parameter = next(model.parameters())
-    floating = parameter.dtype if parameter.is_floating_point() else torch.get_default_dtype()
-    ids = torch.zeros(1, _PROBE_TOKENS, dtype=torch.long, device=parameter.device)
-    mask = torch.zeros(1, 1, _PROBE_TOKENS, _PROBE_TOKENS, dtype=floating, device=parameter.device)
+    """A tiny input on the meta device and a ready 4-D additive mask: the family's own mask code
+    would read values (.item()), which the meta device has not."""
+    floating = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    ids = torch.zeros(1, _PROBE_TOKENS, dtype=torch.long, device="meta")
+    mask = torch.zeros(1, 1, _PROBE_TOKENS, _PROBE_TOKENS, dtype=floating, device="meta")
     return ids, mask
 
 
@@ -184,9 +208,12 @@ def hf_pipeline_plan(model: nn.Module) -> HFPipelinePlan:
     base_path = model.base_model_prefix if _get(model, model.base_model_prefix) is model.base_model else ""
     ids, mask = _probe_inputs(model)
     hidden = getattr(model.config.get_text_config(), "hidden_size", None)
-    with _evaluating(model):
+    with _evaluating(model), _on_meta(model):
         from_ids = _Probe(model, layers_path)
-        from_ids.run(input_ids=ids, attention_mask=mask)
+        try:
+            from_ids.run(input_ids=ids, attention_mask=mask)
+        except (RuntimeError, NotImplementedError) as error:
+            raise _refusal(family, f"its forward could not be followed on the meta device ({error})") from error
         problems = list(from_ids.problems)
         if from_ids.reached != from_ids.count:
             problems.append(f"its forward called {from_ids.reached} of its {from_ids.count} decoder layers")
