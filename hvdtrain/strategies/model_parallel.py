@@ -135,6 +135,12 @@ class ModelParallelStrategy(Strategy):
                 self.plan_note = f"tensor plan: given ({len(tensor_plan)} entries)"
             chosen = check_plan(model, tensor_plan, shape.tensor)  # before any collective: refused on every rank alike
             check_sliceable(optimizer)
+        # Where a Hugging Face model cuts into stages, probed while it is whole, before
+        # any collective (refused by name on every rank alike).
+        hf_plan = None
+        if shape.pipeline > 1:
+            from hvdtrain.parallel.pipeline.stage import probe_model
+            hf_plan = probe_model(model, plan)
         # 1. While every rank holds the whole model: rank 0's state everywhere. A model built on the
         #    meta device gets the same values on every rank from the seed, after it is split (4.).
         if deferred is None:
@@ -145,11 +151,6 @@ class ModelParallelStrategy(Strategy):
         # The full optimizer's parameter order, by name: a full checkpoint's optimizer indices.
         self._optimizer_names = [[names_of[id(p)][0] for p in group["params"]] for group in optimizer.param_groups]
         self._optimizer_index = {name: i for i, name in enumerate(n for names in self._optimizer_names for n in names)}
-        # Where a Hugging Face model cuts into stages, probed while it is whole (refused by name here).
-        hf_plan = None
-        if shape.pipeline > 1:
-            from hvdtrain.parallel.pipeline.stage import probe_model
-            hf_plan = probe_model(model, plan)
         # 2. Tensor parallelism replaces layers in place; the state_dict names stay the full model's.
         replacements: List[Any] = []
         self._audit = None
