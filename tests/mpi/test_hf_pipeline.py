@@ -1,11 +1,20 @@
-"""Hugging Face decoders cut into pipeline stages by themselves (no pipeline_layers given): the
-embedding, each decoder layer, the norm with the head; each stage computes the mask and rotary
-position embeddings its model would. Llama (its tied embedding and head on the first and last
-stage), Qwen3 and Mistral take one process's steps in float64: P=2 under 1f1b and gpipe (2 ranks),
-P=2 x D=2 and T=2 x P=2 (4 ranks, the tensor split by the model's own plan), each step's loss and
-every gathered parameter to 1e-10 (the bound of test_model_parallel.py, for the same reason). The
-last stage reports the metrics the Trainer's step reports without a pipeline (the token accuracy),
-in training and evaluation, equal to one process's.
+"""Hugging Face decoders cut into pipeline stages by themselves (no pipeline_layers given), by their
+own base_model_pp_plan: the model's forward up to decoder layer 0, each decoder layer, the model's
+forward after the last; each stage computes the mask and rotary position embeddings its model
+would. Llama (its tied embedding and head on the first and last stage), Qwen3 and Mistral take one
+process's steps in float64: P=2 under 1f1b and gpipe (2 ranks), P=2 x D=2 and T=2 x P=2 (4 ranks,
+the tensor split by the model's own plan). Gemma2, Granite, OLMo2 and GPT-NeoX (what they do around
+their layers is their forward's own) at P=2, and the Hugging Face job (dict batches with padding and
+prompts left out of the labels, no step_fn or one returning model(**batch).loss) at P=2 and
+T=2 x P=2, against one process's model(**batch).loss over the whole batch, float64 throughout in
+both runs (transformers' float32 casts made no-ops: hvdtrain.verify.exact). Each step's loss and
+every gathered parameter to 1e-10: as in test_model_parallel.py, a pipeline changes only the order
+of float64 additions (micro-batches' gradients summed, relative 1e-16 per operation, a few hundred
+per step, 3 steps; measured 1e-16 to 7e-14), where a wrong cut, a step of the family's forward left
+out, or a mean of micro-batch means moves values by more than 1e-4. The last stage reports the
+metrics the Trainer's step reports without a pipeline (the token accuracy; a step_fn's own), in
+training and evaluation, equal to one process's. What a pipeline cannot reproduce is refused before
+the first step, on every rank.
 """
 import copy
 import math
@@ -20,6 +29,7 @@ from hvdtrain.verify.exact import float64_throughout
 from hvdtrain.trainer import Trainer
 from hvdtrain.training.steps import supervised_step
 from tests.mpi.helpers import record_step_losses
+from tests.unit.test_hf_pipeline_layers import HalvedBetweenLayers  # a Llama doing work between its layers
 from tests.mpi.test_hf_equivalence import (BATCH, SEED, SEQ, STEPS, VOCAB, causal_lm_step, check_against_one_process,
                                            logits_loss, make_model, token_data, train)
 
@@ -214,22 +224,6 @@ def test_the_hugging_face_job_runs_unchanged_under_a_pipeline(world, layout, wit
 
     assert sum(int((data[i]["attention_mask"] == 0).any()) for i in order) >= STEPS, "the batches hold padding"
     check_job("llama", data, initial, final, step_losses, metrics, step_fn)
-
-
-class HalvedBetweenLayers(torch.nn.Module):
-    """A Llama base model whose forward halves the hidden states between its decoder layers."""
-
-    def __init__(self, base):
-        super().__init__()
-        self.embed_tokens, self.layers, self.norm, self.rotary_emb = base.embed_tokens, base.layers, base.norm, base.rotary_emb
-
-    def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, **kwargs):
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None]
-        embeddings = self.rotary_emb(hidden, position_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, position_embeddings=embeddings, position_ids=position_ids) * 0.5
-        return transformers.modeling_outputs.BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
 
 
 def calls_the_model_twice(model, batch):
