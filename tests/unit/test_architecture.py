@@ -19,7 +19,7 @@ LAYERS: Dict[str, int] = {
     "checkpoint": 5, "observability": 5, "fault_tolerance": 5,
     "examples": 6,
     "top": 7,                                        # hvdtrain/__init__.py, session.py, trainer.py, loop.py
-    "bench": 8,
+    "bench": 8, "verify": 8,                         # leaves: they drive the Trainer, nothing imports them
     "cli": 9,
 }
 # Imports against the layers, each for a reason: (importing package, imported module) -> where it may
@@ -82,6 +82,14 @@ def test_nothing_outside_the_benchmarks_and_the_command_line_imports_the_benchma
                  for imported, line, _ in hvdtrain_imports(tree)
                  if imported == "hvdtrain.bench" or imported.startswith("hvdtrain.bench.")]
     assert not offenders, "the benchmarks are a leaf: " + "; ".join(offenders)
+
+
+def test_nothing_outside_the_layout_checks_and_the_command_line_imports_them():
+    offenders = [f"{module}:{line} imports {imported}" for module, tree in modules()
+                 if package_of(module) not in ("verify", "cli")
+                 for imported, line, _ in hvdtrain_imports(tree)
+                 if imported == "hvdtrain.verify" or imported.startswith("hvdtrain.verify.")]
+    assert not offenders, "the layout checks are a leaf: " + "; ".join(offenders)
 
 
 def test_every_package_imports_only_the_layers_below_it():
