@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 from hvdtrain.launch.commands import job_argv
+from hvdtrain.launch.sessions import kill_session
 from hvdtrain.verify.layouts import Layout
 from hvdtrain.verify.outcome import Outcome
 
@@ -122,7 +122,7 @@ def _follow(process: subprocess.Popen, out: Path, family_timeout: float,
             return outcomes, (None if finished else current), None
         limit = family_timeout if current is not None else START_TIMEOUT
         if time.monotonic() - since > limit:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_session(process.pid)
             process.wait()
             what = f"{current} did not finish in {family_timeout:.0f} s (a hang, or too slow)" if current \
                 else f"the launch did not start its first family in {START_TIMEOUT:.0f} s"

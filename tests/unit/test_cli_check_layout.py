@@ -3,7 +3,6 @@ message that says what to give, before anything is launched; and how outcomes ar
 import pytest
 
 from hvdtrain.cli import build_parser
-from hvdtrain.cli import check_layout
 from hvdtrain.verify.layouts import layout_for
 from hvdtrain.verify.outcome import Outcome, refusal_reason
 from hvdtrain.verify import table
