@@ -35,26 +35,31 @@ def counts(outcomes: Iterable[Outcome], layouts: Sequence[str], families: Iterab
     return per_layout
 
 
-def markdown(outcomes: List[Outcome], layouts: Sequence[str], plans: Mapping[str, str], header: Mapping[str, str]) -> str:
+def markdown(outcomes: List[Outcome], layouts: Sequence[str], plans: Mapping[str, str], header: Mapping[str, str],
+             built: Iterable[str] = ()) -> str:
     """The page. ``plans``: each family's plans ("tp+pp", "tp", "pp", "no plan"), in the sweep's
-    order; ``header``: what the sweep ran on (versions, date, branch, sizes)."""
+    order; ``header``: what the sweep ran on (versions, date, branch, sizes); ``built``: the
+    families that could be built tiny."""
     lines = ["# Hugging Face decoder families under every layout", ""]
     lines += [f"- **{key}**: {value}" for key, value in header.items()] + [""]
-    lines += _summary(outcomes, layouts, plans) + [""]
+    lines += _summary(outcomes, layouts, plans, set(built)) + [""]
     lines += _counts_table(outcomes, layouts, plans) + [""]
     lines += _failures(outcomes) + [""]
     lines += _family_table(outcomes, layouts, plans) + [""]
     return "\n".join(lines)
 
 
-def _summary(outcomes, layouts, plans) -> List[str]:
+def _summary(outcomes, layouts, plans, built) -> List[str]:
     tp = [f for f, p in plans.items() if "tp" in p]
     pp = [f for f, p in plans.items() if "pp" in p]
-    lines = ["## Goals", "", "| | families | equal | share |", "|---|---|---|---|"]
+    lines = ["## Goals", "", "| | families | built tiny | equal | share of the families | share of those built |",
+             "|---|---|---|---|---|---|"]
     for label, layout, group in (("with a tp plan, T=2", "T2", tp), ("with a pp plan, P=2", "P2", pp)):
         if layout in layouts and group:
             equal = counts(outcomes, [layout], group)[layout]["equal"]
-            lines.append(f"| {label} | {len(group)} | {equal} | {100 * equal / len(group):.0f}% |")
+            made = len([f for f in group if f in built]) or 1
+            lines.append(f"| {label} | {len(group)} | {made} | {equal} | {100 * equal / len(group):.0f}% | "
+                         f"{100 * equal / made:.0f}% |")
     silent = sum(1 for cell in cell_results(outcomes).values() if worst(cell).result == "differs")
     lines += ["", f"(Family, layout) pairs that trained and differ from one process: **{silent}**."]
     return lines
