@@ -1,5 +1,5 @@
 """The ``hvdtrain`` command: one module per subcommand, named after it, each with ``HELP``,
-``add_arguments(parser)`` and ``run(args) -> int`` (a group of subcommands, such as ``bench``, gives
+``add_arguments(parser)`` and ``run(args) -> int`` (``check-layout``: check_layout.py) (a group of subcommands, such as ``bench``, gives
 each of its own parsers its ``run``). Building the parser imports no torch or Horovod
 (``--help`` is instant; the tools run on login nodes): a command imports them only when it runs.
 May import anything in hvdtrain, the benchmarks included.
@@ -10,14 +10,14 @@ import argparse
 import importlib
 from typing import List, Optional
 
-COMMANDS = ("info", "launch", "doctor", "hosts", "plot", "checkpoint", "export", "plan", "bench")
+COMMANDS = ("info", "launch", "doctor", "hosts", "plot", "checkpoint", "export", "plan", "bench", "check-layout")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hvdtrain", description="Data-parallel PyTorch training on Horovod.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
-        module = importlib.import_module(f"hvdtrain.cli.{name}")
+        module = importlib.import_module(f"hvdtrain.cli.{name.replace('-', '_')}")
         command = commands.add_parser(name, help=module.HELP, description=module.__doc__,
                                       formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(command)

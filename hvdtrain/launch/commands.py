@@ -1,7 +1,10 @@
 """The exact command line each launcher needs, as pure functions of one LaunchSpec."""
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from hvdtrain.launch.hostfile import Host, HostfileError, check_hostname, to_host_list, total_slots
@@ -100,3 +103,26 @@ BUILDERS: Dict[str, Callable[[LaunchSpec], List[str]]] = {
     "horovodrun": horovodrun_argv,
     "srun": srun_argv,
 }
+
+# How a tool of hvdtrain (a benchmark, a layout check) starts its own worker jobs.
+JOB_LAUNCHERS = ("none", "mpirun", "horovodrun")
+
+
+def job_argv(command: Sequence[str], np: int, launcher: str, hosts: Sequence[Host] = (),
+             environ: Optional[Mapping[str, str]] = None) -> List[str]:
+    """``command`` (this Python's, usually) on ``np`` ranks under ``launcher``: none (one process,
+    as is), mpirun, or horovodrun over Gloo (the horovodrun beside this Python, activated or not)."""
+    environ = os.environ if environ is None else environ
+    if launcher == "none":
+        if np != 1:
+            raise ValueError(f"launcher 'none' runs one process, not {np}")
+        return list(command)
+    spec = LaunchSpec(np=np, command=list(command), hosts=hosts, exports=exports_present(environ),
+                      as_root=hasattr(os, "geteuid") and os.geteuid() == 0)
+    if launcher == "mpirun":
+        return openmpi_argv(spec)
+    if launcher == "horovodrun":
+        argv = horovodrun_argv(spec)
+        beside = Path(sys.executable).parent / "horovodrun"
+        return [str(beside) if beside.exists() else argv[0], "--gloo", *argv[1:]]
+    raise ValueError(f"unknown launcher {launcher!r}: choose one of {', '.join(JOB_LAUNCHERS)}")

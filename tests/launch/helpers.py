@@ -1,12 +1,13 @@
 """Running launches from tests: own session, hard timeout, root-aware environment."""
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from hvdtrain.launch.sessions import kill_session  # noqa: F401 (the tests' name for it)
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -20,34 +21,6 @@ def launch_env(extra_env=None):
     if os.geteuid() == 0:  # Open MPI refuses root unless told twice
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return env
-
-
-def kill_session(session, timeout=30.0):
-    """SIGKILL every process of a launch started with ``start_new_session`` (its session id is the
-    launcher's pid) and wait until none is left. Killing the launcher's process group is not enough:
-    mpirun puts each rank in a process group of its own, and a rank whose mpirun died goes on
-    training (and writing checkpoints) until it notices."""
-    deadline = time.monotonic() + timeout
-    while True:
-        members = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z" and os.getsid(int(entry.name)) == session:
-                    members.append(int(entry.name))
-            except (OSError, IndexError):  # gone meanwhile
-                continue
-        if not members:
-            return
-        assert time.monotonic() < deadline, f"processes {members} of session {session} outlived SIGKILL"
-        for pid in members:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.05)
 
 
 def run(argv, timeout=LAUNCH_TIMEOUT, extra_env=None):

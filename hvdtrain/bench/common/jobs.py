@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 from hvdtrain.common.atomic import write_text_atomically
-from hvdtrain.launch.commands import LaunchSpec, exports_present, horovodrun_argv, openmpi_argv
+from hvdtrain.launch.commands import JOB_LAUNCHERS, job_argv
 from hvdtrain.launch.hostfile import Host
 
-LAUNCHERS = ("none", "mpirun", "horovodrun")
+LAUNCHERS = JOB_LAUNCHERS
 
 
 class JobFailed(RuntimeError):
@@ -29,21 +29,7 @@ class JobFailed(RuntimeError):
 
 def worker_argv(module: str, args: Sequence[str], out: Path, np: int, launcher: str,
                 hosts: Sequence[Host] = (), environ: Mapping[str, str] = os.environ) -> list:
-    command = [sys.executable, "-m", module, "--out", str(out), *args]
-    if launcher == "none":
-        if np != 1:
-            raise ValueError(f"launcher 'none' runs one process, not {np}")
-        return command
-    spec = LaunchSpec(np=np, command=command, hosts=hosts, exports=exports_present(environ),
-                      as_root=hasattr(os, "geteuid") and os.geteuid() == 0)
-    if launcher == "mpirun":
-        return openmpi_argv(spec)
-    if launcher == "horovodrun":
-        argv = horovodrun_argv(spec)
-        # The horovodrun of this Python's environment, activated or not.
-        beside = Path(sys.executable).parent / "horovodrun"
-        return [str(beside) if beside.exists() else argv[0], "--gloo", *argv[1:]]
-    raise ValueError(f"unknown launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
+    return job_argv([sys.executable, "-m", module, "--out", str(out), *args], np, launcher, hosts, environ)
 
 
 def run_job(module: str, args: Sequence[str], np: int, launcher: str, timeout: float,

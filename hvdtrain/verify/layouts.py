@@ -1,0 +1,62 @@
+"""The layouts a family is checked under: how many ranks, and the Trainer settings that make them.
+
+The sweep's four (T=2, P=2, T=2 x P=2 and fsdp built on the meta device) and ddp, by name; and any
+(tensor, pipeline, strategy) that ``hvdtrain check-layout`` is asked for. Importing this module
+imports no torch (the command line reads it while building its parser).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict
+
+MICRO_BATCHES = 2  # a pipeline's: more than one, so the schedule interleaves stages
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    name: str
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1  # data-parallel replicas of the model
+    strategy: str = "ddp"
+    meta: bool = False  # the model built on the meta device, given its values by the Trainer
+
+    @property
+    def ranks(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+    def settings(self) -> Dict[str, Any]:
+        """TrainConfig's fields for this layout."""
+        return {"tensor_parallel": self.tensor, "pipeline_parallel": self.pipeline, "strategy": self.strategy,
+                "micro_batches": MICRO_BATCHES if self.pipeline > 1 else 1}
+
+
+LAYOUTS: Dict[str, Layout] = {layout.name: layout for layout in (
+    Layout("T2", tensor=2),
+    Layout("P2", pipeline=2),
+    Layout("T2xP2", tensor=2, pipeline=2),
+    Layout("fsdp-meta", data=2, strategy="fsdp", meta=True),
+    Layout("ddp", data=2),
+)}
+SWEEP = ("T2", "P2", "T2xP2", "fsdp-meta")
+
+
+def named(names: str) -> list:
+    """Layouts from a comma-separated list of names, or ValueError naming the known ones."""
+    chosen = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in LAYOUTS]
+    if unknown or not chosen:
+        raise ValueError(f"unknown layout {', '.join(unknown) or '(none given)'}: choose from {', '.join(LAYOUTS)}")
+    return [LAYOUTS[name] for name in chosen]
+
+
+def layout_for(tensor: int, pipeline: int, strategy: str = "ddp", meta: bool = False, data: int = 0) -> Layout:
+    """The layout of ``hvdtrain check-layout``'s flags. ``data`` 0: one replica under a mesh, two
+    without one (one rank alone would compare one process with itself)."""
+    for flag, value in (("--tensor_parallel", tensor), ("--pipeline_parallel", pipeline), ("--data_parallel", data)):
+        if not isinstance(value, int) or value < (0 if flag == "--data_parallel" else 1):
+            raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}")
+    data = data or (1 if tensor * pipeline > 1 else 2)
+    parts = [f"T{tensor}" if tensor > 1 else "", f"P{pipeline}" if pipeline > 1 else "", f"D{data}" if data > 1 else ""]
+    name = "x".join(p for p in parts if p) + (f" {strategy}" if strategy != "ddp" else "") + (" meta" if meta else "")
+    return Layout(name, tensor=tensor, pipeline=pipeline, data=data, strategy=strategy, meta=meta)

@@ -1,0 +1,61 @@
+"""``hvdtrain check-layout``'s arguments: every bad input is refused with exit status 2 and a
+message that says what to give, before anything is launched; and how outcomes are reported."""
+import pytest
+
+from hvdtrain.cli import build_parser
+from hvdtrain.verify.layouts import layout_for
+from hvdtrain.verify.outcome import Outcome, refusal_reason
+from hvdtrain.verify import table
+
+
+def check(capsys, *argv):
+    args = build_parser().parse_args(["check-layout", *argv])
+    status = args.run(args)
+    return status, capsys.readouterr().err
+
+
+def test_the_flags_parse_in_both_spellings():
+    args = build_parser().parse_args(["check-layout", "gemma2", "--tensor_parallel=2", "--pipeline-parallel", "2",
+                                      "--strategy=fsdp", "--optimizer", "sgd", "--steps", "4"])
+    assert (args.model, args.tensor_parallel, args.pipeline_parallel, args.strategy, args.optimizer, args.steps) == \
+        ("gemma2", 2, 2, "fsdp", "sgd", 4)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["lama", "--tensor_parallel=2"], "did you mean llama"),
+    (["llama", "--tensor_parallel=0"], "--tensor_parallel must be a whole number >= 1"),
+    (["llama", "--strategy=zero9"], "choose one of ddp"),
+    (["llama", "--steps=0"], "--steps must be >= 1"),
+    (["./no/such/model", "--tensor_parallel=2"], "is not a directory"),
+])
+def test_bad_input_exits_2_saying_what_to_give(capsys, argv, says):
+    status, err = check(capsys, *argv)
+    assert status == 2 and says in err, err
+
+
+def test_a_directory_without_config_json_exits_2(capsys, tmp_path):
+    status, err = check(capsys, str(tmp_path), "--tensor_parallel=2")
+    assert status == 2 and "has no config.json" in err
+
+
+def test_without_a_mesh_two_replicas_are_compared():
+    assert layout_for(1, 1, "fsdp", meta=True).ranks == 2
+    assert layout_for(2, 2).ranks == 4 and layout_for(2, 2).name == "T2xP2"
+
+
+def test_refusals_are_counted_by_reason():
+    assert refusal_reason("tensor plan: 'x.experts.gate_up_proj' matches no module of M") == \
+        "tp plan names modules the model lacks"
+    assert refusal_reason("train.tensor_parallel=2 needs a tensor plan: ...") == "no tp plan"
+    assert refusal_reason("something new") == "other"
+
+
+def test_the_table_counts_a_pair_by_its_worse_optimizer():
+    outcomes = [Outcome("a", "T2", "adamw", "equal", max_diff=1e-14, loss_diff=0.0),
+                Outcome("a", "T2", "sgd", "differs", max_diff=3e-3, loss_diff=1e-3, parameter="w",
+                        parameter_diff=3e-3, parameter_size=0.1),
+                Outcome("b", "T2", "adamw", "refused", message="needs a tensor plan", reason="no tp plan"),
+                Outcome("b", "T2", "sgd", "refused", message="needs a tensor plan", reason="no tp plan")]
+    assert table.counts(outcomes, ["T2"])["T2"] == {"differs": 1, "refused: no tp plan": 1}
+    page = table.markdown(outcomes, ["T2"], {"a": "tp+pp", "b": "no plan"}, {"date": "today"})
+    assert "| a | T2 | sgd | differs | 3.0e-03 | `w`" in page and "**differs** 3e-03 (sgd)" in page

@@ -1,0 +1,74 @@
+"""hvdtrain.verify.tiny: a family built from its config class alone has the asked sizes wherever the
+family has them (its own names for them included), its per-layer lists sized to the tiny depth, and
+every float64 parameter; a family that cannot be built tiny says why."""
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hvdtrain.verify import tiny  # noqa: E402
+
+
+def built(model_type):
+    result = tiny.build_tiny(model_type)
+    assert result.built, result.reason
+    assert all(p.dtype == torch.float64 for p in result.model.parameters() if p.is_floating_point())
+    return result
+
+
+def test_a_llama_has_the_asked_sizes():
+    config = built("llama").config
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.vocab_size, config.head_dim) == (64, 2, 4, 2, 128, 16)
+    assert config.max_position_embeddings >= tiny.SEQUENCE and config.attention_dropout == 0.0
+
+
+def test_gpt2s_own_names_for_the_sizes_are_set():
+    config = built("gpt2").config
+    assert (config.n_embd, config.n_layer, config.n_head, config.n_positions) == (64, 2, 4, tiny.POSITIONS)
+    assert config.resid_pdrop == config.embd_pdrop == config.attn_pdrop == 0.0
+
+
+def test_a_mixture_of_experts_gets_four_experts_two_per_token():
+    config = built("qwen2_moe").config
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (4, 2, 32)
+
+
+def test_per_layer_types_are_sized_to_the_tiny_depth_and_keep_both_kinds():
+    config = built("gemma2").config
+    assert len(config.layer_types) == 2 and len(set(config.layer_types)) == 2
+    assert config.sliding_window < tiny.SEQUENCE  # the sliding layers' masks do something
+
+
+def test_a_multimodal_family_is_not_built_and_says_why():
+    result = tiny.build_tiny("gemma3")
+    assert not result.built and result.model is None
+    assert "multimodal" in result.reason and "vision_config" in result.reason
+
+
+def test_an_unknown_model_type_is_refused_with_the_close_names():
+    with pytest.raises(ValueError, match="did you mean llama"):
+        tiny.build_tiny("lama")
+
+
+def test_a_local_config_json_is_shrunk_the_same_way(tmp_path):
+    transformers.LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                             vocab_size=32000).save_pretrained(tmp_path)
+    model_type, config = tiny.config_from_directory(str(tmp_path))
+    shrunk = tiny.tiny_config(config)
+    assert model_type == "llama"
+    assert (shrunk.hidden_size, shrunk.num_hidden_layers, shrunk.vocab_size) == (64, 2, 128)
+    assert json.loads((tmp_path / "config.json").read_text())["hidden_size"] == 4096  # the user's file untouched
+
+
+def test_a_directory_without_a_config_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json"):
+        tiny.config_from_directory(str(tmp_path))
+
+
+def test_the_families_carry_their_plans():
+    families = {f.model_type: f for f in tiny.causal_lm_families()}
+    assert families["llama"].plans == "tp+pp" and families["gpt2"].plans == "no plan"
+    assert len(families) > 100
