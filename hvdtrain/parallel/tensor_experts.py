@@ -51,7 +51,7 @@ NOT_REPRODUCED = {
 def why_not(style: str) -> str:
     """The reason hvdtrain refuses transformers' ``style``, or "" for a style it does not know."""
     reason = NOT_REPRODUCED.get(style)
-    return f" ({style!r}: {reason})" if reason else ""
+    return f" ({style}: {reason})" if reason else ""
 
 
 def parameter_paths(model: nn.Module, key: str) -> List[str]:

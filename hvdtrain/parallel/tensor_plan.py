@@ -193,8 +193,8 @@ def check_plan(model: nn.Module, plan: Mapping[str, str], size: int) -> List[Tup
     for key, style in plan.items():
         canonical = ALIASES.get(style, style)
         if canonical not in STYLES:
-            raise ValueError(f"tensor plan: {key}: style {style!r} is not supported{why_not(style)}; hvdtrain "
-                             f"splits by {', '.join(STYLES + tuple(ALIASES))}: give a plan without it")
+            raise ValueError(f"tensor plan: {key}: style {style!r} is not supported; hvdtrain splits by "
+                             f"{', '.join(STYLES + tuple(ALIASES))}{why_not(style)}: give a plan without it")
         matched = _match_key(model, modules, key)
         if not matched and parameter_paths(model, key):
             by_parameter[key] = canonical
