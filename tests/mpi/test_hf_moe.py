@@ -193,11 +193,12 @@ def test_the_default_grouped_mm_kernel_splits_in_float32(world):
     """grouped_mm (transformers' default experts implementation) has no float64 kernel: Qwen3-MoE in
     float32 under T=2 against one process running the same kernel, under SGD (its step is linear in
     the gradient; Adam's near-sign step turns a rounding difference in a gradient near its eps into
-    a difference of a whole step). Bound 1e-6 with every expert weight moved by more than 1e-4 in
+    a difference of a whole step). Bound 1e-6 with every expert weight moved by more than 5e-5 in
     training: the layouts differ only in the order of float32 additions (relative 6e-8 each; measured
     about 1e-8 here, whether the kernels are AVX2's or AVX-512's, which change only how a sum is
     grouped), while a missing sum over the group or a [gate; up] cut apart changes the experts'
-    gradients by a fraction of themselves, so their weights by a fraction of 1e-4."""
+    gradients by a fraction of themselves, so their weights by a fraction of 5e-5 (1.1e-4 and more here,
+    at 2 and 4 ranks)."""
     if world.size % 2:
         pytest.skip("tensor_parallel=2 needs an even world")
     options = dict(dtype=torch.float32, experts="grouped_mm")
@@ -212,7 +213,7 @@ def test_the_default_grouped_mm_kernel_splits_in_float32(world):
           f"experts moved >= {experts_moved:.2e}")
 
     assert implementation == "grouped_mm"
-    assert experts_moved > 1e-4, "training did not move every expert's weights: the test proves nothing"
+    assert experts_moved > 5e-5, "training did not move every expert's weights: the test proves nothing"
     # The loss is near 4, where float32's spacing is 4.8e-7: 5e-6 is ten of those steps.
     assert worst < 1e-6 and loss_error < 5e-6, (worst, loss_error)
 
