@@ -16,6 +16,8 @@ transformer:
 - ``replicated_with_grad_allreduce``: kept whole, its gradients summed over the group (a per-head
   norm that sees only this rank's heads).
 - ``attention``: hvdtrain's own self-attention (qkv and proj) split by heads.
+- ``moe_tp_experts``: fused 3-D experts (Qwen2-MoE, Qwen3-MoE, Mixtral), each expert's intermediate
+  dimension cut, with the entries naming their parameters (hvdtrain.parallel.tensor_experts).
 
 transformers 4.x plans name two of them otherwise, taken as aliases: ``colwise_rep`` is
 ``colwise_gather_output`` and ``rowwise_rep`` is ``rowwise_split_input`` (transformers registers each
@@ -33,17 +35,19 @@ import torch
 from torch import nn
 
 from hvdtrain.parallel.own_forward import has_own_forward, own_forward_problem
+from hvdtrain.parallel.tensor_experts import (EXPERT_STYLES, check_experts, check_parameter_entries, parameter_paths,
+                                              split_experts, why_not)
 from hvdtrain.parallel.tensor import (ColumnParallelLinear, GatheredColumnParallelLinear, ParallelSelfAttention,
                                       RowParallelLinear, SplitInputRowParallelLinear, VocabParallelEmbedding,
                                       sum_gradients_over_group)
 
 COLUMN_STYLES = ("colwise", "colwise_gather_output", "packed_colwise")
 ROW_STYLES = ("rowwise", "rowwise_split_input")
-STYLES = COLUMN_STYLES + ROW_STYLES + ("embedding_rowwise", "replicated_with_grad_allreduce", "attention")
+STYLES = COLUMN_STYLES + ROW_STYLES + ("embedding_rowwise", "replicated_with_grad_allreduce", "attention") + EXPERT_STYLES
 ALIASES = {"column": "colwise", "row": "rowwise",
            "colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
 # Styles whose layers get new, split parameters (the last two above keep theirs whole).
-SPLITTING = COLUMN_STYLES + ROW_STYLES + ("embedding_rowwise", "attention")
+SPLITTING = COLUMN_STYLES + ROW_STYLES + ("embedding_rowwise", "attention") + EXPERT_STYLES
 _SPLIT_LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelSelfAttention, VocabParallelEmbedding)
 
 
@@ -123,6 +127,8 @@ def _check_module(path: str, module: nn.Module, parent: Optional[nn.Module], sty
         return
     if style == "replicated_with_grad_allreduce":
         return
+    if style in EXPERT_STYLES:
+        return check_experts(path, module, size)
     linear = lambda attr: isinstance(getattr(module, attr, None), nn.Linear)
     heads = getattr(module, "heads", None)
     if not (linear("qkv") and linear("proj") and isinstance(heads, int) and hasattr(module, "dropout")
@@ -182,13 +188,19 @@ def check_plan(model: nn.Module, plan: Mapping[str, str], size: int) -> List[Tup
         raise ValueError(f"tensor plan: tensor_parallel must be a whole number >= 1, got {size!r}")
     modules = dict(model.named_modules())
     chosen: Dict[str, str] = {}
+    by_parameter: Dict[str, str] = {}  # entries naming parameters (fused experts'): checked with their modules
+    own_plan = model_tensor_plan(model) or {}
     for key, style in plan.items():
         canonical = ALIASES.get(style, style)
         if canonical not in STYLES:
             raise ValueError(f"tensor plan: {key}: style {style!r} is not supported; hvdtrain splits by "
-                             f"{', '.join(STYLES + tuple(ALIASES))} (mixture-of-experts and other styles are not "
-                             f"implemented: give a plan without it)")
+                             f"{', '.join(STYLES + tuple(ALIASES))}{why_not(style)}: give a plan without it")
         matched = _match_key(model, modules, key)
+        if not matched and parameter_paths(model, key):
+            by_parameter[key] = canonical
+            continue
+        if not matched and own_plan.get(key) == style:
+            continue  # the family's plan names layers this configuration lacks (Qwen2-MoE's dense MLPs)
         if not matched:
             some = ", ".join(p for p in list(modules)[1:9])
             raise ValueError(f"tensor plan: {key!r} matches no module of {type(model).__name__} "
@@ -203,6 +215,7 @@ def check_plan(model: nn.Module, plan: Mapping[str, str], size: int) -> List[Tup
                              f"give one of them")
         parent_path = path.rpartition(".")[0]
         _check_module(path, modules[path], modules.get(parent_path) if parent_path else model, style, size)
+    check_parameter_entries(model, by_parameter, chosen)
     _check_ties(model, chosen)
     return [(path, chosen[path]) for path in modules if path in chosen]
 
@@ -224,6 +237,8 @@ def _split(module: nn.Module, style: str, group: Any, path: str,
         return VocabParallelEmbedding.from_embedding(module, group, name=path)
     if style == "attention":
         return ParallelSelfAttention.from_attention(module, group, name=path)
+    if style in EXPERT_STYLES:
+        return split_experts(module, group, path)
     sum_gradients_over_group(module, group, path, observe)
     return None
 
