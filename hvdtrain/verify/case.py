@@ -68,8 +68,10 @@ def _train(world: World, config: Any, layout: Layout, optimizer: str, steps: int
             final = _cloned(trainer.strategy.state_dict()["model"])
             step_losses = collectives.allreduce_sum(torch.stack(losses), name="verify.losses") / world.size
     except Exception as error:  # the verdict is agreed with the other ranks before anything is decided
-        end = "set-up" if trainer is None else "first step" if not losses else "training"
-        return {"end": end, "verdict": _failure(error, before_first_step=not losses)}, trainer, None
+        # The first step's audit refuses after its backward and before its update: still a refusal.
+        updated = trainer is not None and trainer.global_step > 0
+        end = "set-up" if trainer is None else "training" if updated else "first step"
+        return {"end": end, "verdict": _failure(error, before_first_step=not updated)}, trainer, None
     return {"end": "trained", "verdict": None}, trainer, (initial, final, step_losses.tolist())
 
 
@@ -94,7 +96,7 @@ def _judge(world: World, config: Any, layout: Layout, optimizer: str, steps: int
 
 
 def _failure(error: BaseException, before_first_step: bool) -> Dict[str, Any]:
-    """A refusal is hvdtrain's own clear error before the first step; anything else is an error."""
+    """A refusal is hvdtrain's own clear error before the first update; anything else is an error."""
     message = _line(error)
     raised_by_hvdtrain = _raised_in_hvdtrain(error)
     if before_first_step and raised_by_hvdtrain and isinstance(error, (ValueError, TypeError, NotImplementedError)):

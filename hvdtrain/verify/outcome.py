@@ -19,6 +19,10 @@ TOLERANCE = 1e-10
 # A refusal's message -> the reason it is counted under. The first that matches names it; the message
 # itself is kept beside it. Worded loosely on purpose: the messages are hvdtrain's and may be rephrased.
 REASONS: Tuple[Tuple[str, str], ...] = (
+    # hvdtrain.parallel.tensor_audit and tensor_probe: a split found wrong before any update.
+    (r"found on the first step", "tp: a gradient counted otherwise than once (first-step audit)"),
+    (r"found at set-up\): on a probe", "tp: split logits differ from the whole model's (set-up probe)"),
+    (r"a forward of its own", "tp: a layer's own forward a split would drop"),
     (r"style '?[\w-]+'? is not supported|styles? .* not (supported|implemented)", "tp plan style not supported"),
     (r"matches no module", "tp plan names modules the model lacks"),
     (r"needs a tensor plan", "no tp plan"),
