@@ -13,6 +13,7 @@ averaged gradient (the others' contribute zeros), as one process over the global
 """
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
@@ -28,6 +29,8 @@ class GradientUse:
     def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
         self.params = list(params)
         self._used = bytearray(len(self.params))
+        self.skipped_once = bytearray(len(self.params))  # skipped by some earlier step
+        self.warned = False
         self._hooks = [param.register_post_accumulate_grad_hook(lambda _, index=index: self._mark(index))
                        for index, param in enumerate(self.params)]
 
@@ -106,7 +109,25 @@ def _values(optimizer: torch.optim.Optimizer, bucket: Any, start: int,
 def step_skipping(optimizer: torch.optim.Optimizer, buckets: Sequence[Any], use: GradientUse,
                   handle: Any) -> None:
     """The flat-bucket step: ``optimizer.step()``, the parameters no rank used left unstepped."""
-    unused = [param for param, idle in zip(use.params, unused_everywhere(handle)) if idle]
+    idle = unused_everywhere(handle)
+    _say_when_a_skipped_parameter_trains_again(use, idle)
+    unused = [param for param, skip in zip(use.params, idle) if skip]
     use.reset()
     with unstepped(optimizer, own_spans(buckets, unused)):
         optimizer.step()
+
+
+def _say_when_a_skipped_parameter_trains_again(use: GradientUse, idle: Sequence[bool]) -> None:
+    """The one difference from one process left: a flat slice shares one step count (Adam's bias
+    correction), so a parameter skipped by earlier steps that trains now is corrected by the
+    slice's count, where one process counts its own steps. Said once, never silent."""
+    back = [index for index, skip in enumerate(idle) if not skip and use.skipped_once[index]]
+    for index, skip in enumerate(idle):
+        if skip:
+            use.skipped_once[index] = 1
+    if back and not use.warned:
+        use.warned = True
+        logging.getLogger("hvdtrain.strategies").warning(
+            "%d parameter(s) that no rank used in an earlier step train again: zero and fsdp step each flat "
+            "slice with one step count, so an optimizer that counts steps (Adam's bias correction) now differs "
+            "from one process for them; ddp counts each parameter's own steps", len(back))
