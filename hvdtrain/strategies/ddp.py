@@ -17,6 +17,7 @@ from hvdtrain.distributed.world import World
 from hvdtrain.strategies.reduction import combines_updates
 from hvdtrain.strategies.registry import SHARDED_CHECKPOINTS
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
+from hvdtrain.strategies.unused_parameters import GradientUse, start_agreement, unused_everywhere
 
 
 def distributed_optimizer(
@@ -77,7 +78,11 @@ class DDPStrategy(Strategy):
 
     Under Adasum (more than one rank), the hooks first step the parameter with this rank's own
     gradient, then start the Adasum all-reduce of its update; ``synchronize`` waits for those, and
-    the step applies the combined updates (Horovod's Adasum optimizer has no skip_synchronize)."""
+    the step applies the combined updates (Horovod's Adasum optimizer has no skip_synchronize).
+
+    Horovod all-reduces zeros for a gradient this rank's backward did not produce; a parameter that
+    no rank's backward reached gets its .grad back to None after the wait (unused_parameters), so
+    the optimizer skips it as one process's does."""
 
     name = "ddp"
     refuses = {SHARDED_CHECKPOINTS: "under ddp every rank holds the whole model and optimizer state, so there is "
@@ -94,6 +99,7 @@ class DDPStrategy(Strategy):
         self.combines_updates = combines_updates(reduction, world.size)
         self.optimizer = distributed_optimizer(optimizer, model.named_parameters(), accumulation, fp16_allreduce,
                                                reduction)
+        self._use = GradientUse([p for group in optimizer.param_groups for p in group["params"] if p.requires_grad])
 
     def broadcast_from_root(self) -> None:
         collectives.broadcast_model_and_optimizer(self.model, self.optimizer, root_rank=0)
@@ -103,7 +109,16 @@ class DDPStrategy(Strategy):
             # Horovod's Adasum synchronize() does nothing: wait here, so the wait is timed as communication.
             collectives.wait([handle for handle, _ in list(self.optimizer._handles.values())])
         else:
+            # Started before the gradients' waits, so that Horovod can carry it alongside them.
+            agreement = start_agreement(self._use.used_here(), name=f"ddp.used.{len(self._use.params)}")
             self.optimizer.synchronize()
+            self._drop_unused_gradients(agreement)
+
+    def _drop_unused_gradients(self, agreement) -> None:
+        """The zeros Horovod reduced for a parameter no rank used become None again: not stepped."""
+        for param, idle in zip(self._use.params, unused_everywhere(agreement)):
+            if idle:
+                param.grad = None
 
     def step(self) -> None:
         if self.combines_updates:
@@ -114,6 +129,7 @@ class DDPStrategy(Strategy):
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
+        self._use.reset()  # after the step: synchronize() may run more than once before it
 
     def state_dict(self) -> Dict[str, Any]:
         # The plain module and the plain optimizer's format: Horovod wraps only the optimizer.

@@ -34,6 +34,7 @@ from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_
 from hvdtrain.strategies.optimizers import check_elementwise, optimizer_like
 from hvdtrain.strategies.sharding.shard_state import compact
 from hvdtrain.strategies.registry import ADASUM, COMPILE, ELASTIC
+from hvdtrain.strategies.unused_parameters import start_agreement, unused_everywhere
 
 if TYPE_CHECKING:
     from hvdtrain.strategies.deferred_init import DeferredInit
@@ -285,10 +286,28 @@ class ModelParallelStrategy(Strategy):
         if self._audit is not None:  # the first step only: refused on every rank before any update
             self._audit.check(None)
         # (The pipeline's schedule already summed the tied parameters' gradients over its two ends.)
-        gradients = [p.grad for p in self._local if p.grad is not None]
-        if self.mesh.data.process_set is not None and gradients:
+        if self.mesh.data.process_set is None:
+            return  # one data rank: a parameter without a gradient stays None and is skipped, as in one process
+        gradients = self._gradients_some_data_rank_produced()
+        if gradients:
             hvd.grouped_allreduce_(gradients, op=hvd.Average, name="model_parallel.gradients",
                                    process_set=self.mesh.data.process_set)
+
+    def _gradients_some_data_rank_produced(self) -> List[torch.Tensor]:
+        """The data group agrees on which parameters some rank's backward reached (one tiny
+        all-reduce): those all-reduce, zeros from the ranks that did not use them (data-dependent
+        routing), so every rank passes the same tensors to the grouped all-reduce; a parameter no
+        rank used keeps .grad None and is not stepped, as one process skips it."""
+        trained = [p for p in self._local if p.requires_grad]
+        agreement = start_agreement([p.grad is not None for p in trained], name=f"model_parallel.used.{len(trained)}",
+                                    process_set=self.mesh.data.process_set)
+        gradients = []
+        for param, idle in zip(trained, unused_everywhere(agreement)):
+            if not idle:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                gradients.append(param.grad)
+        return gradients
 
     # Each rank holds a part of the gradient (a stage's, a tensor slice): the norm is a collective.
     shards_gradients = True

@@ -4,8 +4,9 @@ The optimizer's parameters are packed into flat buckets; rank r owns slice r of 
 steps only those. Backward: a bucket whose gradients are all there starts its reduce-scatter at once
 (overlapping the rest of backward); stage 1 keeps a full gradient buffer per bucket and reduces once
 per step, stage 2 reduces every micro-batch into a shard-sized buffer. Step: the own slices are
-updated, then every bucket is gathered back in place. Missing gradients count as zeros (an unused
-parameter still takes weight decay and momentum, where torch would skip it). fp16_allreduce moves
+updated, then every bucket is gathered back in place. Missing gradients count as zeros; a parameter
+no rank used this step is put back after the step with its optimizer state (unused_parameters), as
+torch skips it. fp16_allreduce moves
 the reduce-scatter in fp16; the gathered parameters stay full precision.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hvdtrain.strategies.optimizers import repoint_optimizer
 from hvdtrain.strategies.registry import ADASUM, MESH
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.sliced import ShardedStrategy
+from hvdtrain.strategies.unused_parameters import GradientUse, start_agreement, step_skipping
 
 # Why the sharded strategies cannot do what ddp does (their classes' ``refuses``).
 SHARDED_ADASUM = ("zero1, zero2 and fsdp reduce-scatter the gradients so that each rank receives only its slice, "
@@ -63,6 +65,7 @@ class ZeroStrategy(ShardedStrategy):
         self._communicate = False  # whether this micro-batch's backward reduce-scatters
         self._unreduced = False  # gradients produced since the last reduction
         self._hooks = self._register_hooks()
+        self._use = GradientUse([param for bucket in self.buckets for param in bucket.params])
 
     def follow_world(self, world: World) -> None:
         """Horovod elastic formed a new world: the buckets are cut for its ranks (each parameter
@@ -111,6 +114,7 @@ class ZeroStrategy(ShardedStrategy):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._use.close()
 
     # Backward and the gradients' reduce-scatter.
 
@@ -196,8 +200,10 @@ class ZeroStrategy(ShardedStrategy):
     # The update, and the parameters gathered back.
 
     def step(self) -> None:
+        # Started before the reductions' waits, so that Horovod can carry it alongside them.
+        agreement = start_agreement(self._use.used_here(), name=f"zero.used.{len(self._use.params)}")
         self.synchronize()  # nothing left to do when the caller already synchronized
-        self.optimizer.step()
+        step_skipping(self.optimizer, self.buckets, self._use, agreement)
         self._gather_parameters()
         self._carried_state = None
 
@@ -219,6 +225,7 @@ class ZeroStrategy(ShardedStrategy):
         for bucket in self.buckets:
             (bucket.flat_grad if self.stage == 1 else bucket.shard_grad).zero_()
             bucket.shard.grad = bucket.shard_grad
+        self._use.reset()  # also when the step was skipped (a non-finite gradient)
 
     # Collectives' bookkeeping (pending_communication is read from the watchdog's thread).
 

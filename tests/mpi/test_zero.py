@@ -56,16 +56,11 @@ def zero_steps(strategy, data, steps, accumulation, world, first=0, after_step=l
 
 
 def reference_steps(model, optimizer, data, steps, rows, first=0):
-    """One process, no Horovod, the whole global batch. A parameter that got no gradient gets zeros,
-    as under ZeRO (a plain torch optimizer would skip it)."""
+    """One process, no Horovod, the whole global batch; a parameter without a gradient is skipped."""
     for step in range(first, first + steps):
         inputs, labels = global_batch(data, step, rows)
         optimizer.zero_grad()
         F.cross_entropy(model(inputs), labels).backward()
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
         optimizer.step()
 
 
@@ -272,7 +267,7 @@ def test_an_unused_parameter_does_not_hang_the_step(world, stage):
                           (model.unused.weight.detach() - initial["unused.weight"]).abs().max()], dtype=torch.float64)
     everywhere = collectives.allgather_rows(local, name="zero.test.unused")
 
-    assert (everywhere[:, 1] > 0).all(), "weight decay should have moved the unused layer"
+    assert (everywhere[:, 1] == 0).all(), f"the unused layer moved (weight decay, momentum): {everywhere[:, 1].tolist()}"
     assert (everywhere[:, 0] < 1e-10).all(), f"max |zero - one process| per rank: {everywhere[:, 0].tolist()}"
 
 

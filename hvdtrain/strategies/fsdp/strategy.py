@@ -32,6 +32,7 @@ from hvdtrain.strategies.optimizers import repoint_optimizer
 from hvdtrain.strategies.registry import ADASUM, COMPILE, MESH
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.sliced import ShardedStrategy
+from hvdtrain.strategies.unused_parameters import GradientUse, start_agreement, step_skipping
 from hvdtrain.strategies.zero import SHARDED_ADASUM, SHARDED_MESH
 
 
@@ -101,6 +102,7 @@ class FSDPStrategy(ShardedStrategy):
         self._callback_queued = False
         self._backwards = 0
         self._hooks = self._register_hooks()
+        self._use = GradientUse([param for bucket in self.buckets for param in bucket.params])
 
     def follow_world(self, world: World) -> None:
         """Horovod elastic formed a new world: the units' buffers are cut for its ranks, the shards
@@ -151,6 +153,7 @@ class FSDPStrategy(ShardedStrategy):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._use.close()
 
     def whole_model(self) -> None:
         self.unshard_model()
@@ -294,8 +297,10 @@ class FSDPStrategy(ShardedStrategy):
         self._backwards = 0
 
     def step(self) -> None:
+        # Started before the reductions' waits, so that Horovod can carry it alongside them.
+        agreement = start_agreement(self._use.used_here(), name=f"fsdp.used.{len(self._use.params)}")
         self.synchronize()  # nothing left to do when the caller already synchronized
-        self.optimizer.step()
+        step_skipping(self.optimizer, self.buckets, self._use, agreement)  # a parameter no rank used: skipped
         self._carried_state = None
         self._initial_params, self._initial_pending = [], False
 
@@ -304,6 +309,7 @@ class FSDPStrategy(ShardedStrategy):
         for bucket in self.buckets:
             bucket.shard_grad.zero_()
             bucket.shard.grad = bucket.shard_grad
+        self._use.reset()  # also when the step was skipped (a non-finite gradient)
 
     def pending_communication(self) -> List[str]:
         return self.comm.pending()
