@@ -25,6 +25,10 @@ CONFIGS = {
                                                   residual_multiplier=0.5, attention_multiplier=0.3),
     "gpt_neox": lambda: transformers.GPTNeoXConfig(**SHAPE),
     "olmo2": lambda: transformers.Olmo2Config(**SHAPE),
+    # No base_model_pp_plan: its one list of identical blocks is found, and verified by the probe.
+    "stablelm": lambda: transformers.StableLmConfig(**SHAPE),
+    # Scales inputs_embeds in place: each stage's recording must not scale the layer's own input.
+    "ctrl": lambda: transformers.CTRLConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=3, n_head=4, dff=48),
 }
 
 
@@ -55,11 +59,21 @@ def test_the_first_and_last_layers_hold_what_the_forward_calls_around_the_layers
     assert plan.entry == ("gpt_neox.embed_in",) and set(plan.exit) == {"gpt_neox.final_layer_norm", "lm_head"}
 
 
-def test_a_family_without_a_pipeline_description_is_refused_by_name():
+def test_position_embeddings_added_to_inputs_embeds_are_refused_by_name():
+    """GPT-2 has no pp plan; its blocks are found, but its forward adds wpe even to inputs_embeds,
+    which the last stage does not hold."""
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
-    with pytest.raises(ValueError, match=r"cannot cut a 'gpt2' model by itself: transformers describes no pipeline "
-                                         r"for it \(GPT2Config has no base_model_pp_plan\).*ModelPlan\(pipeline_layers"):
+    with pytest.raises(ValueError, match=r"cannot cut a 'gpt2' model by itself: given inputs_embeds, its forward still "
+                                         r"calls transformer.wpe before the first decoder layer.*ModelPlan\(pipeline_layers"):
         hf_pipeline_layers(transformers.AutoModelForCausalLM.from_config(config))
+
+
+def test_a_layer_protocol_the_stand_ins_cannot_follow_is_refused_by_name():
+    """Bloom unpacks each layer's output as a tuple: refused before any step, not met on a stage."""
+    config = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
+    with pytest.raises(ValueError, match=r"cannot cut a 'bloom' model by itself: its forward could not be followed "
+                                         r"with its decoder layers stood in for"):
+        hf_pipeline_plan(transformers.AutoModelForCausalLM.from_config(config))
 
 
 class HalvedBetweenLayers(torch.nn.Module):

@@ -153,7 +153,9 @@ class DecoderContext:
         with layers_replaced(model, plan.layers, [_Recorder(calls, i, i == count - 1) for i in range(count)]):
             try:
                 with torch.no_grad():
-                    base(inputs_embeds=hidden.detach(), attention_mask=attention_mask, use_cache=False)
+                    # A copy: some forwards scale inputs_embeds in place (CTRL's *= sqrt(d)), and the
+                    # hidden states are the layer's input, not the recording's.
+                    base(inputs_embeds=hidden.detach().clone(), attention_mask=attention_mask, use_cache=False)
             except _Reached:
                 pass
         return calls

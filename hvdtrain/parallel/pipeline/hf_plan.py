@@ -58,18 +58,41 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
 
 
 def layer_list_path(model: nn.Module) -> str:
-    """The path of the decoder layer list, from the model's own ``_pp_plan`` (ValueError naming the
-    family when it has none, or none of its entries is a list of layers)."""
+    """The path of the decoder layer list: the one list the model's own ``_pp_plan`` names, else
+    (a family transformers gives no base_model_pp_plan: GPT-2, OPT, OLMoE...) the one list of
+    decoder blocks found in the model (layer_lists). Either is only a candidate: hf_pipeline_plan's
+    probe verifies the forward runs it in order with nothing between. ValueError naming the
+    family when there is no such list or more than one."""
     family = getattr(model.config, "model_type", type(model).__name__)
     plan = getattr(model, "_pp_plan", None) or {}
-    if not plan:
-        raise _refusal(family, f"transformers describes no pipeline for it ({type(model.config).__name__} has no "
-                               f"base_model_pp_plan)")
-    lists = [path for path in plan if isinstance(_get(model, path), nn.ModuleList)]
-    if len(lists) != 1:
-        raise _refusal(family, f"its base_model_pp_plan ({', '.join(plan)}) names {len(lists)} lists of decoder "
+    named = [path for path in plan if isinstance(_get(model, path), nn.ModuleList)]
+    if len(named) == 1:
+        return named[0]
+    if len(named) > 1:
+        raise _refusal(family, f"its base_model_pp_plan ({', '.join(plan)}) names {len(named)} lists of decoder "
                                f"layers, not one")
-    return lists[0]
+    found = layer_lists(model)
+    if len(found) != 1:
+        described = "describes no pipeline for it" if not plan else f"names no list of layers in its pp plan ({', '.join(plan)})"
+        lists = f"{len(found)} lists of identical blocks ({', '.join(found)})" if found else "no list of identical blocks"
+        raise _refusal(family, f"transformers {described} and it holds {lists}, not one sequence of decoder layers")
+    return found[0]
+
+
+def layer_lists(model: nn.Module) -> List[str]:
+    """The outermost ModuleLists of the model holding more than one module, all of one class, each
+    with parameters: where a family keeps its decoder blocks (``transformer.h``, ``model.decoder.layers``).
+    A list inside another (a layer's experts) is part of that list's blocks."""
+    found: List[str] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if any(path.startswith(outer + ".") for outer in found):
+            continue
+        blocks = list(module)
+        if len({type(block) for block in blocks}) == 1 and all(any(True for _ in b.parameters()) for b in blocks):
+            found.append(path)
+    return found
 
 
 def _get(model: nn.Module, path: str) -> Optional[nn.Module]:
@@ -115,6 +138,8 @@ class _ProbeLayer(nn.Module):
         if self.index and hidden is not probe.returned:
             probe.problems.append(f"it does work between decoder layers {self.index - 1} and {self.index} (the input of "
                                   f"layer {self.index} is not what layer {self.index - 1} returned)")
+        if self.index == 0:
+            probe.first_shape = tuple(hidden.shape)
         probe.returned = hidden.clone()  # a new tensor: the next layer must receive this very one
         probe.reached = self.index + 1
         return probe.returned
@@ -129,6 +154,7 @@ class _Probe:
         self.count = len(model.get_submodule(layers_path))
         self.reached = 0
         self.returned: Optional[torch.Tensor] = None
+        self.first_shape: Optional[Tuple[int, ...]] = None  # of the hidden states decoder layer 0 gets
         self.problems: List[str] = []
         self.calls: Dict[str, set] = {}  # module path -> {"entry", "between", "exit"}
 
@@ -200,6 +226,19 @@ def _probe_inputs(model: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def _followed(family: str, probe: _Probe, **inputs: Any) -> None:
+    """``probe.run(**inputs)``, or the refusal naming what stopped it. Any error the forward raises
+    with its layers stood in for (a value the meta device has not; a layer protocol the stand-ins do
+    not speak: tuples unpacked, attributes read off a layer) means the pipeline could not run it
+    either, and is refused here, before any step, rather than met on one stage mid-step."""
+    try:
+        probe.run(**inputs)
+    except Exception as error:
+        raise _refusal(family, f"its forward could not be followed with its decoder layers stood in for, on the "
+                               f"meta device ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})"
+                       ) from error
+
+
 def hf_pipeline_plan(model: nn.Module) -> HFPipelinePlan:
     """The model's pipeline plan, verified by probing its forward (see the module's docstring);
     ValueError naming the family and what it does that a pipeline would compute differently."""
@@ -210,19 +249,22 @@ def hf_pipeline_plan(model: nn.Module) -> HFPipelinePlan:
     hidden = getattr(model.config.get_text_config(), "hidden_size", None)
     with _evaluating(model), _on_meta(model):
         from_ids = _Probe(model, layers_path)
-        try:
-            from_ids.run(input_ids=ids, attention_mask=mask)
-        except (RuntimeError, NotImplementedError) as error:
-            raise _refusal(family, f"its forward could not be followed on the meta device ({error})") from error
+        _followed(family, from_ids, input_ids=ids, attention_mask=mask)
         problems = list(from_ids.problems)
+        expected_shape = (1, _PROBE_TOKENS, hidden)
         if from_ids.reached != from_ids.count:
             problems.append(f"its forward called {from_ids.reached} of its {from_ids.count} decoder layers")
+        elif hidden is not None and from_ids.first_shape != expected_shape:
+            # Each stage rebuilds the layers' arguments from the hidden states as inputs_embeds: that
+            # holds only when the layers take the embeddings' shape (not DeepSeek-V4's parallel streams).
+            problems.append(f"its decoder layers take hidden states of shape {from_ids.first_shape}, not the "
+                            f"embeddings' {expected_shape} (batch, tokens, hidden)")
         elif hidden is not None:
             # The last stage runs the forward from inputs_embeds: what it calls before layer 0 then
             # must hold no parameters (the first stage holds those).
             from_embeds = _Probe(model, layers_path)
-            from_embeds.run(inputs_embeds=torch.zeros(1, _PROBE_TOKENS, hidden, dtype=mask.dtype, device=mask.device),
-                            attention_mask=mask)
+            _followed(family, from_embeds, inputs_embeds=torch.zeros(*expected_shape, dtype=mask.dtype,
+                                                                     device=mask.device), attention_mask=mask)
             early = sorted(path for path, where in from_embeds.calls.items() if "entry" in where)
             if early:
                 problems.append(f"given inputs_embeds, its forward still calls {', '.join(early)} before the first "
