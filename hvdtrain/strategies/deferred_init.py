@@ -159,6 +159,7 @@ class DeferredInit:
             raise ValueError("the optimizer of a model built on the meta device has state already: build it over "
                              "the model's parameters and do not step it before the Trainer")
         self.model, self.device, self.seed = model, device, seed
+        self.build_dtype = build_dtype(model)
         self.steps = initialization_steps(model, init_fn)
         # name -> tensor without memory; and every further place of a tied tensor (the first keeps it).
         # A Hugging Face model ties its weights after its pass (tie_weights), so they are untied
@@ -208,7 +209,8 @@ class DeferredInit:
             scratch = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
             slots[name] = nn.Parameter(scratch, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else scratch
         try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad(), _hugging_face_guard(self.model):
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), _hugging_face_guard(self.model), \
+                    _default_dtype(self.build_dtype):
                 torch.manual_seed(self.seed)
                 for _, _, step in self.steps:
                     step()
@@ -222,6 +224,32 @@ class DeferredInit:
                 f"nothing initialized {'it' if len(names) == 1 else 'them'}: its module has no reset_parameters() "
                 f"(or computed a buffer in __init__). Pass init_fn(module) to the Trainer to initialize it, build "
                 f"the model with hvdtrain.meta_parameters() to keep buffers as built, or build the model whole")
+
+
+# What torch.set_default_dtype accepts.
+DEFAULT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def build_dtype(model: nn.Module) -> torch.dtype:
+    """The default dtype the model was built under, as far as its parameters tell: their floating
+    dtype when they all share one (``from_config(dtype=...)`` and ``torch.set_default_dtype`` build
+    so), else the current default. Values computed rather than drawn (a sinusoidal table, rotary
+    frequencies: ``torch.arange(n) / d`` takes the default dtype) come out as the model built whole
+    only when replayed under it."""
+    dtypes = {param.dtype for param in model.parameters() if param.is_floating_point()}
+    if len(dtypes) == 1 and next(iter(dtypes)) in DEFAULT_DTYPES:
+        return dtypes.pop()
+    return torch.get_default_dtype()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _is_hugging_face(model: nn.Module) -> bool:
