@@ -45,7 +45,12 @@ Step = Tuple[str, nn.Module, Callable[[], None]]  # (module path, module, run it
 
 def is_deferred(model: nn.Module) -> bool:
     """Whether ``model``'s parameters are on the meta device; a mix of both is refused."""
-    on_meta = {name: param.is_meta for name, param in model.named_parameters()}
+    # A parameter an inline constructor replays may come out real under torch.device("meta") (torch.normal
+    # with float mean and std ignores the device context): the rest of the model tells.
+    replayed = {id(param) for module in model.modules() if inline_constructor(module) is not None
+                for param in module.parameters(recurse=False)}
+    on_meta = ({name: param.is_meta for name, param in model.named_parameters() if id(param) not in replayed}
+               or {name: param.is_meta for name, param in model.named_parameters()})
     if any(on_meta.values()) and not all(on_meta.values()):
         meta = next(name for name, is_meta in on_meta.items() if is_meta)
         real = next(name for name, is_meta in on_meta.items() if not is_meta)
@@ -107,16 +112,28 @@ def _conv1d_constructor(module: nn.Module) -> None:
     nn.init.zeros_(module.bias)
 
 
+def _diffllama_attention_constructor(module: nn.Module) -> None:
+    # torch.normal(0, std, size=(head_dim,)) for each, in this order, after its projections.
+    for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        getattr(module, name).normal_(0, module.config.lambda_std_dev)
+
+
 # Modules of well-known libraries that initialize inline in __init__ (no reset_parameters): what
 # their __init__ runs, replayed (class -> the same draws in the same order).
 INLINE_CONSTRUCTORS: Dict[str, InitFn] = {
     "transformers.pytorch_utils.Conv1D": _conv1d_constructor,  # GPT-2's projections
+    # Its lambdas: post_init draws them again, but the draws in __init__ move every later draw.
+    "transformers.models.diffllama.modeling_diffllama.DiffLlamaAttention": _diffllama_attention_constructor,
 }
+
+
+def inline_constructor(module: nn.Module) -> Optional[InitFn]:
+    return INLINE_CONSTRUCTORS.get(f"{type(module).__module__}.{type(module).__qualname__}")
 
 
 def construction_init(module: nn.Module) -> Optional[Callable[[], None]]:
     """What building ``module`` ran to initialize its own tensors, once its children were built."""
-    inline = INLINE_CONSTRUCTORS.get(f"{type(module).__module__}.{type(module).__qualname__}")
+    inline = inline_constructor(module)
     if inline is not None:
         return lambda: inline(module)
     reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
@@ -275,9 +292,10 @@ def _replace_meta_tensors(model: nn.Module, optimizer: torch.optim.Optimizer,
     named: Dict[str, torch.Tensor] = {}
     ties: List[Tie] = []
     for path, module in model.named_modules():
+        replays_its_parameters = inline_constructor(module) is not None
         for slots, is_parameter in ((module._parameters, True), (module._buffers, False)):
             for name, tensor in slots.items():
-                if tensor is None or not tensor.is_meta:
+                if tensor is None or not (tensor.is_meta or (is_parameter and replays_its_parameters)):
                     continue
                 if tensor.dtype == torch.bool:
                     raise ValueError(f"{_join(path, name)}: a boolean buffer built on the meta device cannot be told "
