@@ -118,10 +118,15 @@ def _diffllama_attention_constructor(module: nn.Module) -> None:
         getattr(module, name).normal_(0, module.config.lambda_std_dev)
 
 
+def _zero_bias_constructor(module: nn.Module) -> None:
+    module.bias.zero_()  # nn.Parameter(torch.zeros(vocab_size)) in __init__, which no init pass writes
+
+
 # Modules of well-known libraries that initialize inline in __init__ (no reset_parameters): what
 # their __init__ runs, replayed (class -> the same draws in the same order).
 INLINE_CONSTRUCTORS: Dict[str, InitFn] = {
     "transformers.pytorch_utils.Conv1D": _conv1d_constructor,  # GPT-2's projections
+    "transformers.models.data2vec.modeling_data2vec_text.Data2VecTextLMHead": _zero_bias_constructor,
     # Its lambdas: post_init draws them again, but the draws in __init__ move every later draw.
     "transformers.models.diffllama.modeling_diffllama.DiffLlamaAttention": _diffllama_attention_constructor,
 }
@@ -235,12 +240,21 @@ class DeferredInit:
             for slots, name, tensor in self.ties:
                 slots[name] = tensor
 
-    @staticmethod
-    def unset_message(names: List[str]) -> str:
-        return (f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''} built on the meta device and "
+    def _owner_class(self, name: str) -> Optional[str]:
+        try:
+            return type(self.model.get_submodule(name.rpartition(".")[0])).__name__
+        except AttributeError:  # a name of the model as a strategy split it
+            return None
+
+    def unset_message(self, names: List[str]) -> str:
+        """The tensors by name, and the classes whose __init__ gave them values no pass replays."""
+        classes = sorted({owner for owner in map(self._owner_class, names) if owner})
+        owners = f" (in {', '.join(classes)})" if classes else ""
+        return (f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}{owners} built on the meta device and "
                 f"nothing initialized {'it' if len(names) == 1 else 'them'}: its module has no reset_parameters() "
-                f"(or computed a buffer in __init__). Pass init_fn(module) to the Trainer to initialize it, build "
-                f"the model with hvdtrain.meta_parameters() to keep buffers as built, or build the model whole")
+                f"(it gave the value inline in __init__, or computed a buffer there, and no init pass writes it). "
+                f"Pass init_fn(module) to the Trainer to initialize it, build the model with "
+                f"hvdtrain.meta_parameters() to keep buffers as built, or build the model whole")
 
 
 # What torch.set_default_dtype accepts.
