@@ -250,8 +250,8 @@ class DeferredInit:
         """The tensors by name, and the classes whose __init__ gave them values no pass replays."""
         classes = sorted({owner for owner in map(self._owner_class, names) if owner})
         owners = f" (in {', '.join(classes)})" if classes else ""
-        return (f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}{owners} built on the meta device and "
-                f"nothing initialized {'it' if len(names) == 1 else 'them'}: its module has no reset_parameters() "
+        return (f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''} built on the meta device and "
+                f"nothing initialized {'it' if len(names) == 1 else 'them'}{owners}: its module has no reset_parameters() "
                 f"(it gave the value inline in __init__, or computed a buffer there, and no init pass writes it). "
                 f"Pass init_fn(module) to the Trainer to initialize it, build the model with "
                 f"hvdtrain.meta_parameters() to keep buffers as built, or build the model whole")
