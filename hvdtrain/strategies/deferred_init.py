@@ -12,6 +12,9 @@ rank's device and runs the model's initialization, from ``train.seed``, the same
    then, as its ``tie_weights`` leaves them;
 2. ``init_fn(module)`` given to the Trainer, applied to every module as ``Module.apply`` does.
 
+All of it under the default dtype the model was built in (its parameters' dtype): a value computed
+rather than drawn (a sinusoidal table, ``arange(n) / d``) takes the default dtype.
+
 So the values equal the model built whole from the same seed (for torch's layers and Hugging Face
 models; with ``init_fn``: built whole, then ``model.apply(init_fn)``): tests/mpi/test_deferred_init.py.
 What cannot be replayed: initialization written inline in a module's ``__init__`` instead of its
