@@ -12,6 +12,9 @@ rank's device and runs the model's initialization, from ``train.seed``, the same
    then, as its ``tie_weights`` leaves them;
 2. ``init_fn(module)`` given to the Trainer, applied to every module as ``Module.apply`` does.
 
+All of it under the default dtype the model was built in (its parameters' dtype): a value computed
+rather than drawn (a sinusoidal table, ``arange(n) / d``) takes the default dtype.
+
 So the values equal the model built whole from the same seed (for torch's layers and Hugging Face
 models; with ``init_fn``: built whole, then ``model.apply(init_fn)``): tests/mpi/test_deferred_init.py.
 What cannot be replayed: initialization written inline in a module's ``__init__`` instead of its
@@ -45,7 +48,12 @@ Step = Tuple[str, nn.Module, Callable[[], None]]  # (module path, module, run it
 
 def is_deferred(model: nn.Module) -> bool:
     """Whether ``model``'s parameters are on the meta device; a mix of both is refused."""
-    on_meta = {name: param.is_meta for name, param in model.named_parameters()}
+    # A parameter an inline constructor replays may come out real under torch.device("meta") (torch.normal
+    # with float mean and std ignores the device context): the rest of the model tells.
+    replayed = {id(param) for module in model.modules() if inline_constructor(module) is not None
+                for param in module.parameters(recurse=False)}
+    on_meta = ({name: param.is_meta for name, param in model.named_parameters() if id(param) not in replayed}
+               or {name: param.is_meta for name, param in model.named_parameters()})
     if any(on_meta.values()) and not all(on_meta.values()):
         meta = next(name for name, is_meta in on_meta.items() if is_meta)
         real = next(name for name, is_meta in on_meta.items() if not is_meta)
@@ -107,16 +115,33 @@ def _conv1d_constructor(module: nn.Module) -> None:
     nn.init.zeros_(module.bias)
 
 
+def _diffllama_attention_constructor(module: nn.Module) -> None:
+    # torch.normal(0, std, size=(head_dim,)) for each, in this order, after its projections.
+    for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        getattr(module, name).normal_(0, module.config.lambda_std_dev)
+
+
+def _zero_bias_constructor(module: nn.Module) -> None:
+    module.bias.zero_()  # nn.Parameter(torch.zeros(vocab_size)) in __init__, which no init pass writes
+
+
 # Modules of well-known libraries that initialize inline in __init__ (no reset_parameters): what
 # their __init__ runs, replayed (class -> the same draws in the same order).
 INLINE_CONSTRUCTORS: Dict[str, InitFn] = {
     "transformers.pytorch_utils.Conv1D": _conv1d_constructor,  # GPT-2's projections
+    "transformers.models.data2vec.modeling_data2vec_text.Data2VecTextLMHead": _zero_bias_constructor,
+    # Its lambdas: post_init draws them again, but the draws in __init__ move every later draw.
+    "transformers.models.diffllama.modeling_diffllama.DiffLlamaAttention": _diffllama_attention_constructor,
 }
+
+
+def inline_constructor(module: nn.Module) -> Optional[InitFn]:
+    return INLINE_CONSTRUCTORS.get(f"{type(module).__module__}.{type(module).__qualname__}")
 
 
 def construction_init(module: nn.Module) -> Optional[Callable[[], None]]:
     """What building ``module`` ran to initialize its own tensors, once its children were built."""
-    inline = INLINE_CONSTRUCTORS.get(f"{type(module).__module__}.{type(module).__qualname__}")
+    inline = inline_constructor(module)
     if inline is not None:
         return lambda: inline(module)
     reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
@@ -159,6 +184,7 @@ class DeferredInit:
             raise ValueError("the optimizer of a model built on the meta device has state already: build it over "
                              "the model's parameters and do not step it before the Trainer")
         self.model, self.device, self.seed = model, device, seed
+        self.build_dtype = build_dtype(model)
         self.steps = initialization_steps(model, init_fn)
         # name -> tensor without memory; and every further place of a tied tensor (the first keeps it).
         # A Hugging Face model ties its weights after its pass (tie_weights), so they are untied
@@ -208,7 +234,8 @@ class DeferredInit:
             scratch = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
             slots[name] = nn.Parameter(scratch, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else scratch
         try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad(), _hugging_face_guard(self.model):
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), _hugging_face_guard(self.model), \
+                    _default_dtype(self.build_dtype):
                 torch.manual_seed(self.seed)
                 for _, _, step in self.steps:
                     step()
@@ -216,12 +243,47 @@ class DeferredInit:
             for slots, name, tensor in self.ties:
                 slots[name] = tensor
 
-    @staticmethod
-    def unset_message(names: List[str]) -> str:
+    def _owner_class(self, name: str) -> Optional[str]:
+        try:
+            return type(self.model.get_submodule(name.rpartition(".")[0])).__name__
+        except AttributeError:  # a name of the model as a strategy split it
+            return None
+
+    def unset_message(self, names: List[str]) -> str:
+        """The tensors by name, and the classes whose __init__ gave them values no pass replays."""
+        classes = sorted({owner for owner in map(self._owner_class, names) if owner})
+        owners = f" (in {', '.join(classes)})" if classes else ""
         return (f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''} built on the meta device and "
-                f"nothing initialized {'it' if len(names) == 1 else 'them'}: its module has no reset_parameters() "
-                f"(or computed a buffer in __init__). Pass init_fn(module) to the Trainer to initialize it, build "
-                f"the model with hvdtrain.meta_parameters() to keep buffers as built, or build the model whole")
+                f"nothing initialized {'it' if len(names) == 1 else 'them'}{owners}: its module has no reset_parameters() "
+                f"(it gave the value inline in __init__, or computed a buffer there, and no init pass writes it). "
+                f"Pass init_fn(module) to the Trainer to initialize it, build the model with "
+                f"hvdtrain.meta_parameters() to keep buffers as built, or build the model whole")
+
+
+# What torch.set_default_dtype accepts.
+DEFAULT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def build_dtype(model: nn.Module) -> torch.dtype:
+    """The default dtype the model was built under, as far as its parameters tell: their floating
+    dtype when they all share one (``from_config(dtype=...)`` and ``torch.set_default_dtype`` build
+    so), else the current default. Values computed rather than drawn (a sinusoidal table, rotary
+    frequencies: ``torch.arange(n) / d`` takes the default dtype) come out as the model built whole
+    only when replayed under it."""
+    dtypes = {param.dtype for param in model.parameters() if param.is_floating_point()}
+    if len(dtypes) == 1 and next(iter(dtypes)) in DEFAULT_DTYPES:
+        return dtypes.pop()
+    return torch.get_default_dtype()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _is_hugging_face(model: nn.Module) -> bool:
@@ -247,9 +309,10 @@ def _replace_meta_tensors(model: nn.Module, optimizer: torch.optim.Optimizer,
     named: Dict[str, torch.Tensor] = {}
     ties: List[Tie] = []
     for path, module in model.named_modules():
+        replays_its_parameters = inline_constructor(module) is not None
         for slots, is_parameter in ((module._parameters, True), (module._buffers, False)):
             for name, tensor in slots.items():
-                if tensor is None or not tensor.is_meta:
+                if tensor is None or not (tensor.is_meta or (is_parameter and replays_its_parameters)):
                     continue
                 if tensor.dtype == torch.bool:
                     raise ValueError(f"{_join(path, name)}: a boolean buffer built on the meta device cannot be told "

@@ -103,7 +103,7 @@ def initialize_by_slice(deferred: DeferredInit, model: nn.Module, held: Set[int]
     everywhere = sorted({name for names in collectives.allgather_object(problems, name="model_parallel.deferred_init")
                          for name in names})
     if everywhere:
-        raise ValueError(DeferredInit.unset_message(everywhere))
+        raise ValueError(deferred.unset_message(everywhere))
 
 
 def _distinct(tensors: Iterable[torch.Tensor]) -> List[torch.Tensor]:

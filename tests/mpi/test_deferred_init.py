@@ -2,6 +2,8 @@
 built whole from the same seed under every data-parallel strategy, then trained alike; under fsdp no
 rank ever holds it whole. Tensors nothing initializes, and initializations fsdp cannot run unit by
 unit, are refused by name on every rank."""
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -360,3 +362,46 @@ def test_model_parallelism_initializes_only_its_slices_of_a_model_built_on_meta(
     assert differences(state, expected) == []
     assert built.initialization.granularity == "by tensor slice and pipeline stage"
     assert max(peaks) < 0.8 * whole_bytes, f"a rank held {max(peaks)} of the model's {whole_bytes} bytes at once"
+
+
+def tiny_codegen(device=None):
+    """CodeGen at toy size, float64, from_config's way: its sinusoidal position table is a
+    non-persistent buffer computed in __init__ (and again by its _init_weights) under the default
+    dtype the model is built in; from the same seed each time."""
+    from tests.mpi.hf_models import SEQ, VOCAB, transformers
+
+    config = transformers.CodeGenConfig(vocab_size=VOCAB, n_positions=SEQ, n_ctx=SEQ, n_embd=32, n_layer=2, n_head=4,
+                                        rotary_dim=4, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(SEED)
+    with torch.device(device) if device else contextlib.nullcontext():
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+
+
+def test_a_buffer_computed_from_the_config_is_replayed_in_the_dtype_the_model_was_built_in(world):
+    """The Trainer initializes under float32 by default while the model was built under float64: a
+    table computed as ``arange(n) / d`` took float32 then, 3e-8 off the whole model's, and trained
+    4e-7 away from one process. Built on meta, every parameter and buffer (non-persistent ones too)
+    equals the model built whole bitwise, and fsdp trains to one process's steps."""
+    from hvdtrain.verify import reference
+    from hvdtrain.verify.exact import float64_throughout
+    from tests.mpi.hf_models import SEQ, VOCAB
+
+    whole, meta_model = tiny_codegen(), tiny_codegen("meta")
+    data, steps = reference.token_data(VOCAB, SEQ), 3
+    config = TrainConfig(epochs=1, batch_size=reference.BATCH, lr=reference.RATES["adamw"], scale_lr=False,
+                         warmup_epochs=0, max_steps=steps, seed=SEED, strategy="fsdp", log_every=1000,
+                         tensorboard=False)
+    with float64_throughout():
+        built = Trainer(meta_model, reference.make_optimizer("adamw", meta_model.parameters()), data, None, config,
+                        world=world, loss_fn=reference.logits_loss)
+        start = gathered(built)
+        buffers = {name: value.clone() for name, value in meta_model.named_buffers()}
+        built.fit()
+        final = gathered(built)
+        expected, _ = reference.one_process(whole, start, data, SEED, reference.BATCH * world.size, steps, "adamw")
+
+    assert differences(start, tiny_codegen().state_dict()) == []
+    assert buffers.keys() == dict(whole.named_buffers()).keys() and buffers  # the non-persistent table among them
+    assert differences(buffers, dict(tiny_codegen().named_buffers())) == []
+    worst = max((final[name] - expected[name]).abs().max().item() for name in expected)
+    assert worst < 1e-10, f"fsdp from meta vs one process: {worst}"

@@ -49,7 +49,7 @@ def initialize_by_unit(deferred: DeferredInit, root: fu.FSDPUnit, units: Sequenc
     everywhere = sorted({name for names in collectives.allgather_object(problems, name="fsdp.deferred_init")
                          for name in names})
     if everywhere:
-        raise ValueError(DeferredInit.unset_message(everywhere))
+        raise ValueError(deferred.unset_message(everywhere))
 
 
 def _real_numel(bucket: fu.ShardedBucket) -> int:
