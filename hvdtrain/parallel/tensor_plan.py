@@ -18,6 +18,8 @@ transformer:
 - ``attention``: hvdtrain's own self-attention (qkv and proj) split by heads.
 - ``moe_tp_experts``: fused 3-D experts (Qwen2-MoE, Qwen3-MoE, Mixtral), each expert's intermediate
   dimension cut, with the entries naming their parameters (hvdtrain.parallel.tensor_experts).
+- ``mla_kv_a_proj``: multi-head latent attention's whole [latent; rotary key] projection, the rotary
+  key's gradient summed over the group (hvdtrain.parallel.tensor_mla).
 
 transformers 4.x plans name two of them otherwise, taken as aliases: ``colwise_rep`` is
 ``colwise_gather_output`` and ``rowwise_rep`` is ``rowwise_split_input`` (transformers registers each
@@ -37,13 +39,15 @@ from torch import nn
 from hvdtrain.parallel.own_forward import has_own_forward, own_forward_problem
 from hvdtrain.parallel.tensor_experts import (EXPERT_STYLES, check_experts, check_parameter_entries, parameter_paths,
                                               split_experts, why_not)
+from hvdtrain.parallel.tensor_mla import MLA_STYLES, check_mla, sum_rotary_key_gradient
 from hvdtrain.parallel.tensor import (ColumnParallelLinear, GatheredColumnParallelLinear, ParallelSelfAttention,
                                       RowParallelLinear, SplitInputRowParallelLinear, VocabParallelEmbedding,
                                       sum_gradients_over_group)
 
 COLUMN_STYLES = ("colwise", "colwise_gather_output", "packed_colwise")
 ROW_STYLES = ("rowwise", "rowwise_split_input")
-STYLES = COLUMN_STYLES + ROW_STYLES + ("embedding_rowwise", "replicated_with_grad_allreduce", "attention") + EXPERT_STYLES
+STYLES = (COLUMN_STYLES + ROW_STYLES + ("embedding_rowwise", "replicated_with_grad_allreduce", "attention") + EXPERT_STYLES
+          + MLA_STYLES)
 ALIASES = {"column": "colwise", "row": "rowwise",
            "colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
 # Styles whose layers get new, split parameters (the last two above keep theirs whole).
@@ -214,7 +218,11 @@ def check_plan(model: nn.Module, plan: Mapping[str, str], size: int) -> List[Tup
             raise ValueError(f"tensor plan: {path} ({style}) contains {nested[0]} ({chosen[nested[0]]}): "
                              f"give one of them")
         parent_path = path.rpartition(".")[0]
-        _check_module(path, modules[path], modules.get(parent_path) if parent_path else model, style, size)
+        parent = modules.get(parent_path) if parent_path else model
+        if style in MLA_STYLES:
+            check_mla(path, modules[path], model, parent)
+        else:
+            _check_module(path, modules[path], parent, style, size)
     check_parameter_entries(model, by_parameter, chosen)
     _check_ties(model, chosen)
     return [(path, chosen[path]) for path in modules if path in chosen]
@@ -261,6 +269,11 @@ def parallelize(model: nn.Module, plan: Mapping[str, str], group: Any,
     split_weights: Dict[int, nn.Parameter] = {}  # id(the whole weight) -> its split replacement
     for path, style in check_plan(model, plan, size):
         module = model.get_submodule(path)
+        if style in MLA_STYLES:
+            parent_path = path.rpartition(".")[0]
+            sum_rotary_key_gradient(module, model, model.get_submodule(parent_path) if parent_path else model,
+                                    group, path)
+            continue
         whole = getattr(module, "weight", None)
         new = _split(module, style, group, path, observe)
         if new is None:
