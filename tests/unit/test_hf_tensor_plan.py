@@ -162,3 +162,59 @@ def test_a_layer_whose_forward_a_split_would_drop_is_refused_by_name(layer, path
     setattr(model.get_submodule(parent_path), child, layer())
     with pytest.raises(ValueError, match=rf"tensor plan: {path} is a _\w+, .*{reason}.*Leave {path} out of the plan"):
         check_plan(model, model_tensor_plan(model), 2)
+
+
+class _LatentAttention(nn.Module):
+    """DeepSeek-V2's shape: one whole projection into [latent (16); rotary key (qk_rope_head_dim)]."""
+
+    def __init__(self, rope=None):
+        super().__init__()
+        self.kv_a_proj_with_mqa = nn.Linear(32, 16 + 8)
+        if rope is not None:
+            self.qk_rope_head_dim = rope
+
+
+def test_mla_kv_a_proj_keeps_the_projection_whole_and_reads_the_rotary_width():
+    model = nn.Module()
+    model.attn = _LatentAttention(rope=8)
+    before = model.attn.kv_a_proj_with_mqa.weight.clone()
+    x = torch.randn(2, 3, 32)
+    expected = model.attn.kv_a_proj_with_mqa(x)
+    parallelize(model, {"attn.kv_a_proj_with_mqa": "mla_kv_a_proj"}, None)
+    assert isinstance(model.attn.kv_a_proj_with_mqa, nn.Linear)  # not replaced: its parameter names stay
+    assert torch.equal(model.attn.kv_a_proj_with_mqa.weight, before)
+    assert torch.equal(model.attn.kv_a_proj_with_mqa(x), expected)  # the forward is unchanged
+    with pytest.raises(ValueError, match="parallelize once"):
+        check_plan(model, {"attn.kv_a_proj_with_mqa": "mla_kv_a_proj"}, 2)
+
+
+def test_mla_kv_a_proj_without_a_rotary_width_is_refused_by_name():
+    model = nn.Module()
+    model.attn = _LatentAttention()
+    with pytest.raises(ValueError, match=r"attn.kv_a_proj_with_mqa \(mla_kv_a_proj\).*qk_rope_head_dim"):
+        check_plan(model, {"attn.kv_a_proj_with_mqa": "mla_kv_a_proj"}, 2)
+    model.attn.qk_rope_head_dim = 24  # the whole output: no latent left
+    with pytest.raises(ValueError, match="does not hold a latent"):
+        check_plan(model, {"attn.kv_a_proj_with_mqa": "mla_kv_a_proj"}, 2)
+
+
+def test_mla_kv_a_proj_sums_only_the_rotary_keys_gradient():
+    """Two ranks simulated by their gradient sum: the hook sums the rotary part, not the latent."""
+    from hvdtrain.parallel import tensor_mla
+
+    calls = []
+    model = nn.Module()
+    model.attn = _LatentAttention(rope=8)
+    original = tensor_mla.copy_to_tensor_group
+
+    def recording(x, group, name):
+        calls.append((tuple(x.shape), name))
+        return original(x, group, name)
+
+    tensor_mla.copy_to_tensor_group = recording
+    try:
+        tensor_mla.sum_rotary_key_gradient(model.attn.kv_a_proj_with_mqa, model, model.attn, None, "attn.kv")
+        model.attn.kv_a_proj_with_mqa(torch.randn(2, 3, 32))
+    finally:
+        tensor_mla.copy_to_tensor_group = original
+    assert calls == [((2, 3, 8), "tp.mla.attn.kv")]
