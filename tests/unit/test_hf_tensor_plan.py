@@ -218,3 +218,37 @@ def test_mla_kv_a_proj_sums_only_the_rotary_keys_gradient():
     finally:
         tensor_mla.copy_to_tensor_group = original
     assert calls == [((2, 3, 8), "tp.mla.attn.kv")]
+
+
+class _SinkAttention(nn.Module):
+    """gpt-oss-style attention: per-head sinks, a bare parameter its own forward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(32, 32)
+        self.sinks = nn.Parameter(torch.arange(4, dtype=torch.float32))
+
+
+def test_local_params_cuts_a_per_head_vector_by_its_own_entry_and_keeps_its_owner():
+    model = nn.Module()
+    model.attn = _SinkAttention()
+    plan = {"attn.q_proj": "colwise", "attn.sinks": "colwise", "attn": "local_params"}
+    assert check_plan(model, plan, 2) == [("attn", "local_params"), ("attn.q_proj", "colwise")]
+    parallelize(model, plan, Group((0, 1), 1, None))
+    assert model.attn.sinks.tolist() == [2.0, 3.0] and model.attn.sinks.tensor_shard.dim == 0
+    assert set(dict(model.named_parameters())) == {"attn.q_proj.weight", "attn.q_proj.bias", "attn.sinks"}
+
+
+def test_a_bare_parameter_outside_local_params_or_not_a_vector_is_refused_by_name():
+    model = nn.Module()
+    model.attn = _SinkAttention()
+    with pytest.raises(ValueError, match="attn.sinks.*not in the plan"):
+        check_plan(model, {"attn.sinks": "colwise"}, 2)
+    with pytest.raises(ValueError, match="as 'rowwise'"):
+        check_plan(model, {"attn.sinks": "rowwise", "attn": "local_params"}, 2)
+    model.attn.sinks = nn.Parameter(torch.zeros(4, 2))
+    with pytest.raises(ValueError, match=r"shape \(4, 2\).*only 1-D"):
+        check_plan(model, {"attn.sinks": "colwise", "attn": "local_params"}, 2)
+    model.attn.sinks = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="3 entries, not divisible"):
+        check_plan(model, {"attn.sinks": "colwise", "attn": "local_params"}, 2)
