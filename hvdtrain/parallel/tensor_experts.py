@@ -39,8 +39,6 @@ NOT_REPRODUCED = {
     "moe_identity_expert": "an identity expert's input divided by the group size inside the experts' sum is not "
                            "implemented",
     "all_reduce": "a module whose output is a partial sum by construction is not implemented",
-    "local_params": "a module running on its own split bare parameters (attention sinks) is not implemented",
-    "mla_kv_a_proj": "multi-head latent attention's split projection is not implemented",
     "embedding_colwise": "an embedding split by its hidden dimension is not implemented",
     "sequence_parallel": "sequence parallelism is not implemented",
     "grouped_gemm": "expert parallelism (base_model_ep_plan) is not implemented",

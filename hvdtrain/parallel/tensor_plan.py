@@ -18,6 +18,10 @@ transformer:
 - ``attention``: hvdtrain's own self-attention (qkv and proj) split by heads.
 - ``moe_tp_experts``: fused 3-D experts (Qwen2-MoE, Qwen3-MoE, Mixtral), each expert's intermediate
   dimension cut, with the entries naming their parameters (hvdtrain.parallel.tensor_experts).
+- ``local_params``: a module running on its own split bare parameters (attention sinks), each cut
+  by its own entry (hvdtrain.parallel.tensor_local).
+- ``mla_kv_a_proj``: multi-head latent attention's whole [latent; rotary key] projection, the rotary
+  key's gradient summed over the group (hvdtrain.parallel.tensor_mla).
 
 transformers 4.x plans name two of them otherwise, taken as aliases: ``colwise_rep`` is
 ``colwise_gather_output`` and ``rowwise_rep`` is ``rowwise_split_input`` (transformers registers each
@@ -37,13 +41,17 @@ from torch import nn
 from hvdtrain.parallel.own_forward import has_own_forward, own_forward_problem
 from hvdtrain.parallel.tensor_experts import (EXPERT_STYLES, check_experts, check_parameter_entries, parameter_paths,
                                               split_experts, why_not)
+from hvdtrain.parallel.tensor_local import (LOCAL_STYLES, check_local_parameter, owned_parameters,
+                                            split_local_parameters)
+from hvdtrain.parallel.tensor_mla import MLA_STYLES, check_mla, sum_rotary_key_gradient
 from hvdtrain.parallel.tensor import (ColumnParallelLinear, GatheredColumnParallelLinear, ParallelSelfAttention,
                                       RowParallelLinear, SplitInputRowParallelLinear, VocabParallelEmbedding,
                                       sum_gradients_over_group)
 
 COLUMN_STYLES = ("colwise", "colwise_gather_output", "packed_colwise")
 ROW_STYLES = ("rowwise", "rowwise_split_input")
-STYLES = COLUMN_STYLES + ROW_STYLES + ("embedding_rowwise", "replicated_with_grad_allreduce", "attention") + EXPERT_STYLES
+STYLES = (COLUMN_STYLES + ROW_STYLES + ("embedding_rowwise", "replicated_with_grad_allreduce", "attention") + EXPERT_STYLES
+          + MLA_STYLES + LOCAL_STYLES)
 ALIASES = {"column": "colwise", "row": "rowwise",
            "colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
 # Styles whose layers get new, split parameters (the last two above keep theirs whole).
@@ -210,14 +218,32 @@ def check_plan(model: nn.Module, plan: Mapping[str, str], size: int) -> List[Tup
                 raise ValueError(f"tensor plan: {path} is given two styles, {chosen[path]!r} and {canonical!r}")
     for path, style in chosen.items():
         nested = [other for other in chosen if other.startswith(path + ".")]
-        if nested:
+        if nested and style not in LOCAL_STYLES:  # local_params keeps its module: its layers split by their own
             raise ValueError(f"tensor plan: {path} ({style}) contains {nested[0]} ({chosen[nested[0]]}): "
                              f"give one of them")
         parent_path = path.rpartition(".")[0]
-        _check_module(path, modules[path], modules.get(parent_path) if parent_path else model, style, size)
-    check_parameter_entries(model, by_parameter, chosen)
+        parent = modules.get(parent_path) if parent_path else model
+        if style in MLA_STYLES:
+            check_mla(path, modules[path], model, parent)
+        elif style in LOCAL_STYLES:
+            pass  # its bare parameters' entries are checked below; the module itself stays
+        else:
+            _check_module(path, modules[path], parent, style, size)
+    local = _local_parameter_entries(model, by_parameter, chosen)
+    for parameter, (key, style) in local.items():
+        check_local_parameter(key, parameter, model.get_parameter(parameter), style, size)
+    check_parameter_entries(model, {k: s for k, s in by_parameter.items() if k not in {e for e, _ in local.values()}},
+                            chosen)
     _check_ties(model, chosen)
     return [(path, chosen[path]) for path in modules if path in chosen]
+
+
+def _local_parameter_entries(model: nn.Module, by_parameter: Mapping[str, str],
+                             chosen: Mapping[str, str]) -> Dict[str, Tuple[str, str]]:
+    """The parameters named by ``by_parameter`` (key -> style) whose module is given local_params:
+    parameter path -> (key, style)."""
+    return {parameter: (key, style) for key, style in by_parameter.items()
+            for parameter in parameter_paths(model, key) if chosen.get(parameter.rpartition(".")[0]) in LOCAL_STYLES}
 
 
 def _split(module: nn.Module, style: str, group: Any, path: str,
@@ -259,8 +285,19 @@ def parallelize(model: nn.Module, plan: Mapping[str, str], group: Any,
     if group is None:
         group = _Alone()
     split_weights: Dict[int, nn.Parameter] = {}  # id(the whole weight) -> its split replacement
-    for path, style in check_plan(model, plan, size):
+    chosen = check_plan(model, plan, size)
+    named = {key: ALIASES.get(style, style) for key, style in plan.items() if parameter_paths(model, key)}
+    local = _local_parameter_entries(model, named, dict(chosen))
+    for path, style in chosen:
         module = model.get_submodule(path)
+        if style in LOCAL_STYLES:
+            split_local_parameters(module, owned_parameters(path, local), group)
+            continue
+        if style in MLA_STYLES:
+            parent_path = path.rpartition(".")[0]
+            sum_rotary_key_gradient(module, model, model.get_submodule(parent_path) if parent_path else model,
+                                    group, path)
+            continue
         whole = getattr(module, "weight", None)
         new = _split(module, style, group, path, observe)
         if new is None:

@@ -28,10 +28,13 @@ def _keep_float64(dtype: Any) -> Any:
 def float64_throughout() -> Iterator[None]:
     """Within the block: a float64 tensor's ``.to(float32)`` / ``.float()`` / ``.type(float32)`` give
     it back as is, and ``softmax``/``log_softmax``/``sum(..., dtype=float32)`` of a float64 tensor
-    computes in float64 (DiffLlama sums its lambdas so: rounded to float32, their gradients differ
-    with how the batch is cut, and Adam magnifies that near zero). Other dtypes are untouched (a float32 model rounds as it always does)."""
+    computes in float64, as do the tensor methods (a router's ``logits.softmax(dim=-1,
+    dtype=torch.float32)``, DeepSeek-V2's; DiffLlama sums its lambdas in float32: rounded so, their
+    gradients differ with how the batch is cut, and Adam magnifies that near zero). Other dtypes are
+    untouched (a float32 model rounds as it always does)."""
     to, float_, type_ = torch.Tensor.to, torch.Tensor.float, torch.Tensor.type
     softmax, log_softmax = F.softmax, F.log_softmax
+    tensor_softmax, tensor_log_softmax = torch.Tensor.softmax, torch.Tensor.log_softmax
     sum_ = torch.sum
 
     def patched_to(self, *args, **kwargs):
@@ -58,10 +61,12 @@ def float64_throughout() -> Iterator[None]:
 
     torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = patched_to, patched_float, patched_type
     F.softmax, F.log_softmax = widened(softmax), widened(log_softmax)
+    torch.Tensor.softmax, torch.Tensor.log_softmax = widened(tensor_softmax), widened(tensor_log_softmax)
     torch.sum = widened(sum_)
     try:
         yield
     finally:
         torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = to, float_, type_
         F.softmax, F.log_softmax = softmax, log_softmax
+        torch.Tensor.softmax, torch.Tensor.log_softmax = tensor_softmax, tensor_log_softmax
         torch.sum = sum_

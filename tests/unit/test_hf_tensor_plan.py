@@ -162,3 +162,93 @@ def test_a_layer_whose_forward_a_split_would_drop_is_refused_by_name(layer, path
     setattr(model.get_submodule(parent_path), child, layer())
     with pytest.raises(ValueError, match=rf"tensor plan: {path} is a _\w+, .*{reason}.*Leave {path} out of the plan"):
         check_plan(model, model_tensor_plan(model), 2)
+
+
+class _LatentAttention(nn.Module):
+    """DeepSeek-V2's shape: one whole projection into [latent (16); rotary key (qk_rope_head_dim)]."""
+
+    def __init__(self, rope=None):
+        super().__init__()
+        self.kv_a_proj_with_mqa = nn.Linear(32, 16 + 8)
+        if rope is not None:
+            self.qk_rope_head_dim = rope
+
+
+def test_mla_kv_a_proj_keeps_the_projection_whole_and_reads_the_rotary_width():
+    model = nn.Module()
+    model.attn = _LatentAttention(rope=8)
+    before = model.attn.kv_a_proj_with_mqa.weight.clone()
+    x = torch.randn(2, 3, 32)
+    expected = model.attn.kv_a_proj_with_mqa(x)
+    parallelize(model, {"attn.kv_a_proj_with_mqa": "mla_kv_a_proj"}, None)
+    assert isinstance(model.attn.kv_a_proj_with_mqa, nn.Linear)  # not replaced: its parameter names stay
+    assert torch.equal(model.attn.kv_a_proj_with_mqa.weight, before)
+    assert torch.equal(model.attn.kv_a_proj_with_mqa(x), expected)  # the forward is unchanged
+    with pytest.raises(ValueError, match="parallelize once"):
+        check_plan(model, {"attn.kv_a_proj_with_mqa": "mla_kv_a_proj"}, 2)
+
+
+def test_mla_kv_a_proj_without_a_rotary_width_is_refused_by_name():
+    model = nn.Module()
+    model.attn = _LatentAttention()
+    with pytest.raises(ValueError, match=r"attn.kv_a_proj_with_mqa \(mla_kv_a_proj\).*qk_rope_head_dim"):
+        check_plan(model, {"attn.kv_a_proj_with_mqa": "mla_kv_a_proj"}, 2)
+    model.attn.qk_rope_head_dim = 24  # the whole output: no latent left
+    with pytest.raises(ValueError, match="does not hold a latent"):
+        check_plan(model, {"attn.kv_a_proj_with_mqa": "mla_kv_a_proj"}, 2)
+
+
+def test_mla_kv_a_proj_sums_only_the_rotary_keys_gradient():
+    """Two ranks simulated by their gradient sum: the hook sums the rotary part, not the latent."""
+    from hvdtrain.parallel import tensor_mla
+
+    calls = []
+    model = nn.Module()
+    model.attn = _LatentAttention(rope=8)
+    original = tensor_mla.copy_to_tensor_group
+
+    def recording(x, group, name):
+        calls.append((tuple(x.shape), name))
+        return original(x, group, name)
+
+    tensor_mla.copy_to_tensor_group = recording
+    try:
+        tensor_mla.sum_rotary_key_gradient(model.attn.kv_a_proj_with_mqa, model, model.attn, None, "attn.kv")
+        model.attn.kv_a_proj_with_mqa(torch.randn(2, 3, 32))
+    finally:
+        tensor_mla.copy_to_tensor_group = original
+    assert calls == [((2, 3, 8), "tp.mla.attn.kv")]
+
+
+class _SinkAttention(nn.Module):
+    """gpt-oss-style attention: per-head sinks, a bare parameter its own forward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(32, 32)
+        self.sinks = nn.Parameter(torch.arange(4, dtype=torch.float32))
+
+
+def test_local_params_cuts_a_per_head_vector_by_its_own_entry_and_keeps_its_owner():
+    model = nn.Module()
+    model.attn = _SinkAttention()
+    plan = {"attn.q_proj": "colwise", "attn.sinks": "colwise", "attn": "local_params"}
+    assert check_plan(model, plan, 2) == [("attn", "local_params"), ("attn.q_proj", "colwise")]
+    parallelize(model, plan, Group((0, 1), 1, None))
+    assert model.attn.sinks.tolist() == [2.0, 3.0] and model.attn.sinks.tensor_shard.dim == 0
+    assert set(dict(model.named_parameters())) == {"attn.q_proj.weight", "attn.q_proj.bias", "attn.sinks"}
+
+
+def test_a_bare_parameter_outside_local_params_or_not_a_vector_is_refused_by_name():
+    model = nn.Module()
+    model.attn = _SinkAttention()
+    with pytest.raises(ValueError, match="attn.sinks.*not in the plan"):
+        check_plan(model, {"attn.sinks": "colwise"}, 2)
+    with pytest.raises(ValueError, match="as 'rowwise'"):
+        check_plan(model, {"attn.sinks": "rowwise", "attn": "local_params"}, 2)
+    model.attn.sinks = nn.Parameter(torch.zeros(4, 2))
+    with pytest.raises(ValueError, match=r"shape \(4, 2\).*only 1-D"):
+        check_plan(model, {"attn.sinks": "colwise", "attn": "local_params"}, 2)
+    model.attn.sinks = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="3 entries, not divisible"):
+        check_plan(model, {"attn.sinks": "colwise", "attn": "local_params"}, 2)
