@@ -110,7 +110,8 @@ class DDPStrategy(Strategy):
             collectives.wait([handle for handle, _ in list(self.optimizer._handles.values())])
         else:
             # Started before the gradients' waits, so that Horovod can carry it alongside them.
-            agreement = start_agreement(self._use.used_here(), name=f"ddp.used.{len(self._use.params)}")
+            agreement = start_agreement(self._use.used_here(), name=f"ddp.used.{len(self._use.params)}",
+                                        device=self.world.device)
             self.optimizer.synchronize()
             self._drop_unused_gradients(agreement)
 

@@ -300,7 +300,7 @@ class ModelParallelStrategy(Strategy):
         rank used keeps .grad None and is not stepped, as one process skips it."""
         trained = [p for p in self._local if p.requires_grad]
         agreement = start_agreement([p.grad is not None for p in trained], name=f"model_parallel.used.{len(trained)}",
-                                    process_set=self.mesh.data.process_set)
+                                    device=self.world.device, process_set=self.mesh.data.process_set)
         gradients = []
         for param, idle in zip(trained, unused_everywhere(agreement)):
             if not idle:

@@ -49,9 +49,10 @@ class GradientUse:
         self._hooks = []
 
 
-def start_agreement(used_here: Sequence[bool], name: str, process_set: Any = None) -> Any:
-    """Start the all-reduce that tells every rank how many ranks used each parameter."""
-    flags = torch.tensor([1 if used else 0 for used in used_here], dtype=torch.int32)
+def start_agreement(used_here: Sequence[bool], name: str, device: torch.device, process_set: Any = None) -> Any:
+    """Start the all-reduce that tells every rank how many ranks used each parameter (on the
+    gradients' ``device``: the same transport as they, NCCL on GPUs)."""
+    flags = torch.tensor([1 if used else 0 for used in used_here], dtype=torch.int32, device=device)
     if process_set is None:
         return hvd.allreduce_async(flags, op=hvd.Sum, name=name)
     return hvd.allreduce_async(flags, op=hvd.Sum, name=name, process_set=process_set)

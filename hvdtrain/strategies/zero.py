@@ -201,7 +201,8 @@ class ZeroStrategy(ShardedStrategy):
 
     def step(self) -> None:
         # Started before the reductions' waits, so that Horovod can carry it alongside them.
-        agreement = start_agreement(self._use.used_here(), name=f"zero.used.{len(self._use.params)}")
+        agreement = start_agreement(self._use.used_here(), name=f"zero.used.{len(self._use.params)}",
+                                    device=self.world.device)
         self.synchronize()  # nothing left to do when the caller already synchronized
         step_skipping(self.optimizer, self.buckets, self._use, agreement)
         self._gather_parameters()

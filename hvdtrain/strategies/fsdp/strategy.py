@@ -298,7 +298,8 @@ class FSDPStrategy(ShardedStrategy):
 
     def step(self) -> None:
         # Started before the reductions' waits, so that Horovod can carry it alongside them.
-        agreement = start_agreement(self._use.used_here(), name=f"fsdp.used.{len(self._use.params)}")
+        agreement = start_agreement(self._use.used_here(), name=f"fsdp.used.{len(self._use.params)}",
+                                    device=self.world.device)
         self.synchronize()  # nothing left to do when the caller already synchronized
         step_skipping(self.optimizer, self.buckets, self._use, agreement)  # a parameter no rank used: skipped
         self._carried_state = None
