@@ -235,7 +235,7 @@ class DeferredInit:
             slots[name] = nn.Parameter(scratch, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else scratch
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad(), _hugging_face_guard(self.model), \
-                    _default_dtype(self.build_dtype):
+                    default_dtype(self.build_dtype):
                 torch.manual_seed(self.seed)
                 for _, _, step in self.steps:
                     step()
@@ -277,7 +277,8 @@ def build_dtype(model: nn.Module) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Tensors created inside take ``dtype`` by default (a model built, or its initialization replayed)."""
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -16,6 +16,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
+from hvdtrain.strategies.deferred_init import default_dtype
+
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 2, 64, 4, 2, 128
 HEAD_DIM = HIDDEN // HEADS
 SEQUENCE = 8  # the token sequences trained on; every position limit is set well above it
@@ -210,18 +212,6 @@ def _keep_token_ids_in_vocabulary(values: Dict[str, Any]) -> None:
             values[name] = vocabulary - 1
         elif isinstance(value, list) and any(isinstance(v, int) and v >= vocabulary for v in value):
             values[name] = [min(v, vocabulary - 1) for v in value]
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Modules built inside draw their values in ``dtype`` from the start (a model built on the
-    meta device gets its initialization replayed in it too)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 def build_tiny(model_type: str, config: Any = None) -> Tiny:
