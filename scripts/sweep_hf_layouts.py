@@ -4,6 +4,7 @@ throughout: docs/reference/hf-families.md (the table) and .cache/hf-families.jso
 
     python scripts/sweep_hf_layouts.py [--families llama,gemma2] [--layouts T2,P2] [--steps 3]
     python scripts/sweep_hf_layouts.py --render-only   # the page again from the .jsonl (and its .meta.json)
+    python scripts/sweep_hf_layouts.py --update --families laguna,doge   # re-run these, keep the other rows
 
 One launch per world size runs the families in sequence (hvdtrain.verify.driver); a family that
 crashes or hangs is an error and the rest go on. A script, not a CI phase: about 20 minutes on
@@ -38,6 +39,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--page", type=Path, default=ROOT / "docs/reference/hf-families.md")
     parser.add_argument("--jsonl", type=Path, default=ROOT / ".cache/hf-families.jsonl")
     parser.add_argument("--render-only", action="store_true", help="write the page from --jsonl, run nothing")
+    parser.add_argument("--update", action="store_true",
+                        help="re-run only --families and replace their rows in --jsonl, keeping every other row "
+                             "(the page says which families were re-run at which commit)")
     parser.add_argument("--note", default="", help="a line the page opens with (what state of the code this is)")
     return parser.parse_args()
 
@@ -52,31 +56,60 @@ def main() -> int:
     wanted = layouts.named(args.layouts)
     started = time.monotonic()
     meta_path = args.jsonl.with_suffix(".meta.json")
+    if args.update and not args.families:
+        print("--update re-runs the families named by --families; name them (or drop --update for a full sweep)",
+              file=sys.stderr)
+        return 2
     if args.render_only:
-        outcomes = [Outcome.from_json(line) for line in args.jsonl.read_text().splitlines() if line.strip()]
+        outcomes = _read(args.jsonl)
         run = json.loads(meta_path.read_text())
     else:
-        run = {"branch": _git("rev-parse", "--abbrev-ref", "HEAD"), "commit": _git("rev-parse", "--short", "HEAD"),
-               "date": datetime.date.today().isoformat(), "steps": args.steps}
+        rerun = {layout.name for layout in wanted}
+        kept = ([o for o in _read(args.jsonl) if not (o.family in plans and o.layout in rerun)]
+                if args.update else [])
+        commit = {"branch": _git("rev-parse", "--abbrev-ref", "HEAD"), "commit": _git("rev-parse", "--short", "HEAD"),
+                  "date": datetime.date.today().isoformat()}
+        fresh = _sweep(args, list(plans), wanted)
+        outcomes = kept + fresh
         args.jsonl.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.jsonl, "w") as jsonl:
-            def keep(outcome: Outcome) -> None:
-                jsonl.write(outcome.to_json() + "\n")
-                jsonl.flush()
-                print(f"{outcome.family:24s} {outcome.layout:9s} {outcome.optimizer:5s} {outcome.summary()[:110]}",
-                      flush=True)
-
-            outcomes = driver.run(list(plans), wanted, args.optimizers.split(","), args.steps,
-                                  family_timeout=args.family_timeout, launcher=args.launcher,
-                                  log_dir=ROOT / ".cache/hf-families-logs", on_outcome=keep)
-        run["minutes"] = round((time.monotonic() - started) / 60, 1)
+        args.jsonl.write_text("".join(o.to_json() + "\n" for o in outcomes))
+        minutes = round((time.monotonic() - started) / 60, 1)
+        if args.update:
+            run = json.loads(meta_path.read_text())
+            run.setdefault("updates", []).append({**commit, "families": sorted(plans), "layouts": sorted(rerun),
+                                                  "minutes": minutes})
+        else:
+            run = {**commit, "steps": args.steps, "minutes": minutes}
         meta_path.write_text(json.dumps(run))
+        plans = {f.model_type: f.plans for f in every if f.model_type in {o.family for o in outcomes}}
+        wanted = layouts.named(",".join(sorted({o.layout for o in outcomes}, key=_layout_order)))
     built = {o.family for o in outcomes if o.result != "skipped"}
     header = {**({"note": args.note} if args.note else {}), **_header(run, len(every))}
     page = table.markdown(outcomes, [layout.name for layout in wanted], plans, header, built)
     args.page.write_text(page)
-    print(f"{len(outcomes)} cases in {run['minutes']} min; {args.page}")
+    print(f"{len(outcomes)} cases on the page, {round((time.monotonic() - started) / 60, 1)} min; {args.page}")
     return 0
+
+
+def _sweep(args: argparse.Namespace, families: list, wanted: list) -> list:
+    """Run the families, printing each case as it ends; the outcomes are written once the run ends
+    (an interrupted --update leaves the previous .jsonl whole)."""
+    def show(outcome: Outcome) -> None:
+        print(f"{outcome.family:24s} {outcome.layout:9s} {outcome.optimizer:5s} {outcome.summary()[:110]}", flush=True)
+
+    return driver.run(families, wanted, args.optimizers.split(","), args.steps, family_timeout=args.family_timeout,
+                      launcher=args.launcher, log_dir=ROOT / ".cache/hf-families-logs", on_outcome=show)
+
+
+def _read(path: Path) -> list:
+    if not path.exists():
+        return []
+    return [Outcome.from_json(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _layout_order(name: str) -> int:
+    names = list(layouts.SWEEP)
+    return names.index(name) if name in names else len(names)
 
 
 def _header(run: dict, every: int) -> dict:
@@ -103,6 +136,8 @@ def _header(run: dict, every: int) -> dict:
                    "from the message: hvdtrain.verify.outcome.REASONS)",
         "layouts": "T2 and P2 at 2 ranks, T2xP2 at 4, fsdp-meta (fsdp, the model built on the meta device) at 2",
         "run time": f"{run['minutes']:.0f} min on 2 cores shared with other work, one launch per world size",
+        **({"re-run since": "; ".join(f"{', '.join(u['families'])} ({', '.join(u.get('layouts', []))}) at `{u['branch']}` {u['commit']} ({u['date']})"
+                                      for u in run["updates"])} if run.get("updates") else {}),
         "reproduce": "`python scripts/sweep_hf_layouts.py`; one family: `hvdtrain check-layout gemma2 --tensor_parallel=2`",
     }
 
