@@ -250,7 +250,7 @@ class TrainingLoop:
         return evaluate(self.model, self.batching.val_loader,
                         lambda _, batch: strategy.forward_only(self.step_fn, batch), self.topology.world.device,
                         self.precision.autocast, after_batch=lambda: self.faults.beat(self.position.step),
-                        lockstep=strategy.collective_forward, counts_samples=strategy.counts_samples)
+                        lockstep=strategy.capabilities.collective_forward, counts_samples=strategy.counts_samples)
 
     def evaluate_between_steps(self) -> None:
         """train.eval_every: the validation metrics now, recorded and printed; training then goes on

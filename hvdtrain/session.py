@@ -179,7 +179,7 @@ class Session:
                                                  self.precision, self.batching, self.job_config, self.callbacks,
                                                  self.kept)
             # Under elastic, a sharded strategy's first sync loads the checkpoint (every rank reads its part).
-            if resumed is not None and not (self.elastic_launch and self.strategy.elastic_from_checkpoint):
+            if resumed is not None and not (self.elastic_launch and self.strategy.capabilities.elastic_from_checkpoint):
                 with self.faults.checkpoint_io():
                     self.checkpoints.load(resumed)
             self.reporter.open_timeline(self.position.step)

@@ -41,7 +41,7 @@ class Trainer(Session):
         previous = self.topology.reform()
         self.batching.rebuild(self.topology.data_world, self.config.batch_size)
         self.restart_schedule()
-        where = ("from the newest checkpoint" if self.strategy.elastic_from_checkpoint
+        where = ("from the newest checkpoint" if self.strategy.capabilities.elastic_from_checkpoint
                  else f"at step {self.position.step}")
         self.topology.log.info(f"world changed from {previous} to {self.world.size} workers: global batch "
                                f"{self.batching.global_batch_size}, lr x {self.lr.scale:g}; continuing {where}")
@@ -62,7 +62,7 @@ class Trainer(Session):
         """What Horovod elastic commits, rolls back to and syncs (hvdtrain.fault_tolerance.elastic)."""
         # Each rank's memory of its own last save differs after a world change: forgotten at every sync.
         on_sync = [self.loop.forget_saved_step, self.restart_schedule, self.reporter.agree_run_directory]
-        if self.strategy.elastic_from_checkpoint:
+        if self.strategy.capabilities.elastic_from_checkpoint:
             self.loop.commit_with_checkpoints = True
             return elastic.CheckpointedElasticState(self.continue_from_newest_checkpoint, on_reset=self.follow_world,
                                                     on_sync=on_sync)

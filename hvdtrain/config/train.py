@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 
+from hvdtrain.common.capabilities import STRATEGY_NAMES as STRATEGIES
 from hvdtrain.config.checks import check_choices, check_only_with, check_whole_numbers
-# The strategies' names; their classes, when a config is validated (hvdtrain.strategies.registry is
-# light to import: only check_settings loads the classes, which import torch).
-from hvdtrain.strategies.registry import STRATEGY_NAMES as STRATEGIES
+from hvdtrain.config.strategy_checks import check_strategy_settings
 
 PROGRESS_MODES = ("auto", "bar", "log", "off")
 CHECKPOINT_FORMATS = ("full", "sharded")
@@ -147,11 +146,8 @@ class TrainConfig:
                              f"data-parallel batch")
         if self.run_name is not None and (not self.run_name or "/" in self.run_name or self.run_name.startswith(".")):
             raise ValueError(f"TrainConfig.run_name must be a plain directory name, got {self.run_name!r}")
-        # What the strategy (or the model-parallel layout) cannot do, read from its class: the one source
-        # of capabilities. Inside the function: the classes import torch, and config stays light.
-        from hvdtrain.strategies.registry import check_settings
-
-        check_settings(self)
+        # What the strategy (or the model-parallel layout) cannot do: hvdtrain.common.capabilities.
+        check_strategy_settings(self)
 
     @property
     def model_parallel(self) -> bool:

@@ -18,7 +18,7 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from hvdtrain.strategies.registry import STRATEGY_NAMES as STRATEGIES
+from hvdtrain.common.capabilities import STRATEGY_NAMES as STRATEGIES
 from hvdtrain.planner.memory import sharded_state_bytes
 from hvdtrain.common.units import format_bytes, parse_bytes
 from hvdtrain.distributed.devices import device_peaks

@@ -48,7 +48,7 @@ class MemoryReport:
         first = 0 if self.gather else world.rank
         lines = [f"rank {rank}: " + ", ".join(f"{key} {format_bytes(value)}" for key, value in held.items())
                  for rank, held in enumerate(self.per_rank, start=first)]
-        self.topology.log.info(f"memory held per rank ({self.strategy.name}, counted from tensor storages; "
+        self.topology.log.info(f"memory held per rank ({self.strategy.label}, counted from tensor storages; "
                                f"peak RSS of the process; on a GPU, torch's peak allocated and reserved):\n  " + "\n  ".join(lines))
         if run_dir is not None:
-            run_dir.record("memory", {"step": step, "strategy": self.strategy.name, "per_rank": self.per_rank})
+            run_dir.record("memory", {"step": step, "strategy": self.strategy.label, "per_rank": self.per_rank})

@@ -7,11 +7,12 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional
 
+from hvdtrain.common.capabilities import STRATEGY_NAMES
 from hvdtrain.common.units import MiB
 from hvdtrain.planner.model_shape import ModelShape
 from hvdtrain.planner.network import CALIBRATION, NETWORKS, Calibration, Network
 
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "ps")
+STRATEGIES = STRATEGY_NAMES
 PRECISIONS = {"fp32": 4, "bf16": 2}          # bytes of a parameter, a gradient and an activation
 OPTIMIZERS = {"adam": 2, "sgd": 1}           # fp32 state tensors per parameter (sgd: with momentum)
 # Assumed, not measured: what one device achieves on a transformer's matrix products (set --flops).

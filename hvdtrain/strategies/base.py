@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Dict, Iterator, List, Tuple
 
 import torch
 
+from hvdtrain.common.capabilities import DECLARED, Capabilities
 from hvdtrain.strategies import clipping
 from hvdtrain.distributed.world import World
 
@@ -55,19 +56,14 @@ class Strategy(ABC):
     """
 
     name: ClassVar[str]
-    # What this strategy cannot be combined with, each with why: capability -> reason (the
-    # capabilities and where they are read: hvdtrain.strategies.registry).
-    refuses: ClassVar[Dict[str, str]] = {}
-    # Whether every forward is a collective (fsdp gathers each block's parameters): then every
-    # rank must run the same number of forwards, evaluation included.
-    collective_forward: ClassVar[bool] = False
-    # Under Horovod elastic, whether a world change continues from the newest checkpoint instead of
-    # the state committed in memory: a strategy whose state is cut into one shard per worker (a lost
-    # worker takes its shard along) and that cuts it anew for the new world in follow_world.
-    elastic_from_checkpoint: ClassVar[bool] = False
-    # Whether a model built on the meta device is given values shard by shard (fsdp), never whole;
-    # the others take it made whole (hvdtrain.strategies.deferred_init).
-    initializes_by_shard: ClassVar[bool] = False
+    # What this strategy can do (hvdtrain.common.capabilities, the one table of them): a registered
+    # strategy gets its record from there; a strategy of one's own may declare its own record.
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__ and "capabilities" not in cls.__dict__ and cls.name in DECLARED:
+            cls.capabilities = DECLARED[cls.name]
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool) -> None:
@@ -77,9 +73,10 @@ class Strategy(ABC):
         self.fp16_allreduce = fp16_allreduce
         self.optimizer: torch.optim.Optimizer = optimizer
 
-    @classmethod
-    def supports(cls, capability: str) -> bool:
-        return capability not in cls.refuses
+    @property
+    def label(self) -> str:
+        """How logs name this strategy (the model-parallel layout adds its mesh)."""
+        return self.name
 
     @classmethod
     def from_config(cls, config: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,

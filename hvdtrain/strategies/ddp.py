@@ -15,7 +15,6 @@ from hvdtrain.distributed import collectives
 
 from hvdtrain.distributed.world import World
 from hvdtrain.strategies.reduction import combines_updates
-from hvdtrain.strategies.registry import SHARDED_CHECKPOINTS
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes
 from hvdtrain.strategies.unused_parameters import GradientUse, start_agreement, unused_everywhere
 
@@ -85,8 +84,6 @@ class DDPStrategy(Strategy):
     the optimizer skips it as one process's does."""
 
     name = "ddp"
-    refuses = {SHARDED_CHECKPOINTS: "under ddp every rank holds the whole model and optimizer state, so there is "
-                                    "nothing to shard and rank 0 writes it alone"}
 
     @classmethod
     def from_config(cls, config, model, optimizer, world, **context) -> "DDPStrategy":

@@ -33,7 +33,6 @@ from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.strategies.base import Strategy, optimizer_state_tensors, storage_bytes, tensor_names
 from hvdtrain.strategies.optimizers import check_elementwise, optimizer_like
 from hvdtrain.strategies.sharding.shard_state import compact
-from hvdtrain.strategies.registry import ADASUM, COMPILE, ELASTIC
 from hvdtrain.strategies.unused_parameters import start_agreement, unused_everywhere
 
 if TYPE_CHECKING:
@@ -87,15 +86,11 @@ class ModelParallelStrategy(Strategy):
     """ddp, or zero1, over the data-parallel groups of a mesh whose model replicas span tensor x
     pipeline ranks."""
 
-    name = "ddp"
-    initializes_by_shard = True  # a model built on the meta device: each rank its slices and stage
-    collective_forward = True  # tensor-parallel layers all-reduce in forward; stages exchange activations
-    refuses = {
-        ELASTIC: "a lost worker takes a part of a model replica with it, and the mesh is fixed at start",
-        ADASUM: "Adasum combines over the whole world, not over a data-parallel group",
-        COMPILE: "Horovod's collectives inside the forward do not compile (a graph break at every "
-                 "tensor-parallel layer)",
-    }
+    name = "model_parallel"
+
+    @property
+    def label(self) -> str:
+        return self._label
 
     @classmethod
     def from_config(cls, config, model, optimizer, world, **context) -> "ModelParallelStrategy":
@@ -116,7 +111,7 @@ class ModelParallelStrategy(Strategy):
         self.mesh, self.plan, self.loss_fn = mesh, plan, loss_fn
         shape = mesh.shape
         # What the memory report and its record say.
-        self.name = f"{data_parallel} x tensor {shape.tensor} x pipeline {shape.pipeline}"
+        self._label = f"{data_parallel} x tensor {shape.tensor} x pipeline {shape.pipeline}"
         if data_parallel == "zero1":  # the same optimizers as the flat ZeRO strategies
             check_elementwise(optimizer, "strategy=zero1 over a model-parallel mesh cannot step {name}",
                               "it steps each parameter on one rank of its data group", "Use strategy=ddp")

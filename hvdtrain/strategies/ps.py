@@ -20,10 +20,9 @@ import horovod.torch as hvd
 from hvdtrain.distributed import collectives
 from hvdtrain.distributed.world import World
 from hvdtrain.strategies.optimizers import check_elementwise
-from hvdtrain.strategies.registry import ADASUM, COMPILE, ELASTIC, MESH, SHARDED_CHECKPOINTS
+from hvdtrain.common.capabilities import SHARDED_CHECKPOINTS
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.sliced import SlicedStateStrategy
-from hvdtrain.strategies.zero import SHARDED_MESH
 
 
 def check_servers(servers: int, world_size: int) -> None:
@@ -38,17 +37,6 @@ class PSStrategy(SlicedStateStrategy):
     become views of flat buckets; parameters not in the optimizer, or frozen, are left alone."""
 
     name = "ps"
-    refuses = {
-        ELASTIC: "the servers (ranks 0..ps_servers-1) hold the only copy of the optimizer state, and a lost server "
-                 "takes its part along; continuing from the newest checkpoint, as zero1, zero2 and fsdp do, is not built "
-                 "for ps",
-        MESH: SHARDED_MESH,
-        SHARDED_CHECKPOINTS: "the optimizer state lives on the servers only, which the per-rank sharded format "
-                             "(every rank owns 1/N) does not describe",
-        COMPILE: "ps is kept as a measured baseline, and torch.compile is not tested with it",
-        ADASUM: "each server averages the gradients it receives, and Adasum (whole tensors combined pairwise by "
-                "dot products) has no form on a slice",
-    }
 
     @classmethod
     def from_config(cls, config, model, optimizer, world, **context) -> "PSStrategy":
@@ -222,5 +210,5 @@ class PSStrategy(SlicedStateStrategy):
         self.optimizer.load_state_dict(fb.shard_state_dict(self.buckets, self._group_indices, full))
 
     def _no_shards(self) -> str:
-        return (f"strategy ps has no sharded checkpoint: {self.refuses[SHARDED_CHECKPOINTS]}; "
+        return (f"strategy ps has no sharded checkpoint: {self.capabilities.refuses[SHARDED_CHECKPOINTS]}; "
                 "use checkpoint_format=full")

@@ -19,17 +19,9 @@ import horovod.torch as hvd
 
 from hvdtrain.distributed.world import World
 from hvdtrain.strategies.optimizers import repoint_optimizer
-from hvdtrain.strategies.registry import ADASUM, MESH
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.sliced import ShardedStrategy
 from hvdtrain.strategies.unused_parameters import GradientUse, start_agreement, step_skipping
-
-# Why the sharded strategies cannot do what ddp does (their classes' ``refuses``).
-SHARDED_ADASUM = ("zero1, zero2 and fsdp reduce-scatter the gradients so that each rank receives only its slice, "
-                  "and Adasum has no reduce-scatter form (it combines whole gradients pairwise, scaled by dot "
-                  "products over each whole tensor)")
-SHARDED_MESH = ("zero2, fsdp and ps cut the state over every rank, and the model-parallel layout averages "
-                "gradients over each data-parallel group")
 
 
 class ZeroStrategy(ShardedStrategy):
@@ -42,8 +34,6 @@ class ZeroStrategy(ShardedStrategy):
     """
 
     stage: ClassVar[int]
-    refuses = {ADASUM: SHARDED_ADASUM}
-    elastic_from_checkpoint = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool, bucket_bytes: int = 25 * 2**20) -> None:
@@ -298,4 +288,3 @@ class Zero2Strategy(ZeroStrategy):
 
     name = "zero2"
     stage = 2
-    refuses = {**ZeroStrategy.refuses, MESH: SHARDED_MESH}

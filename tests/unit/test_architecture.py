@@ -27,10 +27,6 @@ LAYERS: Dict[str, int] = {
 # Imports against the layers, each for a reason: (importing package, imported module) -> where it may
 # be ("function": inside a function, paid only when it runs) and why.
 ALLOWED_UPWARD = {
-    ("config", "hvdtrain.strategies.registry"): ("module", "train.strategy's values are the registered names "
-                                                 "(the registry imports nothing at import time)"),
-    ("config", "hvdtrain.strategies"): ("function", "TrainConfig's checks read the strategy classes' "
-                                        "capabilities, the one source of them"),
     ("planner", "hvdtrain.parallel"): ("function", "the planner cuts pipeline stages with hvdtrain's split_layers"),
     ("planner", "hvdtrain.examples"): ("function", "``hvdtrain plan --example textlm`` reads the example's shape"),
 }
@@ -124,3 +120,20 @@ def test_login_node_tools_import_neither_torch_nor_horovod():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert len(light) > 30, light
+
+
+def test_a_train_config_is_built_and_checked_without_torch_or_horovod():
+    """A login node builds and checks settings (a strategy's refusals included) without paying for torch."""
+    code = ("import sys, hvdtrain\n"
+            "hvdtrain.TrainConfig()\n"
+            "hvdtrain.TrainConfig(strategy='zero1', tensor_parallel=2, pipeline_parallel=2)\n"
+            "try:\n"
+            "    hvdtrain.TrainConfig(strategy='fsdp', compile=True)\n"
+            "except ValueError as refusal:\n"
+            "    assert 'compile' in str(refusal)\n"
+            "else:\n"
+            "    sys.exit('fsdp with compile was not refused')\n"
+            "heavy = [m for m in ('torch', 'horovod') if m in sys.modules]\n"
+            "sys.exit(f'TrainConfig imports {heavy}' if heavy else 0)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -12,7 +12,7 @@ MiB, GiB = 2**20, 2**30
 
 
 class ZeroStrategy:
-    name = "zero2"
+    name = label = "zero2"
 
     def memory_bytes(self):
         return {"parameters": 6 * MiB, "gradients": 3 * MiB, "optimizer_state": 12 * MiB}

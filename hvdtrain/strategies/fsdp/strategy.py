@@ -29,11 +29,9 @@ from hvdtrain.strategies.fsdp import units as fu
 from hvdtrain.strategies.fsdp.communication import UnitCommunication
 from hvdtrain.strategies.fsdp.initialization import initialize_by_unit
 from hvdtrain.strategies.optimizers import repoint_optimizer
-from hvdtrain.strategies.registry import ADASUM, COMPILE, MESH
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.sliced import ShardedStrategy
 from hvdtrain.strategies.unused_parameters import GradientUse, start_agreement, step_skipping
-from hvdtrain.strategies.zero import SHARDED_ADASUM, SHARDED_MESH
 
 
 class FSDPStrategy(ShardedStrategy):
@@ -46,16 +44,6 @@ class FSDPStrategy(ShardedStrategy):
     """
 
     name = "fsdp"
-    initializes_by_shard = True
-    collective_forward = True
-    elastic_from_checkpoint = True
-    refuses = {
-        ADASUM: SHARDED_ADASUM, MESH: SHARDED_MESH,
-        COMPILE: "fsdp gathers each unit's parameters in hooks that run inside the forward, and torch.compile "
-                 "cannot compile them: Dynamo cannot trace Horovod's collectives (a graph break at every unit), "
-                 "and Inductor fails on the gathered buffer's storage resize (LoweringException: TODO: dynamic "
-                 "shapes, torch 2.13)",
-    }
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool, wrap_policy: Optional[fu.WrapPolicy] = None,

@@ -1,0 +1,100 @@
+"""What each strategy can and cannot do, declared in one table that imports nothing.
+
+The settings' checks (``hvdtrain.config.strategy_checks``, run when a TrainConfig is created, on a
+login node too), a launch's checks and the loop read a strategy's capabilities here; each strategy
+class holds its record (``Strategy.capabilities``) and never declares them a second way. Imports
+nothing, so that ``TrainConfig()`` imports neither torch nor Horovod.
+"""
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+from typing import Dict, Mapping
+
+# The capabilities a strategy may refuse.
+ELASTIC = "elastic"  # Horovod elastic: the world may change mid-run
+COMPILE = "compile"  # torch.compile of the model
+ADASUM = "adasum"  # reduction=adasum
+SHARDED_CHECKPOINTS = "sharded_checkpoints"  # checkpoint_format=sharded
+MESH = "mesh"  # the data-parallel side of a tensor x pipeline mesh
+
+# The model-parallel layout (train.tensor_parallel x pipeline_parallel > 1): registered beside the
+# strategies a user names, chosen by the mesh rather than by train.strategy.
+MODEL_PARALLEL = "model_parallel"
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """One strategy's capabilities.
+
+    Args:
+        refuses: capability -> why this strategy cannot do it (the refusal's message quotes it).
+        collective_forward: every forward is a collective (fsdp gathers each block; tensor-parallel
+            layers all-reduce), so every rank runs the same number of forwards, evaluation included.
+        elastic_from_checkpoint: under Horovod elastic, a world change continues from the newest
+            checkpoint, not from the state committed in memory (a lost worker took its shard along).
+        initializes_by_shard: a model built on the meta device gets its values shard by shard
+            (never whole); the other strategies take it made whole first.
+    """
+    refuses: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    collective_forward: bool = False
+    elastic_from_checkpoint: bool = False
+    initializes_by_shard: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = set(self.refuses) - {ELASTIC, COMPILE, ADASUM, SHARDED_CHECKPOINTS, MESH}
+        if unknown:
+            raise ValueError(f"unknown capabilities {sorted(unknown)}")
+        object.__setattr__(self, "refuses", MappingProxyType(dict(self.refuses)))
+
+    def supports(self, capability: str) -> bool:
+        return capability not in self.refuses
+
+
+_SHARDED_ADASUM = ("zero1, zero2 and fsdp reduce-scatter the gradients so that each rank receives only its slice, "
+                   "and Adasum has no reduce-scatter form (it combines whole gradients pairwise, scaled by dot "
+                   "products over each whole tensor)")
+_SHARDED_MESH = ("zero2, fsdp and ps cut the state over every rank, and the model-parallel layout averages "
+                 "gradients over each data-parallel group")
+_ZERO = dict(refuses={ADASUM: _SHARDED_ADASUM}, elastic_from_checkpoint=True)
+
+# Registered name -> capabilities, in the order the strategies are listed to a user.
+DECLARED: Dict[str, Capabilities] = {
+    "ddp": Capabilities(refuses={
+        SHARDED_CHECKPOINTS: "under ddp every rank holds the whole model and optimizer state, so there is "
+                             "nothing to shard and rank 0 writes it alone"}),
+    "zero1": Capabilities(**_ZERO),
+    "zero2": Capabilities(**{**_ZERO, "refuses": {ADASUM: _SHARDED_ADASUM, MESH: _SHARDED_MESH}}),
+    "fsdp": Capabilities(
+        refuses={
+            ADASUM: _SHARDED_ADASUM, MESH: _SHARDED_MESH,
+            COMPILE: "fsdp gathers each unit's parameters in hooks that run inside the forward, and torch.compile "
+                     "cannot compile them: Dynamo cannot trace Horovod's collectives (a graph break at every unit), "
+                     "and Inductor fails on the gathered buffer's storage resize (LoweringException: TODO: dynamic "
+                     "shapes, torch 2.13)"},
+        collective_forward=True, elastic_from_checkpoint=True, initializes_by_shard=True),
+    "ps": Capabilities(refuses={
+        ELASTIC: "the servers (ranks 0..ps_servers-1) hold the only copy of the optimizer state, and a lost server "
+                 "takes its part along; continuing from the newest checkpoint, as zero1, zero2 and fsdp do, is not "
+                 "built for ps",
+        MESH: _SHARDED_MESH,
+        SHARDED_CHECKPOINTS: "the optimizer state lives on the servers only, which the per-rank sharded format "
+                             "(every rank owns 1/N) does not describe",
+        COMPILE: "ps is kept as a measured baseline, and torch.compile is not tested with it",
+        ADASUM: "each server averages the gradients it receives, and Adasum (whole tensors combined pairwise by "
+                "dot products) has no form on a slice"}),
+    MODEL_PARALLEL: Capabilities(
+        refuses={
+            ELASTIC: "a lost worker takes a part of a model replica with it, and the mesh is fixed at start",
+            ADASUM: "Adasum combines over the whole world, not over a data-parallel group",
+            COMPILE: "Horovod's collectives inside the forward do not compile (a graph break at every "
+                     "tensor-parallel layer)"},
+        collective_forward=True, initializes_by_shard=True),
+}
+# The values of train.strategy (the model-parallel layout is chosen by the mesh, over one of them).
+STRATEGY_NAMES = tuple(name for name in DECLARED if name != MODEL_PARALLEL)
+
+
+def supporting(capability: str) -> list:
+    """The strategies a user can name that support ``capability``, in the table's order."""
+    return [name for name in STRATEGY_NAMES if DECLARED[name].supports(capability)]
