@@ -39,3 +39,16 @@ def record_step_losses(trainer, metrics_seen=None) -> list:
 
     trainer.strategy.forward_backward = recording
     return losses
+
+
+def agreed(values, name: str) -> torch.Tensor:
+    """Every rank's row of values (a collective: call it before asserting)."""
+    from hvdtrain.distributed import collectives
+
+    return collectives.allgather_rows(torch.as_tensor(values, dtype=torch.float64).reshape(1, -1), name=name)
+
+
+def token_data(vocab: int, seq: int, samples: int = 64, seed: int = 3) -> TensorDataset:
+    """Random token sequences as (inputs, next-token targets), the same on every rank."""
+    ids = torch.randint(0, vocab, (samples, seq + 1), generator=torch.Generator().manual_seed(seed))
+    return TensorDataset(ids[:, :-1], ids[:, 1:])

@@ -26,7 +26,7 @@ from torch.utils.data import TensorDataset
 
 from hvdtrain.distributed import collectives
 from hvdtrain.config.train import TrainConfig
-from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
+from tests.mpi.helpers import agreed, flat_parameters, small_mlp, synthetic_classification
 
 pytestmark = pytest.mark.mpi
 
@@ -37,11 +37,6 @@ BATCH, STEPS, SEED = 4, 4, 11
 def config(strategy, batch_size=BATCH, **overrides):
     return TrainConfig(epochs=1, batch_size=batch_size, strategy=strategy, scale_lr=False, warmup_epochs=0,
                        max_steps=STEPS, seed=SEED, log_every=1000, progress="off", tensorboard=False, **overrides)
-
-
-def agreed(values, name):
-    """Every rank's row of values (a collective: call it before asserting)."""
-    return collectives.allgather_rows(torch.as_tensor(values, dtype=torch.float64).reshape(1, -1), name=name)
 
 
 def small_cnn(seed):

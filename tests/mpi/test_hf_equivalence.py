@@ -26,6 +26,7 @@ from hvdtrain.trainer import Trainer
 from hvdtrain.training.steps import class_accuracy
 from hvdtrain.verify.exact import float64_throughout
 from tests.mpi.helpers import record_step_losses
+from tests.mpi import helpers
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,9 +71,8 @@ def logits_loss(outputs, targets):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def token_data(samples=64):
-    ids = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=torch.Generator().manual_seed(3))
-    return TensorDataset(ids[:, :-1], ids[:, 1:])
+def token_data(samples: int = 64) -> TensorDataset:
+    return helpers.token_data(VOCAB, SEQ, samples)
 
 
 def reference(family, initial, data, global_batch):

@@ -36,6 +36,7 @@ from hvdtrain.trainer import Trainer
 from hvdtrain.verify.exact import float64_throughout
 from tests.mpi.helpers import record_step_losses
 from tests.mpi.test_mesh_checkpoint import differences, gathered
+from tests.mpi import helpers
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,9 +73,8 @@ def moe_step(model, batch):
     return loss, {}
 
 
-def token_data(samples=64):
-    ids = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=torch.Generator().manual_seed(3))
-    return TensorDataset(ids[:, :-1], ids[:, 1:])
+def token_data(samples: int = 64) -> TensorDataset:
+    return helpers.token_data(VOCAB, SEQ, samples)
 
 
 def data_ranks_orders(size, data_ranks):

@@ -30,8 +30,8 @@ from hvdtrain.trainer import Trainer
 from hvdtrain.training.steps import supervised_step
 from tests.mpi.helpers import record_step_losses
 from tests.unit.test_hf_pipeline_layers import HalvedBetweenLayers  # a Llama doing work between its layers
-from tests.mpi.test_hf_equivalence import (BATCH, SEED, SEQ, STEPS, VOCAB, causal_lm_step, check_against_one_process,
-                                           logits_loss, make_model, token_data, train)
+from tests.mpi.test_hf_equivalence import (BATCH, SEED, SEQ, STEPS, VOCAB, check_against_one_process,
+                                           logits_loss, make_model, train)
 
 transformers = pytest.importorskip("transformers")
 

@@ -23,7 +23,7 @@ from hvdtrain.distributed import collectives, rng
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.trainer import Trainer
-from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
+from tests.mpi.helpers import agreed, flat_parameters, small_mlp, synthetic_classification
 from tests.unit.test_batching import Sentences, pad
 
 pytestmark = pytest.mark.mpi
@@ -44,11 +44,6 @@ def global_batches(samples, world_size, steps=STEPS):
 def config(strategy, **overrides):
     return TrainConfig(**{"epochs": 1, "batch_size": BATCH, "strategy": strategy, "scale_lr": False,
                           "warmup_epochs": 0, "max_steps": STEPS, "seed": SEED, "log_every": 1000, **overrides})
-
-
-def agreed(values, name):
-    """Every rank's row of values (a collective: call it before asserting)."""
-    return collectives.allgather_rows(torch.as_tensor(values, dtype=torch.float64).reshape(1, -1), name=name)
 
 
 # ---- gradient clipping -------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
 from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import record_step_losses
+from tests.mpi import helpers
 
 pytestmark = [pytest.mark.mpi, pytest.mark.process_sets]
 
@@ -39,9 +40,7 @@ def make_model(seed: int) -> TinyTransformerLM:
 
 
 def token_data(samples: int = 96) -> TensorDataset:
-    generator = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=generator)
-    return TensorDataset(ids[:, :-1], ids[:, 1:])
+    return helpers.token_data(VOCAB, SEQ, samples)
 
 
 def reference(initial, data, global_batch, max_grad_norm=None):

@@ -9,12 +9,12 @@ import pytest
 import torch
 import horovod.torch as hvd
 
-from hvdtrain.distributed import collectives
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
 from hvdtrain.examples.textlm_parallel import pipeline_layers
 from hvdtrain.parallel.mesh import Mesh
 from hvdtrain.parallel.pipeline.p2p import exchange
 from hvdtrain.parallel.pipeline.schedule import PipelineStage, run_schedule, split_micro_batches
+from tests.mpi.helpers import agreed
 
 pytestmark = [pytest.mark.mpi, pytest.mark.process_sets, pytest.mark.timeout(240)]
 
@@ -34,11 +34,6 @@ def global_batch(step: int, rows: int):
     generator = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=generator)
     return ids[:, :-1], ids[:, 1:]
-
-
-def agreed(values, name):
-    """Every rank's row of values (a collective: call it before asserting)."""
-    return collectives.allgather_rows(torch.as_tensor(values, dtype=torch.float64).reshape(1, -1), name=name)
 
 
 def layout(world, pipeline: int) -> Mesh:

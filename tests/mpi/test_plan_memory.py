@@ -17,6 +17,7 @@ from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
 from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.common.units import format_bytes
 from hvdtrain.trainer import Trainer
+from tests.mpi import helpers
 
 pytestmark = [pytest.mark.mpi, pytest.mark.process_sets]
 
@@ -29,9 +30,7 @@ ROWS = []  # (layout, predicted, counted), filled by the runs, printed by the la
 
 
 def token_data(samples: int = 64) -> TensorDataset:
-    generator = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, SHAPE.vocab, (samples, SHAPE.seq_len + 1), generator=generator)
-    return TensorDataset(ids[:, :-1], ids[:, 1:])
+    return helpers.token_data(SHAPE.vocab, SHAPE.seq_len, samples)
 
 
 def layout_id(layout):

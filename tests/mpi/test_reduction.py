@@ -37,7 +37,7 @@ from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.strategies.reduction import is_power_of_two
 from hvdtrain.trainer import Trainer
-from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
+from tests.mpi.helpers import agreed, flat_parameters, small_mlp, synthetic_classification
 
 pytestmark = pytest.mark.mpi
 
@@ -49,11 +49,6 @@ def config(**overrides):
     settings = dict(epochs=1, batch_size=BATCH, reduction="adasum", warmup_epochs=0, max_steps=STEPS,
                     seed=SEED, log_every=1000)
     return TrainConfig(**{**settings, **overrides})
-
-
-def agreed(values, name):
-    """Every rank's row of values (a collective: call it before asserting)."""
-    return collectives.allgather_rows(torch.as_tensor(values, dtype=torch.float64).reshape(1, -1), name=name)
 
 
 def adasum_pair(a, b):

@@ -13,7 +13,7 @@ from hvdtrain.distributed import collectives
 from hvdtrain.strategies.ddp import DDPStrategy
 from hvdtrain.strategies.fsdp.strategy import FSDPStrategy
 from hvdtrain.strategies.zero import Zero1Strategy, Zero2Strategy
-from tests.mpi.helpers import flat_parameters, synthetic_classification
+from tests.mpi.helpers import synthetic_classification
 
 pytestmark = pytest.mark.mpi
 
