@@ -12,8 +12,9 @@ state is spread over the ranks is the strategy's; the loop never asks which one 
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -31,6 +32,9 @@ from hvdtrain.training.metrics import RunningMeans, Throughput, Totals
 from hvdtrain.training.position import Position
 from hvdtrain.training.precision import Precision
 from hvdtrain.training.steps import StepFn, batch_size, to_device
+
+if TYPE_CHECKING:
+    from hvdtrain.fault_tolerance.elastic import Commits
 
 
 @dataclass
@@ -55,10 +59,9 @@ class TrainingLoop:
     preempted: bool = False
     stopped: bool = False  # a callback asked, and every rank agreed
     saved_at: Optional[int] = None  # the step of the last checkpoint, until the next step (or elastic sync)
-    # Under Horovod elastic: commits the state survivors roll back to (hvdtrain.fault_tolerance.elastic),
-    # every elastic_commit_every steps, or right after each checkpoint when the checkpoints are the commits.
-    commit: Optional[Callable[[], None]] = None
-    commit_with_checkpoints: bool = False
+    # Under Horovod elastic, for one run(): when the state survivors roll back to is committed.
+    commits: Optional["Commits"] = None
+    history: List[Dict[str, float]] = dataclasses.field(default_factory=list)  # one record per epoch
     # The epoch in progress (batches()): its limit, its running means and counts, its micro-batches.
     until_step: Optional[int] = None
     epoch_done: bool = True
@@ -74,11 +77,19 @@ class TrainingLoop:
         limit = self.config.max_steps if until_step is None else until_step
         return self.preempted or self.stopped or (limit is not None and self.position.step >= limit)
 
-    def run(self, history: List[Dict[str, float]], until_step: Optional[int] = None) -> None:
+    def begin(self) -> None:
+        """Every fit() and every epochs() starts here: a stop ended the previous one, and its records
+        are the previous one's."""
+        self.stopped = False
+        self.callbacks.forget_stop()
+        self.history = []
+
+    def run(self, until_step: Optional[int] = None, commits: Optional["Commits"] = None) -> None:
         """The Trainer's loop: every batch through the strategy's forward and backward (a pipeline
         runs its schedule there), then step(): the same epochs, batches and steps a library user's
-        own loop runs (hvdtrain.session)."""
-        for _ in self.epochs(history, until_step):
+        own loop runs (hvdtrain.session). ``commits``: under Horovod elastic."""
+        self.commits = commits
+        for _ in self.epochs(until_step):
             for batch in self.batches():
                 self.phase = "the forward and backward pass"
                 loss, metrics = self.strategy.forward_backward(self.step_fn, batch, self.precision.autocast,
@@ -86,9 +97,9 @@ class TrainingLoop:
                 self.record(loss, metrics)
                 self.step()
 
-    def epochs(self, history: List[Dict[str, float]], until_step: Optional[int] = None) -> Iterator[int]:
+    def epochs(self, until_step: Optional[int] = None) -> Iterator[int]:
         """Yields each epoch to train (its batches: batches()), then closes it: one record each in
-        ``history``, evaluation, the epoch's checkpoint and callbacks; until the configured epochs,
+        ``self.history``, evaluation, the epoch's checkpoint and callbacks; until the configured epochs,
         max_steps or ``until_step``."""
         position = self.position
         self.until_step = until_step
@@ -115,7 +126,7 @@ class TrainingLoop:
                 "lr": self.lr.current,
                 **self.evaluate(),
             }
-            history.append(record)
+            self.history.append(record)
             self.reporter.epoch(record)
             if self.batching.val_loader is not None:
                 self.callbacks.call("on_evaluation_end", position.step,
@@ -123,8 +134,8 @@ class TrainingLoop:
             self.callbacks.call("on_epoch_end", dict(record))
             if self.checkpoints is not None:
                 self.save_checkpoint()
-            if self.commit is not None:
-                self.commit()
+            if self.commits is not None:
+                self.commits.at_epoch_end()
             if self.stop_if_agreed("loop.stop.epoch"):
                 break
         if self.checkpoints is not None:  # an asynchronous save's write, done before the run returns
@@ -165,53 +176,76 @@ class TrainingLoop:
 
     def step(self) -> bool:
         """After each micro-batch's backward: at the last of train.accumulation, the optimizer step
-        (synchronize, unscale, clip, step, zero, LR) and what follows a step (checkpoints, evaluation,
-        logs, the preemption and stop votes). Returns whether a step was taken."""
-        cfg, position, strategy = self.config, self.position, self.strategy
+        (synchronize, unscale, clip, step, zero, LR) and what follows a step, each at its cadence
+        (evaluation, elastic commits, checkpoints, the preemption and stop votes, logs). Returns
+        whether a step was taken."""
         self.micro_batches += 1
-        if self.micro_batches % cfg.accumulation:
+        if self.micro_batches % self.config.accumulation:
             return False
-        # 5. Wait for the reduced gradients, then the same update on every rank. The wait
-        #    is timed apart from the update: it is the step's exposed communication.
+        self.synchronize_and_update()
+        self.advance()
+        self.evaluate_if_due()
+        if self.commits is not None:
+            self.commits.after_step(self.position.step)  # the point survivors roll back to; may raise to resize
+        self.checkpoint_if_due()
+        self.vote_or_log()
+        return True
+
+    def synchronize_and_update(self) -> None:
+        """5. Wait for the reduced gradients, then the same update on every rank. The wait is timed
+        apart from the update: it is the step's exposed communication."""
         self.phase = "gradient synchronization"
         waited = time.perf_counter()
-        strategy.synchronize()
+        self.strategy.synchronize()
         self.throughput.add_wait(time.perf_counter() - waited)
         self.phase = "the optimizer step"
         self.update()
-        self.reporter.after_first_step(position.step + 1)
-        strategy.zero_grad()
+        self.reporter.after_first_step(self.position.step + 1)
+        self.strategy.zero_grad()
         self.lr.step()
+
+    def advance(self) -> None:
+        """The position moves one step on; the watchdog, the reporter and the callbacks hear of it."""
+        position = self.position
         position.step += 1
         position.epoch_position += self.batching.global_batch_size
         self.saved_at = None  # (under elastic a rollback can bring the same step number back)
         self.faults.beat(position.step)
         self.reporter.after_step(position.step)
         self.callbacks.call("on_step_end", position.step)
-        if (cfg.eval_every and position.step % cfg.eval_every == 0 and not self.finished(self.until_step)
-                and self.batching.has_steps_left(position.epoch_position)):  # else the epoch's end evaluates
+
+    def evaluate_if_due(self) -> None:
+        """train.eval_every, unless this step ends the epoch or the run (whose end evaluates)."""
+        every, position = self.config.eval_every, self.position
+        if (every and position.step % every == 0 and not self.finished(self.until_step)
+                and self.batching.has_steps_left(position.epoch_position)):
             self.evaluate_between_steps()
-        if (self.commit is not None and not self.commit_with_checkpoints
-                and position.step % cfg.elastic_commit_every == 0):
-            self.commit()  # the point survivors roll back to; may raise to resize
-        # The last step of an epoch is saved by the epoch's end, as the start of the next.
-        if (self.checkpoints is not None and cfg.checkpoint_every and position.step % cfg.checkpoint_every == 0
+
+    def checkpoint_if_due(self) -> None:
+        """train.checkpoint_every; the last step of an epoch is saved by the epoch's end, as the start
+        of the next."""
+        every, position = self.config.checkpoint_every, self.position
+        if (self.checkpoints is not None and every and position.step % every == 0
                 and self.batching.has_steps_left(position.epoch_position)):
             self.save_checkpoint()
-            if self.commit is not None and self.commit_with_checkpoints:
-                self.commit()
-        preempted, stop = self.faults.votes(position.step, self.callbacks.stop_reason is not None)
+            if self.commits is not None:
+                self.commits.after_checkpoint()
+
+    def vote_or_log(self) -> None:
+        """The preemption and stop votes (every preempt_check_every steps; every rank alike), else,
+        every log_every steps, the reduced means reported."""
+        step = self.position.step
+        preempted, stop = self.faults.votes(step, self.callbacks.stop_reason is not None)
         if preempted:
             self.stop_for_preemption()
             self.interrupted = True
         elif self.callbacks.agreed(stop):
             self.stop_at_this_step()
             self.interrupted = True
-        elif position.step % cfg.log_every == 0:
+        elif step % self.config.log_every == 0:
             totals = self.window.reduce(name="train.window")
             self.epoch_totals += totals
             self.report(totals.means(), self.throughput)
-        return True
 
     def update(self) -> None:
         """The synchronized gradients unscaled and checked (fp16: a step with inf/nan on any rank is

@@ -277,13 +277,17 @@ class Session:
         ``until_step``). At each epoch's end: its record (``history``, metrics.jsonl), the evaluation of
         the validation set if one was given, the epoch's checkpoint and the callbacks. Iterate over
         batches() inside; end early only through request_stop() or a step limit, on every rank."""
-        self.history: List[Dict[str, float]] = []
         self._begin_training(until_step)
         try:
-            yield from self.loop.epochs(self.history, until_step)
+            yield from self.loop.epochs(until_step)
         finally:
             self._end_training()
         self.callbacks.call("on_train_end", self.history)
+
+    @property
+    def history(self) -> List[Dict[str, float]]:
+        """The records of the epochs trained by the last epochs() (or fit()), one per epoch."""
+        return self.loop.history
 
     def batches(self) -> Iterator[Any]:
         """This rank's batches of the current epoch, on its device: its shard of the epoch's order
@@ -373,7 +377,7 @@ class Session:
         total = self.batching.steps_for(self.config.max_steps if until_step is None else until_step)
         self.reporter.start(total, self.position.step)
         self.faults.start_watchdog(self.strategy.pending_communication)
-        self.loop.stopped, self.callbacks.stop_reason = False, None  # a stop ends one fit(); another goes on
+        self.loop.begin()
         self.callbacks.call("on_train_start")
 
     def _end_training(self) -> None:

@@ -63,7 +63,6 @@ class Trainer(Session):
         # Each rank's memory of its own last save differs after a world change: forgotten at every sync.
         on_sync = [self.loop.forget_saved_step, self.restart_schedule, self.reporter.agree_run_directory]
         if self.strategy.capabilities.elastic_from_checkpoint:
-            self.loop.commit_with_checkpoints = True
             return elastic.CheckpointedElasticState(self.continue_from_newest_checkpoint, on_reset=self.follow_world,
                                                     on_sync=on_sync)
         return elastic.ElasticState(self.model, self.optimizer, self.position, self.precision,
@@ -76,7 +75,6 @@ class Trainer(Session):
         """Train to the configured epochs, or max_steps; ``until_step`` replaces max_steps (fit again
         with a later one to go on). Returns one metrics dict per epoch, the same on every rank (all
         reduced across ranks)."""
-        history: List[Dict[str, float]] = []
         loop = self.loop
         self._begin_training(until_step)
         explain = lambda error: self._explain_out_of_memory(error, loop.phase, self.optimizer,
@@ -85,12 +83,14 @@ class Trainer(Session):
             with oom.explained(explain):
                 if self.elastic_launch:
                     state = self._elastic_state()
-                    loop.commit = state.commit
-                    elastic.run(state, lambda: loop.run(history, until_step))
+                    commits = elastic.Commits(state.commit, self.config.elastic_commit_every,
+                                              with_checkpoints=self.strategy.capabilities.elastic_from_checkpoint)
+                    elastic.run(state, lambda: loop.run(until_step, commits))
                 else:
-                    loop.run(history, until_step)
+                    loop.run(until_step)
         finally:
             self._end_training()
+        history = list(loop.history)
         self.callbacks.call("on_train_end", history)
         return history
 

@@ -10,6 +10,7 @@ newest checkpoint takes the in-memory commit's place (CheckpointedElasticState).
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Callable, Dict, Sequence
 
 import torch
@@ -21,6 +22,27 @@ from horovod.common.exceptions import HostsUpdatedInterrupt
 from hvdtrain.distributed import collectives
 from hvdtrain.training.position import Position
 from hvdtrain.training.precision import Precision
+
+
+@dataclass
+class Commits:
+    """When the loop commits the state survivors roll back to: every ``every`` steps, or, when the
+    checkpoints are the commits (CheckpointedElasticState), right after each checkpoint; and at
+    every epoch's end. A commit is also where Horovod raises to resize the world."""
+    commit: Callable[[], None]
+    every: int
+    with_checkpoints: bool
+
+    def after_step(self, step: int) -> None:
+        if not self.with_checkpoints and step % self.every == 0:
+            self.commit()
+
+    def after_checkpoint(self) -> None:
+        if self.with_checkpoints:
+            self.commit()
+
+    def at_epoch_end(self) -> None:
+        self.commit()
 
 
 class ElasticState(State):

@@ -96,6 +96,10 @@ class Callbacks:
     def _key(index: int, callback: Callback) -> str:
         return f"{index}.{type(callback).__name__}"
 
+    def forget_stop(self) -> None:
+        """A stop ends one fit() (or one epochs()); the next one trains again."""
+        self.stop_reason = None
+
     def request_stop(self, reason: str) -> None:
         if self.stop_reason is None:
             self.stop_reason = reason
