@@ -11,6 +11,11 @@ the routing weights) are parts, summed in backward. That is Megatron's f and g a
 MLP, done once for all of them: hvdtrain does the same, with the module's own class and forward
 (any experts implementation: eager, batched_mm, grouped_mm) on slices that carry ``tensor_shard``.
 
+Experts stored transposed, (experts, in, out) (Aria, Llama 4), are cut along the same intermediate
+dimension: their plans name ``gate_up_proj: packed_rowwise`` (its last dim, [gate | up] columns cut
+alike) and ``down_proj: colwise`` (its rows). LongCat-Flash's identity experts inside the split
+experts have their input divided by the group size (``moe_identity_expert``), as transformers does.
+
 The router, and a shared expert the plan does not name, stay whole: they see the same replicated
 hidden states on every rank, so the top-k, the routing weights and the auxiliary loss are one
 process's. A parameter entry is taken only together with its module's ``moe_tp_experts`` entry and
