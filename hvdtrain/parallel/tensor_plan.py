@@ -22,6 +22,12 @@ transformer:
   by its own entry (hvdtrain.parallel.tensor_local).
 - ``mla_kv_a_proj``: multi-head latent attention's whole [latent; rotary key] projection, the rotary
   key's gradient summed over the group (hvdtrain.parallel.tensor_mla).
+- ``packed_rowwise``: a transposed experts layout's [gate | up] input projection (experts, hidden,
+  2 x intermediate), cut along its last dim in 2 groups; an entry of moe_tp_experts' parameters only.
+- ``moe_identity_expert``: an identity expert inside moe_tp_experts, its input divided by the group
+  size so that the experts' sum counts it once (hvdtrain.parallel.tensor_experts).
+- ``all_reduce``: a module running on its own bare parameters cut by their entries, its partial
+  output summed over the group (hvdtrain.parallel.tensor_partial).
 
 transformers 4.x plans name two of them otherwise, taken as aliases: ``colwise_rep`` is
 ``colwise_gather_output`` and ``rowwise_rep`` is ``rowwise_split_input`` (transformers registers each
@@ -39,23 +45,28 @@ import torch
 from torch import nn
 
 from hvdtrain.parallel.own_forward import has_own_forward, own_forward_problem
-from hvdtrain.parallel.tensor_experts import (EXPERT_STYLES, check_experts, check_parameter_entries, parameter_paths,
-                                              split_experts, why_not)
+from hvdtrain.parallel.tensor_experts import (EXPERT_STYLES, IDENTITY_STYLES, check_experts, check_identity_expert,
+                                              check_parameter_entries, divided_identity, is_transposed, named_cuts,
+                                              parameter_paths, split_experts, why_not)
 from hvdtrain.parallel.tensor_local import (LOCAL_STYLES, check_local_parameter, owned_parameters,
                                             split_local_parameters)
 from hvdtrain.parallel.tensor_mla import MLA_STYLES, check_mla, sum_rotary_key_gradient
+from hvdtrain.parallel.tensor_partial import (PARTIAL_STYLES, check_partial_module, owned_cuts,
+                                              partial_parameter_entries, split_partial_module)
 from hvdtrain.parallel.tensor import (ColumnParallelLinear, GatheredColumnParallelLinear, ParallelSelfAttention,
                                       RowParallelLinear, SplitInputRowParallelLinear, VocabParallelEmbedding,
                                       sum_gradients_over_group)
 
 COLUMN_STYLES = ("colwise", "colwise_gather_output", "packed_colwise")
 ROW_STYLES = ("rowwise", "rowwise_split_input")
+# Styles that name a parameter only (a fused experts' 3-D weight), never a module.
+PARAMETER_ONLY_STYLES = ("packed_rowwise",)
 STYLES = (COLUMN_STYLES + ROW_STYLES + ("embedding_rowwise", "replicated_with_grad_allreduce", "attention") + EXPERT_STYLES
-          + MLA_STYLES + LOCAL_STYLES)
+          + MLA_STYLES + LOCAL_STYLES + PARAMETER_ONLY_STYLES + IDENTITY_STYLES + PARTIAL_STYLES)
 ALIASES = {"column": "colwise", "row": "rowwise",
            "colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
 # Styles whose layers get new, split parameters (the last two above keep theirs whole).
-SPLITTING = COLUMN_STYLES + ROW_STYLES + ("embedding_rowwise", "attention") + EXPERT_STYLES
+SPLITTING = COLUMN_STYLES + ROW_STYLES + ("embedding_rowwise", "attention") + EXPERT_STYLES + PARTIAL_STYLES
 _SPLIT_LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelSelfAttention, VocabParallelEmbedding)
 
 
@@ -209,6 +220,10 @@ def check_plan(model: nn.Module, plan: Mapping[str, str], size: int) -> List[Tup
             continue
         if not matched and own_plan.get(key) == style:
             continue  # the family's plan names layers this configuration lacks (Qwen2-MoE's dense MLPs)
+        if matched and canonical in PARAMETER_ONLY_STYLES:
+            raise ValueError(f"tensor plan: {key!r} ({style}) names the module {matched[0]}: hvdtrain cuts "
+                             f"{style!r} only as a fused experts' parameter (experts, hidden, 2 x intermediate) "
+                             f"inside moe_tp_experts")
         if not matched:
             some = ", ".join(p for p in list(modules)[1:9])
             raise ValueError(f"tensor plan: {key!r} matches no module of {type(model).__name__} "
@@ -216,9 +231,12 @@ def check_plan(model: nn.Module, plan: Mapping[str, str], size: int) -> List[Tup
         for path in matched:
             if chosen.setdefault(path, canonical) != canonical:
                 raise ValueError(f"tensor plan: {path} is given two styles, {chosen[path]!r} and {canonical!r}")
+    cuts = named_cuts(model, by_parameter)
     for path, style in chosen.items():
         nested = [other for other in chosen if other.startswith(path + ".")]
-        if nested and style not in LOCAL_STYLES:  # local_params keeps its module: its layers split by their own
+        # local_params keeps its module: its layers split by their own; split experts hold their identity expert
+        allowed = style in LOCAL_STYLES or (style in EXPERT_STYLES and all(chosen[n] in IDENTITY_STYLES for n in nested))
+        if nested and not allowed:
             raise ValueError(f"tensor plan: {path} ({style}) contains {nested[0]} ({chosen[nested[0]]}): "
                              f"give one of them")
         parent_path = path.rpartition(".")[0]
@@ -227,13 +245,21 @@ def check_plan(model: nn.Module, plan: Mapping[str, str], size: int) -> List[Tup
             check_mla(path, modules[path], model, parent)
         elif style in LOCAL_STYLES:
             pass  # its bare parameters' entries are checked below; the module itself stays
+        elif style in EXPERT_STYLES:
+            check_experts(path, modules[path], size, is_transposed(path, modules[path], cuts))
+        elif style in IDENTITY_STYLES:
+            check_identity_expert(path, modules[path], parent_path, chosen.get(parent_path))
+        elif style in PARTIAL_STYLES:
+            check_partial_module(path, modules[path], owned_cuts(path, cuts), size)
         else:
             _check_module(path, modules[path], parent, style, size)
     local = _local_parameter_entries(model, by_parameter, chosen)
     for parameter, (key, style) in local.items():
         check_local_parameter(key, parameter, model.get_parameter(parameter), style, size)
-    check_parameter_entries(model, {k: s for k, s in by_parameter.items() if k not in {e for e, _ in local.values()}},
-                            chosen)
+    partial = set(partial_parameter_entries(cuts, chosen))
+    owned_elsewhere = {e for e, _ in local.values()} | {key for key in by_parameter
+                                                       if set(parameter_paths(model, key)) <= partial}
+    check_parameter_entries(model, {k: s for k, s in by_parameter.items() if k not in owned_elsewhere}, chosen)
     _check_ties(model, chosen)
     return [(path, chosen[path]) for path in modules if path in chosen]
 
@@ -246,9 +272,10 @@ def _local_parameter_entries(model: nn.Module, by_parameter: Mapping[str, str],
             for parameter in parameter_paths(model, key) if chosen.get(parameter.rpartition(".")[0]) in LOCAL_STYLES}
 
 
-def _split(module: nn.Module, style: str, group: Any, path: str,
+def _split(module: nn.Module, style: str, group: Any, path: str, cuts: Mapping[str, str],
            observe: Optional[Callable[[str, torch.Tensor], None]]) -> Optional[nn.Module]:
-    """The split layer replacing ``module``, or None where the module stays (its gradients summed)."""
+    """The split layer replacing ``module``, or None where the module stays (its gradients summed);
+    ``cuts``: the plan's styles of parameters it names (parameter path -> style)."""
     if style == "colwise":
         return ColumnParallelLinear.from_linear(module, group, name=path)
     if style == "packed_colwise":
@@ -264,7 +291,11 @@ def _split(module: nn.Module, style: str, group: Any, path: str,
     if style == "attention":
         return ParallelSelfAttention.from_attention(module, group, name=path)
     if style in EXPERT_STYLES:
-        return split_experts(module, group, path)
+        return split_experts(module, group, path, is_transposed(path, module, cuts))
+    if style in PARTIAL_STYLES:
+        return split_partial_module(module, owned_cuts(path, cuts), group, path)
+    if style in IDENTITY_STYLES:
+        return divided_identity(module, group)
     sum_gradients_over_group(module, group, path, observe)
     return None
 
@@ -286,8 +317,9 @@ def parallelize(model: nn.Module, plan: Mapping[str, str], group: Any,
         group = _Alone()
     split_weights: Dict[int, nn.Parameter] = {}  # id(the whole weight) -> its split replacement
     chosen = check_plan(model, plan, size)
-    named = {key: ALIASES.get(style, style) for key, style in plan.items() if parameter_paths(model, key)}
-    local = _local_parameter_entries(model, named, dict(chosen))
+    entries = {key: ALIASES.get(style, style) for key, style in plan.items() if parameter_paths(model, key)}
+    local = _local_parameter_entries(model, entries, dict(chosen))
+    named = named_cuts(model, entries)
     for path, style in chosen:
         module = model.get_submodule(path)
         if style in LOCAL_STYLES:
@@ -299,7 +331,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, str], group: Any,
                                     group, path)
             continue
         whole = getattr(module, "weight", None)
-        new = _split(module, style, group, path, observe)
+        new = _split(module, style, group, path, named, observe)
         if new is None:
             continue
         if whole is not None and id(whole) in split_weights:

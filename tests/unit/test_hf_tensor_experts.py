@@ -59,8 +59,10 @@ def test_split_experts_keep_their_class_keys_and_hold_an_intermediate_slice_of_e
                                 r"model.layers.0.mlp.experts is not in the plan"),
     ({"model.layers.*.self_attn.q_proj.weight": "colwise"}, r"names the parameter model.layers.0.self_attn.q_proj."
                                                             r"weight, and its module .* is not in the plan"),
-    (experts_plan(gate_up_proj="packed_rowwise"), r"style 'packed_rowwise' is not supported; .* \(packed_rowwise: it "
-                                                  r"cuts a transposed experts layout"),
+    # packed_rowwise cuts a transposed layout's last dim: Qwen2-MoE's experts declare (experts, out, in).
+    (experts_plan(gate_up_proj="packed_rowwise"), r"cuts model.layers.0.mlp.experts.gate_up_proj as 'packed_rowwise', "
+                                                  r"but moe_tp_experts cuts gate_up_proj along dim 1 in 2 packed "
+                                                  r"groups: .* give 'packed_colwise'"),
     ({"model.layers.*.mlp.gate_projj": "colwise"}, r"'model.layers.\*.mlp.gate_projj' matches no module"),
 ])
 def test_a_plan_whose_experts_entries_disagree_with_the_split_is_refused_by_name(plan, message):
