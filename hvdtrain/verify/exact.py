@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 _NARROWER = (torch.float32, torch.float16, torch.bfloat16)
+# Tensors made like another: given a float64 one and a narrower dtype, made float64.
+_MADE_LIKE = ("zeros_like", "ones_like", "empty_like", "full_like")
 
 
 def _keep_float64(dtype: Any) -> Any:
@@ -30,12 +32,16 @@ def float64_throughout() -> Iterator[None]:
     it back as is, and ``softmax``/``log_softmax``/``sum(..., dtype=float32)`` of a float64 tensor
     computes in float64, as do the tensor methods (a router's ``logits.softmax(dim=-1,
     dtype=torch.float32)``, DeepSeek-V2's; DiffLlama sums its lambdas in float32: rounded so, their
-    gradients differ with how the batch is cut, and Adam magnifies that near zero). Other dtypes are
-    untouched (a float32 model rounds as it always does)."""
+    gradients differ with how the batch is cut, and Adam magnifies that near zero). A tensor made
+    ``torch.zeros_like(x, dtype=torch.float32)`` of a float64 ``x`` is float64 too (Inkling2 sums
+    its experts' outputs into such an accumulator: float32, it would round them, and index_add_ of
+    the float64 outputs kept float64 above fails). Other dtypes are untouched (a float32 model
+    rounds as it always does)."""
     to, float_, type_ = torch.Tensor.to, torch.Tensor.float, torch.Tensor.type
     softmax, log_softmax = F.softmax, F.log_softmax
     tensor_softmax, tensor_log_softmax = torch.Tensor.softmax, torch.Tensor.log_softmax
     sum_ = torch.sum
+    made_like = {name: getattr(torch, name) for name in _MADE_LIKE}
 
     def patched_to(self, *args, **kwargs):
         if self.dtype is torch.float64:
@@ -63,6 +69,8 @@ def float64_throughout() -> Iterator[None]:
     F.softmax, F.log_softmax = widened(softmax), widened(log_softmax)
     torch.Tensor.softmax, torch.Tensor.log_softmax = widened(tensor_softmax), widened(tensor_log_softmax)
     torch.sum = widened(sum_)
+    for name, fn in made_like.items():
+        setattr(torch, name, widened(fn))
     try:
         yield
     finally:
@@ -70,3 +78,5 @@ def float64_throughout() -> Iterator[None]:
         F.softmax, F.log_softmax = softmax, log_softmax
         torch.Tensor.softmax, torch.Tensor.log_softmax = tensor_softmax, tensor_log_softmax
         torch.sum = sum_
+        for name, fn in made_like.items():
+            setattr(torch, name, fn)

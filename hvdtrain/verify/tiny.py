@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from hvdtrain.strategies.deferred_init import default_dtype
+from hvdtrain.verify.exact import float64_throughout
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 2, 64, 4, 2, 128
 HEAD_DIM = HIDDEN // HEADS
@@ -43,6 +44,11 @@ SIZES: Dict[str, Any] = {
     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": HEAD_DIM, "qk_head_dim": 16,
     "q_lora_rank": 32, "kv_lora_rank": 16,
     "index_n_heads": HEADS, "index_head_dim": HEAD_DIM, "index_topk": SEQUENCE,
+    # a sparse-attention indexer over blocks of keys (Qwen4-Exp's QSA): one key head, as it requires;
+    # a budget of half the sequence in blocks of 2, so the selection leaves tokens out
+    "indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM,
+    "indexer_budget": SEQUENCE // 2, "indexer_compress_ratio": 2,
+    "hc_lowrank": 32,  # hyper-connections' low-rank input mixer
     "linear_num_key_heads": KV_HEADS, "linear_num_value_heads": HEADS, "linear_key_head_dim": HEAD_DIM,
     "linear_value_head_dim": HEAD_DIM, "linear_num_heads": HEADS, "linear_head_dim": HEAD_DIM,
     "rotary_dim": HEAD_DIM, "hidden_size_per_layer_input": HEAD_DIM,
@@ -64,6 +70,7 @@ SIZES: Dict[str, Any] = {
     "max_sequence_length": POSITIONS, "seq_length": POSITIONS, "max_target_positions": POSITIONS,
     "vocab_size_per_layer_input": VOCAB, "decoder_vocab_size": VOCAB, "pronunciation_vocab_size": VOCAB,
     "shape_vocab_size": VOCAB, "model_max_length": POSITIONS, "context_length": POSITIONS, "max_seq_len": POSITIONS,
+    "unpadded_vocab_size": VOCAB,  # Inkling2's head: the vocabulary before padding
     # state-space and recurrent mixers
     "mamba_d_state": 8, "state_size": 8, "ssm_state_size": 8, "mamba_n_heads": HEADS, "mamba_num_heads": HEADS,
     "mamba_d_head": HEAD_DIM, "mamba_head_dim": HEAD_DIM, "mamba_headdim": HEAD_DIM, "mamba_d_ssm": HIDDEN, "mamba_n_groups": 1,
@@ -72,6 +79,17 @@ SIZES: Dict[str, Any] = {
     "num_nextn_predict_layers": 0, "num_mtp_layers": 0,
     # a BertForCausalLM-style model is causal only when told it is a decoder
     "is_decoder": True,
+}
+# A dense prefix of this many layers before the experts: cut so that at least one layer has experts.
+DENSE_PREFIXES = ("first_k_dense_replace", "num_dense_layers", "first_k_dense")
+# Per-layer sizes (one entry a layer) named after the size they override: each entry made that tiny size.
+PER_LAYER_SUFFIX = "_per_layer"
+# Families whose config class has no default for a value it needs; real checkpoints ship one. The
+# value given is the shape of a released checkpoint's, cut to the tiny depth.
+MISSING_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    # Lfm2MoeConfig.layer_types defaults to None and its model indexes it (LFM2-8B-A1B alternates
+    # short convolutions and attention): one of each.
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
 }
 # Dropouts and layer drops by name: every float among them is set to 0 (the comparison is exact).
 DROPOUT_WORDS = ("dropout", "pdrop", "layerdrop", "jitter")
@@ -147,10 +165,21 @@ def tiny_config(config: Any) -> Any:
     if "qk_rope_head_dim" in values and "head_dim" in values:
         # Multi-head latent attention: head_dim is the rotary part's size, not a head's.
         values["head_dim"] = values["qk_rope_head_dim"]
+    if "kv_lora_rank" in values and "num_key_value_heads" in values:
+        # Multi-head latent attention expands its latent into one key and value per query head; fewer
+        # key/value heads would have them repeated again (DeepSeek-V3.2's masked attention fails so).
+        values["num_key_value_heads"] = values.get("num_attention_heads", HEADS)
+    for name in DENSE_PREFIXES:
+        if isinstance(values.get(name), int):
+            values[name] = min(values[name], LAYERS - 1)
+    for name, value in MISSING_DEFAULTS.get(values.get("model_type"), {}).items():
+        if values.get(name) is None:
+            values[name] = value
     for name, value in list(values.items()):
         if isinstance(value, float) and any(word in name for word in DROPOUT_WORDS):
             values[name] = 0.0
     _resize_layer_lists(values, layers_before)
+    _shrink_per_layer_sizes(values)
     _keep_token_ids_in_vocabulary(values)
     if isinstance(values.get("sliding_window"), int):
         # A window shorter than the sequence: the family's own sliding masks are exercised.
@@ -201,6 +230,16 @@ def _varied_prefix(value: Any) -> Any:
         if other is not None:
             prefix[-1] = other
     return "".join(prefix) if isinstance(value, str) else prefix
+
+
+def _shrink_per_layer_sizes(values: Dict[str, Any]) -> None:
+    """A per-layer override of a size (Laguna's num_attention_heads_per_layer) given that size's tiny
+    value on every layer: left full-size it would override the tiny size everywhere."""
+    for name, value in list(values.items()):
+        size = name[:-len(PER_LAYER_SUFFIX)]
+        if name.endswith(PER_LAYER_SUFFIX) and size in values and isinstance(value, list) \
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            values[name] = [values[size]] * len(value)
 
 
 def _keep_token_ids_in_vocabulary(values: Dict[str, Any]) -> None:
@@ -258,7 +297,9 @@ def _forward_problem(model: torch.nn.Module, config: Any) -> Optional[str]:
     """Why a forward of token ids does not give (batch, sequence, vocabulary) logits, or None."""
     ids = torch.randint(0, config.vocab_size, (2, SEQUENCE), generator=torch.Generator().manual_seed(0))
     try:
-        with torch.no_grad():
+        # As the runs compared compute: a family that casts its router's input to float32 (Inkling2)
+        # meets float64 weights there only outside this block.
+        with torch.no_grad(), float64_throughout():
             logits = model(input_ids=ids).logits
     except Exception as error:
         return f"its forward of token ids fails: {type(error).__name__}: {_first_line(error)}"

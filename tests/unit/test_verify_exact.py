@@ -16,3 +16,13 @@ def test_every_softmax_spelling_stays_float64_inside_and_rounds_outside():
         assert torch.randn(2).softmax(-1, dtype=torch.float32).dtype is torch.float32  # other dtypes untouched
     assert x.softmax(dim=-1, dtype=torch.float32).dtype is torch.float32
     assert F.softmax(x, dim=-1, dtype=torch.float32).dtype is torch.float32
+
+
+def test_a_tensor_made_like_a_float64_one_stays_float64_inside_and_rounds_outside():
+    x = torch.randn(3, dtype=torch.float64)
+    with float64_throughout():
+        assert torch.zeros_like(x, dtype=torch.float32).dtype is torch.float64  # Inkling2's expert accumulator
+        assert torch.full_like(x, 2.0, dtype=torch.float32).dtype is torch.float64
+        assert torch.ones_like(x, dtype=torch.bool).dtype is torch.bool  # not a narrower float: untouched
+        assert torch.zeros_like(torch.randn(3), dtype=torch.float16).dtype is torch.float16
+    assert torch.zeros_like(x, dtype=torch.float32).dtype is torch.float32

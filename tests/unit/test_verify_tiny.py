@@ -72,3 +72,30 @@ def test_the_families_carry_their_plans():
     families = {f.model_type: f for f in tiny.causal_lm_families()}
     assert families["llama"].plans == "tp+pp" and families["gpt2"].plans == "no plan"
     assert len(families) > 100
+
+
+@pytest.mark.parametrize("model_type", [
+    "deepseek_v32", "glm_moe_dsa", "axk2",  # latent attention with an indexer: a key/value head per query head
+    "inkling2_text", "inkling2_loop_text",  # a float32 router and expert accumulator, made float64 throughout
+    "qwen4_exp_text",  # a block indexer whose sizes have no defaults
+    "lfm2_moe",  # layer types its config class leaves None
+    "laguna",  # heads given per layer
+])
+def test_families_whose_defaults_do_not_shrink_alone_are_built(model_type):
+    built(model_type)
+
+
+def test_latent_attention_has_a_key_value_head_per_query_head_and_a_layer_with_experts():
+    config = built("deepseek_v32").config
+    assert config.num_key_value_heads == config.num_attention_heads
+    assert config.first_k_dense_replace < config.num_hidden_layers  # the experts are built and trained
+
+
+def test_a_per_layer_size_is_made_the_tiny_size_on_every_layer():
+    config = built("laguna").config
+    assert config.num_attention_heads_per_layer == [config.num_attention_heads] * config.num_hidden_layers == [4, 4]
+
+
+def test_the_dense_prefix_leaves_a_layer_with_experts():
+    config = built("lfm2_moe").config
+    assert config.num_dense_layers == 1 and config.layer_types == ["conv", "full_attention"]
