@@ -63,6 +63,8 @@ ROW_STYLES = ("rowwise", "rowwise_split_input")
 PARAMETER_ONLY_STYLES = ("packed_rowwise",)
 STYLES = (COLUMN_STYLES + ROW_STYLES + ("embedding_rowwise", "replicated_with_grad_allreduce", "attention") + EXPERT_STYLES
           + MLA_STYLES + LOCAL_STYLES + PARAMETER_ONLY_STYLES + IDENTITY_STYLES + PARTIAL_STYLES)
+# transformers' "replicate": every rank keeps the whole module (its TensorParallelLayer does nothing).
+WHOLE_STYLES = ("replicate",)
 ALIASES = {"column": "colwise", "row": "rowwise",
            "colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
 # Styles whose layers get new, split parameters (the last two above keep theirs whole).
@@ -210,16 +212,20 @@ def check_plan(model: nn.Module, plan: Mapping[str, str], size: int) -> List[Tup
     by_parameter: Dict[str, str] = {}  # entries naming parameters (fused experts'): checked with their modules
     own_plan = model_tensor_plan(model) or {}
     for key, style in plan.items():
+        if style in WHOLE_STYLES:
+            continue  # kept whole, as a module the plan does not name (its gradients audited alike)
+        matched = _match_key(model, modules, key)
+        if not matched and own_plan.get(key) == style and not parameter_paths(model, key):
+            # The family's plan names layers this configuration lacks (Qwen2-MoE's dense MLPs, Qwen4-Exp's
+            # per-layer embeddings when no layer has them): nothing is cut, whatever the style.
+            continue
         canonical = ALIASES.get(style, style)
         if canonical not in STYLES:
             raise ValueError(f"tensor plan: {key}: style {style!r} is not supported; hvdtrain splits by "
                              f"{', '.join(STYLES + tuple(ALIASES))}{why_not(style)}: give a plan without it")
-        matched = _match_key(model, modules, key)
         if not matched and parameter_paths(model, key):
             by_parameter[key] = canonical
             continue
-        if not matched and own_plan.get(key) == style:
-            continue  # the family's plan names layers this configuration lacks (Qwen2-MoE's dense MLPs)
         if matched and canonical in PARAMETER_ONLY_STYLES:
             raise ValueError(f"tensor plan: {key!r} ({style}) names the module {matched[0]}: hvdtrain cuts "
                              f"{style!r} only as a fused experts' parameter (experts, hidden, 2 x intermediate) "

@@ -25,6 +25,7 @@ REASONS: Tuple[Tuple[str, str], ...] = (
     (r"a forward of its own", "tp: a layer's own forward a split would drop"),
     (r"style '?[\w-]+'? is not supported|styles? .* not (supported|implemented)", "tp plan style not supported"),
     (r"matches no module", "tp plan names modules the model lacks"),
+    (r"the plan and the split disagree", "tp: the family's plan cuts a fused weight apart"),
     (r"needs a tensor plan", "no tp plan"),
     (r"would cut a head|not divisible by|does not split into|divide", "sizes do not split"),
     (r"head-local", "attention not head-local"),

@@ -252,3 +252,26 @@ def test_a_bare_parameter_outside_local_params_or_not_a_vector_is_refused_by_nam
     model.attn.sinks = nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="3 entries, not divisible"):
         check_plan(model, {"attn.sinks": "colwise", "attn": "local_params"}, 2)
+
+
+def test_replicate_keeps_a_module_whole_as_if_the_plan_did_not_name_it():
+    """transformers' "replicate" (Inkling2's embedding): every rank keeps the whole module."""
+    model = llama(tied=False)
+    plan = {**model_tensor_plan(model), "model.embed_tokens": "replicate"}
+    chosen = dict(check_plan(model, plan, 2))
+    assert "model.embed_tokens" not in chosen and chosen["lm_head"] == "colwise_gather_output"
+
+
+def test_an_entry_of_the_familys_own_plan_naming_nothing_here_is_skipped_whatever_its_style(monkeypatch):
+    """Qwen4-Exp's plan cuts per-layer embeddings some configurations lack ('embedding_colwise', a style
+    hvdtrain does not implement): with no such layer, nothing would be cut. The same style on a layer
+    the model has, or in a plan of one's own, is still refused."""
+    model = llama()
+    own = {**model_tensor_plan(model), "model.layers.*.ple.embedding": "embedding_colwise"}
+    monkeypatch.setattr("hvdtrain.parallel.tensor_plan.model_tensor_plan", lambda _: own)
+    assert dict(check_plan(model, own, 2))["model.embed_tokens"] == "embedding_rowwise"
+    with pytest.raises(ValueError, match="embedding_colwise"):
+        check_plan(model, {**own, "model.embed_tokens": "embedding_colwise"}, 2)
+    monkeypatch.undo()  # the model's own plan without the entry: the user's plan names it
+    with pytest.raises(ValueError, match="embedding_colwise"):
+        check_plan(model, {"model.layers.*.ple.embedding": "embedding_colwise"}, 2)
