@@ -72,3 +72,28 @@ def test_the_families_carry_their_plans():
     families = {f.model_type: f for f in tiny.causal_lm_families()}
     assert families["llama"].plans == "tp+pp" and families["gpt2"].plans == "no plan"
     assert len(families) > 100
+
+
+def test_layer_counts_that_share_the_depth_share_the_tiny_depth():
+    # dory writes a layer as two blocks (attention, mlp) and doubles its counts; its input, recurrent
+    # and output sections must still add up to the depth the tiny model has
+    config = built("dory").config
+    assert config.num_hidden_layers == 2 and len(config.layer_types) == 2
+    assert config.n_input_layers + config.n_recurrent_layers + config.n_output_layers == 2
+    assert config.n_recurrent_layers == 1
+
+
+def test_a_count_of_layers_the_tiny_depth_cannot_hold_shrinks_in_proportion():
+    config = built("gemma3n_text").config  # 15 of 35 layers share earlier layers' key/value cache
+    assert config.num_hidden_layers == 2 and config.num_kv_shared_layers == 0
+
+
+def test_per_layer_type_rotary_parameters_left_empty_get_the_default_rotary_embedding():
+    config = built("cohere_compass_text").config
+    assert set(config.rope_parameters) == set(config.layer_types)
+    assert all(parameters["rope_type"] == "default" for parameters in config.rope_parameters.values())
+
+
+def test_a_config_validators_refusal_says_what_it_refused():
+    result = tiny.build_tiny("dots3_note_text")
+    assert not result.built and "num_key_value_heads must match num_attention_heads" in result.reason
