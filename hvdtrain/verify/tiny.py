@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from hvdtrain.strategies.deferred_init import default_dtype
+from hvdtrain.verify import tiny_families
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 2, 64, 4, 2, 128
 HEAD_DIM = HIDDEN // HEADS
@@ -167,6 +168,7 @@ def tiny_config(config: Any) -> Any:
         values["sliding_window"] = max(SEQUENCE // 2, 2)
     if "use_cache" in values:
         values["use_cache"] = False
+    tiny_families.mend(values)
     tiny = type(config).from_dict(values)
     # transformers' grouped expert kernel has no float64; its eager loop over the experts computes
     # the same sums and runs in any dtype.

@@ -94,6 +94,20 @@ def test_per_layer_type_rotary_parameters_left_empty_get_the_default_rotary_embe
     assert all(parameters["rope_type"] == "default" for parameters in config.rope_parameters.values())
 
 
-def test_a_config_validators_refusal_says_what_it_refused():
-    result = tiny.build_tiny("dots3_note_text")
-    assert not result.built and "num_key_value_heads must match num_attention_heads" in result.reason
+def test_a_wrapped_refusal_says_what_was_refused():
+    try:
+        try:
+            raise ValueError("num_key_value_heads must match num_attention_heads")
+        except ValueError as cause:
+            raise RuntimeError("Class validation error for validator 'validate_architecture':\n    ...") from cause
+    except RuntimeError as error:
+        line = tiny._first_line(error)
+    assert line.endswith("'validate_architecture': ValueError: num_key_value_heads must match num_attention_heads")
+
+
+def test_dots3s_sliding_layers_are_as_tiny_as_the_others():
+    config = built("dots3_note_text").config
+    assert config.layer_types == ["indexed_attention", "sliding_attention"]
+    sliding = config.per_layer_config[1]
+    assert (sliding.num_attention_heads, sliding.num_key_value_heads, sliding.kv_lora_rank) == (4, 4, 16)
+    assert sliding.head_dim == sliding.qk_nope_head_dim + sliding.qk_rope_head_dim
