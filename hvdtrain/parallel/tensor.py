@@ -173,7 +173,9 @@ class ParallelSelfAttention(nn.Module):
 def _allgather_last_dim(x: torch.Tensor, group: Any, name: str) -> torch.Tensor:
     """Every rank's ``x`` concatenated along the last dim, in rank order (collective ``name``)."""
     gathered = hvd.allgather(x.movedim(-1, 0).contiguous(), name=name, process_set=group.process_set)
-    return gathered.movedim(0, -1)
+    # Contiguous, as the whole layer's output is: a forward may view it (doge's router views its
+    # logits as (2, tokens, keys)), which a strided view of the gathered tensor refuses.
+    return gathered.movedim(0, -1).contiguous()
 
 
 def _own_last_dim(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -22,6 +22,7 @@ REASONS: Tuple[Tuple[str, str], ...] = (
     # hvdtrain.parallel.tensor_audit and tensor_probe: a split found wrong before any update.
     (r"found on the first step", "tp: a gradient counted otherwise than once (first-step audit)"),
     (r"found at set-up\): on a probe", "tp: split logits differ from the whole model's (set-up probe)"),
+    (r"found at set-up\): the split model's forward failed", "tp: split forward fails (set-up probe)"),
     (r"a forward of its own", "tp: a layer's own forward a split would drop"),
     (r"style '?[\w-]+'? is not supported|styles? .* not (supported|implemented)", "tp plan style not supported"),
     (r"matches no module", "tp plan names modules the model lacks"),

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from hvdtrain.strategies.deferred_init import default_dtype
+from hvdtrain.verify import tiny_families
 from hvdtrain.verify.exact import float64_throughout
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 2, 64, 4, 2, 128
@@ -97,6 +99,12 @@ DROPOUT_WORDS = ("dropout", "pdrop", "layerdrop", "jitter")
 PATTERN_WORDS = ("pattern", "layer", "block", "type")
 # Token ids must lie inside the tiny vocabulary (an out-of-range padding_idx is an error).
 TOKEN_ID_SUFFIX = "_token_id"
+# Counts of layers by name (the depth among them, and counts of some of its layers).
+LAYER_COUNT = re.compile(r"^(n|num)_\w*layers$")
+# The block a layer_types list names after each attention when it lists a layer as two blocks.
+BLOCK_MLP = "mlp"
+# transformers' default rotary base (PreTrainedConfig.default_theta).
+DEFAULT_ROPE_THETA = 10000.0
 # A config holding another model's config is a composite: a vision, audio or text tower beside it.
 COMPOSITE = ("vision_config", "audio_config", "text_config", "encoder_config", "decoder_config",
              "patcher_config", "global_config", "vq_config", "depth_decoder_config", "audio_encoder_config")
@@ -160,6 +168,7 @@ def tiny_config(config: Any) -> Any:
     made tiny, built through the class as a saved config.json is read, so that the values it
     derives (per-layer types, head sizes) follow from the tiny ones and its own checks run."""
     values = config.to_dict()
+    _read_blocks_as_layers(values)
     layers_before = _layer_count(values)
     values.update({name: value for name, value in SIZES.items() if name in values})
     if "qk_rope_head_dim" in values and "head_dim" in values:
@@ -180,12 +189,15 @@ def tiny_config(config: Any) -> Any:
             values[name] = 0.0
     _resize_layer_lists(values, layers_before)
     _shrink_per_layer_sizes(values)
+    _shrink_layer_counts(values, layers_before)
+    _rope_for_every_layer_type(values)
     _keep_token_ids_in_vocabulary(values)
     if isinstance(values.get("sliding_window"), int):
         # A window shorter than the sequence: the family's own sliding masks are exercised.
         values["sliding_window"] = max(SEQUENCE // 2, 2)
     if "use_cache" in values:
         values["use_cache"] = False
+    tiny_families.mend(values)
     tiny = type(config).from_dict(values)
     # transformers' grouped expert kernel has no float64; its eager loop over the experts computes
     # the same sums and runs in any dtype.
@@ -219,6 +231,55 @@ def _resize_layer_lists(values: Dict[str, Any], layers_before: Optional[int]) ->
         elif isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
                 and name.endswith(("layers", "layer_ids", "layer_indices", "_idxs")) and max(value) >= LAYERS:
             values[name] = [v for v in value if v < LAYERS] or [LAYERS - 1]
+
+
+def _read_blocks_as_layers(values: Dict[str, Any]) -> None:
+    """A config that writes each layer as two blocks, its attention then its mlp (dory: layer_types
+    alternate a kind of attention with "mlp", every layer count doubled, as its released checkpoints
+    store them), and halves them back when read only while "mlp" is listed: read as layers first, or
+    the tiny depth given in layers would be halved once more."""
+    types = values.get("layer_types")
+    if not (isinstance(types, list) and len(types) >= 2 and len(types) % 2 == 0
+            and all(kind == BLOCK_MLP for kind in types[1::2]) and BLOCK_MLP not in types[::2]):
+        return
+    values["layer_types"] = types[::2]
+    for name, value in list(values.items()):
+        if LAYER_COUNT.match(name) and isinstance(value, int) and not isinstance(value, bool):
+            values[name] = value // 2
+
+
+def _shrink_layer_counts(values: Dict[str, Any], layers_before: Optional[int]) -> None:
+    """Counts of layers other than the depth, made to fit the tiny depth. Counts that together are
+    the whole depth (dory's input, recurrent and output sections) share the tiny depth, the largest
+    sections first; a count that is a part of it (gemma3n's last layers sharing the key/value cache
+    of earlier ones) shrinks in proportion, rounded down, so the layers it needs before it are kept
+    (a tiny depth cannot hold a count it could hold before: 2 layers hold no 15 shared ones)."""
+    if not layers_before or layers_before <= LAYERS:
+        return
+    counts = {name: value for name, value in values.items() if LAYER_COUNT.match(name) and name not in SIZES
+              and isinstance(value, int) and not isinstance(value, bool) and 0 < value <= layers_before}
+    if len(counts) >= 2 and sum(counts.values()) == layers_before:
+        largest_first = sorted(counts, key=lambda name: -counts[name])  # stable: ties keep their order
+        shares = dict.fromkeys(largest_first, 0)
+        for layer in range(LAYERS):
+            shares[largest_first[layer % len(largest_first)]] += 1
+        values.update(shares)
+        return
+    for name, value in counts.items():
+        if value > LAYERS:
+            values[name] = value * LAYERS // layers_before
+
+
+def _rope_for_every_layer_type(values: Dict[str, Any]) -> None:
+    """A config whose rotary parameters are given per layer type but default to none at all
+    (cohere_compass_text: its model looks each layer type up, so its own defaults do not build):
+    transformers' default rotary embedding for each of its layer types."""
+    types = values.get("layer_types")
+    if values.get("rope_parameters") == {} and isinstance(types, list) and types \
+            and all(isinstance(kind, str) for kind in types):
+        theta = values.get("rope_theta") or DEFAULT_ROPE_THETA
+        values["rope_parameters"] = {kind: {"rope_type": "default", "rope_theta": theta}
+                                     for kind in dict.fromkeys(types)}
 
 
 def _varied_prefix(value: Any) -> Any:
@@ -310,7 +371,13 @@ def _forward_problem(model: torch.nn.Module, config: Any) -> Optional[str]:
 
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
-    return text.splitlines()[0][:300] if text else type(error).__name__
+    if not text:
+        return type(error).__name__
+    line = text.splitlines()[0]
+    if line.endswith(":") and error.__cause__ is not None:
+        # a wrapper that names only who refused (a config's validator): what it refused is its cause
+        line = f"{line} {type(error.__cause__).__name__}: {_first_line(error.__cause__)}"
+    return line[:300]
 
 
 def config_from_directory(path: str) -> Tuple[str, Any]:

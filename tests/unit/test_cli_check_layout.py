@@ -50,6 +50,13 @@ def test_refusals_are_counted_by_reason():
     assert refusal_reason("something new") == "other"
 
 
+def test_a_split_forward_that_fails_at_set_up_is_counted_as_such():
+    # doge: its dynamic mask is computed for every key/value head, its split attention holds half of them
+    message = ("tensor parallelism would train another model than one process (found at set-up): the split model's "
+               "forward failed on a probe: RuntimeError: The size of tensor a (2) must match the size of tensor b (4)")
+    assert refusal_reason(message) == "tp: split forward fails (set-up probe)"
+
+
 def test_the_table_counts_a_pair_by_its_worse_optimizer():
     outcomes = [Outcome("a", "T2", "adamw", "equal", max_diff=1e-14, loss_diff=0.0),
                 Outcome("a", "T2", "sgd", "differs", max_diff=3e-3, loss_diff=1e-3, parameter="w",

@@ -99,3 +99,42 @@ def test_a_per_layer_size_is_made_the_tiny_size_on_every_layer():
 def test_the_dense_prefix_leaves_a_layer_with_experts():
     config = built("lfm2_moe").config
     assert config.num_dense_layers == 1 and config.layer_types == ["conv", "full_attention"]
+
+
+def test_layer_counts_that_share_the_depth_share_the_tiny_depth():
+    # dory writes a layer as two blocks (attention, mlp) and doubles its counts; its input, recurrent
+    # and output sections must still add up to the depth the tiny model has
+    config = built("dory").config
+    assert config.num_hidden_layers == 2 and len(config.layer_types) == 2
+    assert config.n_input_layers + config.n_recurrent_layers + config.n_output_layers == 2
+    assert config.n_recurrent_layers == 1
+
+
+def test_a_count_of_layers_the_tiny_depth_cannot_hold_shrinks_in_proportion():
+    config = built("gemma3n_text").config  # 15 of 35 layers share earlier layers' key/value cache
+    assert config.num_hidden_layers == 2 and config.num_kv_shared_layers == 0
+
+
+def test_per_layer_type_rotary_parameters_left_empty_get_the_default_rotary_embedding():
+    config = built("cohere_compass_text").config
+    assert set(config.rope_parameters) == set(config.layer_types)
+    assert all(parameters["rope_type"] == "default" for parameters in config.rope_parameters.values())
+
+
+def test_a_wrapped_refusal_says_what_was_refused():
+    try:
+        try:
+            raise ValueError("num_key_value_heads must match num_attention_heads")
+        except ValueError as cause:
+            raise RuntimeError("Class validation error for validator 'validate_architecture':\n    ...") from cause
+    except RuntimeError as error:
+        line = tiny._first_line(error)
+    assert line.endswith("'validate_architecture': ValueError: num_key_value_heads must match num_attention_heads")
+
+
+def test_dots3s_sliding_layers_are_as_tiny_as_the_others():
+    config = built("dots3_note_text").config
+    assert config.layer_types == ["indexed_attention", "sliding_attention"]
+    sliding = config.per_layer_config[1]
+    assert (sliding.num_attention_heads, sliding.num_key_value_heads, sliding.kv_lora_rank) == (4, 4, 16)
+    assert sliding.head_dim == sliding.qk_nope_head_dim + sliding.qk_rope_head_dim
