@@ -10,7 +10,7 @@ Trainer seeds a group's ranks alike).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
 import torch
@@ -310,17 +310,26 @@ def sum_gradients_over_group(module: nn.Module, group: Any, name: str,
     module stays whole on every rank but sees only this rank's heads, so each rank's gradient of
     its parameters is a part: summed over the group as soon as it is computed. ``observe(name,
     part)`` sees each part first (hvdtrain.parallel.tensor_audit's first-step check)."""
+    sum_parameter_gradients([(f"{name}.{path}", parameter) for path, parameter in module.named_parameters()],
+                            group, observe)
+
+
+def sum_parameter_gradients(parameters: Sequence[Tuple[str, nn.Parameter]], group: Any,
+                            observe: Optional[Callable[[str, torch.Tensor], None]] = None) -> None:
+    """Each of ``parameters`` (name, parameter), kept whole, gets its gradient summed over the
+    tensor group as soon as it is computed (collective ``tp.gradsum.<name>``): each rank's is a
+    part. ``observe(name, part)`` sees each part first."""
     if not _communicates(group):
         return
 
-    def summed(grad: torch.Tensor, path: str) -> torch.Tensor:
+    def summed(grad: torch.Tensor, name: str) -> torch.Tensor:
         if observe is not None:
-            observe(f"{name}.{path}", grad)
-        return _allreduce_sum(grad, group, f"tp.gradsum.{name}.{path}")
+            observe(name, grad)
+        return _allreduce_sum(grad, group, f"tp.gradsum.{name}")
 
-    for path, parameter in module.named_parameters():
+    for name, parameter in parameters:
         if parameter.requires_grad:
-            parameter.register_hook(lambda grad, path=path: summed(grad, path))
+            parameter.register_hook(lambda grad, name=name: summed(grad, name))
 
 
 def full_tensor(local: torch.Tensor, shard: Optional[TensorShard], group: Any, name: str) -> torch.Tensor:

@@ -14,7 +14,8 @@ the first kind counts the gradient T times: either trains silently to other weig
 first step, after backward and before the optimizer, every rank of the tensor group shows the
 others a fingerprint of each whole parameter's gradient (and of the loss, which every rank computes
 from the same gathered output) and of each summed one's part before its sum: the whole ones must
-agree, the summed parts must not all be equal. Anything else is refused by name on every rank,
+agree (the summed ones too, once summed: a rank whose sum did not run differs), the summed parts
+must not all be equal. Anything else is refused by name on every rank,
 before anything is stepped. It costs one all-gather of a few numbers per parameter, once.
 """
 from __future__ import annotations
@@ -48,8 +49,9 @@ def fingerprint(tensor: Optional[torch.Tensor], device: torch.device) -> torch.T
 
 class SplitAudit:
     """Checks the first step of a model split over ``group`` (a mesh Group with a process set):
-    ``summed`` names the parameters the plan sums (their hooks report each part through
-    ``observe_part`` first), ``watch`` gives those this rank holds whole."""
+    ``summed`` names the parameters whose gradients are summed over the group (the plan's, and those
+    inside a split region: tensor_region; their hooks report each part through ``observe_part``
+    first), ``watch`` gives those this rank holds whole."""
 
     def __init__(self, group: Any, summed: Sequence[str], device: torch.device) -> None:
         self.group, self.device = group, device
@@ -60,8 +62,9 @@ class SplitAudit:
         self.armed = True
 
     def watch(self, whole: Sequence[Tuple[str, nn.Parameter]]) -> None:
-        """The parameters this rank holds whole and trains (the summed ones are told apart)."""
-        self.whole = [(name, p) for name, p in whole if name not in self.summed]
+        """The parameters this rank holds whole and trains, the summed ones among them (their
+        gradients, once summed, must agree like the others')."""
+        self.whole = list(whole)
 
     def observe_part(self, name: str, grad: torch.Tensor) -> None:
         """A summed parameter's gradient on this rank, before the sum (its hook calls this)."""
@@ -106,6 +109,10 @@ class SplitAudit:
             spread = (values - values[0]).abs().max().item()
             dtype = value.dtype if value is not None else torch.float64
             if spread > AGREE.get(dtype, AGREE_LOW_PRECISION) * max(values[0].abs().max().item(), 1e-300):
+                if name in self.summed:
+                    problems.append(f"the gradient of {name}, summed over the tensor group, still differs between "
+                                    f"its ranks (by {spread:.3g}): some rank's sum did not run")
+                    continue
                 what = "the loss differs" if i == 0 else f"the gradient of {name}, kept whole, differs"
                 problems.append(
                     f"{what} between the ranks of the tensor group (by {spread:.3g}): it sees only each rank's "

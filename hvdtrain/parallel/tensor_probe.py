@@ -26,7 +26,8 @@ WITHIN = {torch.float64: 1e-5, torch.float32: 1e-3}
 WITHIN_LOW_PRECISION = 1e-1
 
 
-def _probe_ids(model: nn.Module, device: torch.device) -> Optional[torch.Tensor]:
+def probe_ids(model: nn.Module, device: torch.device) -> Optional[torch.Tensor]:
+    """A few token ids, the same on every rank, for a Hugging Face causal LM; None for another model."""
     config = getattr(model, "config", None)
     vocabulary = getattr(config, "vocab_size", None)
     if not isinstance(vocabulary, int) or vocabulary < 2 or not hasattr(model, "get_input_embeddings"):
@@ -56,7 +57,7 @@ class ForwardProbe:
         self.whole: Optional[torch.Tensor] = None
 
     def before_split(self, model: nn.Module) -> None:
-        ids = _probe_ids(model, self.device)
+        ids = probe_ids(model, self.device)
         if ids is None:
             return
         try:

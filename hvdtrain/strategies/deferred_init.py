@@ -125,6 +125,19 @@ def _zero_bias_constructor(module: nn.Module) -> None:
     module.bias.zero_()  # nn.Parameter(torch.zeros(vocab_size)) in __init__, which no init pass writes
 
 
+def _xielu_mlp_constructor(module: nn.Module) -> None:
+    # Apertus' MLP builds its activation as ACT2CLS["xielu"](dtype=config.dtype) when hidden_act is
+    # "xielu": alpha_p, alpha_n, beta and eps computed from the constructor's default floats, in
+    # config.dtype. The same call, then its values into the module's tensors (no draw: nothing moves).
+    activation = getattr(module, "act_fn", None)
+    if type(activation).__name__ != "XIELUActivation" or module.config.hidden_act != "xielu":
+        return
+    built = type(activation)(dtype=module.config.dtype)
+    with torch.no_grad():
+        for name in ("alpha_p", "alpha_n", "beta", "eps"):
+            getattr(activation, name).copy_(getattr(built, name))
+
+
 # Modules of well-known libraries that initialize inline in __init__ (no reset_parameters): what
 # their __init__ runs, replayed (class -> the same draws in the same order).
 INLINE_CONSTRUCTORS: Dict[str, InitFn] = {
@@ -132,6 +145,8 @@ INLINE_CONSTRUCTORS: Dict[str, InitFn] = {
     "transformers.models.data2vec.modeling_data2vec_text.Data2VecTextLMHead": _zero_bias_constructor,
     # Its lambdas: post_init draws them again, but the draws in __init__ move every later draw.
     "transformers.models.diffllama.modeling_diffllama.DiffLlamaAttention": _diffllama_attention_constructor,
+    "transformers.models.apertus.modeling_apertus.ApertusMLP": _xielu_mlp_constructor,
+    "transformers.models.apertus1p5.modeling_apertus1p5.Apertus1p5TextMLP": _xielu_mlp_constructor,
 }
 
 

@@ -154,11 +154,18 @@ class ModelParallelStrategy(Strategy):
             from hvdtrain.parallel.tensor_audit import SplitAudit
             from hvdtrain.parallel.tensor_plan import parallelize, summed_parameters
             from hvdtrain.parallel.tensor_probe import ForwardProbe
-            self._audit = SplitAudit(mesh.tensor, summed_parameters(model, chosen), world.device)
+            from hvdtrain.parallel.tensor_region import agreed_names, split_region_parameters, sum_split_region_gradients
+            # Whole parameters that meet a split activation (xIELU's alpha_p after a colwise up_proj):
+            # decided on the whole model; every rank sums the same ones (a model on the meta device:
+            # none decided, the audit refuses them).
+            region = agreed_names(None if deferred is not None else split_region_parameters(model, chosen, world.device),
+                                  lambda names: collectives.allgather_object(names, name="tp.region.names"))
+            self._audit = SplitAudit(mesh.tensor, summed_parameters(model, chosen) + region, world.device)
             probe = ForwardProbe(world.device)
             if deferred is None:  # a model built on the meta device has no values to run whole
                 probe.before_split(model)
             parallelize(model, tensor_plan, mesh.tensor, replacements, observe=self._audit.observe_part)
+            sum_split_region_gradients(model, region, mesh.tensor, observe=self._audit.observe_part)
             probe.after_split(model)
         # 3. Pipeline stages.
         self.pipeline = None
