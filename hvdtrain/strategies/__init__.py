@@ -6,10 +6,11 @@
     fsdp   as zero2, and each rank keeps only its 1/N of the parameters, each block's gathered while
            it computes (ZeRO-3)
     ps     a parameter server: ranks 0..K-1 hold the optimizer state, a slice each
-    (over a model-parallel mesh: ddp or zero1 over each data-parallel group, model_parallel.py)
+    (over a model-parallel mesh: ddp or zero1 over each data-parallel group, model_parallel/)
 
 registry.py names them and reads their capabilities; base.py is the interface the loop calls;
-sharding/ holds what the sharded strategies share, fsdp/ ZeRO-3's units and communication.
+sharding/ holds what the sharded strategies share, fsdp/ ZeRO-3's units and communication, model_parallel/
+the mesh's strategy and its slice-by-slice initialization.
 May import common/, config/, distributed/, parallel/ and training/. The interface (base.Strategy)
 is public for those who write a strategy; the rest is internal.
 """

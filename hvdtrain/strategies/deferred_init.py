@@ -23,7 +23,7 @@ building (``.double()``): build it in the dtype it trains in.
 
 ddp, zero1, zero2 and the parameter server start from a whole model on each rank: ``make_whole``
 gives it its values in place. fsdp (fsdp/initialization.py) and tensor/pipeline parallelism
-(model_parallel_initialization.py) never make it whole: every rank runs every step, with the tensors
+(model_parallel/initialization.py) never make it whole: every rank runs every step, with the tensors
 each operation touches in memory, and keeps its own part.
 A tensor nothing initializes (a module with its own parameters and no reset_parameters, a buffer
 computed in ``__init__``) is an error that names it, not a silent garbage value: each starts as NaN

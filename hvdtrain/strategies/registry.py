@@ -31,7 +31,7 @@ STRATEGIES: Dict[str, str] = {
     "zero2": "hvdtrain.strategies.zero:Zero2Strategy",
     "fsdp": "hvdtrain.strategies.fsdp.strategy:FSDPStrategy",
     "ps": "hvdtrain.strategies.ps:PSStrategy",
-    MODEL_PARALLEL: "hvdtrain.strategies.model_parallel:ModelParallelStrategy",
+    MODEL_PARALLEL: "hvdtrain.strategies.model_parallel.strategy:ModelParallelStrategy",
 }
 
 

@@ -3,7 +3,7 @@ choose a layout, each refused with a message that says what to change."""
 import pytest
 
 from hvdtrain.config.train import TrainConfig
-from hvdtrain.strategies.model_parallel import deal_out
+from hvdtrain.strategies.model_parallel.strategy import deal_out
 from hvdtrain.parallel.mesh import MeshShape, layout_lines
 
 

@@ -6,7 +6,7 @@ still holds the whole model; the tensor plan splits the layers; the layers are c
 this rank frees what its stage does not hold; a new optimizer of the user's class steps this rank's
 own parameters. A model built on the meta device is never whole: it is split and cut while it
 holds no memory, then each rank gives only its slices and its stage their values, the same on every
-rank from the seed (model_parallel_initialization.py), and nothing is broadcast. A step: forward and backward (the pipeline's schedule, or one pass), then one grouped
+rank from the seed (initialization.py), and nothing is broadcast. A step: forward and backward (the pipeline's schedule, or one pass), then one grouped
 all-reduce of the gradients over the data-parallel group. Under zero1 a rank's parameters are dealt
 out among the D ranks of its data group (whole tensors, largest first, as PyTorch's
 ZeroRedundancyOptimizer does): each steps and keeps state for its share, then broadcasts it.
@@ -177,7 +177,7 @@ class ModelParallelStrategy(Strategy):
             held = {id(t) for t in model.parameters()} | {id(b) for b in model.buffers()}
         self._held = held
         if deferred is not None:  # 4. Only this rank's slices and stage get memory and values.
-            from hvdtrain.strategies.model_parallel_initialization import initialize_by_slice
+            from hvdtrain.strategies.model_parallel.initialization import initialize_by_slice
             initialize_by_slice(deferred, model, held, replacements)
         self._stages_of = self._stages_by_name(model, held)
         live = dict(model.named_parameters(remove_duplicate=False))
