@@ -8,7 +8,8 @@
     ps     a parameter server: ranks 0..K-1 hold the optimizer state, a slice each
     (over a model-parallel mesh: ddp or zero1 over each data-parallel group, model_parallel/)
 
-registry.py names them and reads their capabilities; base.py is the interface the loop calls;
+registry.py maps their names to classes (what each can do: hvdtrain.common.capabilities); base.py is
+the interface the loop calls;
 sharding/ holds what the sharded strategies share, fsdp/ ZeRO-3's units and communication, model_parallel/
 the mesh's strategy and its slice-by-slice initialization.
 May import common/, config/, distributed/, parallel/ and training/. The interface (base.Strategy)
