@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from hvdtrain.strategies.fsdp.units import allocate_storage, release_storage
+from hvdtrain.strategies.sharding.storage import allocate_storage, release_storage
 
 InitFn = Callable[[nn.Module], None]
 T = TypeVar("T")

@@ -11,8 +11,8 @@ from torch import nn
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed import collectives
 from hvdtrain.strategies.deferred_init import meta_parameters
-from hvdtrain.strategies.fsdp import units as fu
 from hvdtrain.trainer import Trainer
+from hvdtrain.strategies.sharding import storage
 from tests.mpi.helpers import synthetic_classification
 
 SEED, FEATURES, CLASSES = 11, 12, 4
@@ -181,7 +181,7 @@ def test_under_fsdp_no_rank_holds_the_whole_model_while_initializing(world):
     built = trainer(world, model, "fsdp", steps=1)
     strategy = built.strategy
     whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    freed = all(not fu.is_allocated(bucket.flat_param) for bucket in strategy.buckets)
+    freed = all(not storage.is_allocated(bucket.flat_param) for bucket in strategy.buckets)
     peaks = collectives.allgather_object(built.initialization.peak_bytes, name="test.deferred.peak")
 
     # The root (input layer and head) whole the whole time, one block's buffer at a time besides:

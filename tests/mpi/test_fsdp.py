@@ -10,9 +10,9 @@ from torch import nn
 
 from hvdtrain.distributed import collectives
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
-from hvdtrain.strategies.fsdp import units as fu
 from hvdtrain.strategies.fsdp.strategy import FSDPStrategy
 from hvdtrain.strategies.zero import Zero2Strategy
+from hvdtrain.strategies.sharding import storage
 from tests.mpi.helpers import flat_parameters, synthetic_classification
 from tests.mpi.test_zero import MICRO_BATCH, reference_steps, state_difference, two_groups
 from tests.mpi.test_zero import zero_steps as fsdp_steps  # the same hand-written loop
@@ -83,7 +83,7 @@ def model_difference(ours, theirs) -> float:
 
 
 def all_freed(strategy) -> bool:
-    return not any(fu.is_allocated(bucket.flat_param) for bucket in strategy.buckets)
+    return not any(storage.is_allocated(bucket.flat_param) for bucket in strategy.buckets)
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -226,7 +226,7 @@ def test_evaluation_gathers_each_unit_only_while_it_computes(world):
     gathered_during = []
     for block in model.blocks:  # runs after the strategy's pre-hook (which goes first)
         block.register_forward_pre_hook(lambda module, args: gathered_during.append(
-            [unit.path for unit in strategy.all_units if all(fu.is_allocated(b.flat_param) for b in unit.buckets)]))
+            [unit.path for unit in strategy.all_units if all(storage.is_allocated(b.flat_param) for b in unit.buckets)]))
     inputs = data.tensors[0][:10]
     with torch.no_grad():
         ours = model(inputs)

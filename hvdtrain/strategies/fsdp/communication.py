@@ -15,6 +15,7 @@ import horovod.torch as hvd
 
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.fsdp import units as fu
+from hvdtrain.strategies.sharding import storage
 from hvdtrain.strategies.zero import gather_in_place
 
 
@@ -32,7 +33,7 @@ class UnitCommunication:
             return
         with torch.no_grad():  # into the one storage the parameters and autograd's tensors view
             for bucket in unit.buckets:
-                fu.allocate_storage(bucket.flat_param)
+                storage.allocate_storage(bucket.flat_param)
                 bucket.own_slice(bucket.flat_param).copy_(bucket.shard)
                 for name, handle in gather_in_place(bucket, bucket.flat_param).items():
                     self.start(name, handle)
@@ -51,7 +52,7 @@ class UnitCommunication:
         if unit.state == fu.GATHERING:
             self._wait_gathers(unit)  # started on every rank: it must finish on every rank
         for bucket in unit.buckets:
-            fu.release_storage(bucket.flat_param)
+            storage.release_storage(bucket.flat_param)
         unit.state = fu.FREE
 
     def _wait_gathers(self, unit: fu.FSDPUnit) -> None:

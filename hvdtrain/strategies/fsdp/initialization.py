@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hvdtrain.distributed import collectives
 from hvdtrain.strategies.deferred_init import DeferredInit, is_unset, mark_unset, nbytes, touched
 from hvdtrain.strategies.fsdp import units as fu
+from hvdtrain.strategies.sharding import storage
 
 
 @torch.no_grad()
@@ -33,7 +34,7 @@ def initialize_by_unit(deferred: DeferredInit, root: fu.FSDPUnit, units: Sequenc
     in_buckets = {id(p) for unit in [root, *units] for bucket in unit.buckets for p in bucket.params}
     whole = {name: t for name, t in deferred.placeholders.items() if id(t) not in in_buckets}
     for tensor in whole.values():
-        fu.allocate_storage(tensor)
+        storage.allocate_storage(tensor)
         mark_unset(tensor)
     for unit in [root, *units]:
         for bucket in unit.buckets:
@@ -66,7 +67,7 @@ def _mark_shard_unset(bucket: fu.ShardedBucket) -> None:
 def _bring_in(unit: fu.FSDPUnit) -> None:
     """The unit's full buffers in memory: its own slices from the shards, the rest unset."""
     for bucket in unit.buckets:
-        fu.allocate_storage(bucket.flat_param)
+        storage.allocate_storage(bucket.flat_param)
         mark_unset(bucket.flat_param)
         bucket.flat_param[_real_numel(bucket):].zero_()
         bucket.own_slice(bucket.flat_param).copy_(bucket.shard)
@@ -75,7 +76,7 @@ def _bring_in(unit: fu.FSDPUnit) -> None:
 def _put_away(unit: fu.FSDPUnit) -> None:
     for bucket in unit.buckets:
         bucket.shard.copy_(bucket.own_slice(bucket.flat_param))
-        fu.release_storage(bucket.flat_param)
+        storage.release_storage(bucket.flat_param)
 
 
 def _unset_in_shards(model: torch.nn.Module, units: Sequence[fu.FSDPUnit]) -> List[str]:

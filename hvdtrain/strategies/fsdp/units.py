@@ -21,6 +21,7 @@ from torch import nn
 
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.training.blocks import model_blocks
+from hvdtrain.strategies.sharding.storage import release_storage
 
 WrapPolicy = Callable[[nn.Module], bool]
 FREE, GATHERING, GATHERED = "free", "gathering", "gathered"  # a unit's full parameters
@@ -198,16 +199,3 @@ def _checked_value(full: Dict[str, torch.Tensor], name: str, param: torch.Tensor
         raise RuntimeError(f"size mismatch for {name}: the model state has {tuple(value.shape)}, "
                            f"this model {tuple(param.shape)}")
     return value
-
-
-def release_storage(tensor: torch.Tensor) -> None:
-    """Give the memory back; every view (the parameters, autograd's saved tensors) keeps the storage."""
-    tensor.untyped_storage().resize_(0)
-
-
-def allocate_storage(tensor: torch.Tensor) -> None:
-    tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
-
-
-def is_allocated(tensor: torch.Tensor) -> bool:
-    return tensor.untyped_storage().nbytes() > 0

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hvdtrain.distributed import collectives
 from hvdtrain.parallel.tensor_plan import Replacement
 from hvdtrain.strategies.deferred_init import DeferredInit, is_unset, mark_unset, nbytes, touched
-from hvdtrain.strategies.fsdp.units import allocate_storage, is_allocated, release_storage
+from hvdtrain.strategies.sharding.storage import allocate_storage, is_allocated, release_storage
 
 
 class _Whole:
