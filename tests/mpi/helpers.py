@@ -52,3 +52,31 @@ def token_data(vocab: int, seq: int, samples: int = 64, seed: int = 3) -> Tensor
     """Random token sequences as (inputs, next-token targets), the same on every rank."""
     ids = torch.randint(0, vocab, (samples, seq + 1), generator=torch.Generator().manual_seed(seed))
     return TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+def causal_lm_step(model, batch):
+    """A Hugging Face causal LM's next-token loss on (inputs, targets) token batches."""
+    inputs, targets = batch
+    logits = model(input_ids=inputs, use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)), {}
+
+
+def one_process_adamw(model: nn.Module, data: TensorDataset, global_batch: int, steps: int, lr: float,
+                      seed: int, step_fn=causal_lm_step):
+    """The steps one process takes, without Horovod, on the global batches in the sampler's order
+    (seed ``seed``), with AdamW: (final state, each step's loss)."""
+    from hvdtrain.data.sharding import ShardedSampler
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    sampler = ShardedSampler(len(data), rank=0, world_size=1, seed=seed)
+    sampler.set_epoch(0)
+    order = list(sampler)
+    losses = []
+    for step in range(steps):
+        batch = order[step * global_batch:(step + 1) * global_batch]
+        optimizer.zero_grad()
+        loss, _ = step_fn(model, (data.tensors[0][batch], data.tensors[1][batch]))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return model.state_dict(), losses

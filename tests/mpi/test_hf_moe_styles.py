@@ -22,16 +22,15 @@ import functools
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
 from hvdtrain.config.train import TrainConfig
-from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.distributed import collectives
 from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.parallel.tensor_plan import model_tensor_plan
 from hvdtrain.trainer import Trainer
 from hvdtrain.verify.exact import float64_throughout
-from tests.mpi.helpers import record_step_losses
+from tests.mpi import helpers
+from tests.mpi.helpers import causal_lm_step, record_step_losses
 
 pytest.importorskip("transformers")
 from hvdtrain.verify.tiny import SEQUENCE, build_tiny, make_model  # noqa: E402
@@ -56,46 +55,19 @@ def plan_of(family, model):
     return plan
 
 
-def token_data(vocabulary, samples=32):
-    ids = torch.randint(0, vocabulary, (samples, SEQUENCE + 1), generator=torch.Generator().manual_seed(3))
-    return TensorDataset(ids[:, :-1], ids[:, 1:])
-
-
-def lm_step(model, batch):
-    inputs, targets = batch
-    logits = model(input_ids=inputs, use_cache=False).logits
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)), {}
-
-
-def one_process(config, initial, data, order):
-    """The same steps in one process: each step's batch whole, as the one data rank of T=2 takes it."""
-    model = make_model(config, seed=0)
-    model.load_state_dict(initial)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        batch = order[step * BATCH:(step + 1) * BATCH]
-        loss, _ = lm_step(model, (data.tensors[0][batch], data.tensors[1][batch]))
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return model.state_dict(), losses
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["aria_text", "longcat_flash", "inkling_text"])
 def test_a_family_using_the_style_takes_one_process_steps_at_t2(world, family):
     if world.size != 2:
         pytest.skip("T=2 with one data rank: a 2-rank world")
     config = tiny_config(family)
-    data = token_data(config.vocab_size)
+    data = helpers.token_data(config.vocab_size, SEQUENCE, samples=32)
     with float64_throughout():
         model = make_model(config, seed=100 + world.rank)  # set-up must broadcast rank 0's
         settings = TrainConfig(epochs=1, batch_size=BATCH, lr=LR, scale_lr=False, warmup_epochs=0, max_steps=STEPS,
                                seed=SEED, log_every=1000, tensorboard=False, tensor_parallel=2)
         trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=LR), data, None, settings, world=world,
-                          step_fn=lm_step, model_plan=ModelPlan(tensor_plan=plan_of(family, model)))
+                          step_fn=causal_lm_step, model_plan=ModelPlan(tensor_plan=plan_of(family, model)))
         initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
         losses = record_step_losses(trainer)
         trainer.fit()
@@ -103,9 +75,9 @@ def test_a_family_using_the_style_takes_one_process_steps_at_t2(world, family):
         split = {name for name, p in trainer.model.named_parameters() if hasattr(p, "tensor_shard")}
         step_losses = collectives.allreduce_sum(torch.stack(losses), name=f"styles.{family}.losses") / world.size
         trainer.close_mesh()
-        sampler = ShardedSampler(len(data), rank=0, world_size=1, seed=SEED)  # the one data rank's order
-        sampler.set_epoch(0)
-        expected, expected_losses = one_process(config, initial, data, list(sampler))
+        reference = make_model(config, seed=0)  # the one data rank of T=2 takes each step's batch whole
+        reference.load_state_dict(initial)
+        expected, expected_losses = helpers.one_process_adamw(reference, data, BATCH, STEPS, lr=LR, seed=SEED)
 
     worst = max((final[name] - expected[name]).abs().max().item() for name in expected)
     moved = min((expected[name] - initial[name]).abs().max().item() for name in expected if ".experts." in name)

@@ -18,14 +18,13 @@ import copy
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
 from hvdtrain.config.train import TrainConfig
-from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.distributed import collectives
 from hvdtrain.trainer import Trainer
 from hvdtrain.verify.exact import float64_throughout
-from tests.mpi.helpers import record_step_losses
+from tests.mpi import helpers
+from tests.mpi.helpers import causal_lm_step, record_step_losses
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,43 +53,13 @@ def make_model(family, seed):
     return make_tiny(tiny_config(family), seed)
 
 
-def causal_lm_step(model, batch):
-    inputs, targets = batch
-    logits = model(input_ids=inputs).logits
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)), {}
-
-
-def token_data(vocabulary, samples=64):
-    ids = torch.randint(0, vocabulary, (samples, SEQ + 1), generator=torch.Generator().manual_seed(3))
-    return TensorDataset(ids[:, :-1], ids[:, 1:])
-
-
-def reference(family, initial, data, global_batch):
-    """One process, no Horovod: the global batches in the sampler's order; (final state, each step's loss)."""
-    model = make_model(family, 0)
-    model.load_state_dict(initial)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    sampler = ShardedSampler(len(data), rank=0, world_size=1, seed=SEED)
-    sampler.set_epoch(0)
-    order = list(sampler)
-    losses = []
-    for step in range(STEPS):
-        batch = order[step * global_batch:(step + 1) * global_batch]
-        optimizer.zero_grad()
-        loss, _ = causal_lm_step(model, (data.tensors[0][batch], data.tensors[1][batch]))
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return model.state_dict(), losses
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_whole_parameters_inside_a_split_region_take_one_process_steps(world, family):
     if world.size % 2:
         pytest.skip("tensor_parallel=2 needs an even number of ranks")
     with float64_throughout():
-        data = token_data(tiny_config(family).vocab_size)
+        data = helpers.token_data(tiny_config(family).vocab_size, SEQ)
         model = make_model(family, 100 + world.rank)  # different on every rank: set-up broadcasts rank 0's
         config = TrainConfig(epochs=1, batch_size=BATCH, lr=0.01, scale_lr=False, warmup_epochs=0,
                              max_steps=STEPS, seed=SEED, log_every=1000, tensorboard=False, tensor_parallel=2)
@@ -104,7 +73,10 @@ def test_whole_parameters_inside_a_split_region_take_one_process_steps(world, fa
         summed = set(trainer.strategy._audit.summed)
         split = {name for name, p in trainer.model.named_parameters() if hasattr(p, "tensor_shard")}
         trainer.close_mesh()
-        expected, expected_losses = reference(family, initial, data, BATCH * world.size // 2)
+        reference = make_model(family, 0)
+        reference.load_state_dict(initial)
+        expected, expected_losses = helpers.one_process_adamw(reference, data, BATCH * world.size // 2, STEPS,
+                                                              lr=0.01, seed=SEED)
 
     region = {f"model.layers.{i}.{name}" for i in range(2) for name in FAMILIES[family]}
     assert region <= summed and not region & split, "the split region's parameters are summed, kept whole"
