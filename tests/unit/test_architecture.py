@@ -102,6 +102,11 @@ def test_every_package_imports_only_the_layers_below_it():
     assert not offenders, "imports against the layers:\n" + "\n".join(offenders)
 
 
+# The end of a check run in a fresh interpreter: fails naming what loaded torch or Horovod.
+LOADED_HEAVY = ("heavy = [m for m in ('torch', 'horovod') if m in sys.modules]\n"
+                "sys.exit(f'{what} imports {{heavy}}' if heavy else 0)\n")
+
+
 def test_login_node_tools_import_neither_torch_nor_horovod():
     light = ["hvdtrain"] + sorted(module for module, _ in modules()
                                   if any(module == root or module.startswith(root + ".") for root in LIGHT)
@@ -115,8 +120,7 @@ def test_login_node_tools_import_neither_torch_nor_horovod():
             "        sys.exit(f'{name} imports {heavy}')\n"
             "import hvdtrain.cli\n"
             "hvdtrain.cli.build_parser()  # every command's options: --help stays instant\n"
-            "heavy = [m for m in ('torch', 'horovod') if m in sys.modules]\n"
-            "sys.exit(f'building the hvdtrain parser imports {heavy}' if heavy else 0)\n")
+            + LOADED_HEAVY.format(what="building the hvdtrain parser"))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert len(light) > 30, light
@@ -133,7 +137,6 @@ def test_a_train_config_is_built_and_checked_without_torch_or_horovod():
             "    assert 'compile' in str(refusal)\n"
             "else:\n"
             "    sys.exit('fsdp with compile was not refused')\n"
-            "heavy = [m for m in ('torch', 'horovod') if m in sys.modules]\n"
-            "sys.exit(f'TrainConfig imports {heavy}' if heavy else 0)\n")
+            + LOADED_HEAVY.format(what="TrainConfig"))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
