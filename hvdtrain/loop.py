@@ -252,7 +252,7 @@ class TrainingLoop:
         skipped on every rank), clipped, then the strategy's step."""
         strategy = self.strategy
         if self.precision.scaled and not self.precision.unscale_and_check(
-                strategy.owned_gradients(), strategy.shards_gradients, name="fp16.nonfinite"):
+                strategy.owned_gradients(), strategy.capabilities.shards_gradients, name="fp16.nonfinite"):
             # Every rank decided alike: rank 0 says it once, the others into their own logs.
             log = self.topology.log
             say = log.warning if self.topology.is_root else log.info

@@ -14,6 +14,7 @@ from hvdtrain.checkpoint import kept as kept_state
 from hvdtrain.checkpoint.protocol import Checkpointing
 from hvdtrain.checkpoint.run_state import RunState
 from hvdtrain.checkpoint.sharded_format import is_sharded, resumes_as_written
+from hvdtrain.common.capabilities import EVERY_PART
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.batching import Batching
 from hvdtrain.distributed import rng
@@ -68,7 +69,7 @@ class CheckpointManager:
                                                               self.topology.mesh_shape)
         if as_written:
             # A mesh's rank keeps parts of every rank's file; its own file still holds its RNG states.
-            shard = (self.protocol.load_resharded(state, self.strategy, keep_own=True) if self.strategy.reads_every_part
+            shard = (self.protocol.load_resharded(state, self.strategy, keep_own=True) if self.strategy.capabilities.loads == EVERY_PART
                      else self.protocol.load_own_shard(state, self.strategy))
             own_rng, own_callbacks = shard["rng"], shard.get("callbacks", {})
         elif is_sharded(state):  # another worker count or strategy: each rank's RNG is seeded anew below

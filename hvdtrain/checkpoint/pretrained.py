@@ -19,8 +19,8 @@ import torch
 
 from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint.hf_export import INDEX, WEIGHTS
+from hvdtrain.common.capabilities import EVERY_PART, OWN_SHARD
 from hvdtrain.strategies.base import Strategy, tensor_names
-from hvdtrain.strategies.sharding.sliced import ShardedStrategy
 
 
 class SafetensorsReader:
@@ -97,9 +97,10 @@ class SafetensorsReader:
 
 def own_part(strategy: Strategy, reader: SafetensorsReader) -> Dict[str, Any]:
     """What this rank keeps of the pretrained weights, in the form ``apply`` puts in place (local)."""
-    if isinstance(strategy, ShardedStrategy):
+    loads = strategy.capabilities.loads
+    if loads == OWN_SHARD:
         return _sharded_part(strategy, reader)
-    if hasattr(strategy, "holds"):  # model parallelism: its stage's tensors, its slices of the split ones
+    if loads == EVERY_PART:  # model parallelism: its stage's tensors, its slices of the split ones
         return {"local": _model_parallel_part(strategy, reader)}
     whole = {}
     for names, value in tensor_names(strategy.model):
@@ -120,7 +121,7 @@ def _model_parallel_part(strategy: Strategy, reader: SafetensorsReader) -> Dict[
     return local
 
 
-def _sharded_part(strategy: ShardedStrategy, reader: SafetensorsReader) -> Dict[str, Any]:
+def _sharded_part(strategy: Strategy, reader: SafetensorsReader) -> Dict[str, Any]:
     """This rank's part as its shard_state_dict() holds it (the optimizer's state and groups as they
     are), the pretrained slices and unmanaged tensors in place of its own."""
     part = strategy.shard_state_dict()
@@ -143,7 +144,7 @@ def _sharded_part(strategy: ShardedStrategy, reader: SafetensorsReader) -> Dict[
 def apply(strategy: Strategy, part: Dict[str, Any]) -> None:
     """Put a part ``own_part`` read in place (every rank: a ZeRO strategy all-gathers its parameters,
     model parallelism gathers its state)."""
-    if isinstance(strategy, ShardedStrategy):
+    if strategy.capabilities.loads == OWN_SHARD:
         strategy.load_shard_state_dict(part)
     elif "local" in part:  # each rank's own tensors, read by itself: nothing to send
         with torch.no_grad():

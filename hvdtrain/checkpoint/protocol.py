@@ -27,11 +27,11 @@ from hvdtrain.checkpoint.ownership import Ownership
 from hvdtrain.checkpoint.run_state import RunState
 from hvdtrain.checkpoint.snapshot import HostSnapshot
 from hvdtrain.checkpoint.store import CheckpointStore
+from hvdtrain.common.capabilities import EVERY_PART, FULL_STATE, OWN_SHARD
 from hvdtrain.common.units import format_bytes
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies.base import Strategy
-from hvdtrain.strategies.sharding.sliced import ShardedStrategy
 
 
 class Checkpointing:
@@ -238,7 +238,7 @@ class Checkpointing:
     def load_resharded(self, state: Dict[str, Any], strategy: Strategy, keep_own: bool = False
                        ) -> Optional[Dict[str, Any]]:
         """The sharded checkpoint ``state`` (a manifest) written at another worker count or under
-        another strategy, or by a mesh (``strategy.reads_every_part``: read from every rank's file at
+        another strategy, or by a mesh (its capabilities' ``loads`` EVERY_PART: read from every rank's file at
         any layout): every file is checked against the manifest (each by one rank), then a sharded
         strategy's ranks each read their own part in their own layout, a mesh's ranks their slices
         and stages one whole tensor at a time, any other strategy the whole state; only when every
@@ -247,15 +247,16 @@ class Checkpointing:
         "rng" and "callbacks" states)."""
         world, path = self.topology.world, Path(state["path"])
         part = source = None
+        loads = strategy.capabilities.loads
 
         def prepare() -> None:
             nonlocal part, source
             resharding.verify(path, state, resharding.files_to_verify(world.size, world.rank, len(state["files"])))
             source = resharding.open_source(path, state)
             try:
-                if strategy.reads_every_part:
+                if loads == EVERY_PART:
                     strategy.load_from(source)
-                elif isinstance(strategy, ShardedStrategy):
+                elif loads == OWN_SHARD:
                     part = resharding.own_part(source, strategy.shard_layout(), world.rank, world.size)
                 else:
                     part = source.full_state()
@@ -268,9 +269,9 @@ class Checkpointing:
             ranks = lambda count: f"{count} rank{'s' if count != 1 else ''}"  # noqa: E731
             self.topology.log.info(f"resharding {path} ({ranks(state['world_size'])}, {state['strategy']}) for "
                                    f"{ranks(world.size)} under {self.config.strategy}")
-        if isinstance(strategy, ShardedStrategy):
+        if loads == OWN_SHARD:
             strategy.load_shard_state_dict(part)
-        elif not strategy.reads_every_part:
+        elif loads == FULL_STATE:
             strategy.load_state_dict(part)
         return source.files[world.rank] if keep_own else None
 

@@ -22,6 +22,11 @@ MESH = "mesh"  # the data-parallel side of a tensor x pipeline mesh
 # strategies a user names, chosen by the mesh rather than by train.strategy.
 MODEL_PARALLEL = "model_parallel"
 
+# How a strategy takes a checkpoint's state back (and pretrained weights): every rank the full state
+# (load_state_dict), each rank its own shard of flat buckets (load_shard_state_dict), or each rank
+# what it holds of a mesh, read from every rank's file through a source (load_from).
+FULL_STATE, OWN_SHARD, EVERY_PART = "full_state", "own_shard", "every_part"
+
 
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
@@ -35,13 +40,20 @@ class Capabilities:
             checkpoint, not from the state committed in memory (a lost worker took its shard along).
         initializes_by_shard: a model built on the meta device gets its values shard by shard
             (never whole); the other strategies take it made whole first.
+        shards_gradients: each rank holds only its slices of the gradients after synchronize, so a
+            gradient norm or an inf/nan check is a collective.
+        loads: how it takes a checkpoint's state back: FULL_STATE, OWN_SHARD or EVERY_PART.
     """
     refuses: Mapping[str, str] = dataclasses.field(default_factory=dict)
     collective_forward: bool = False
     elastic_from_checkpoint: bool = False
     initializes_by_shard: bool = False
+    shards_gradients: bool = False
+    loads: str = FULL_STATE
 
     def __post_init__(self) -> None:
+        if self.loads not in (FULL_STATE, OWN_SHARD, EVERY_PART):
+            raise ValueError(f"loads={self.loads!r}: one of {FULL_STATE}, {OWN_SHARD}, {EVERY_PART}")
         unknown = set(self.refuses) - {ELASTIC, COMPILE, ADASUM, SHARDED_CHECKPOINTS, MESH}
         if unknown:
             raise ValueError(f"unknown capabilities {sorted(unknown)}")
@@ -56,7 +68,7 @@ _SHARDED_ADASUM = ("zero1, zero2 and fsdp reduce-scatter the gradients so that e
                    "products over each whole tensor)")
 _SHARDED_MESH = ("zero2, fsdp and ps cut the state over every rank, and the model-parallel layout averages "
                  "gradients over each data-parallel group")
-_ZERO = dict(refuses={ADASUM: _SHARDED_ADASUM}, elastic_from_checkpoint=True)
+_ZERO = dict(refuses={ADASUM: _SHARDED_ADASUM}, elastic_from_checkpoint=True, shards_gradients=True, loads=OWN_SHARD)
 
 # Registered name -> capabilities, in the order the strategies are listed to a user.
 DECLARED: Dict[str, Capabilities] = {
@@ -72,8 +84,9 @@ DECLARED: Dict[str, Capabilities] = {
                      "cannot compile them: Dynamo cannot trace Horovod's collectives (a graph break at every unit), "
                      "and Inductor fails on the gathered buffer's storage resize (LoweringException: TODO: dynamic "
                      "shapes, torch 2.13)"},
-        collective_forward=True, elastic_from_checkpoint=True, initializes_by_shard=True),
-    "ps": Capabilities(refuses={
+        collective_forward=True, elastic_from_checkpoint=True, initializes_by_shard=True, shards_gradients=True,
+        loads=OWN_SHARD),
+    "ps": Capabilities(shards_gradients=True, refuses={
         ELASTIC: "the servers (ranks 0..ps_servers-1) hold the only copy of the optimizer state, and a lost server "
                  "takes its part along; continuing from the newest checkpoint, as zero1, zero2 and fsdp do, is not "
                  "built for ps",
@@ -89,7 +102,7 @@ DECLARED: Dict[str, Capabilities] = {
             ADASUM: "Adasum combines over the whole world, not over a data-parallel group",
             COMPILE: "Horovod's collectives inside the forward do not compile (a graph break at every "
                      "tensor-parallel layer)"},
-        collective_forward=True, initializes_by_shard=True),
+        collective_forward=True, initializes_by_shard=True, shards_gradients=True, loads=EVERY_PART),
 }
 # The values of train.strategy (the model-parallel layout is chosen by the mesh, over one of them).
 STRATEGY_NAMES = tuple(name for name in DECLARED if name != MODEL_PARALLEL)

@@ -129,19 +129,16 @@ class Strategy(ABC):
 
     # Between synchronize and step, the loop may unscale (fp16) and clip the averaged gradients.
 
-    # Whether each rank holds only its slice of the gradients: a norm or an inf check is then a collective.
-    shards_gradients: ClassVar[bool] = False
-
     def owned_gradients(self) -> List[torch.Tensor]:
         """This rank's averaged gradients after synchronize(): every parameter's whole gradient,
-        or, when ``shards_gradients``, this rank's slices of them."""
+        or, when its capabilities' ``shards_gradients``, this rank's slices of them."""
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale the averaged gradients so that the whole model's gradient norm is at most
         ``max_norm``; returns the norm before clipping, the same on every rank (a collective
         when the gradients are sharded)."""
-        if self.shards_gradients:
+        if self.capabilities.shards_gradients:
             return clipping.clip_sharded(self.owned_gradients(), max_norm, name=f"{self.name}.grad_norm")
         return clipping.clip_replicated(self.owned_gradients(), max_norm)
 
@@ -168,10 +165,9 @@ class Strategy(ABC):
 
     # Sharded checkpoints (train.checkpoint_format=sharded): each rank's own part, no collective.
     # Only strategies that shard the state have them (hvdtrain.strategies.sharding.shard_state).
-    # A strategy that ``reads_every_part`` (a tensor x pipeline mesh: a rank's tensors were written by
-    # the ranks of its replica and stage that write each element) loads through ``load_from(source)``
-    # from every rank's file, also at its own layout, instead of its own file.
-    reads_every_part: ClassVar[bool] = False
+    # A strategy that loads EVERY_PART (hvdtrain.common.capabilities; a tensor x pipeline mesh: a
+    # rank's tensors were written by the ranks of its replica and stage that write each element) loads
+    # through ``load_from(source)`` from every rank's file, also at its own layout, instead of its own.
 
     def shard_state_dict(self) -> Dict[str, Any]:
         """This rank's own slices of the parameters and optimizer state, its buffers, and the layout

@@ -47,3 +47,21 @@ def test_a_strategy_of_ones_own_declares_its_record_and_keeps_it():
         name = "plain"
 
     assert Mine.capabilities is mine and Plain.capabilities == caps.Capabilities()
+
+
+def test_how_a_strategy_declares_it_loads_is_what_its_class_implements():
+    """The checkpoint layer reads ``loads`` instead of asking which class it holds: the declaration
+    must name the methods the class has (own shards: the flat buckets' shard state; every part: a
+    mesh's source reader)."""
+    from hvdtrain.strategies.sharding.sliced import ShardedStrategy, SlicedStateStrategy
+
+    for name in registry.STRATEGIES:
+        cls = registry.strategy_class(name)
+        loads = cls.capabilities.loads
+        assert issubclass(cls, ShardedStrategy) == (loads == caps.OWN_SHARD), name
+        assert hasattr(cls, "load_from") == (loads == caps.EVERY_PART), name
+        # every strategy whose optimizer steps slices clips a gradient norm as a collective
+        if issubclass(cls, SlicedStateStrategy) or loads == caps.EVERY_PART:
+            assert cls.capabilities.shards_gradients, name
+        else:
+            assert not cls.capabilities.shards_gradients, name

@@ -311,9 +311,6 @@ class ModelParallelStrategy(Strategy):
                 gradients.append(param.grad)
         return gradients
 
-    # Each rank holds a part of the gradient (a stage's, a tensor slice): the norm is a collective.
-    shards_gradients = True
-
     def clip_grad_norm_(self, max_norm: float) -> float:
         """The whole model's gradient norm, each element counted once (by the rank that would write
         it into a gathered checkpoint), all-reduced; every rank scales its own gradients."""
@@ -448,8 +445,8 @@ class ModelParallelStrategy(Strategy):
 
     # Sharded checkpoints (train.checkpoint_format=sharded): what this rank writes of the state, each
     # element by one rank (the rule of a gathered checkpoint, _writes); read back through a source
-    # over every rank's file (hvdtrain.checkpoint.mesh_source), at this layout or any other.
-    reads_every_part = True
+    # over every rank's file (hvdtrain.checkpoint.mesh_source), at this layout or any other (its
+    # capabilities' loads: EVERY_PART).
 
     def shard_state_dict(self) -> Dict[str, Any]:
         model = {p.name: compact(p.local) for p in self._model_placements if p.writes}

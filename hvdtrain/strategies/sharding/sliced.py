@@ -26,7 +26,6 @@ class SlicedStateStrategy(Strategy):
     the buckets in place. A subclass makes the buckets, then calls ``_take_optimizer``."""
 
     buckets: List[fb.FlatBucket]
-    shards_gradients = True
 
     def _take_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """The user's optimizer over the slices, with its state put into them. Rank 0's state as it
