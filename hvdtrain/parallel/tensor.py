@@ -10,6 +10,7 @@ Trainer seeds a group's ranks alike).
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
@@ -66,6 +67,31 @@ def copy_to_tensor_group(x: torch.Tensor, group: Any, name: str) -> torch.Tensor
 def reduce_from_tensor_group(x: torch.Tensor, group: Any, name: str) -> torch.Tensor:
     """g: ``x`` summed over the tensor group (collective ``name``); its gradient unchanged."""
     return _ReduceFromTensorGroup.apply(x, group, name) if _communicates(group) else x
+
+
+class SumOutput:
+    """A forward hook applying g: the module's one output tensor summed over the tensor group (each
+    rank's is a part: split experts' intermediate slices, an all_reduce module's cut parameters)."""
+
+    def __init__(self, group: Any, name: str) -> None:
+        self.group, self.name = group, name
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> torch.Tensor:
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"{self.name} ({type(module).__name__}) returned {type(output).__name__}: hvdtrain sums "
+                            f"a split module's one output tensor")
+        return reduce_from_tensor_group(output, self.group, f"tp.g.{self.name}")
+
+
+def own_copy(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` (its class, its forward) with tables of its own: parameters,
+    children and hooks set on the copy leave the module as built as it was (a model built on the
+    meta device initializes that one whole, then keeps the copy's slices)."""
+    copied = copy.copy(module)
+    for attribute, value in vars(module).items():
+        if isinstance(value, dict):
+            setattr(copied, attribute, type(value)(value))
+    return copied
 
 
 def is_placeholder(tensor: torch.Tensor) -> bool:

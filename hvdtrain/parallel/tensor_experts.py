@@ -24,14 +24,13 @@ experts layout whose split transformers would not reproduce exactly) is refused 
 """
 from __future__ import annotations
 
-import copy
 import fnmatch
 from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 from torch import nn
 
-from hvdtrain.parallel.tensor import TensorShard, _shard, copy_to_tensor_group, reduce_from_tensor_group
+from hvdtrain.parallel.tensor import SumOutput, TensorShard, _shard, copy_to_tensor_group, own_copy
 
 EXPERT_STYLES = ("moe_tp_experts",)
 # How transformers cuts a 3-D parameter named by its own plan entry (shard_param: colwise Shard(ndim - 2),
@@ -184,15 +183,12 @@ def split_experts(module: nn.Module, group: Any, path: str, transposed: bool = F
     slice of every expert, its inputs' gradients summed over the group in backward (f) and its
     output summed over the group in forward (g). The module as built is left as it was (a model
     built on the meta device initializes it whole, then keeps the slices)."""
-    split = copy.copy(module)
-    for attribute, value in vars(module).items():  # its own parameter, child and hook tables
-        if isinstance(value, dict):
-            setattr(split, attribute, type(value)(value))
+    split = own_copy(module)
     for attribute, (dim, groups) in _projections(module, transposed).items():
         shard = TensorShard(dim=dim, parts=group.size, index=group.index, groups=groups)
         split._parameters[attribute] = _shard(module._parameters[attribute], shard)
     split.register_forward_pre_hook(_SumInputGradients(group, path), with_kwargs=True)
-    split.register_forward_hook(_SumOutput(group, path))
+    split.register_forward_hook(SumOutput(group, path))
     return split
 
 
@@ -216,16 +212,6 @@ class _SumInputGradients:
         if not isinstance(x, torch.Tensor):
             return x
         return copy_to_tensor_group(x, self.group, f"tp.f.{self.name}.{input_name}")
-
-
-class _SumOutput:
-    """g: every rank's experts' output (its intermediate slices' contribution) summed over the group."""
-
-    def __init__(self, group: Any, name: str) -> None:
-        self.group, self.name = group, name
-
-    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tensor_group(output, self.group, f"tp.g.{self.name}")
 
 
 # --- transformers' moe_identity_expert (LongCat-Flash's zero-computation experts) ---------------
@@ -256,10 +242,7 @@ def check_identity_expert(path: str, module: nn.Module, owner_path: str, owner_s
 def divided_identity(module: nn.Module, group: Any) -> nn.Module:
     """A copy of the identity expert ``module`` whose input is divided by ``group``'s size (the
     module as built is left as it was: the whole model's)."""
-    divided = copy.copy(module)
-    for attribute, value in vars(module).items():  # its own hook tables, not the built module's
-        if isinstance(value, dict):
-            setattr(divided, attribute, type(value)(value))
+    divided = own_copy(module)
     size = group.size
 
     def divide(_module: nn.Module, args: tuple) -> tuple:

@@ -16,13 +16,12 @@ logits with the whole model's, the first step's audit the gradients.
 """
 from __future__ import annotations
 
-import copy
 from typing import Any, Dict, List, Mapping
 
 import torch
 from torch import nn
 
-from hvdtrain.parallel.tensor import _shard, copy_to_tensor_group, is_placeholder, reduce_from_tensor_group
+from hvdtrain.parallel.tensor import SumOutput, _shard, copy_to_tensor_group, is_placeholder, own_copy
 from hvdtrain.parallel.tensor_shard import TensorShard
 
 PARTIAL_STYLES = ("all_reduce",)
@@ -81,16 +80,13 @@ def split_partial_module(module: nn.Module, cuts: Mapping[str, str], group: Any,
     """A copy of ``module`` (its class, its forward) holding this rank's slice of each parameter of
     ``cuts`` (attribute -> style), its floating inputs' gradients summed over the group (f) and its
     output summed over the group (g). The module as built is left as it was."""
-    split = copy.copy(module)
-    for attribute, value in vars(module).items():  # its own parameter and hook tables
-        if isinstance(value, dict):
-            setattr(split, attribute, type(value)(value))
+    split = own_copy(module)
     for attribute, style in cuts.items():
         whole = module._parameters[attribute]
         shard = TensorShard(dim=partial_cut_dim(style, whole.dim()), parts=group.size, index=group.index)
         split._parameters[attribute] = _shard(whole, shard)
     split.register_forward_pre_hook(_SumInputGradients(group, path), with_kwargs=True)
-    split.register_forward_hook(_SumPartialOutput(group, path))
+    split.register_forward_hook(SumOutput(group, path))
     return split
 
 
@@ -109,19 +105,6 @@ class _SumInputGradients:
         if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
             return x
         return copy_to_tensor_group(x, self.group, f"tp.f.{self.name}.{input_name}")
-
-
-class _SumPartialOutput:
-    """g: every rank's part of the output summed over the group."""
-
-    def __init__(self, group: Any, name: str) -> None:
-        self.group, self.name = group, name
-
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> torch.Tensor:
-        if not isinstance(output, torch.Tensor):
-            raise TypeError(f"{self.name} ({type(module).__name__}, all_reduce) returned {type(output).__name__}: "
-                            f"hvdtrain sums a module's one output tensor")
-        return reduce_from_tensor_group(output, self.group, f"tp.g.{self.name}")
 
 
 def partial_parameter_entries(named: Mapping[str, str], chosen: Mapping[str, str]) -> List[str]:
