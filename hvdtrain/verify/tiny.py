@@ -86,13 +86,6 @@ SIZES: Dict[str, Any] = {
 DENSE_PREFIXES = ("first_k_dense_replace", "num_dense_layers", "first_k_dense")
 # Per-layer sizes (one entry a layer) named after the size they override: each entry made that tiny size.
 PER_LAYER_SUFFIX = "_per_layer"
-# Families whose config class has no default for a value it needs; real checkpoints ship one. The
-# value given is the shape of a released checkpoint's, cut to the tiny depth.
-MISSING_DEFAULTS: Dict[str, Dict[str, Any]] = {
-    # Lfm2MoeConfig.layer_types defaults to None and its model indexes it (LFM2-8B-A1B alternates
-    # short convolutions and attention): one of each.
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
-}
 # Dropouts and layer drops by name: every float among them is set to 0 (the comparison is exact).
 DROPOUT_WORDS = ("dropout", "pdrop", "layerdrop", "jitter")
 # A string is a per-layer pattern (one character per layer) only under such a name.
@@ -181,9 +174,7 @@ def tiny_config(config: Any) -> Any:
     for name in DENSE_PREFIXES:
         if isinstance(values.get(name), int):
             values[name] = min(values[name], LAYERS - 1)
-    for name, value in MISSING_DEFAULTS.get(values.get("model_type"), {}).items():
-        if values.get(name) is None:
-            values[name] = value
+    tiny_families.fill_missing_defaults(values)
     for name, value in list(values.items()):
         if isinstance(value, float) and any(word in name for word in DROPOUT_WORDS):
             values[name] = 0.0

@@ -1,11 +1,21 @@
 """The few families the generic shrinking of hvdtrain.verify.tiny cannot reach, each with why.
 
-Each entry takes the config's values once they are shrunk (a dict, as from_dict reads it) and
-mends what the family's own class needs that no rule keyed on attribute names could give.
+Two kinds, each keyed by model type: a value the family's config class has no default for (real
+checkpoints ship one), filled in before the layer lists are cut to the tiny depth; and a mend that
+takes the config's values once they are shrunk (a dict, as from_dict reads it) and gives what the
+family's own class needs that no rule keyed on attribute names could give.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Dict
+
+# Values a config class has no default for, given the shape of a released checkpoint's, cut to the
+# tiny depth.
+MISSING_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    # Lfm2MoeConfig.layer_types defaults to None and its model indexes it (LFM2-8B-A1B alternates
+    # short convolutions and attention): one of each.
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+}
 
 # The attention sizes dots3's class reads from swa_* arguments for its sliding layers.
 DOTS3_SLIDING_SIZES = ("num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
@@ -31,6 +41,13 @@ def _dots3_note_text(values: Dict[str, Any]) -> None:
 MENDS: Dict[str, Callable[[Dict[str, Any]], None]] = {
     "dots3_note_text": _dots3_note_text,
 }
+
+
+def fill_missing_defaults(values: Dict[str, Any]) -> None:
+    """The family's values its config class leaves None, where MISSING_DEFAULTS has one."""
+    for name, value in MISSING_DEFAULTS.get(values.get("model_type"), {}).items():
+        if values.get(name) is None:
+            values[name] = value
 
 
 def mend(values: Dict[str, Any]) -> None:
