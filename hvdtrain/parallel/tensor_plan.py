@@ -215,7 +215,8 @@ def check_plan(model: nn.Module, plan: Mapping[str, str], size: int) -> List[Tup
         if style in WHOLE_STYLES:
             continue  # kept whole, as a module the plan does not name (its gradients audited alike)
         matched = _match_key(model, modules, key)
-        if not matched and own_plan.get(key) == style and not parameter_paths(model, key):
+        parameters = [] if matched else parameter_paths(model, key)
+        if not matched and own_plan.get(key) == style and not parameters:
             # The family's plan names layers this configuration lacks (Qwen2-MoE's dense MLPs, Qwen4-Exp's
             # per-layer embeddings when no layer has them): nothing is cut, whatever the style.
             continue
@@ -223,7 +224,7 @@ def check_plan(model: nn.Module, plan: Mapping[str, str], size: int) -> List[Tup
         if canonical not in STYLES:
             raise ValueError(f"tensor plan: {key}: style {style!r} is not supported; hvdtrain splits by "
                              f"{', '.join(STYLES + tuple(ALIASES))}{why_not(style)}: give a plan without it")
-        if not matched and parameter_paths(model, key):
+        if not matched and parameters:
             by_parameter[key] = canonical
             continue
         if matched and canonical in PARAMETER_ONLY_STYLES:
