@@ -69,7 +69,8 @@ class CheckpointManager:
                                                               self.topology.mesh_shape)
         if as_written:
             # A mesh's rank keeps parts of every rank's file; its own file still holds its RNG states.
-            shard = (self.protocol.load_resharded(state, self.strategy, keep_own=True) if self.strategy.capabilities.loads == EVERY_PART
+            every_part = self.strategy.capabilities.loads == EVERY_PART
+            shard = (self.protocol.load_resharded(state, self.strategy, keep_own=True) if every_part
                      else self.protocol.load_own_shard(state, self.strategy))
             own_rng, own_callbacks = shard["rng"], shard.get("callbacks", {})
         elif is_sharded(state):  # another worker count or strategy: each rank's RNG is seeded anew below
