@@ -107,6 +107,12 @@ LOADED_HEAVY = ("heavy = [m for m in ('torch', 'horovod') if m in sys.modules]\n
                 "sys.exit(f'{what} imports {{heavy}}' if heavy else 0)\n")
 
 
+def assert_runs_clean(code: str) -> None:
+    """``code`` in a fresh interpreter exits 0 (its message, what loaded torch or Horovod, otherwise)."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def test_login_node_tools_import_neither_torch_nor_horovod():
     light = ["hvdtrain"] + sorted(module for module, _ in modules()
                                   if any(module == root or module.startswith(root + ".") for root in LIGHT)
@@ -121,8 +127,7 @@ def test_login_node_tools_import_neither_torch_nor_horovod():
             "import hvdtrain.cli\n"
             "hvdtrain.cli.build_parser()  # every command's options: --help stays instant\n"
             + LOADED_HEAVY.format(what="building the hvdtrain parser"))
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert_runs_clean(code)
     assert len(light) > 30, light
 
 
@@ -138,5 +143,4 @@ def test_a_train_config_is_built_and_checked_without_torch_or_horovod():
             "else:\n"
             "    sys.exit('fsdp with compile was not refused')\n"
             + LOADED_HEAVY.format(what="TrainConfig"))
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert_runs_clean(code)
