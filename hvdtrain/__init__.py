@@ -41,13 +41,13 @@ _EXPORTS = {
     "evaluate_model": "hvdtrain.trainer",
     "ModelPlan": "hvdtrain.parallel.model_plan",
     "meta_parameters": "hvdtrain.strategies.deferred_init",
-    "StepFn": "hvdtrain.training.steps",
-    "supervised_step": "hvdtrain.training.steps",
+    "StepFn": "hvdtrain.components.steps",
+    "supervised_step": "hvdtrain.components.steps",
     "ShardedSampler": "hvdtrain.data.sharding",
     "StreamShards": "hvdtrain.data.streaming",
-    "Callback": "hvdtrain.training.callbacks",
-    "EarlyStopping": "hvdtrain.training.callbacks",
-    "EMA": "hvdtrain.training.callbacks",
+    "Callback": "hvdtrain.components.callbacks",
+    "EarlyStopping": "hvdtrain.components.callbacks",
+    "EMA": "hvdtrain.components.callbacks",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

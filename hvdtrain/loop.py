@@ -25,13 +25,13 @@ from hvdtrain.fault_tolerance.handling import FaultHandling
 from hvdtrain.observability.reporting import Reporter
 from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies.base import Strategy
-from hvdtrain.training.callbacks import Callbacks
-from hvdtrain.training.evaluation import evaluate
-from hvdtrain.training.lr import LearningRate
-from hvdtrain.training.metrics import RunningMeans, Throughput, Totals
-from hvdtrain.training.position import Position
-from hvdtrain.training.precision import Precision
-from hvdtrain.training.steps import StepFn, batch_size, to_device
+from hvdtrain.components.callbacks import Callbacks
+from hvdtrain.components.evaluation import evaluate
+from hvdtrain.components.lr import LearningRate
+from hvdtrain.components.metrics import RunningMeans, Throughput, Totals
+from hvdtrain.components.position import Position
+from hvdtrain.components.precision import Precision
+from hvdtrain.components.steps import StepFn, batch_size, to_device
 
 if TYPE_CHECKING:
     from hvdtrain.fault_tolerance.elastic import Commits

@@ -3,7 +3,7 @@ for the Trainer, which is one loop written on it (one code path, not two).
 
     topology     who this rank is: the world and the model-parallel mesh     hvdtrain.parallel.topology
     strategy     how the model's state is spread over the ranks              hvdtrain.strategies
-    batching/lr  this rank's loaders, the global batch, the scaled LR        hvdtrain.data, hvdtrain.training
+    batching/lr  this rank's loaders, the global batch, the scaled LR        hvdtrain.data, hvdtrain.components
     checkpoints  what a checkpoint holds, saving and resuming                hvdtrain.checkpoint
     reporter     start lines, progress, the run directory, memory, timeline  hvdtrain.observability
     faults       preemption and the stall watchdog (elastic: the Trainer)    hvdtrain.fault_tolerance
@@ -49,14 +49,14 @@ from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies import build_strategy, launch_refusal
 from hvdtrain.strategies.deferred_init import DeferredInit, InitFn
-from hvdtrain.training.activation_checkpointing import checkpoint_activations
-from hvdtrain.training.callbacks import Callback, Callbacks
-from hvdtrain.training.compiling import compile_forward
-from hvdtrain.training.lr import LearningRate, SchedulerFactory
-from hvdtrain.training.position import Position
-from hvdtrain.training.precision import Precision
-from hvdtrain.training.steps import StepFn, supervised_step
-from hvdtrain.training.sync_batchnorm import convert_sync_batchnorm
+from hvdtrain.components.activation_checkpointing import checkpoint_activations
+from hvdtrain.components.callbacks import Callback, Callbacks
+from hvdtrain.components.compiling import compile_forward
+from hvdtrain.components.lr import LearningRate, SchedulerFactory
+from hvdtrain.components.position import Position
+from hvdtrain.components.precision import Precision
+from hvdtrain.components.steps import StepFn, supervised_step
+from hvdtrain.components.sync_batchnorm import convert_sync_batchnorm
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -68,14 +68,14 @@ class Session:
     Build the model and optimizer as for one process, with the learning rate of one worker: the
     session hands both to the strategy (``config.strategy``), scales the rate and broadcasts rank 0's
     state. ``loss_fn(outputs, targets)`` returns the batch's mean loss; or ``step_fn(model, batch) ->
-    (loss, metrics)`` computes both from a batch of any structure (hvdtrain.training.steps), every
+    (loss, metrics)`` computes both from a batch of any structure (hvdtrain.components.steps), every
     metric reported as a mean over every rank's samples. ``job_config``: the script's whole resolved
     configuration, recorded in the run directory and every checkpoint (default: the ``train`` section).
     ``model_plan``: how one replica is split under tensor or pipeline parallelism. ``collate_fn``:
     how the loaders make a batch of samples, for training and evaluation (as DataLoader's, e.g. a
     Hugging Face DataCollatorWithPadding: each batch padded only to its own longest sample).
     ``callbacks``: hvdtrain.Callback instances called at the loop's usual points, on every rank
-    (hvdtrain.training.callbacks; EarlyStopping is one). ``lr_scheduler(optimizer) -> scheduler``:
+    (hvdtrain.components.callbacks; EarlyStopping is one). ``lr_scheduler(optimizer) -> scheduler``:
     your own LR schedule, built over the optimizer the strategy steps once its rates are scaled to
     the global batch, stepped after every optimizer step and kept in checkpoints; it replaces
     train.warmup_epochs, train.warmup_steps and train.lr_schedule (set them to 0, null and constant).

@@ -23,9 +23,9 @@ from hvdtrain.fault_tolerance import elastic
 from hvdtrain.fault_tolerance import out_of_memory as oom
 from hvdtrain.session import LossFn, Session
 from hvdtrain.strategies.base import tensor_names
-from hvdtrain.training.evaluation import evaluate
-from hvdtrain.training.precision import Precision
-from hvdtrain.training.steps import StepFn, supervised_step
+from hvdtrain.components.evaluation import evaluate
+from hvdtrain.components.precision import Precision
+from hvdtrain.components.steps import StepFn, supervised_step
 
 
 class Trainer(Session):

@@ -21,10 +21,10 @@ from hvdtrain.distributed import rng
 from hvdtrain.distributed import collectives
 from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies.base import Strategy
-from hvdtrain.training.callbacks import Callbacks
-from hvdtrain.training.lr import LearningRate
-from hvdtrain.training.position import Position
-from hvdtrain.training.precision import Precision
+from hvdtrain.components.callbacks import Callbacks
+from hvdtrain.components.lr import LearningRate
+from hvdtrain.components.position import Position
+from hvdtrain.components.precision import Precision
 
 
 class CheckpointManager:

@@ -2,5 +2,5 @@
 that stalls (the watchdog ends the job, naming it), Horovod elastic (lose and regain workers), and an
 out-of-memory error that says what would fit. Internal: the Trainer composes these.
 
-May import common/, config/, distributed/, parallel/ (the topology), training/ and planner/.
+May import common/, config/, distributed/, parallel/ (the topology), components/ and planner/.
 """

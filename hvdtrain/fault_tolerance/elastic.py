@@ -20,8 +20,8 @@ from horovod.common.elastic import State
 from horovod.common.exceptions import HostsUpdatedInterrupt
 
 from hvdtrain.distributed import collectives
-from hvdtrain.training.position import Position
-from hvdtrain.training.precision import Precision
+from hvdtrain.components.position import Position
+from hvdtrain.components.precision import Precision
 
 
 @dataclass

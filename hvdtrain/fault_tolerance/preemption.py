@@ -33,7 +33,7 @@ class PreemptionFlag:
 
     def agreed(self, stop_asked: bool = False) -> Tuple[bool, bool]:
         """(any rank signalled, any rank's ``stop_asked``), the same on every rank: one collective
-        that also carries a callback's request to stop (hvdtrain.training.callbacks)."""
+        that also carries a callback's request to stop (hvdtrain.components.callbacks)."""
         votes = collectives.allreduce_sum(torch.tensor([int(self._requested), int(stop_asked)]), name="preempt.vote")
         return int(votes[0]) > 0, int(votes[1]) > 0
 

@@ -12,7 +12,7 @@ registry.py maps their names to classes (what each can do: hvdtrain.common.capab
 the interface the loop calls;
 sharding/ holds what the sharded strategies share, fsdp/ ZeRO-3's units and communication, model_parallel/
 the mesh's strategy and its slice-by-slice initialization.
-May import common/, config/, distributed/, parallel/ and training/. The interface (base.Strategy)
+May import common/, config/, distributed/, parallel/ and components/. The interface (base.Strategy)
 is public for those who write a strategy; the rest is internal.
 """
 from hvdtrain.strategies.registry import STRATEGY_NAMES, build_strategy, launch_refusal, strategy_class

@@ -2,7 +2,7 @@
 what the same run without it trains, under every strategy that accepts it, and keeps the plain
 state_dict keys in what it exports; fsdp is refused on every rank, with the reason. The models:
 a small MLP, and a CNN of the digits CNN's shape, whose convolutions get zero gradients from
-torch 2.13's Inductor on CPU unless hvdtrain turns its layout optimization off (hvdtrain.training.compiling).
+torch 2.13's Inductor on CPU unless hvdtrain turns its layout optimization off (hvdtrain.components.compiling).
 
 Bound: float64. Compiled kernels fuse operations (the bias add with tanh, log-softmax with the
 loss, their backward) and may sum in another order than eager's kernels (a bias's gradient over the

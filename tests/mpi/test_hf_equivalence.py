@@ -23,7 +23,7 @@ from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.distributed import collectives
 from hvdtrain.trainer import Trainer
-from hvdtrain.training.steps import class_accuracy
+from hvdtrain.components.steps import class_accuracy
 from hvdtrain.verify.exact import float64_throughout
 from tests.mpi.helpers import record_step_losses
 from tests.mpi import helpers

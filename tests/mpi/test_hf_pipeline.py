@@ -27,7 +27,7 @@ from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.distributed import collectives
 from hvdtrain.verify.exact import float64_throughout
 from hvdtrain.trainer import Trainer
-from hvdtrain.training.steps import supervised_step
+from hvdtrain.components.steps import supervised_step
 from tests.mpi.helpers import record_step_losses
 from tests.unit.test_hf_pipeline_layers import HalvedBetweenLayers  # a Llama doing work between its layers
 from tests.mpi.test_hf_equivalence import (BATCH, SEED, SEQ, STEPS, VOCAB, check_against_one_process,

@@ -13,8 +13,8 @@ from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed import collectives
 from hvdtrain.fault_tolerance.elastic import ElasticState
 from hvdtrain.trainer import Trainer
-from hvdtrain.training.position import Position
-from hvdtrain.training.precision import Precision
+from hvdtrain.components.position import Position
+from hvdtrain.components.precision import Precision
 from tests.mpi.helpers import small_mlp, synthetic_classification
 
 pytestmark = pytest.mark.mpi

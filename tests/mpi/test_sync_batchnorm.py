@@ -13,7 +13,7 @@ import horovod.torch as hvd
 from hvdtrain.distributed import collectives
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.strategies import build_strategy
-from hvdtrain.training.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from hvdtrain.components.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 pytestmark = pytest.mark.mpi
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
-from hvdtrain.training.activation_checkpointing import checkpoint_activations, saved_activation_bytes
+from hvdtrain.components.activation_checkpointing import checkpoint_activations, saved_activation_bytes
 
 BATCH, SEQ, WIDTH, BLOCKS = 8, 16, 32, 4
 
@@ -48,7 +48,7 @@ def test_the_chosen_blocks_keep_only_their_inputs():
 def test_selective_keeps_the_matrix_products_and_recomputes_the_rest():
     """Counted against the block's own ops: what selective keeps of a block (beyond its input) is
     exactly the outputs of its mm/addmm/bmm and attention, nothing else."""
-    from hvdtrain.training.activation_checkpointing import KEPT_OPERATIONS
+    from hvdtrain.components.activation_checkpointing import KEPT_OPERATIONS
 
     net, _ = model("selective")
     outputs = []

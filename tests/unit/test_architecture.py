@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "hvdtrain"
 LAYERS: Dict[str, int] = {
     "common": 0,                                     # no torch, no Horovod, nothing of hvdtrain
     "config": 1, "distributed": 1,                   # settings; Horovod start-up and collectives
-    "launch": 2, "planner": 2, "data": 2, "training": 2,
+    "launch": 2, "planner": 2, "data": 2, "components": 2,
     "parallel": 3,                                   # the mesh, tensor and pipeline parallelism
     "strategies": 4,
     "checkpoint": 5, "observability": 5, "fault_tolerance": 5,

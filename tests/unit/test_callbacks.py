@@ -3,7 +3,7 @@ and the settings it refuses."""
 import pytest
 
 from hvdtrain import Callback, EarlyStopping
-from hvdtrain.training.callbacks import Callbacks
+from hvdtrain.components.callbacks import Callbacks
 
 
 class Asked:

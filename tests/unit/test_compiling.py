@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from hvdtrain.training.compiling import check_compiler, compile_forward
+from hvdtrain.components.compiling import check_compiler, compile_forward
 from hvdtrain.config.train import TrainConfig
 
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from hvdtrain.strategies import clipping
-from hvdtrain.training.precision import Precision
-from hvdtrain.training.steps import batch_size, supervised_step, to_device
+from hvdtrain.components.precision import Precision
+from hvdtrain.components.steps import batch_size, supervised_step, to_device
 
 Pair = namedtuple("Pair", "inputs targets")
 

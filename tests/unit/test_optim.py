@@ -3,7 +3,7 @@ import torch
 
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed.world import World
-from hvdtrain.training.lr import LearningRate, decay_factor, lr_scale, warmup_factor
+from hvdtrain.components.lr import LearningRate, decay_factor, lr_scale, warmup_factor
 
 FOUR_WORKERS = World(rank=0, size=4, local_rank=0, local_size=4, cross_rank=0, cross_size=1, hostname="node1",
                      controller="mpi", launcher="test", threads=1, device=torch.device("cpu"))

@@ -10,7 +10,7 @@ import torch
 from hvdtrain.distributed import startup as dist
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.strategies.reduction import adasum_refusal, combines_updates
-from hvdtrain.training.lr import adasum_lr_factor, lr_scale
+from hvdtrain.components.lr import adasum_lr_factor, lr_scale
 
 
 # ---- settings ------------------------------------------------------------------------------------

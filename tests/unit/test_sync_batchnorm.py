@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from hvdtrain.training.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from hvdtrain.components.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -35,7 +35,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
     import torch
 
     from hvdtrain.examples.textlm import lm_loss
-    from hvdtrain.training.activation_checkpointing import checkpoint_activations, saved_activation_bytes
+    from hvdtrain.components.activation_checkpointing import checkpoint_activations, saved_activation_bytes
 
     inputs, targets = lm_workload.token_batch(args, args.batch)
     runs: Dict[str, Dict[str, Any]] = {}

@@ -3,7 +3,7 @@ forward through the stages, each returning the batch's loss and metrics on every
 
 Every rank of a pipeline reads the same batch (the data is sharded over data-parallel groups, not
 over stages): the first stage uses its inputs, the last its targets. The metrics are those the
-Trainer's step reports without a pipeline (hvdtrain.training.steps.supervised_step): the last stage
+Trainer's step reports without a pipeline (hvdtrain.components.steps.supervised_step): the last stage
 measures them, and they travel with the loss. A dict batch (Hugging Face labels) reports its loss,
 the model's own (hf_step), and the metrics of a step_fn that returns ``model(**batch).loss``.
 """
@@ -24,7 +24,7 @@ from hvdtrain.parallel.pipeline.hf_step import ModelLoss, StageStep, dict_micro_
 from hvdtrain.parallel.pipeline.p2p import StageLinks
 from hvdtrain.parallel.pipeline.schedule import (Measure, PipelineStage, from_last_stage, run_schedule,
                                                  split_micro_batches)
-from hvdtrain.training.steps import class_accuracy
+from hvdtrain.components.steps import class_accuracy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

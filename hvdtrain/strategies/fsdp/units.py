@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hvdtrain.strategies.sharding import flat_buckets as fb
-from hvdtrain.training.blocks import model_blocks
+from hvdtrain.components.blocks import model_blocks
 from hvdtrain.strategies.sharding.storage import release_storage
 
 WrapPolicy = Callable[[nn.Module], bool]
@@ -61,7 +61,7 @@ class FSDPUnit:
 # Which modules are units.
 
 def default_wrap_policy(model: nn.Module) -> WrapPolicy:
-    """The model's blocks (hvdtrain.training.blocks); other modules (embeddings, norms, heads) stay
+    """The model's blocks (hvdtrain.components.blocks); other modules (embeddings, norms, heads) stay
     in the root."""
     blocks = {id(module) for _, module in model_blocks(model)}
     return lambda module: id(module) in blocks

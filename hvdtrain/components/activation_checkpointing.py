@@ -3,7 +3,7 @@ for backward and compute their forward again there, one more forward of those bl
 activations inside them (torch.utils.checkpoint, non-reentrant: the random streams and autocast of
 the first forward are replayed, so dropout masks and results are the same).
 
-The blocks are the model's repeated layers (hvdtrain.training.blocks): ``full`` checkpoints every
+The blocks are the model's repeated layers (hvdtrain.components.blocks): ``full`` checkpoints every
 one, ``every_k`` every k-th (train.activation_checkpointing_every). ``selective`` checkpoints every
 block by operation (torch's selective checkpointing, the policy torchtitan uses): the outputs of the
 matrix products and attention, the expensive part of the forward, are kept; everything else (norms,
@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from hvdtrain.config.train import ACTIVATION_CHECKPOINTING as MODES
-from hvdtrain.training.blocks import model_blocks
+from hvdtrain.components.blocks import model_blocks
 
 
 # The storages kept for backward while saved_activation_bytes counts them (None: not counting).

@@ -7,8 +7,8 @@ from typing import Any, Callable, ContextManager, Dict
 import torch
 
 from hvdtrain.distributed import collectives
-from hvdtrain.training.metrics import RunningMeans
-from hvdtrain.training.steps import StepFn, batch_size, to_device
+from hvdtrain.components.metrics import RunningMeans
+from hvdtrain.components.steps import StepFn, batch_size, to_device
 
 
 @torch.no_grad()
