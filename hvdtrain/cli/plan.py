@@ -68,7 +68,9 @@ def _shape(args: argparse.Namespace) -> planner.ModelShape:
     if args.example:
         if any(value is not None for value in given.values()) or args.params is not None:
             raise ValueError("give --example or the model's shape, not both")
-        return planner.textlm_shape()
+        from hvdtrain.examples.textlm import planner_shape  # torch: only for --example
+
+        return planner_shape()
     missing = [f"--{name.replace('_', '-')}" for name, value in given.items() if value is None]
     if missing:
         raise ValueError(f"give --example textlm, or the model's shape: missing {', '.join(missing)}")

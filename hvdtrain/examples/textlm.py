@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 
 from hvdtrain.config.checks import check_fraction, check_whole_numbers
 from hvdtrain.config.train import TrainConfig
+from hvdtrain.planner.model_shape import ModelShape
 
 
 def load_corpus() -> str:
@@ -120,6 +121,14 @@ class TextLMModelConfig:
         if not 0 <= self.dropout < 1:
             raise ValueError(f"TextLMModelConfig.dropout must be in [0, 1), got {self.dropout!r}")
 
+
+
+def planner_shape(vocab: Optional[int] = None) -> ModelShape:
+    """The example's model with its default config as the planner models it (``hvdtrain plan
+    --example textlm``); the vocabulary from its corpus unless given."""
+    config = TextLMModelConfig()
+    vocab = len(set(load_corpus())) if vocab is None else vocab
+    return ModelShape(config.layers, config.d_model, config.seq_len, vocab, config.heads)
 
 @dataclass
 class TextLMDataConfig:

@@ -10,7 +10,7 @@ hvdtrain's own stage split and the example's shape).
 from hvdtrain.planner.layout import (DEFAULT_FLOPS, DEFAULT_UPDATE_BANDWIDTH, OPTIMIZERS, PRECISIONS, STRATEGIES,
                                      Estimate, Layout, Setup, layouts)
 from hvdtrain.planner.memory import memory, sharded_state_bytes, state_bytes_per_parameter
-from hvdtrain.planner.model_shape import ModelShape, stage_elements, stage_layers, textlm_shape
+from hvdtrain.planner.model_shape import ModelShape, stage_elements, stage_layers
 from hvdtrain.planner.network import LABEL, NETWORKS
 from hvdtrain.planner.plan import NothingFits, Plan, fewest_workers, format_count, make_plan
 from hvdtrain.planner.step_time import allreduce_s, estimate, update_bytes_per_element
@@ -18,4 +18,4 @@ from hvdtrain.planner.step_time import allreduce_s, estimate, update_bytes_per_e
 __all__ = ["DEFAULT_FLOPS", "DEFAULT_UPDATE_BANDWIDTH", "LABEL", "NETWORKS", "OPTIMIZERS", "PRECISIONS", "STRATEGIES",
            "Estimate", "Layout", "ModelShape", "NothingFits", "Plan", "Setup", "allreduce_s", "estimate",
            "fewest_workers", "format_count", "layouts", "make_plan", "memory", "sharded_state_bytes",
-           "stage_elements", "stage_layers", "state_bytes_per_parameter", "textlm_shape", "update_bytes_per_element"]
+           "stage_elements", "stage_layers", "state_bytes_per_parameter", "update_bytes_per_element"]

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import List, Optional, Tuple
 
+from hvdtrain.common.stage_split import contiguous_stages
+
 
 @dataclass(frozen=True)
 class LayerCost:
@@ -17,17 +19,10 @@ class LayerCost:
     tied: float = 0.0
     block: bool = False
 
-    def parameters(self) -> List["_Count"]:
-        """What ``hvdtrain.parallel.pipeline.schedule.split_layers`` weighs a layer by."""
-        return [_Count(self.split + self.replicated)]
-
-
-@dataclass(frozen=True)
-class _Count:
-    elements: float
-
-    def numel(self) -> float:
-        return self.elements
+    @property
+    def elements(self) -> float:
+        """What the pipeline weighs a layer by when it cuts stages: all its elements."""
+        return self.split + self.replicated
 
 
 @dataclass(frozen=True)
@@ -80,21 +75,11 @@ class ModelShape:
                 LayerCost(0, 2 * d + v * d, tied=v * d))
 
 
-def textlm_shape(vocab: Optional[int] = None) -> ModelShape:
-    """The example's TinyTransformerLM with its default config; the vocabulary from its corpus."""
-    from hvdtrain.examples.textlm import TextLMModelConfig, load_corpus
-
-    config = TextLMModelConfig()
-    vocab = len(set(load_corpus())) if vocab is None else vocab
-    return ModelShape(config.layers, config.d_model, config.seq_len, vocab, config.heads)
-
-
 @lru_cache(maxsize=None)
 def stage_layers(shape: ModelShape, pipeline: int) -> Tuple[Tuple[int, ...], ...]:
     """The layer indices of every stage: hvdtrain's own split (balanced by parameter count)."""
-    from hvdtrain.parallel.pipeline.schedule import split_layers  # imports torch and Horovod
-
-    return tuple(tuple(stage) for stage in split_layers(shape.pipeline_layers(), pipeline))
+    costs = [layer.elements for layer in shape.pipeline_layers()]
+    return tuple(tuple(stage) for stage in contiguous_stages(costs, pipeline))
 
 
 def stage_elements(shape: ModelShape, tensor: int, pipeline: int) -> List[float]:

@@ -24,20 +24,6 @@ LAYERS: Dict[str, int] = {
     "bench": 8, "verify": 8,                         # leaves: they drive the Trainer, nothing imports them
     "cli": 9,
 }
-# Imports against the layers, each for a reason: (importing package, imported module) -> where it may
-# be ("function": inside a function, paid only when it runs) and why.
-ALLOWED_UPWARD = {
-    ("planner", "hvdtrain.parallel"): ("function", "the planner cuts pipeline stages with hvdtrain's split_layers"),
-    ("planner", "hvdtrain.examples"): ("function", "``hvdtrain plan --example textlm`` reads the example's shape"),
-}
-
-
-def allowed_upward(package: str, imported: str, at_module_level: bool) -> bool:
-    for (importer, prefix), (where, _) in ALLOWED_UPWARD.items():
-        if importer == package and (imported == prefix or imported.startswith(prefix + ".")):
-            if where == "module" or not at_module_level:
-                return True
-    return False
 # Modules that run on login nodes or anywhere matplotlib does: neither torch nor Horovod at import.
 LIGHT = ("hvdtrain.common", "hvdtrain.config", "hvdtrain.launch", "hvdtrain.planner",
          "hvdtrain.distributed.environments", "hvdtrain.observability.plots", "hvdtrain.observability.figures",
@@ -91,11 +77,9 @@ def test_every_package_imports_only_the_layers_below_it():
         if module.endswith(".__main__"):  # an entry point (python -m): above everything by nature
             continue
         mine = package_of(module)
-        for imported, line, at_module_level in hvdtrain_imports(tree):
+        for imported, line, _ in hvdtrain_imports(tree):
             theirs = package_of(imported)
             if theirs == mine or LAYERS[theirs] < LAYERS[mine]:
-                continue
-            if allowed_upward(mine, imported, at_module_level):
                 continue
             offenders.append(f"{module}:{line} ({mine}, layer {LAYERS[mine]}) imports {imported} "
                              f"({theirs}, layer {LAYERS[theirs]})")

@@ -9,7 +9,7 @@ import torch
 
 from hvdtrain import cli
 from hvdtrain import planner
-from hvdtrain.examples.textlm import TinyTransformerLM
+from hvdtrain.examples.textlm import TinyTransformerLM, planner_shape
 from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
 from hvdtrain.parallel.pipeline.schedule import split_layers
 from hvdtrain.parallel.tensor_plan import parallelize
@@ -54,7 +54,7 @@ def test_parameter_count_formula_equals_the_real_model(shape):
 
 
 def test_example_shape_is_the_default_textlm():
-    shape = planner.textlm_shape()
+    shape = planner_shape()
     model = TinyTransformerLM(shape.vocab)  # the example's default config
     assert shape.total == count(model.parameters())
     assert (shape.layers, shape.d_model, shape.seq_len, shape.heads) == (2, 128, 64, 4)
@@ -93,7 +93,7 @@ def test_layouts_respect_heads_layers_and_batch():
 
 
 def test_recommendation_is_the_fastest_that_fits():
-    setup = planner.Setup(planner.textlm_shape(), batch=64, memory=2 * 2 ** 30, workers=4)
+    setup = planner.Setup(planner_shape(), batch=64, memory=2 * 2 ** 30, workers=4)
     everything = [planner.estimate(setup, layout) for layout in planner.layouts(setup)]
     result = planner.make_plan(setup)
     assert result.recommended.step_s == min(e.step_s for e in everything)
@@ -107,7 +107,7 @@ def test_recommendation_is_the_fastest_that_fits():
 
 
 def test_nothing_fits_says_what_would():
-    setup = planner.Setup(planner.textlm_shape(), batch=64, memory=8 * 2 ** 20, workers=4)
+    setup = planner.Setup(planner_shape(), batch=64, memory=8 * 2 ** 20, workers=4)
     with pytest.raises(planner.NothingFits) as caught:
         planner.make_plan(setup)
     text = str(caught.value)
@@ -126,7 +126,7 @@ def test_cli_prints_the_table_and_the_error(capsys):
     assert cli.main(["plan", "--example", "textlm", "--workers", "4", "--memory", "2GiB"]) == 0
     out = capsys.readouterr().out
     assert "MODELLED (not measured)" in out and "step ms (modelled)" in out
-    best = planner.make_plan(planner.Setup(planner.textlm_shape(), 64, 2 * 2 ** 30, 4)).recommended.layout
+    best = planner.make_plan(planner.Setup(planner_shape(), 64, 2 * 2 ** 30, 4)).recommended.layout
     assert f"recommended (modelled): {best.name}" in out and f"--train.strategy={best.strategy}" in out
     assert cli.main(["plan", "--example", "textlm", "--workers", "4", "--memory", "8MiB"]) == 2
     assert "the fewest workers that fit are" in capsys.readouterr().err
@@ -166,7 +166,7 @@ def test_time_model_terms():
 
 
 def test_zero1_over_a_mesh_shards_the_state_and_pays_the_parameters_broadcast():
-    setup = planner.Setup(planner.textlm_shape(), batch=16, memory=2 ** 40, workers=4)
+    setup = planner.Setup(planner_shape(), batch=16, memory=2 ** 40, workers=4)
     ddp, zero1 = (planner.estimate(setup, planner.Layout(s, 2, 1, 2, 1)) for s in ("ddp", "zero1"))
     assert zero1.optimizer_state == ddp.optimizer_state / 2  # over D = 2 data groups
     assert (zero1.parameters, zero1.gradients) == (ddp.parameters, ddp.gradients)

@@ -14,6 +14,7 @@ import horovod.torch as hvd
 import torch
 from torch import nn
 
+from hvdtrain.common.stage_split import contiguous_stages
 from hvdtrain.parallel.mesh import Mesh
 from hvdtrain.parallel.pipeline.p2p import StageLinks
 
@@ -62,58 +63,10 @@ def _parameter_count(layer: nn.Module) -> int:
     return sum(p.numel() for p in layer.parameters())
 
 
-def _check_plan(plan: Sequence[int], layers: int, stages: int) -> List[int]:
-    plan = list(plan)
-    if len(plan) != stages:
-        raise ValueError(f"pipeline plan {plan} gives {len(plan)} stages, the pipeline has {stages}")
-    if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in plan):
-        raise ValueError(f"pipeline plan {plan}: every stage needs a whole number >= 1 of layers")
-    if sum(plan) != layers:
-        raise ValueError(f"pipeline plan {plan} covers {sum(plan)} layers, the model has {layers}: "
-                         f"the layers per stage must add up to {layers}")
-    return plan
-
-
-def _balanced_plan(costs: List[int], stages: int) -> List[int]:
-    """Layers per stage, contiguous, minimising the largest stage's cost (then the earliest
-    stages lightest on ties): exact dynamic programming, the layer lists are short."""
-    n = len(costs)
-    prefix = [0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
-    inf = float("inf")
-    # best[k][i]: the least largest cost of the first i layers in k stages; cut[k][i]: where the last stage starts.
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for k in range(1, stages + 1):
-        for i in range(k, n - (stages - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    plan, i = [], n
-    for k in range(stages, 0, -1):
-        j = cut[k][i]
-        plan.append(i - j)
-        i = j
-    return plan[::-1]
-
-
 def split_layers(layers: Sequence[nn.Module], stages: int, plan: Optional[Sequence[int]] = None) -> List[List[int]]:
     """The indices of ``layers`` each stage holds: contiguous, every stage at least one layer,
     balanced by parameter count, or ``plan[s]`` layers in stage ``s`` when a plan is given."""
-    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
-        raise ValueError(f"a pipeline needs a whole number >= 1 of stages, got {stages!r}")
-    if len(layers) < stages:
-        raise ValueError(f"{len(layers)} layers cannot fill {stages} pipeline stages (each needs a layer): "
-                         f"use at most {len(layers)} stages, or split the model into more layers")
-    if plan is None:
-        plan = _balanced_plan([_parameter_count(layer) for layer in layers], stages)
-    else:
-        plan = _check_plan(plan, len(layers), stages)
-    starts = [sum(plan[:s]) for s in range(stages)]
-    return [list(range(start, start + count)) for start, count in zip(starts, plan)]
+    return contiguous_stages([_parameter_count(layer) for layer in layers], stages, plan)
 
 
 def split_micro_batches(batch: Sequence[torch.Tensor], micro_batches: int) -> List[MicroBatch]:
