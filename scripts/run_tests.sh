@@ -2,8 +2,8 @@
 # The whole test suite, in these launches:
 #   1. one process:               tests/unit (no MPI) and tests/launch (train.py under every launcher)
 #   2. mpirun -np $NP:            tests/mpi, every test in every rank
-#   3. horovodrun -np $NP --gloo: tests/mpi again, over Gloo instead of MPI, but the files nothing of
-#                                 which goes through the transport (marked skip_gloo)
+#   3. horovodrun -np $NP --gloo: tests/mpi again, over Gloo instead of MPI, less the files marked
+#                                 skip_gloo (nothing in them goes through the transport)
 #   4. tests/mpi again at 1 rank (mpirun; marked np1) and at 4 ranks (mpirun, marked np4; horovodrun
 #      --gloo, marked gloo_np4, in two launches: without and with a mesh's process sets): shards,
 #      padding, Adasum's tree of ranks, the servers' slices and the mesh's layouts change with the
