@@ -28,7 +28,12 @@ from hvdtrain.distributed import collectives
 from hvdtrain.config.train import TrainConfig
 from tests.mpi.helpers import agreed, flat_parameters, small_mlp, synthetic_classification
 
-pytestmark = pytest.mark.mpi
+# Left out of the Gloo launch at $NP ranks of scripts/run_tests.sh, with the reason (setup.cfg).
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skip_gloo(reason="torch.compile's cost is Inductor's: its ddp all-reduces are test_strategies' under "
+                                 "Gloo too"),
+]
 
 BOUND = 1e-10  # see the module's docstring
 BATCH, STEPS, SEED = 4, 4, 11

@@ -15,6 +15,14 @@ from hvdtrain.trainer import Trainer
 from hvdtrain.strategies.sharding import storage
 from tests.mpi.helpers import synthetic_classification
 
+# The launches of scripts/run_tests.sh this file runs in besides the one at $NP ranks under MPI,
+# each with what it shows there (the markers: setup.cfg).
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.np1(reason="one rank holds every weight whole"),
+    pytest.mark.np4(reason="fsdp's shards of the meta-device model change with the world size; T=2 x P=2 fits at 4"),
+]
+
 SEED, FEATURES, CLASSES = 11, 12, 4
 
 

@@ -17,7 +17,14 @@ from tests.mpi.helpers import flat_parameters, synthetic_classification
 from tests.mpi.test_zero import MICRO_BATCH, reference_steps, state_difference, two_groups
 from tests.mpi.test_zero import zero_steps as fsdp_steps  # the same hand-written loop
 
-pytestmark = pytest.mark.mpi
+# The launches of scripts/run_tests.sh this file runs in besides the one at $NP ranks under MPI,
+# each with what it shows there (the markers: setup.cfg).
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.np1(reason="one rank holds every unit whole: FSDP with a single shard and no padding"),
+    pytest.mark.np4(reason="each rank's share of every unit and its padding change with the world size"),
+    pytest.mark.gloo_np4(reason="the same shares at 4 ranks over Gloo's reduce-scatter and all-gather"),
+]
 
 FEATURES, CLASSES = 12, 5
 STEPS = 3

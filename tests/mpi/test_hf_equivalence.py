@@ -30,7 +30,14 @@ from tests.mpi import helpers
 
 transformers = pytest.importorskip("transformers")
 
-pytestmark = [pytest.mark.mpi, pytest.mark.process_sets]
+# The launches of scripts/run_tests.sh this file runs in besides the one at $NP ranks under MPI,
+# each with what it shows there (the markers: setup.cfg).
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.process_sets,
+    pytest.mark.np1(reason="every data-parallel strategy, and T=1, at one rank"),
+    pytest.mark.np4(reason="T=2 x D=2 and T=4 fit only at 4 ranks"),
+]
 
 VOCAB, SEQ, BATCH, STEPS, SEED = 64, 8, 4, 3, 7
 # Grouped-query attention: 8 query heads share 4 key/value heads; every size divides by T = 2 and 4.

@@ -35,7 +35,13 @@ from tests.mpi.helpers import causal_lm_step, record_step_losses
 pytest.importorskip("transformers")
 from hvdtrain.verify.tiny import SEQUENCE, build_tiny, make_model  # noqa: E402
 
-pytestmark = [pytest.mark.mpi, pytest.mark.process_sets]
+# Left out of the Gloo launch at $NP ranks of scripts/run_tests.sh, with the reason (setup.cfg).
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.process_sets,
+    pytest.mark.skip_gloo(reason="the expert styles' splits use the tensor group's collectives that test_hf_moe runs "
+                                 "under Gloo"),
+]
 
 BATCH, STEPS, SEED, LR = 4, 2, 7, 0.01
 INKLING_EXPERTS = "model.layers.*.mlp.experts.gate_up_proj"

@@ -25,7 +25,16 @@ from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import record_step_losses
 from tests.mpi import helpers
 
-pytestmark = [pytest.mark.mpi, pytest.mark.process_sets]
+# The launches of scripts/run_tests.sh this file runs in besides the one at $NP ranks under MPI,
+# each with what it shows there (the markers: setup.cfg).
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.process_sets,
+    pytest.mark.np1(reason="no layout divides one rank: every test skips alike there"),
+    pytest.mark.np4(reason="T=2 x D=2, P=2 x D=2, T=2 x P=2 and P=4 fit only at 4 ranks"),
+    pytest.mark.gloo_np4(reason="the mesh's process sets over Gloo: 4 ranks fit every layout, and Gloo's dynamic "
+                                "process sets are another implementation of the groups"),
+]
 
 VOCAB, SEQ, WIDTH, HEADS, BLOCKS = 11, 8, 16, 4, 2
 # (tensor, pipeline, schedule, micro-batches): each runs where tensor x pipeline divides the world.

@@ -16,7 +16,17 @@ from hvdtrain.parallel.pipeline.p2p import exchange
 from hvdtrain.parallel.pipeline.schedule import PipelineStage, run_schedule, split_micro_batches
 from tests.mpi.helpers import agreed
 
-pytestmark = [pytest.mark.mpi, pytest.mark.process_sets, pytest.mark.timeout(240)]
+# The launches of scripts/run_tests.sh this file runs in besides the one at $NP ranks under MPI,
+# each with what it shows there (the markers: setup.cfg).
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.process_sets,
+    pytest.mark.timeout(240),
+    pytest.mark.np1(reason="the layouts that fit one rank (P=1); the others skip alike"),
+    pytest.mark.np4(reason="P=4 and P=2 x D=2 fit only at 4 ranks"),
+    pytest.mark.gloo_np4(reason="the mesh's process sets over Gloo: 4 ranks fit every layout, and Gloo's dynamic "
+                                "process sets are another implementation of the groups"),
+]
 
 VOCAB, SEQ, WIDTH, HEADS, BLOCKS = 20, 16, 32, 4, 3  # 5 pipeline layers: up to 5 stages
 ROWS = 4  # sequences per pipeline and step (every M in {1, 2, 4} divides it)

@@ -19,7 +19,16 @@ from hvdtrain.common.units import format_bytes
 from hvdtrain.trainer import Trainer
 from tests.mpi import helpers
 
-pytestmark = [pytest.mark.mpi, pytest.mark.process_sets]
+# The launches of scripts/run_tests.sh this file runs in besides the one at $NP ranks under MPI,
+# each with what it shows there (the markers: setup.cfg).
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.process_sets,
+    pytest.mark.np1(reason="the flat strategies' layouts at one rank"),
+    pytest.mark.np4(reason="every layout plan predicts, T x P x D, fits only at 4 ranks"),
+    pytest.mark.gloo_np4(reason="the mesh's process sets over Gloo: 4 ranks fit every layout, and Gloo's dynamic "
+                                "process sets are another implementation of the groups"),
+]
 
 SHAPE = planner.ModelShape(layers=2, d_model=32, seq_len=8, vocab=11, heads=4)
 BATCH, MICRO = 4, 2  # per data replica; micro-batches when pipelined

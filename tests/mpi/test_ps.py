@@ -14,7 +14,14 @@ from hvdtrain.strategies import build_strategy
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
 from tests.mpi.test_strategies import train
 
-pytestmark = pytest.mark.mpi
+# The launches of scripts/run_tests.sh this file runs in besides the one at $NP ranks under MPI,
+# each with what it shows there (the markers: setup.cfg).
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.np1(reason="one rank is its own single server"),
+    pytest.mark.np4(reason="the servers' slices change with the world size; 2 servers beside 2 workers at 4"),
+    pytest.mark.gloo_np4(reason="the same servers at 4 ranks over Gloo"),
+]
 
 OPTIMIZERS = {
     "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3),

@@ -39,7 +39,14 @@ from hvdtrain.strategies.reduction import is_power_of_two
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import agreed, flat_parameters, small_mlp, synthetic_classification
 
-pytestmark = pytest.mark.mpi
+# The launches of scripts/run_tests.sh this file runs in besides the one at $NP ranks under MPI,
+# each with what it shows there (the markers: setup.cfg).
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.np1(reason="Adasum of one tensor is that tensor: the Trainer equals averaging at one rank"),
+    pytest.mark.np4(reason="Adasum's tree of ranks has two levels only from 4 ranks: the order of its pairs shows"),
+    pytest.mark.gloo_np4(reason="Adasum refused at start over Gloo at 4 ranks too"),
+]
 
 BOUND = 1e-10  # see the module's docstring
 BATCH, STEPS, SEED, LR = 4, 4, 11, 0.5

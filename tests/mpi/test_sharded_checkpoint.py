@@ -24,7 +24,15 @@ from tests.mpi.test_fsdp import FEATURES, Blocks, flat
 from tests.mpi.test_zero import MICRO_BATCH, state_difference, two_groups
 from tests.mpi.test_zero import zero_steps as train_steps  # the Trainer's loop, by hand
 
-pytestmark = pytest.mark.mpi
+# The launches of scripts/run_tests.sh this file runs in besides the one at $NP ranks under MPI,
+# each with what it shows there (the markers: setup.cfg).
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.np1(reason="a sharded checkpoint of a single part"),
+    pytest.mark.np4(reason="each rank's part of the checkpoint, and the resharding between strategies, change with "
+                           "the world size"),
+    pytest.mark.gloo_np4(reason="the same parts at 4 ranks over Gloo"),
+]
 
 SHARDED = ("zero1", "zero2", "fsdp")
 

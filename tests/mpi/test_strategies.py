@@ -12,7 +12,14 @@ from hvdtrain.config.train import TrainConfig
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
 
-pytestmark = pytest.mark.mpi
+# The launches of scripts/run_tests.sh this file runs in besides the one at $NP ranks under MPI,
+# each with what it shows there (the markers: setup.cfg).
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.np1(reason="one rank holds every strategy's whole state: no shards to switch between"),
+    pytest.mark.np4(reason="each strategy's shards and padding, and its checkpoints', change with the world size"),
+    pytest.mark.gloo_np4(reason="the same shards at 4 ranks over Gloo's collectives"),
+]
 
 
 def train(world, strategy, max_steps, directory=None, run_dir=None, model=None, max_grad_norm=None):

@@ -11,7 +11,13 @@ from hvdtrain.distributed import collectives
 from hvdtrain.trainer import Trainer
 from tests.mpi.helpers import small_mlp
 
-pytestmark = pytest.mark.mpi
+# The launches of scripts/run_tests.sh this file runs in besides the one at $NP ranks under MPI,
+# each with what it shows there (the markers: setup.cfg).
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.np1(reason="one rank takes the whole stream"),
+    pytest.mark.np4(reason="each rank's part of the stream and the epoch's last step change with the world size"),
+]
 SAMPLES = 50  # not a multiple of the global batches below: a tail is dropped in training
 
 

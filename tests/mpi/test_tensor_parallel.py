@@ -11,7 +11,16 @@ from hvdtrain.examples.textlm_parallel import parallelize_tensor
 from hvdtrain.parallel.mesh import Mesh
 from hvdtrain.parallel.tensor import copy_to_tensor_group, full_tensor, reduce_from_tensor_group
 
-pytestmark = [pytest.mark.mpi, pytest.mark.process_sets]
+# The launches of scripts/run_tests.sh this file runs in besides the one at $NP ranks under MPI,
+# each with what it shows there (the markers: setup.cfg).
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.process_sets,
+    pytest.mark.np1(reason="T=1: the split code with a tensor group of one rank"),
+    pytest.mark.np4(reason="D=2 data groups of T=2 ranks and T=4 fit only at 4 ranks"),
+    pytest.mark.gloo_np4(reason="the mesh's process sets over Gloo: 4 ranks fit every layout, and Gloo's dynamic "
+                                "process sets are another implementation of the groups"),
+]
 
 VOCAB, SEQ, ROWS, STEPS = 20, 16, 4, 3  # ROWS: the global batch, cut among the data groups
 

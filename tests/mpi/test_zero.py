@@ -12,7 +12,14 @@ from hvdtrain.strategies.optimizers import ELEMENTWISE_OPTIMIZERS
 from hvdtrain.strategies.zero import Zero1Strategy, Zero2Strategy
 from tests.mpi.helpers import flat_parameters, small_mlp, synthetic_classification
 
-pytestmark = pytest.mark.mpi
+# The launches of scripts/run_tests.sh this file runs in besides the one at $NP ranks under MPI,
+# each with what it shows there (the markers: setup.cfg).
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.np1(reason="one rank holds the whole optimizer state: ZeRO with a single shard and no padding"),
+    pytest.mark.np4(reason="each rank's share of the optimizer state and its padding change with the world size"),
+    pytest.mark.gloo_np4(reason="the same shares at 4 ranks over Gloo's reduce-scatter and all-gather"),
+]
 
 STAGES = {1: Zero1Strategy, 2: Zero2Strategy}
 # 12 -> 16 -> 5: 293 parameters, an odd count, so every world size > 1 pads. At most 100 float64s
