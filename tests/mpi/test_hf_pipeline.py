@@ -40,7 +40,6 @@ transformers = pytest.importorskip("transformers")
 pytestmark = [
     pytest.mark.mpi,
     pytest.mark.process_sets,
-    pytest.mark.np1(reason="no pipeline fits one rank: every test skips alike there"),
     pytest.mark.np4(reason="P=2 x D=2 and T=2 x P=2 fit only at 4 ranks"),
 ]
 

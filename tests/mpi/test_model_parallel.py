@@ -30,7 +30,6 @@ from tests.mpi import helpers
 pytestmark = [
     pytest.mark.mpi,
     pytest.mark.process_sets,
-    pytest.mark.np1(reason="no layout divides one rank: every test skips alike there"),
     pytest.mark.np4(reason="T=2 x D=2, P=2 x D=2, T=2 x P=2 and P=4 fit only at 4 ranks"),
     pytest.mark.gloo_np4(reason="the mesh's process sets over Gloo: 4 ranks fit every layout, and Gloo's dynamic "
                                 "process sets are another implementation of the groups"),
