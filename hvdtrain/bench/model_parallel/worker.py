@@ -59,6 +59,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def make_trainer(args: argparse.Namespace, world, tensor: int, pipeline: int):
+    """A Trainer of the benchmark's model over a T x P mesh of ``world``, with its plan.
+
+    Args:
+        args: the worker's options (the model's size, batch, schedule).
+        world: this rank's World.
+        tensor: T, the tensor-parallel size.
+        pipeline: P, the pipeline stages.
+    """
     import torch
     from torch.utils.data import TensorDataset
 
