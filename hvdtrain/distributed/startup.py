@@ -136,7 +136,7 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
     rank starts, or every rank raises the same error naming the ranks and hosts at fault.
 
     Args:
-        the job's seed; each rank seeds torch, Python and numpy with its own seed derived from it.
+        seed: the job's seed; each rank seeds torch, Python and numpy with its own seed derived from it.
         threads: torch's intra-op threads (None: the user's setting, else the host's cores over its ranks).
         timeline: arm Horovod's timeline so that the Trainer can record a few steps of it (train.timeline_steps); it
             slows every step, so it is off unless asked for.
