@@ -204,7 +204,7 @@ def probe_row(hosts: Sequence[Host], python: str, interface: Optional[str]) -> R
 def diagnose(hosts: Sequence[Host], python: str, checkpoint_dir: Optional[str],
              interface: Optional[str], probe: bool, environ: Mapping[str, str]) -> List[Row]:
     """Every check of ``hvdtrain doctor`` over ``hosts``, one row each: ssh, versions, network interfaces, slots, the
-    shared checkpoint directory and, with ``probe``, an all-reduce.
+    shared checkpoint directory, the scheduler and, with ``probe``, an all-reduce.
 
     Args:
         hosts: the hosts to check, with their slots.
