@@ -93,7 +93,8 @@ def is_transposed(path: str, module: nn.Module, cuts: Mapping[str, str]) -> bool
 
 
 def check_experts(path: str, module: nn.Module, size: int, transposed: bool = False) -> None:
-    """ValueError naming ``path`` when ``moe_tp_experts`` cannot split ``module`` over the ranks exactly as transformers does.
+    """ValueError naming ``path`` when ``moe_tp_experts`` cannot split ``module`` over the ranks exactly
+    as transformers does.
 
     Args:
         path: the module's path in the model.

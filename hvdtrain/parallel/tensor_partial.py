@@ -83,8 +83,9 @@ def owned_cuts(path: str, named: Mapping[str, str]) -> Dict[str, str]:
 
 
 def split_partial_module(module: nn.Module, cuts: Mapping[str, str], group: Any, path: str) -> nn.Module:
-    """A copy of ``module`` (its class, its forward) holding this rank's slice of each parameter the plan cuts, its floating inputs' gradients summed over the group (f) and its
-    output summed over the group (g). The module as built is left as it was.
+    """A copy of ``module`` (its class, its forward) holding this rank's slice of each parameter the
+    plan cuts, its floating inputs' gradients summed over the group (f) and its output summed over
+    the group (g). The module as built is left as it was.
 
     Args:
         module: the module.

@@ -29,7 +29,8 @@ def clip_replicated(gradients: Sequence[torch.Tensor], max_norm: float) -> float
 
 def clip_sharded(slices: Sequence[torch.Tensor], max_norm: float, name: str,
                  counted: Optional[Sequence[torch.Tensor]] = None) -> float:
-    """Clip gradients of which each rank holds ``slices`` (a collective: every rank calls it); returns the global norm before clipping, the same on every rank.
+    """Clip gradients of which each rank holds ``slices`` (a collective: every rank calls it); returns
+    the global norm before clipping, the same on every rank.
 
     Args:
         slices: this rank's gradient slices, clipped in place.

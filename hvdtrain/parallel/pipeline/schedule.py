@@ -40,9 +40,9 @@ class Measure(NamedTuple):
 def from_last_stage(mesh: Mesh, name: str, device: torch.device, measure: Optional[Measure],
                     loss: Optional[torch.Tensor],
                     measured: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """(the loss, the metrics by name) as the last stage of this pipeline computed them , on every stage: one broadcast over
-    ``mesh.pipeline``, in float64 (the other stages receive into zeros on their own device: one
-    device kind per collective).
+    """(the loss, the metrics by name) as the last stage of this pipeline computed them, on every stage:
+    one broadcast over ``mesh.pipeline``, in float64 (the other stages receive into zeros on their
+    own device: one device kind per collective).
 
     Args:
         mesh: the mesh; the broadcast runs over ``mesh.pipeline``.
@@ -303,11 +303,11 @@ _SCHEDULES = {"gpipe": _gpipe, "1f1b": _one_f_one_b}
 
 def run_schedule(schedule: str, stage: PipelineStage, mesh: Mesh, micro_batches: Sequence[MicroBatch],
                  loss_fn: LossFn, measure: Optional[Measure] = None, shares: bool = False) -> torch.Tensor:
-    """Forward and backward of every micro-batch through the pipeline by the schedule; a collective over ``mesh.pipeline`` (and ``mesh.ends``). Gradients accumulate in the
-    stage's ``.grad`` (the caller zeroes them). Returns the mean loss over the micro-batches
-    (float64, detached), the same on every stage; ``stage.stats`` holds the run's timings and
-    ``stage.metrics`` what was measured, the mean over the micro-batches (equal in size), by
-    name, the same on every stage.
+    """Forward and backward of every micro-batch through the pipeline by the schedule; a collective over
+    ``mesh.pipeline`` (and ``mesh.ends``). Gradients accumulate in the stage's ``.grad`` (the caller
+    zeroes them). Returns the mean loss over the micro-batches (float64, detached), the same on every
+    stage; ``stage.stats`` holds the run's timings and ``stage.metrics`` what was measured, the mean
+    over the micro-batches (equal in size), by name, the same on every stage.
 
     Every stage passes the same number of micro-batches; the first stage uses their inputs, the
     last their targets, the others only their count.
