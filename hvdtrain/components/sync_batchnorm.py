@@ -52,8 +52,7 @@ def _distributed() -> bool:
 class SyncBatchNorm(_BatchNorm):
     """BatchNorm over inputs (N, C, ...) of any rank >= 2 whose training statistics cover every rank.
 
-Parameters, buffers and state_dict keys are BatchNorm's, so checkpoints
-    load either way.
+    Parameters, buffers and state_dict keys are BatchNorm's, so checkpoints load either way.
 
     Args:
         num_features: C, the channels.

@@ -37,8 +37,8 @@ def check_choices(section: Any) -> None:
 
 
 def check_only_with(section: Any, name: str, default: Any, setting: str, needed: Any) -> None:
-    """A field that means something under one value of another setting stays at its default otherwise,
-        or ValueError with the two ways out.
+    """A field that means something under one value of another setting stays at its default otherwise, or
+    ValueError with the two ways out.
 
     Args:
         section: the settings section holding both fields.

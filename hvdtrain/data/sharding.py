@@ -164,10 +164,10 @@ def sharded_loader(
 ) -> DataLoader:
     """A DataLoader over this rank's shard.
 
-    Training: shuffled per epoch, whole global batches only. Evaluation: in order, every sample
-        exactly once across ranks, so metrics summed across ranks count each sample once.
-    A stream (an IterableDataset, a Hugging Face streaming dataset, a function that opens one per
-    epoch) is sharded by hvdtrain.data.streaming instead, with the same meaning of global_batch.
+    Training: shuffled per epoch, whole global batches only. Evaluation: in order, every sample exactly
+    once across ranks, so metrics summed across ranks count each sample once. A stream (an
+    IterableDataset, a Hugging Face streaming dataset, a function that opens one per epoch) is sharded
+    by hvdtrain.data.streaming instead, with the same meaning of global_batch.
 
     Args:
         dataset: a map-style dataset.

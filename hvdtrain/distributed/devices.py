@@ -100,8 +100,8 @@ Gather = Callable[[Dict[str, Any]], Sequence[Mapping[str, Any]]]
 
 def take_device(rank: int, local_rank: int, local_size: int, host: str, gather: Optional[Gather],
                 cuda: Any = torch.cuda) -> torch.device:
-    """This rank's device (``choose_device``), made CUDA's current one on a GPU, and agreed with
-        every rank: every rank raises the same ValueError when ``device_refusal`` finds a problem.
+    """This rank's device (``choose_device``), made CUDA's current one on a GPU, and agreed with every
+    rank: every rank raises the same ValueError when ``device_refusal`` finds a problem.
 
     Args:
         rank: this rank.

@@ -256,8 +256,8 @@ def unigram_bits_per_char(train_ids: torch.Tensor, scored_ids: torch.Tensor, voc
 @torch.no_grad()
 def generate(model: TinyTransformerLM, vocab: CharVocab, prompt: str, n: int,
              temperature: float = 0.8, seed: int = 0) -> str:
-    """The characters the model writes after a prompt: sampled from a seeded generator
-        (deterministic, the global RNG untouched), or greedy at temperature 0.
+    """The characters the model writes after a prompt: sampled from a seeded generator (deterministic, the
+    global RNG untouched), or greedy at temperature 0.
 
     Args:
         model: the trained model.

@@ -388,8 +388,8 @@ def sum_parameter_gradients(parameters: Sequence[Tuple[str, nn.Parameter]], grou
 
 
 def full_tensor(local: torch.Tensor, shard: Optional[TensorShard], group: Any, name: str) -> torch.Tensor:
-    """The full value of a split tensor: every rank's slice placed and summed over the tensor group
-        (every rank of the group calls it). A replicated tensor (``shard`` None) comes back as is.
+    """The full value of a split tensor: every rank's slice placed and summed over the tensor group (every
+    rank of the group calls it). A replicated tensor (``shard`` None) comes back as is.
 
     Args:
         local: this rank's slice (a parameter or its gradient).

@@ -179,8 +179,8 @@ def agreed_names(mine: Optional[Sequence[str]], everyone: Callable[[List[str]], 
 
 def sum_split_region_gradients(model: nn.Module, names: Sequence[str], group: Any,
                                observe: Optional[Callable[[str, torch.Tensor], None]] = None) -> None:
-    """Sum the gradients of some of the model's parameters over the tensor group (each rank computes
-        only its part of them).
+    """Sum the gradients of some of the model's parameters over the tensor group (each rank computes only
+    its part of them).
 
     Args:
         model: the model.

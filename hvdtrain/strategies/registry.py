@@ -79,7 +79,7 @@ def build_strategy(config: "TrainConfig", model: "torch.nn.Module", optimizer: "
                    world: "World", mesh: "Optional[Mesh]" = None, plan: "Optional[ModelPlan]" = None,
                    loss_fn: Optional[Callable] = None, deferred: "Optional[DeferredInit]" = None) -> "Strategy":
     """The strategy the settings ask for; with a model-parallel mesh, config.strategy over each
-        data-parallel group of split replicas. Each class reads its own settings.
+    data-parallel group of split replicas. Each class reads its own settings.
 
     Args:
         config: the run's settings.

@@ -50,8 +50,8 @@ class GradientUse:
 
 
 def start_agreement(used_here: Sequence[bool], name: str, device: torch.device, process_set: Any = None) -> Any:
-    """Start the all-reduce that tells every rank how many ranks used each parameter (on the
-        gradients' device: the same transport as they, NCCL on GPUs).
+    """Start the all-reduce that tells every rank how many ranks used each parameter (on the gradients'
+    device: the same transport as they, NCCL on GPUs).
 
     Args:
         used_here: per parameter: this rank's backward produced its gradient.

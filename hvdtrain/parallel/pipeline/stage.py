@@ -89,9 +89,9 @@ class PipelinedModel:
         self.__dict__["model"] = model  # the whole model's object: its loss_function and config
 
     def train_batch(self, batch: Any, autocast, divisor: int, step_fn: Any = None) -> Tuple[torch.Tensor, Dict]:
-        """Forward and backward of the batch's micro-batches by the schedule; the gradients of
-                the loss over the accumulation count accumulate. Returns (the batch's loss, its
-        metrics: the means over the micro-batches).
+        """Forward and backward of the batch's micro-batches by the schedule; the gradients of the loss over
+        the accumulation count accumulate. Returns (the batch's loss, its metrics: the means over the
+        micro-batches).
 
         Args:
             batch: the batch, cut into micro-batches here.

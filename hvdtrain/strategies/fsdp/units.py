@@ -105,9 +105,9 @@ def parameter_owners(model: nn.Module, unit_paths: Sequence[str]) -> Dict[int, O
 def build_units(model: nn.Module, optimizer: torch.optim.Optimizer, policy: WrapPolicy, rank: int,
                 world_size: int, keep_initial: bool, with_values: bool = True,
                 ) -> Tuple[FSDPUnit, List[FSDPUnit], List[torch.Tensor]]:
-    """(root, the units with parameters in registration order, and when kept, the full
-        buffers of the parameters' values as given, bucket by bucket). Every trainable optimizer
-    parameter goes to one bucket; afterwards it is a view of a freed full buffer.
+    """(root, the units with parameters in registration order, and when kept, the full buffers of the
+    parameters' values as given, bucket by bucket). Every trainable optimizer parameter goes to one
+    bucket; afterwards it is a view of a freed full buffer.
 
     Args:
         model: the model.
