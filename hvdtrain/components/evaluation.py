@@ -22,7 +22,7 @@ def evaluate(model: torch.nn.Module, loader, step: StepFn, device: torch.device,
     Args:
         model: the model, put in eval mode for the pass.
         loader: this rank's validation shard.
-        step: the step function: (model, batch) -> loss and metrics.
+        step: ``step(model, batch) -> (loss, metrics)``.
         device: where batches go.
         autocast: the forward's precision context.
         after_batch: called after each batch (the stall watchdog's beat).

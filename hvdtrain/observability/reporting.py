@@ -42,9 +42,9 @@ class Reporter:
     Args:
         config: the run's settings.
         topology: the world, and the mesh's shape.
-        job_config: the job's settings, every section, logged with the run.
+        job_config: the job's settings, every section: written to the run directory and logged.
         strategy: the strategy, for the start line and the memory report.
-        elastic: Horovod elastic runs the job.
+        elastic: Horovod elastic runs the job (set-up then runs no collective).
     """
 
     def __init__(self, config: TrainConfig, topology: Topology, job_config: Mapping[str, Any],
