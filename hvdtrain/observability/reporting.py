@@ -41,7 +41,7 @@ class Reporter:
 
     Args:
         config: the run's settings.
-        topology: the world, and the mesh's shape.
+        topology: the world, and the mesh over it when a replica spans several ranks.
         job_config: the job's settings, every section: written to the run directory and logged.
         strategy: the strategy, for the start line and the memory report.
         elastic: Horovod elastic runs the job (set-up then runs no collective).

@@ -215,9 +215,9 @@ def result(args, size: int, per_rank: List[Dict[str, Any]], model, extra: Dict[s
 
     Args:
         args: the worker's options.
-        size: ranks.
-        per_rank: every rank's timings.
-        model: the model, for its parameter count.
+        size: ranks in the job.
+        per_rank: every rank's timings (segments, waits for gradients, CPU).
+        model: the model, for its parameter and tensor counts.
         extra: fields added as is.
     """
     slowest = [max(rank["segments"][k] for rank in per_rank) for k in range(args.segments)]
