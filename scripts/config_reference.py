@@ -3,7 +3,8 @@
     python scripts/config_reference.py           # rewrite docs/reference/configuration.md
     python scripts/config_reference.py --check   # exit 1 if the page is out of date (a unit test runs this)
 
-The page is generated whole: this script is its only source (edit the dataclasses' help texts).
+The page is generated whole: this script is its only source (edit the dataclasses' help texts, and
+their details: the longer explanation listed after each table).
 """
 from __future__ import annotations
 

@@ -118,9 +118,15 @@ class Callbacks:
 
 
 class EarlyStopping(Callback):
-    """Stop when ``monitor`` (a validation metric, e.g. val_loss) has not improved by more than
-    ``min_delta`` for ``patience`` evaluations in a row; ``mode`` min or max says which way is better.
-    Evaluations happen at each epoch's end, and every train.eval_every steps when set."""
+    """Stop when a validation metric has not improved for a few evaluations in a row.
+    Evaluations happen at each epoch's end, and every train.eval_every steps when set.
+
+    Args:
+        monitor: the validation metric, e.g. val_loss.
+        mode: min or max: which way is better.
+        patience: evaluations in a row without improvement before stopping.
+        min_delta: the least change that counts as an improvement.
+    """
 
     def __init__(self, monitor: str = "val_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0) -> None:
         if mode not in ("min", "max"):

@@ -19,11 +19,18 @@ def evaluate(model: torch.nn.Module, loader, step: StepFn, device: torch.device,
     """The step's loss and metrics over the whole validation set, as ``val_<name>`` (every rank's
     shard, weighted by samples; a collective), and ``val_samples``.
 
-    ``lockstep``: the model's forward is itself a collective (fsdp), so every rank runs as many
-    forwards as the rank with the most batches; a rank with fewer repeats its last batch and
-    does not count it (validation shards are not padded: each sample counts once).
-    ``counts_samples``: False on the ranks of a model replica that do not report for it (they
-    hold the same loss as the one that does).
+    Args:
+        model: the model, put in eval mode for the pass.
+        loader: this rank's validation shard.
+        step: ``step(model, batch) -> (loss, metrics)``.
+        device: where batches go.
+        autocast: the forward's precision context.
+        after_batch: called after each batch (the stall watchdog's beat).
+        lockstep: the model's forward is itself a collective (fsdp), so every rank runs as many forwards as the rank
+            with the most batches; a rank with fewer repeats its last batch and does not count it (validation shards are
+            not padded: each sample counts once).
+        counts_samples: False on the ranks of a model replica that do not report for it (they hold the same loss as the
+            one that does).
     """
     model.eval()
     means = RunningMeans(device)

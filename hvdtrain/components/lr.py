@@ -28,8 +28,15 @@ def lr_scale(global_batch: int, base_batch: int, enabled: bool, reduction: str =
 
     Measured in samples, so a run resumed on another worker count with the same global batch
     (and so a smaller or larger batch per worker) keeps the learning rate it had.
-    Under Adasum, only one worker's own samples count (its accumulation), times
-    ``adasum_factor`` (adasum_lr_factor: 1 over MPI, the GPUs per host with NCCL).
+    Under Adasum, only one worker's own samples count (its accumulation), times ``adasum_factor``.
+
+    Args:
+        global_batch: samples per optimizer step, every worker's together.
+        base_batch: one worker's micro-batch, in samples.
+        enabled: train.scale_lr; False: 1.
+        reduction: average or adasum.
+        workers: data-parallel workers.
+        adasum_factor: adasum_lr_factor: 1 over MPI, the GPUs per host with NCCL.
     """
     if not enabled:
         return 1.0
@@ -78,7 +85,15 @@ def decay_factor(schedule: str, warmup_steps: int, total_steps: int, min_ratio: 
                  decay_fraction: float) -> Callable[[int], float]:
     """Multiplier on the peak LR after the warm-up: 1 until the decay starts (at the warm-up's end;
     wsd: at the last ``decay_fraction`` of ``total_steps``), then down to ``min_ratio`` at
-    ``total_steps``, and ``min_ratio`` beyond it (a run extended past its planned end)."""
+    ``total_steps``, and ``min_ratio`` beyond it (a run extended past its planned end).
+
+    Args:
+        schedule: constant, linear, cosine or wsd.
+        warmup_steps: optimizer steps of warm-up, where a linear or cosine decay starts.
+        total_steps: the run's optimizer steps.
+        min_ratio: the multiplier at the end.
+        decay_fraction: wsd: the share of ``total_steps`` spent decaying, at the end.
+    """
     if schedule == "constant":
         return lambda step: 1.0
     start = max(warmup_steps, total_steps - round(decay_fraction * total_steps)) if schedule == "wsd" else warmup_steps
@@ -136,8 +151,15 @@ class LearningRate:
         self.scheduler: LRScheduler  # hvdtrain's LambdaLR, or the user's own
 
     def start(self, global_batch: int, warmup_steps: int, world: World, step: int, total_steps: int) -> None:
-        """Scale to ``global_batch`` over ``world`` (the data-parallel view), continuing at ``step``
-        of a run of ``total_steps``."""
+        """Scale the peak rates to this world's global batch and set the schedule, continuing at ``step``.
+
+        Args:
+            global_batch: samples per optimizer step, every worker's together.
+            warmup_steps: optimizer steps of warm-up.
+            world: the data-parallel view of the world.
+            step: the optimizer step to continue at (0: the start).
+            total_steps: the run's optimizer steps.
+        """
         config = self.config
         self.world = world
         adasum = self._adasum_factor() if config.reduction == "adasum" else 1

@@ -18,7 +18,16 @@ AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Precision:
-    """Autocast for the forward and, under fp16, the loss scale (torch GradScaler's defaults)."""
+    """Autocast for the forward and, under fp16, the loss scale (torch GradScaler's defaults).
+
+    Args:
+        name: fp32, bf16 or fp16.
+        device: where the forward runs (autocast's device type).
+        init_scale: fp16: the loss scale at the start.
+        growth_factor: fp16: the scale's multiplier after ``growth_interval`` finite steps.
+        backoff_factor: fp16: the scale's multiplier after a step with inf/nan.
+        growth_interval: fp16: finite steps in a row before the scale grows.
+    """
 
     def __init__(self, name: str, device: torch.device, init_scale: float = 2.0 ** 16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:

@@ -52,11 +52,19 @@ def _distributed() -> bool:
 class SyncBatchNorm(_BatchNorm):
     """BatchNorm over inputs (N, C, ...) of any rank >= 2 whose training statistics cover every rank.
 
-    ``name`` names this layer's collectives and must be the same on every rank and differ between
-    layers: ``convert_sync_batchnorm`` gives each layer its qualified name in the model; a layer
-    built directly is numbered in construction order (so every rank must build the same layers
-    in the same order). Parameters, buffers and state_dict keys are BatchNorm's, so checkpoints
-    load either way.
+    Parameters, buffers and state_dict keys are BatchNorm's, so checkpoints load either way.
+
+    Args:
+        num_features: C, the channels.
+        eps: added to the variance.
+        momentum: the running statistics' update factor (None: a cumulative average).
+        affine: learn a scale and a shift per channel.
+        track_running_stats: keep running statistics for evaluation.
+        device: where the parameters and buffers are made.
+        dtype: their dtype.
+        name: names this layer's collectives: the same on every rank, different between layers.
+            ``convert_sync_batchnorm`` gives each layer its qualified name in the model; None numbers a layer in
+            construction order (so every rank must build the same layers in the same order).
     """
 
     _numbered = itertools.count()

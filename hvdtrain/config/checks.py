@@ -37,8 +37,16 @@ def check_choices(section: Any) -> None:
 
 
 def check_only_with(section: Any, name: str, default: Any, setting: str, needed: Any) -> None:
-    """Field ``name`` stays at ``default`` unless ``setting`` is ``needed`` (it means nothing otherwise),
-    or ValueError with the two ways out."""
+    """A field that means something under one value of another setting stays at its default otherwise, or
+    ValueError with the two ways out.
+
+    Args:
+        section: the settings section holding both fields.
+        name: the field checked.
+        default: its default.
+        setting: the field it depends on.
+        needed: the value of ``setting`` under which ``name`` means something.
+    """
     value, actual = getattr(section, name), getattr(section, setting)
     if actual != needed and value != default:
         cls = type(section).__name__

@@ -245,7 +245,10 @@ def to_yaml(job: Any) -> str:
 
 
 def reference(job_cls: type, skip: Sequence[str] = ()) -> str:
-    """Every section (but ``skip``) and key with its type, default and meaning, as Markdown tables."""
+    """Every section (but ``skip``) and key with its type, default and meaning, as Markdown tables.
+
+    A key's ``help`` (its metadata) is its meaning in the table, short enough for one screen; its
+    ``details``, when it has them, follow the table, one item per key."""
     defaults = job_cls()
     out: List[str] = []
     for name, cls in sections(job_cls).items():
@@ -254,6 +257,8 @@ def reference(job_cls: type, skip: Sequence[str] = ()) -> str:
         doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
         out += [f"**`{name}`**: {doc}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         section_default = getattr(defaults, name)
+        details = [f"- `{name}.{f.name}`: {f.metadata['details']}"
+                   for f in dataclasses.fields(cls) if f.metadata.get("details")]
         for f in dataclasses.fields(cls):
             hint = section_keys(cls)[f.name]
             default = getattr(section_default, f.name)
@@ -264,6 +269,8 @@ def reference(job_cls: type, skip: Sequence[str] = ()) -> str:
                 meaning += f" (one of: {', '.join(choices)})"
             out.append(f"| `{f.name}` | {_type_name(hint)} | `{shown}` | {meaning} |")
         out.append("")
+        if details:
+            out += [f"More on the `{name}` keys:", "", *details, ""]
     return "\n".join(out)
 
 

@@ -28,7 +28,17 @@ def pins_memory(setting: str, device: torch.device) -> bool:
 
 
 class Batching:
-    """This rank's view of the data for one world: loaders over its shards, whole global batches."""
+    """This rank's view of the data for one world: loaders over its shards, whole global batches.
+
+    Args:
+        config: the run's settings (seed, loader workers, pinning, prefetch).
+        world: the data-parallel view of the world: this rank's shard and the global batch.
+        batch_size: samples per worker per micro-batch.
+        train_dataset: the training set (map-style, or a stream).
+        val_dataset: the validation set, or None.
+        collate_fn: makes a batch of samples (None: torch's default).
+        loader_factory: your own DataLoader over hvdtrain's sampler (sharding.own_loader).
+    """
 
     def __init__(self, config: TrainConfig, world: World, batch_size: int, train_dataset: Dataset,
                  val_dataset: Optional[Dataset], collate_fn: Optional[Callable[[List[Any]], Any]] = None,

@@ -66,12 +66,20 @@ class ShardedSampler(Sampler[int]):
     Rank r takes positions r, r + size, r + 2*size, ... so batch k of every rank together is
     exactly positions [k*B*size, (k+1)*B*size) of the global order.
 
-    For training, give ``global_batch``: an epoch is then the whole global batches that fit, and
+    For training, give a global batch: an epoch is then the whole global batches that fit, and
     the last partial one is left out (a different sample each epoch, as the order changes). Every
     rank takes the same number of full steps (ranks that step a different number of times
     deadlock in the gradient all-reduce), and every step holds the same samples at any world
     size: padding would repeat samples, and which ones would depend on the world size.
     Without it (evaluation), every sample is taken exactly once and shards may differ by one.
+
+    Args:
+        dataset_size: samples in the whole dataset.
+        rank: this rank's index among the data-parallel ranks.
+        world_size: data-parallel ranks.
+        seed: with the epoch, keys the permutation.
+        shuffle: False: the dataset's order.
+        global_batch: samples per optimizer step, every rank's together (training); None for evaluation.
     """
 
     def __init__(
@@ -156,14 +164,26 @@ def sharded_loader(
 ) -> DataLoader:
     """A DataLoader over this rank's shard.
 
-    With ``global_batch`` (training): shuffled per epoch, whole global batches only. Without
-    (evaluation): in order, every sample exactly once across ranks, so metrics summed across
-    ranks count each sample once. ``collate_fn`` makes a batch of samples (torch's default
-    stacks them; a padding collate keeps each batch only as long as its longest sample).
-    A stream (an IterableDataset, a Hugging Face streaming dataset, a function that opens one per
-    epoch) is sharded by hvdtrain.data.streaming instead, with the same meaning of global_batch.
-    ``loader_factory(dataset, sampler, batch_size)``: your own DataLoader over hvdtrain's sampler
-    (own_loader: the other arguments are then yours to give it).
+    Training: shuffled per epoch, whole global batches only. Evaluation: in order, every sample exactly
+    once across ranks, so metrics summed across ranks count each sample once. A stream (an
+    IterableDataset, a Hugging Face streaming dataset, a function that opens one per epoch) is sharded
+    by hvdtrain.data.streaming instead, with the same meaning of global_batch.
+
+    Args:
+        dataset: a map-style dataset.
+        batch_size: samples per worker per micro-batch.
+        rank: this rank's index among the data-parallel ranks.
+        world_size: data-parallel ranks.
+        seed: with the epoch, keys the permutation.
+        global_batch: samples per optimizer step, every rank's together (training: shuffled, whole global batches only);
+            None for evaluation.
+        num_workers: the DataLoader's worker processes.
+        pin_memory: pin the batches in page-locked memory (GPUs).
+        collate_fn: makes a batch of samples (None: torch's default, which stacks them; a padding collate keeps each
+            batch only as long as its longest sample).
+        prefetch_factor: batches each loader worker loads ahead (None: torch's default).
+        loader_factory: ``loader_factory(dataset, sampler, batch_size)``: your own DataLoader over hvdtrain's sampler
+            (own_loader: the other arguments are then yours to give it).
     """
     from hvdtrain.data.streaming import is_stream, stream_loader  # (streaming imports nothing of this module)
     if is_stream(dataset):
@@ -196,9 +216,17 @@ LoaderFactory = Callable[[Dataset, ShardedSampler, int], DataLoader]
 
 def own_loader(factory: LoaderFactory, dataset: Dataset, sampler: ShardedSampler, batch_size: int,
                seed: int) -> DataLoader:
-    """``factory(dataset, sampler, batch_size)``, checked: a loader that does not read through this
+    """The factory's loader, checked: a loader that does not read through this
     rank's sampler would give every rank the whole data (or another order), and one that drops or
-    regroups samples would break the global batches; each is refused with what to change."""
+    regroups samples would break the global batches; each is refused with what to change.
+
+    Args:
+        factory: ``factory(dataset, sampler, batch_size)`` -> a DataLoader.
+        dataset: the dataset.
+        sampler: this rank's sampler, which the loader must read through.
+        batch_size: samples per worker per micro-batch.
+        seed: the sampler's seed, to check the loader's order against.
+    """
     loader = factory(dataset, sampler, batch_size)
     if not isinstance(loader, DataLoader):
         raise TypeError(f"loader_factory must return a torch DataLoader, got {type(loader).__name__}")

@@ -64,9 +64,18 @@ def stream_length(dataset: Any) -> Optional[int]:
 
 
 class StreamShards(IterableDataset):
-    """This rank's share of a stream, ``batch_size`` samples at a time per micro-batch (see the
-    module's docstring). ``global_batch`` (training): whole global batches only. The Trainer calls
-    ``set_epoch(epoch, start)`` before each epoch, as it does ShardedSampler's."""
+    """This rank's share of a stream, a micro-batch at a time (see the module's docstring). The Trainer calls
+    ``set_epoch(epoch, start)`` before each epoch, as it does ShardedSampler's.
+
+    Args:
+        source: the stream: an IterableDataset, a Hugging Face streaming dataset, or a function that opens one per
+            epoch.
+        rank: this rank's index among the data-parallel ranks.
+        world_size: data-parallel ranks.
+        batch_size: samples per worker per micro-batch.
+        global_batch: samples per optimizer step, every rank's together (training: whole global batches only); None for
+            evaluation.
+    """
 
     def __init__(self, source: Any, rank: int, world_size: int, batch_size: int,
                  global_batch: Optional[int] = None) -> None:
@@ -140,8 +149,21 @@ def stream_loader(source: Any, batch_size: int, rank: int, world_size: int, seed
                   global_batch: Optional[int] = None, num_workers: int = 0, pin_memory: bool = False,
                   collate_fn: Optional[Callable[[List[Any]], Any]] = None,
                   prefetch_factor: Optional[int] = None) -> DataLoader:
-    """A DataLoader over this rank's share of the stream ``source``, as sharded_loader's for
-    map-style datasets. Its workers are not persistent: each epoch's set_epoch must reach them."""
+    """A DataLoader over this rank's share of a stream, as sharded_loader's for
+    map-style datasets. Its workers are not persistent: each epoch's set_epoch must reach them.
+
+    Args:
+        source: the stream (see StreamShards).
+        batch_size: samples per worker per micro-batch.
+        rank: this rank's index among the data-parallel ranks.
+        world_size: data-parallel ranks.
+        seed: seeds the DataLoader's generator (with the rank).
+        global_batch: samples per optimizer step, every rank's together; None for evaluation.
+        num_workers: the DataLoader's worker processes.
+        pin_memory: pin the batches in page-locked memory (GPUs).
+        collate_fn: makes a batch of samples (None: torch's default).
+        prefetch_factor: batches each loader worker loads ahead (None: torch's default).
+    """
     shards = source if isinstance(source, StreamShards) else StreamShards(source, rank, world_size, batch_size,
                                                                           global_batch)
     return DataLoader(shards, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory,

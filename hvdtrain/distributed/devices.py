@@ -27,7 +27,14 @@ import torch
 
 def choose_device(local_rank: int, local_size: int, visible_gpus: int, host: str) -> str:
     """``cpu``, or ``cuda:<index>`` among the GPUs this process sees; ValueError when the host's
-    ranks outnumber its GPUs."""
+    ranks outnumber its GPUs.
+
+    Args:
+        local_rank: this rank's index on its host.
+        local_size: ranks on its host.
+        visible_gpus: GPUs this process sees (0: cpu).
+        host: the host's name, for the message.
+    """
     if visible_gpus <= 0:
         return "cpu"
     if visible_gpus == 1:
@@ -93,11 +100,19 @@ Gather = Callable[[Dict[str, Any]], Sequence[Mapping[str, Any]]]
 
 def take_device(rank: int, local_rank: int, local_size: int, host: str, gather: Optional[Gather],
                 cuda: Any = torch.cuda) -> torch.device:
-    """This rank's device (``choose_device``), made CUDA's current one on a GPU, and agreed with
-    every rank: ``gather`` hands this rank's record to every rank and returns all of them (a
-    collective, entered whatever happened here); every rank raises the same ValueError when
-    ``device_refusal`` finds a problem. ``gather=None`` (Horovod elastic, whose workers joining
-    later must run no collective at start): this rank's own choice alone is checked."""
+    """This rank's device (``choose_device``), made CUDA's current one on a GPU, and agreed with every
+    rank: every rank raises the same ValueError when ``device_refusal`` finds a problem.
+
+    Args:
+        rank: this rank.
+        local_rank: its index on its host.
+        local_size: ranks on its host.
+        host: the host's name, for the messages.
+        gather: hands this rank's record to every rank and returns all of them (a collective, entered whatever happened
+            here); None (Horovod elastic, whose workers joining later must run no collective at start): this rank's own
+            choice alone is checked.
+        cuda: torch.cuda, or a stand-in in the tests.
+    """
     record: Dict[str, Any] = {"rank": rank, "host": host, "device": None, "uuid": None, "error": None}
     try:
         visible = cuda.device_count() if cuda.is_available() else 0

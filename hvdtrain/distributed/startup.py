@@ -72,7 +72,14 @@ def hierarchical_conflict() -> str:
 
 
 def hierarchical_effect(requested: bool, nccl_built: bool, device_type: str, cross_size: int) -> str:
-    """Whether Horovod applies a hierarchical all-reduce in this job, and if not, why (for the start line)."""
+    """Whether Horovod applies a hierarchical all-reduce in this job, and if not, why (for the start line).
+
+    Args:
+        requested: train.hierarchical_allreduce, or the launch's HOROVOD_HIERARCHICAL_ALLREDUCE.
+        nccl_built: Horovod was built with NCCL.
+        device_type: the ranks' device type (cuda, cpu).
+        cross_size: hosts in the job.
+    """
     if not requested:
         return "hierarchical all-reduce off"
     missing = [why for why, absent in (("Horovod built without NCCL", not nccl_built),
@@ -123,17 +130,21 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
          hierarchical_allreduce: bool = False, dynamic_process_sets: bool = False) -> World:
     """Start Horovod, pin this rank to its device and threads, and seed it.
 
-    ``timeline``: arm Horovod's timeline so that the Trainer can record a few steps of it
-    (train.timeline_steps); it slows every step, so it is off unless asked for.
-    ``hierarchical_allreduce``: set HOROVOD_HIERARCHICAL_ALLREDUCE=1 before hvd.init()
-    (train.hierarchical_allreduce); False leaves the launch's setting. Refused when Horovod
-    already started without it: it reads the setting only once.
-    ``dynamic_process_sets``: set HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init(), so that process
-    sets can be added later (hvdtrain.parallel.mesh); refused when Horovod already started without it.
     Safe to call more than once: Horovod's init is idempotent. Fails, naming both values and
     the likely fix, when the launcher's variables disagree with the world Horovod formed. The
     ranks agree on their devices (hvdtrain.distributed.devices.take_device, a collective): every
     rank starts, or every rank raises the same error naming the ranks and hosts at fault.
+
+    Args:
+        seed: the job's seed; each rank seeds torch, Python and numpy with its own seed derived from it.
+        threads: torch's intra-op threads (None: the user's setting, else the host's cores over its ranks).
+        timeline: arm Horovod's timeline so that the Trainer can record a few steps of it (train.timeline_steps); it
+            slows every step, so it is off unless asked for.
+        hierarchical_allreduce: set HOROVOD_HIERARCHICAL_ALLREDUCE=1 before hvd.init() (train.hierarchical_allreduce);
+            False leaves the launch's setting. Refused when Horovod already started without it: it reads the setting
+            only once.
+        dynamic_process_sets: set HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init(), so that process sets can be added
+            later (hvdtrain.parallel.mesh); refused when Horovod already started without it.
     """
     if hierarchical_allreduce and not hierarchical_requested():
         if hvd.is_initialized():

@@ -38,7 +38,7 @@ class HFLMModelConfig:
     heads: int = field(default=4, metadata={"help": "attention (query) heads"})
     kv_heads: int = field(default=2, metadata={"help": "key/value heads (grouped-query attention when fewer than heads)"})
     intermediate: int = field(default=256, metadata={"help": "the MLP's hidden size"})
-    pretrained: str = field(default="", metadata={"help": "a local Hugging Face model directory (config.json + safetensors) to start from, e.g. a previous run's hf/; its config replaces the sizes above"})
+    pretrained: str = field(default="", metadata={"help": "a local Hugging Face model directory to start from (config.json + safetensors, e.g. a run's hf/); its config replaces the sizes above"})
 
     def __post_init__(self) -> None:
         check_whole_numbers(self, ("seq_len", "hidden", "layers", "heads", "kv_heads", "intermediate"))

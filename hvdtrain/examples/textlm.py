@@ -95,9 +95,16 @@ class WindowDataset(Dataset):
 def load_text_datasets(
     seq_len: int = 64, stride: int = 64, val_fraction: float = 0.1, text: Optional[str] = None
 ) -> Tuple[WindowDataset, WindowDataset, CharVocab]:
-    """Training windows every ``stride`` characters; held-out windows side by side (each held-out
+    """Training windows, one every few characters; held-out windows side by side (each held-out
     character scored once). The vocabulary is the alphabet of the whole text, so no held-out
-    character is unknown; nothing else of the held-out part reaches training."""
+    character is unknown; nothing else of the held-out part reaches training.
+
+    Args:
+        seq_len: characters per window.
+        stride: characters between the starts of training windows.
+        val_fraction: the share of the text held out, at its end.
+        text: the text (None: the bundled language reference).
+    """
     text = load_corpus() if text is None else text
     vocab = CharVocab(text)
     train_ids, val_ids = split_by_position(vocab.encode(text), val_fraction)
@@ -192,7 +199,16 @@ class Block(nn.Module):
 
 class TinyTransformerLM(nn.Module):
     """A GPT-style decoder: token + learned position embeddings, pre-norm causal blocks, and an
-    output layer tied to the token embedding. Maps (batch, T) ids to (batch, T, vocab) logits."""
+    output layer tied to the token embedding. Maps (batch, T) ids to (batch, T, vocab) logits.
+
+    Args:
+        vocab_size: tokens in the vocabulary.
+        seq_len: the longest sequence, in tokens (position embeddings).
+        d_model: the hidden width.
+        layers: decoder blocks.
+        heads: attention heads per block.
+        dropout: dropout probability.
+    """
 
     def __init__(self, vocab_size: int, seq_len: int = 64, d_model: int = 128, layers: int = 2,
                  heads: int = 4, dropout: float = 0.0) -> None:
@@ -249,8 +265,17 @@ def unigram_bits_per_char(train_ids: torch.Tensor, scored_ids: torch.Tensor, voc
 @torch.no_grad()
 def generate(model: TinyTransformerLM, vocab: CharVocab, prompt: str, n: int,
              temperature: float = 0.8, seed: int = 0) -> str:
-    """The ``n`` characters the model writes after ``prompt``: sampled at ``temperature`` from a
-    generator seeded with ``seed`` (deterministic, the global RNG untouched), or greedy at 0."""
+    """The characters the model writes after a prompt: sampled from a seeded generator (deterministic, the
+    global RNG untouched), or greedy at temperature 0.
+
+    Args:
+        model: the trained model.
+        vocab: its character vocabulary.
+        prompt: the text to continue.
+        n: characters to write.
+        temperature: the sampling temperature; 0: greedy.
+        seed: seeds the sampling generator.
+    """
     if not prompt:
         raise ValueError("generate needs a prompt of at least one character")
     was_training = model.training

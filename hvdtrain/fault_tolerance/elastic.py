@@ -51,8 +51,14 @@ class ElasticState(State):
 
     Not Horovod's TorchState: its optimizer sync initialises an empty optimizer state with a
     zero-gradient step (which moves parameters under weight decay); hvdtrain's broadcast does not.
-    ``on_reset`` runs after Horovod formed a new world; ``on_sync`` (collectives allowed: every rank
-    syncs) after rank 0's state arrived.
+
+    Args:
+        model: the model, synced from rank 0.
+        optimizer: its optimizer, synced from rank 0.
+        position: the run's position (epoch, step).
+        precision: holds fp16's loss scale.
+        on_reset: runs after Horovod formed a new world.
+        on_sync: run after rank 0's state arrived (collectives allowed: every rank syncs).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, position: Position,

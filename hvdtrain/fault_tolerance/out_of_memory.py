@@ -76,7 +76,15 @@ def state_tensors_per_parameter(optimizer: torch.optim.Optimizer) -> int:
 
 
 def bytes_per_rank(strategy: str, parameters: int, element_size: int, state_tensors: int, workers: int) -> int:
-    """The ZeRO arithmetic (hvdtrain.planner.memory's): what a rank holds in parameters, gradients and optimizer state."""
+    """The ZeRO arithmetic (hvdtrain.planner.memory's): what a rank holds in parameters, gradients and optimizer state.
+
+    Args:
+        strategy: ddp, zero1, zero2, fsdp or ps.
+        parameters: the model's parameter count.
+        element_size: bytes per parameter.
+        state_tensors: optimizer state tensors per parameter (Adam: 2).
+        workers: data-parallel ranks sharing the shards.
+    """
     held = sharded_state_bytes(strategy, parameters, element_size, element_size, state_tensors * element_size, workers)
     return int(sum(held.values()))
 
@@ -105,7 +113,20 @@ def memory_limit(device: torch.device) -> Optional[Tuple[int, str]]:
 def explain(error: BaseException, *, rank: int, host: str, phase: str, strategy: str, workers: int,
             model: torch.nn.Module, optimizer: torch.optim.Optimizer, held: Dict[str, int],
             device: torch.device) -> str:
-    """The OutOfMemory message for ``error`` (a local computation: no collective)."""
+    """The OutOfMemory message for ``error`` (a local computation: no collective).
+
+    Args:
+        error: the out-of-memory error.
+        rank: this rank.
+        host: its host.
+        phase: what was running (set-up, a step, evaluation).
+        strategy: the strategy's name.
+        workers: data-parallel ranks.
+        model: the model, for its parameter count and dtype.
+        optimizer: its optimizer, for its state per parameter.
+        held: bytes this rank holds, by what.
+        device: the device that ran out, for its peaks.
+    """
     parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     element = next((p.element_size() for p in model.parameters()), 4)
     states = state_tensors_per_parameter(optimizer)

@@ -22,6 +22,16 @@ STALL_EXIT_CODE = 75
 
 
 class StallWatchdog:
+    """Ends the process when the training loop's beats stop for ``timeout`` seconds (see the module's text).
+
+    Args:
+        timeout: seconds without a beat that count as a stall.
+        rank: this rank, for the message.
+        host: its host, for the message.
+        pending: the names of the collectives this rank waits in; None: not known (set-up).
+        exit_process: ends the process with the exit code (os._exit; a stand-in in the tests).
+        phase: what is guarded (training, set-up), for the message.
+    """
     def __init__(self, timeout: float, rank: int, host: str, pending: Optional[Callable[[], List[str]]],
                  exit_process: Callable[[int], None] = os._exit, phase: str = "training") -> None:
         self.timeout = timeout

@@ -110,8 +110,16 @@ JOB_LAUNCHERS = ("none", "mpirun", "horovodrun")
 
 def job_argv(command: Sequence[str], np: int, launcher: str, hosts: Sequence[Host] = (),
              environ: Optional[Mapping[str, str]] = None) -> List[str]:
-    """``command`` (this Python's, usually) on ``np`` ranks under ``launcher``: none (one process,
-    as is), mpirun, or horovodrun over Gloo (the horovodrun beside this Python, activated or not)."""
+    """A command line that runs a command on several ranks under a launcher.
+
+    Args:
+        command: the command (this Python's, usually).
+        np: ranks.
+        launcher: none (one process, as is), mpirun, or horovodrun over Gloo (the horovodrun beside this Python,
+            activated or not).
+        hosts: the hosts and their slots (default: this one).
+        environ: the environment that decides which launcher binaries to use (None: this process's).
+    """
     environ = os.environ if environ is None else environ
     if launcher == "none":
         if np != 1:

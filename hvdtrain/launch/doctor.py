@@ -203,6 +203,17 @@ def probe_row(hosts: Sequence[Host], python: str, interface: Optional[str]) -> R
 
 def diagnose(hosts: Sequence[Host], python: str, checkpoint_dir: Optional[str],
              interface: Optional[str], probe: bool, environ: Mapping[str, str]) -> List[Row]:
+    """Every check of ``hvdtrain doctor`` over ``hosts``, one row each: ssh, versions, network interfaces, slots, the
+    shared checkpoint directory, the scheduler and, with ``probe``, an all-reduce.
+
+    Args:
+        hosts: the hosts to check, with their slots.
+        python: the Python each host runs the checks with.
+        checkpoint_dir: a directory every host must see as the same one (None: not checked).
+        interface: the network interface the job will use (None: not checked).
+        probe: also run a small all-reduce over every host.
+        environ: the environment the launchers are found in.
+    """
     token = uuid.uuid4().hex[:12]
     arguments = json.dumps({"checkpoint_dir": checkpoint_dir, "token": token})
     answers = on_every_host(hosts, python, ["facts", arguments])

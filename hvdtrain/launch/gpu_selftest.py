@@ -202,7 +202,14 @@ def one_gpu_per_rank_row(result: Mapping[str, Any], expect: str) -> Row:
 
 def allreduce_rows(measured: Sequence[Mapping[str, Any]], ranks: int, link: Optional[Tuple[float, str]],
                    on_gpu: bool = True) -> List[Row]:
-    """One row per size; the largest is judged against the link's figure."""
+    """One row per size; the largest is judged against the link's figure.
+
+    Args:
+        measured: one record per size: bytes, seconds, correct.
+        ranks: ranks in the all-reduce.
+        link: (GB/s, its name) of the link to judge against, or None when unknown.
+        on_gpu: the ranks computed on GPUs (on CPUs no link figure is asked for).
+    """
     rows = []
     largest = max((m["bytes"] for m in measured), default=0)
     for m in measured:

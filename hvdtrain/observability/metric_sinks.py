@@ -116,6 +116,15 @@ class CSVSink:
 
 
 class MLflowSink:
+    """Records to an MLflow run; a requeued job, or a new rank 0, goes on with the run it started.
+
+    Args:
+        path: the run directory, where the MLflow run's id is kept.
+        tracking_uri: MLflow's tracking URI.
+        experiment: the experiment the run belongs to (created when missing).
+        run_name: the MLflow run's name.
+        settings: the job's settings, logged as the run's parameters.
+    """
     def __init__(self, path: Path, tracking_uri: str, experiment: str, run_name: str,
                  settings: Mapping[str, Any]) -> None:
         try:
@@ -155,6 +164,14 @@ class MLflowSink:
 
 
 class WandbSink:
+    """Records to an offline W&B run under the run directory (wandb sync uploads it).
+
+    Args:
+        path: the run directory.
+        project: the W&B project the run belongs to.
+        run_name: the W&B run's name.
+        settings: the job's settings, the run's config.
+    """
     def __init__(self, path: Path, project: str, run_name: str, settings: Mapping[str, Any]) -> None:
         try:
             import wandb
@@ -190,7 +207,18 @@ class WandbSink:
 
 def open_sinks(path: Path, tensorboard: bool, loggers: List[str], run_name: str, settings: Mapping[str, Any],
                mlflow_tracking_uri: Optional[str], mlflow_experiment: str, wandb_project: str = "hvdtrain") -> list:
-    """The sinks a run directory's rank 0 writes to."""
+    """The sinks a run directory's rank 0 writes to.
+
+    Args:
+        path: the run directory.
+        tensorboard: write TensorBoard events too.
+        loggers: train.loggers: csv, mlflow, wandb.
+        run_name: the run's name in MLflow and W&B.
+        settings: the job's settings, logged with the run.
+        mlflow_tracking_uri: MLflow's tracking URI (None: sqlite:///<run_dir>/mlflow.db).
+        mlflow_experiment: the MLflow experiment.
+        wandb_project: the W&B project.
+    """
     sinks: list = [TensorBoardSink(path)] if tensorboard else []
     if "csv" in loggers:
         sinks.append(CSVSink(path))

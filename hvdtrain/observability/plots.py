@@ -101,6 +101,14 @@ def _mark_restarts(ax, xs: List[float]) -> None:
 
 
 def plot_loss(steps: List[Record], epochs: List[Record], out: Path, title: str) -> Path:
+    """The loss curves of a run (train per log record, train and validation per epoch) as a PNG at ``out``.
+
+    Args:
+        steps: the run's step records.
+        epochs: its epoch records.
+        out: the image file to write.
+        title: the figure's title.
+    """
     fig, (ax,) = new_figure(width=7.0)
     if steps:
         ax.plot(*_broken(steps, lambda r: r["step"], lambda r: r["loss"]), linewidth=1, alpha=0.6,

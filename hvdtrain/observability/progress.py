@@ -29,7 +29,14 @@ def format_eta(seconds: float) -> str:
 
 
 class Progress:
-    """Steps done out of ``total``; ``report`` adds the latest loss and rate every log_every steps."""
+    """Steps done out of the run's; ``report`` adds the latest loss and rate every log_every steps.
+
+    Args:
+        mode: bar (tqdm), log (a line every log_every steps) or off.
+        total: the run's optimizer steps.
+        initial: the steps already done (a resumed run).
+        logger: where log lines go.
+    """
 
     def __init__(self, mode: str, total: int, initial: int, logger: logging.Logger) -> None:
         self.mode = mode
@@ -57,6 +64,16 @@ class Progress:
 
     def report(self, epoch: int, step: int, loss: float, lr: float, samples_per_sec: float,
                comm_fraction: float) -> None:
+        """The latest figures: the bar's postfix, or a log line with the ETA.
+
+        Args:
+            epoch: the epoch, from 1.
+            step: optimizer steps done.
+            loss: the mean training loss since the last report.
+            lr: the current learning rate.
+            samples_per_sec: global samples per second.
+            comm_fraction: the share of the time spent waiting for gradients.
+        """
         if self._bar is not None:
             self._bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", samples_s=f"{samples_per_sec:.0f}",
                                   comm=f"{comm_fraction:.0%}", refresh=False)

@@ -37,7 +37,15 @@ def epoch_line(record: Mapping[str, Any], epochs: int) -> str:
 
 
 class Reporter:
-    """The Trainer's reporting part."""
+    """The Trainer's reporting part.
+
+    Args:
+        config: the run's settings.
+        topology: the world, and the mesh over it when a replica spans several ranks.
+        job_config: the job's settings, every section: written to the run directory and logged.
+        strategy: the strategy, for the start line and the memory report.
+        elastic: Horovod elastic runs the job (set-up then runs no collective).
+    """
 
     def __init__(self, config: TrainConfig, topology: Topology, job_config: Mapping[str, Any],
                  strategy: Strategy, elastic: bool) -> None:
@@ -147,7 +155,17 @@ class Reporter:
     def window(self, epoch: float, step: int, means: Dict[str, float], lr: float, samples_per_sec: float,
                comm_fraction: float, extra: Mapping[str, Any]) -> None:
         """Every log_every steps: the progress display and a step record (rank 0's clock measures the
-        job: every step ends in the same collective on every rank)."""
+        job: every step ends in the same collective on every rank).
+
+        Args:
+            epoch: the epoch, fractional (steps done in it).
+            step: optimizer steps done.
+            means: the window's mean loss and metrics.
+            lr: the current learning rate.
+            samples_per_sec: global samples per second over the window.
+            comm_fraction: the share of the window spent waiting for gradients.
+            extra: more fields of the step record.
+        """
         self.progress.report(int(epoch) + 1, step, means["loss"], lr, samples_per_sec, comm_fraction)
         self.record("step", {"step": step, "epoch": epoch, **means, "lr": lr, "samples_per_sec": samples_per_sec,
                              "comm_fraction": comm_fraction, **extra})

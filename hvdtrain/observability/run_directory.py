@@ -45,9 +45,17 @@ class RunDirectory:
 
     def __init__(self, path: Path, world: "World", logger: logging.Logger, tensorboard: bool,
                  open_sinks: Optional[Callable[[Path], list]] = None, started: Optional[float] = None) -> None:
-        """``open_sinks(path)``: where records go besides metrics.jsonl (hvdtrain.observability.
-        metric_sinks); default: TensorBoard when ``tensorboard``. ``started``: the run's start, which
-        each record's elapsed seconds count from (default: now)."""
+        """The run's files under ``path``, set up for this rank (``follow``).
+
+        Args:
+            path: the run directory.
+            world: this rank's World.
+            logger: the logger whose lines also go to this rank's log file.
+            tensorboard: write TensorBoard events (when ``open_sinks`` is not given).
+            open_sinks: ``open_sinks(path)``: where records go besides metrics.jsonl
+                (hvdtrain.observability.metric_sinks); None: TensorBoard when ``tensorboard``.
+            started: the run's start (time.time()), which each record's elapsed seconds count from (None: now).
+        """
         self.path = path
         self.started = time.time() if started is None else started
         self._open_sinks = open_sinks or (lambda path: [TensorBoardSink(path)] if tensorboard else [])

@@ -13,9 +13,15 @@ from hvdtrain.observability.run_directory import TIMELINE_FILE, RunDirectory
 
 
 class TimelineWindow:
-    """Horovod's timeline for ``steps`` steps, after 5 warm-up steps of this start.
+    """Horovod's timeline for a few steps, after 5 warm-up steps of this start.
 
     Every rank starts and stops it at the same step (both are collectives in Horovod).
+
+    Args:
+        steps: steps to record (train.timeline_steps); 0: none.
+        first_step: the step this start begins at.
+        run_dir: where the timeline is written (None: the working directory).
+        log: where warnings go.
     """
 
     def __init__(self, steps: int, first_step: int, run_dir: Optional[RunDirectory], log: logging.Logger) -> None:

@@ -145,6 +145,15 @@ class Mesh:
 
     @classmethod
     def build(cls, world_size: int, rank: int, tensor: int = 1, pipeline: int = 1) -> "Mesh":
+        """The mesh of a world: its shape, and a Horovod process set for each group of ranks (collective: every rank
+        builds it).
+
+        Args:
+            world_size: ranks in the world.
+            rank: this rank.
+            tensor: T, ranks per tensor-parallel group.
+            pipeline: P, pipeline stages.
+        """
         shape = MeshShape.for_world(world_size, tensor, pipeline)
         sets: Dict[Ranks, hvd.ProcessSet] = {}
         groups = list(shape.all_groups())

@@ -137,6 +137,14 @@ class ColumnParallelLinear(_SplitLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Any, groups: int = 1, name: str = "column") -> "ColumnParallelLinear":
+        """This rank's output slice of ``linear`` (its weight's rows and its bias).
+
+        Args:
+            linear: the whole layer.
+            group: the tensor group.
+            groups: output blocks each cut alike (3 for a fused [q; k; v]).
+            name: names its collectives.
+        """
         shard = TensorShard(dim=0, parts=group.size, index=group.index, groups=groups)
         bias = None if linear.bias is None else _shard(linear.bias, shard)
         return cls(_shard(linear.weight, shard), bias, group, name)
@@ -169,7 +177,15 @@ class RowParallelLinear(_SplitLinear):
 class ParallelSelfAttention(nn.Module):
     """Causal self-attention on this rank's heads / T heads (textlm's CausalSelfAttention split):
     qkv column-parallel in three groups [q; k; v], proj row-parallel. Same submodule names, so the
-    same state_dict keys (``attention.qkv.weight``)."""
+    same state_dict keys (``attention.qkv.weight``).
+
+    Args:
+        qkv: the split [q; k; v] projection.
+        proj: the split output projection.
+        heads: this rank's heads (the whole layer's / T).
+        dropout: attention dropout probability.
+        residual_dropout: the output's dropout module, kept.
+    """
 
     def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, heads: int, dropout: float,
                  residual_dropout: nn.Module) -> None:
@@ -273,7 +289,14 @@ class VocabParallelEmbedding(nn.Module):
     An embedding of a class of its own whose forward wraps nn.Embedding's (Gemma's scales the
     lookup by sqrt(hidden)) keeps its forward: the split layer is that class with this lookup put
     in place of nn.Embedding's (``split_class``), so what the family does around the lookup still
-    happens. hvdtrain.parallel.own_forward decides which forwards can be kept."""
+    happens. hvdtrain.parallel.own_forward decides which forwards can be kept.
+
+    Args:
+        weight: this rank's rows of the table.
+        padding_idx: the whole table's padding id, or None.
+        group: the tensor group.
+        name: names its collectives.
+    """
 
     def __init__(self, weight: nn.Parameter, padding_idx: Optional[int], group: Any, name: str) -> None:
         super().__init__()
@@ -334,8 +357,14 @@ def sum_gradients_over_group(module: nn.Module, group: Any, name: str,
                              observe: Optional[Callable[[str, torch.Tensor], None]] = None) -> None:
     """Hugging Face's ``replicated_with_grad_allreduce`` (Qwen3's per-head q_norm/k_norm): the
     module stays whole on every rank but sees only this rank's heads, so each rank's gradient of
-    its parameters is a part: summed over the group as soon as it is computed. ``observe(name,
-    part)`` sees each part first (hvdtrain.parallel.tensor_audit's first-step check)."""
+    its parameters is a part: summed over the group as soon as it is computed.
+
+    Args:
+        module: the whole module.
+        group: the tensor group.
+        name: names the collectives.
+        observe: ``observe(name, part)`` sees each part first (hvdtrain.parallel.tensor_audit's first-step check).
+    """
     sum_parameter_gradients([(f"{name}.{path}", parameter) for path, parameter in module.named_parameters()],
                             group, observe)
 
@@ -359,9 +388,15 @@ def sum_parameter_gradients(parameters: Sequence[Tuple[str, nn.Parameter]], grou
 
 
 def full_tensor(local: torch.Tensor, shard: Optional[TensorShard], group: Any, name: str) -> torch.Tensor:
-    """The full value of ``local`` (a parameter or its gradient), slice ``shard`` on this rank: every
-    rank's slice placed and summed over the tensor group (collective ``name``, every rank of the
-    group calls it). A replicated tensor (``shard`` None) comes back as is."""
+    """The full value of a split tensor: every rank's slice placed and summed over the tensor group (every
+    rank of the group calls it). A replicated tensor (``shard`` None) comes back as is.
+
+    Args:
+        local: this rank's slice (a parameter or its gradient).
+        shard: where the slice sits, or None for a replicated tensor.
+        group: the tensor group.
+        name: the collective's name.
+    """
     if shard is None or not _communicates(group):
         return local.detach().clone()
     full_shape = list(local.shape)

@@ -93,8 +93,15 @@ def is_transposed(path: str, module: nn.Module, cuts: Mapping[str, str]) -> bool
 
 
 def check_experts(path: str, module: nn.Module, size: int, transposed: bool = False) -> None:
-    """ValueError naming ``path`` when ``moe_tp_experts`` cannot split ``module`` (``transposed``: its
-    layout, is_transposed) over ``size`` ranks exactly as transformers does."""
+    """ValueError naming ``path`` when ``moe_tp_experts`` cannot split ``module`` over the ranks exactly
+    as transformers does.
+
+    Args:
+        path: the module's path in the model.
+        module: the experts module.
+        size: ranks in the tensor group.
+        transposed: its layout, transformers' is_transposed.
+    """
     name = type(module).__name__
     for flag, reason in (("has_bias", "has biases, which a sum over the group would count once per rank"),
                          ("has_post_expert_norm", "normalizes each expert's output, which a split leaves partial")):
@@ -182,7 +189,14 @@ def split_experts(module: nn.Module, group: Any, path: str, transposed: bool = F
     """A copy of the experts ``module`` (its class, its forward) holding this rank's intermediate
     slice of every expert, its inputs' gradients summed over the group in backward (f) and its
     output summed over the group in forward (g). The module as built is left as it was (a model
-    built on the meta device initializes it whole, then keeps the slices)."""
+    built on the meta device initializes it whole, then keeps the slices).
+
+    Args:
+        module: the experts module.
+        group: the tensor group.
+        path: its path in the model, naming its collectives.
+        transposed: its layout, transformers' is_transposed.
+    """
     split = own_copy(module)
     for attribute, (dim, groups) in _projections(module, transposed).items():
         shard = TensorShard(dim=dim, parts=group.size, index=group.index, groups=groups)
@@ -226,7 +240,14 @@ def check_identity_expert(path: str, module: nn.Module, owner_path: str, owner_s
     """ValueError naming ``path`` when ``moe_identity_expert`` cannot apply to ``module``: a module
     without parameters (what it computes must be linear in its input, as an identity is: the
     probe proves it) directly inside experts split by moe_tp_experts, whose output sum undoes the
-    division; anywhere else the division would stay."""
+    division; anywhere else the division would stay.
+
+    Args:
+        path: the module's path in the model.
+        module: the identity expert.
+        owner_path: the path of the experts module it sits in.
+        owner_style: the plan's style for that module (moe_tp_experts is needed).
+    """
     if owner_style not in EXPERT_STYLES:
         owner = f"{owner_path} is {'given ' + repr(owner_style) if owner_style else 'not in the plan'}"
         raise ValueError(f"tensor plan: {path} (moe_identity_expert) divides its input by the group size for the sum "

@@ -28,7 +28,15 @@ VECTOR_CUTS = ("colwise",)
 
 
 def check_local_parameter(key: str, parameter_path: str, parameter: nn.Parameter, style: str, size: int) -> None:
-    """ValueError naming the entry when ``style`` cannot cut ``parameter`` of a ``local_params`` owner."""
+    """ValueError naming the entry when ``style`` cannot cut ``parameter`` of a ``local_params`` owner.
+
+    Args:
+        key: the plan's entry.
+        parameter_path: the parameter's path in the model.
+        parameter: the bare parameter.
+        style: the entry's style.
+        size: ranks in the tensor group.
+    """
     if style not in VECTOR_CUTS:
         raise ValueError(f"tensor plan: {key!r} cuts the bare parameter {parameter_path} as {style!r}; inside a "
                          f"local_params module hvdtrain cuts per-head vectors by {', '.join(VECTOR_CUTS)} only: "

@@ -38,7 +38,14 @@ def rope_width(model: nn.Module, parent: Optional[nn.Module]) -> Optional[int]:
 
 
 def check_mla(path: str, module: nn.Module, model: nn.Module, parent: Optional[nn.Module]) -> None:
-    """ValueError naming ``path`` when ``mla_kv_a_proj`` cannot apply to ``module``."""
+    """ValueError naming ``path`` when ``mla_kv_a_proj`` cannot apply to ``module``.
+
+    Args:
+        path: the module's path in the model.
+        module: the projection (kv_a_proj_with_mqa).
+        model: the whole model, whose config may give qk_rope_head_dim.
+        parent: the attention holding the projection, or None.
+    """
     if not isinstance(module, nn.Linear):
         raise ValueError(f"tensor plan: {path} is {type(module).__name__}, but style 'mla_kv_a_proj' applies to the "
                          f"nn.Linear projecting [latent; rotary key] (kv_a_proj_with_mqa)")
@@ -56,7 +63,15 @@ def check_mla(path: str, module: nn.Module, model: nn.Module, parent: Optional[n
 
 def sum_rotary_key_gradient(module: nn.Module, model: nn.Module, parent: Optional[nn.Module], group: Any,
                             path: str) -> None:
-    """Keep ``module`` whole; sum its rotary key's gradient over ``group`` (each rank's heads give a part)."""
+    """Keep ``module`` whole; sum its rotary key's gradient over ``group`` (each rank's heads give a part).
+
+    Args:
+        module: the projection (kv_a_proj_with_mqa).
+        model: the whole model, whose config may give qk_rope_head_dim.
+        parent: the attention holding the projection, or None.
+        group: the tensor group.
+        path: the module's path, naming the collective.
+    """
     width = rope_width(model, parent)
     name = f"tp.mla.{path}"
 

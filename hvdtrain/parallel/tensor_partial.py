@@ -34,8 +34,14 @@ def partial_cut_dim(style: str, ndim: int) -> int:
 
 
 def check_partial_module(path: str, module: nn.Module, cuts: Mapping[str, str], size: int) -> None:
-    """ValueError naming ``path`` when ``all_reduce`` cannot split ``module``; ``cuts``: the plan's
-    styles of its own parameters, attribute -> style."""
+    """ValueError naming ``path`` when ``all_reduce`` cannot split ``module``.
+
+    Args:
+        path: the module's path in the model.
+        module: the module.
+        cuts: the plan's styles of its own parameters, attribute -> style.
+        size: ranks in the tensor group.
+    """
     name = type(module).__name__
     if any(True for child in module.children() for _ in child.parameters()):
         raise ValueError(f"tensor plan: {path} ({name}, all_reduce) holds layers with parameters: hvdtrain sums the "
@@ -77,9 +83,16 @@ def owned_cuts(path: str, named: Mapping[str, str]) -> Dict[str, str]:
 
 
 def split_partial_module(module: nn.Module, cuts: Mapping[str, str], group: Any, path: str) -> nn.Module:
-    """A copy of ``module`` (its class, its forward) holding this rank's slice of each parameter of
-    ``cuts`` (attribute -> style), its floating inputs' gradients summed over the group (f) and its
-    output summed over the group (g). The module as built is left as it was."""
+    """A copy of ``module`` (its class, its forward) holding this rank's slice of each parameter the
+    plan cuts, its floating inputs' gradients summed over the group (f) and its output summed over
+    the group (g). The module as built is left as it was.
+
+    Args:
+        module: the module.
+        cuts: the plan's styles of its own parameters, attribute -> style.
+        group: the tensor group.
+        path: its path in the model, naming its collectives.
+    """
     split = own_copy(module)
     for attribute, style in cuts.items():
         whole = module._parameters[attribute]

@@ -313,12 +313,18 @@ Replacement = Tuple[nn.Module, str, nn.Module, nn.Module]  # (parent, attribute,
 def parallelize(model: nn.Module, plan: Mapping[str, str], group: Any,
                 replacements: Optional[List[Replacement]] = None,
                 observe: Optional[Callable[[str, torch.Tensor], None]] = None) -> nn.Module:
-    """Split ``model``'s layers in place over the tensor ``group`` (a mesh Group) as ``plan`` says.
+    """Split the model's layers in place over the tensor group as the plan says.
     Every layer is checked first (ValueError naming it; the model is then unchanged). Returns
     ``model``. Its collectives are named after the layers' paths, so every rank of the group
-    matches them. A tied weight split alike on both sides stays one parameter. Each layer replaced
-    is appended to ``replacements`` (a model built on the meta device is initialized as built).
-    ``observe(name, part)`` sees each summed parameter's gradient part before its sum."""
+    matches them. A tied weight split alike on both sides stays one parameter.
+
+    Args:
+        model: the whole model.
+        plan: layer path (or pattern) -> style.
+        group: the tensor group (a mesh Group).
+        replacements: each layer replaced is appended to it (a model built on the meta device is initialized as built).
+        observe: ``observe(name, part)`` sees each summed parameter's gradient part before its sum.
+    """
     size = 1 if group is None else group.size
     if group is None:
         group = _Alone()

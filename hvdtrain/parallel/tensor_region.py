@@ -179,8 +179,15 @@ def agreed_names(mine: Optional[Sequence[str]], everyone: Callable[[List[str]], 
 
 def sum_split_region_gradients(model: nn.Module, names: Sequence[str], group: Any,
                                observe: Optional[Callable[[str, torch.Tensor], None]] = None) -> None:
-    """Sum the gradients of ``model``'s parameters ``names`` over the tensor ``group`` (each rank
-    computes only its part of them); ``observe(name, part)`` sees each part first."""
+    """Sum the gradients of some of the model's parameters over the tensor group (each rank computes only
+    its part of them).
+
+    Args:
+        model: the model.
+        names: the parameters' names.
+        group: the tensor group.
+        observe: ``observe(name, part)`` sees each part first.
+    """
     from hvdtrain.parallel.tensor import sum_parameter_gradients
 
     parameters: Mapping[str, nn.Parameter] = dict(model.named_parameters())

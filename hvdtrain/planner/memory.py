@@ -17,9 +17,19 @@ ACTIVATION_FIXED, ACTIVATION_SPLIT, ACTIVATION_ATTENTION = 10, 24, 5
 def sharded_state_bytes(strategy: str, parameters: float, param_bytes: float, grad_bytes: float,
                         state_bytes: float, data_ranks: int, ps_servers: int = 1) -> Dict[str, float]:
     """What the busiest rank holds in parameters, gradients and optimizer state (Rajbhandari et al.
-    2020): ``state_bytes`` per parameter of optimizer state (Adam in fp32: 8; mixed precision: 12,
-    the fp32 master copy included). A parameter server also receives the summed gradients of its
-    slice, and holds the optimizer state of its slice (1/``ps_servers`` of the parameters)."""
+    2020). A parameter server also receives the summed gradients of its
+    slice, and holds the optimizer state of its slice (1/servers of the parameters).
+
+    Args:
+        strategy: ddp, zero1, zero2, fsdp or ps.
+        parameters: the model's parameter count.
+        param_bytes: bytes per parameter.
+        grad_bytes: bytes per gradient element.
+        state_bytes: bytes of optimizer state per parameter (Adam in fp32: 8; mixed precision: 12, the fp32 master copy
+            included).
+        data_ranks: data-parallel ranks sharing the shards.
+        ps_servers: strategy ps: the ranks that also serve.
+    """
     p, g, k = parameters * param_bytes, parameters * grad_bytes, parameters * state_bytes
     n, servers = data_ranks, ps_servers
     shares = {"ddp": (p, g, k), "zero1": (p, g, k / n), "zero2": (p, g / n, k / n),

@@ -75,7 +75,14 @@ def ring_bandwidth_s(nbytes: float, workers: int, bytes_per_s: float) -> float:
 
 
 def ring_latency_s(workers: int, nodes: int, net_alpha_s: float, intra_alpha_s: float) -> float:
-    """Latency of one ring all-reduce, NCCL's way: 2(n-1) network steps and 2(p-n) intra-node steps."""
+    """Latency of one ring all-reduce, NCCL's way: 2(n-1) network steps and 2(p-n) intra-node steps.
+
+    Args:
+        workers: p, ranks in the ring.
+        nodes: n, the nodes they span.
+        net_alpha_s: one network step's latency, in seconds.
+        intra_alpha_s: one intra-node step's latency, in seconds.
+    """
     if workers <= 1:
         return 0.0
     if nodes <= 1:

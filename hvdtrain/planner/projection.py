@@ -88,7 +88,17 @@ class Projection:
 def predict(workload: Workload, workers: int, network: Network, gpus_per_node: int = 1,
             intra: Network = NETWORKS["pcie3"], fusion_bytes: float = 128 * MiB,
             calibration: Calibration = CALIBRATION) -> Projection:
-    """Step time, samples/s and efficiency of ``workers`` workers. Horovod 0.28.1 fuses up to 128 MiB."""
+    """Step time, samples/s and efficiency of data-parallel workers. Horovod 0.28.1 fuses up to 128 MiB.
+
+    Args:
+        workload: one worker's step alone.
+        workers: data-parallel workers.
+        network: the link between nodes.
+        gpus_per_node: workers per node.
+        intra: the link inside a node.
+        fusion_bytes: Horovod's fusion threshold, in bytes.
+        calibration: the factors fitted to measurements.
+    """
     if workers < 1 or gpus_per_node < 1 or fusion_bytes <= 0:
         raise ValueError("need workers >= 1, gpus_per_node >= 1 and fusion_bytes > 0")
     if network.intra_node:  # the whole job inside one NVLink/PCIe domain

@@ -35,7 +35,15 @@ def _group_link(setup: Setup, size: int, stride: int) -> Tuple[int, float, float
 
 
 def allreduce_s(setup: Setup, nbytes: float, size: int, stride: int, calls: int = 1) -> float:
-    """``calls`` ring all-reduces of ``nbytes`` each over the group, fused up to the threshold."""
+    """Seconds of ring all-reduces over a group, fused up to the threshold.
+
+    Args:
+        setup: the cluster and run being planned.
+        nbytes: bytes per all-reduce.
+        size: ranks in the group.
+        stride: rank distance between the group's members (ranks fill nodes in order).
+        calls: all-reduces of ``nbytes``.
+    """
     if size <= 1 or nbytes <= 0:
         return 0.0
     nodes, bandwidth, net_alpha, intra_alpha = _group_link(setup, size, stride)

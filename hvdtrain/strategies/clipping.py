@@ -29,10 +29,16 @@ def clip_replicated(gradients: Sequence[torch.Tensor], max_norm: float) -> float
 
 def clip_sharded(slices: Sequence[torch.Tensor], max_norm: float, name: str,
                  counted: Optional[Sequence[torch.Tensor]] = None) -> float:
-    """Clip gradients of which each rank holds ``slices`` (a collective: every rank calls it, with
-    the same ``name``); returns the global norm before clipping, the same on every rank.
-    ``counted``: the slices whose squares this rank adds to the norm, when ranks hold some of them
-    alike (a model-parallel replica's replicated parameters: one rank counts each); default all."""
+    """Clip gradients of which each rank holds ``slices`` (a collective: every rank calls it); returns
+    the global norm before clipping, the same on every rank.
+
+    Args:
+        slices: this rank's gradient slices, clipped in place.
+        max_norm: the global L2 norm to clip to.
+        name: the collective's name, the same on every rank.
+        counted: the slices whose squares this rank adds to the norm, when ranks hold some of them alike (a
+            model-parallel replica's replicated parameters: one rank counts each); None: all.
+    """
     device = slices[0].device if slices else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float64, device=device)
     for piece in slices if counted is None else counted:

@@ -31,8 +31,14 @@ def distributed_optimizer(
     Horovod hooks every gradient accumulator: each all-reduce starts while backward is still
     running (overlap) and small tensors are fused into one buffer (tensor fusion).
     The user's optimizer state is carried over: Horovod's wrapper starts with an empty one.
-    ``reduction="adasum"``: Horovod's Adasum optimizer instead (see combines_updates), whose
-    all-reduces combine each parameter's update with Adasum, per tensor even when fused.
+
+    Args:
+        optimizer: the user's optimizer.
+        named_parameters: the model's parameters by name, naming their all-reduces.
+        accumulation: micro-batches per step (Horovod's backward_passes_per_step).
+        fp16_allreduce: compress gradients to fp16 for the all-reduce.
+        reduction: average; adasum: Horovod's Adasum optimizer instead (see combines_updates), whose all-reduces combine
+            each parameter's update with Adasum, per tensor even when fused.
     """
     state = optimizer.state_dict()
     wrapped = hvd.DistributedOptimizer(
@@ -81,12 +87,30 @@ class DDPStrategy(Strategy):
 
     Horovod all-reduces zeros for a gradient this rank's backward did not produce; a parameter that
     no rank's backward reached gets its .grad back to None after the wait (unused_parameters), so
-    the optimizer skips it as one process's does."""
+    the optimizer skips it as one process's does.
+
+    Args:
+        model: the model; its parameters are handled as the strategy says.
+        optimizer: the user's optimizer over them.
+        world: this rank's World (its data-parallel group).
+        accumulation: micro-batches per optimizer step.
+        fp16_allreduce: compress gradients to fp16 for their exchange.
+        reduction: average or adasum (train.reduction).
+    """
 
     name = "ddp"
 
     @classmethod
     def from_config(cls, config, model, optimizer, world, **context) -> "DDPStrategy":
+        """Built from the settings: train.reduction besides the common ones.
+
+        Args:
+            config: the run's settings (TrainConfig).
+            model: the model.
+            optimizer: its optimizer.
+            world: this rank's World.
+            context: what set-up knows besides: mesh, plan, loss_fn, deferred.
+        """
         return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce, reduction=config.reduction)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,

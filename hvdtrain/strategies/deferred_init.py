@@ -191,7 +191,15 @@ def initialization_steps(model: nn.Module, init_fn: Optional[InitFn] = None) -> 
 class DeferredInit:
     """The meta tensors of a model replaced by tensors on ``device`` that hold no memory yet (one
     for each distinct tensor: ties stay tied), the optimizer pointed at them, and the steps that
-    give them their values."""
+    give them their values.
+
+    Args:
+        model: the model built on the meta device.
+        optimizer: its optimizer, pointed at the new tensors.
+        device: where the tensors go.
+        seed: seeds the initialization (train.seed), the same on every rank.
+        init_fn: ``init_fn(module)`` applied to every module after the construction's, as ``Module.apply`` does.
+    """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, seed: int,
                  init_fn: Optional[InitFn] = None) -> None:
@@ -216,7 +224,15 @@ class DeferredInit:
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, seed: int,
            init_fn: Optional[InitFn] = None) -> Optional["DeferredInit"]:
-        """The model's deferred initialization, or None for a model whose parameters have values."""
+        """The model's deferred initialization, or None for a model whose parameters have values.
+
+        Args:
+            model: the model.
+            optimizer: its optimizer.
+            device: where the tensors go.
+            seed: seeds the initialization (train.seed).
+            init_fn: ``init_fn(module)`` applied to every module after the construction's.
+        """
         if is_deferred(model):
             return cls(model, optimizer, device, seed, init_fn)
         if init_fn is not None:

@@ -18,7 +18,14 @@ ELEMENTWISE_OPTIMIZERS = (
 
 def check_elementwise(optimizer: torch.optim.Optimizer, refused: str, why: str, way_out: str) -> None:
     """ValueError unless ``optimizer`` is elementwise (a local check: the same verdict on every rank).
-    ``refused``, ``why`` and ``way_out`` are the caller's words; ``{name}`` in them is the class's name."""
+    The three messages are the caller's words; ``{name}`` in them is the class's name.
+
+    Args:
+        optimizer: the user's optimizer.
+        refused: what is refused.
+        why: why an optimizer that is not elementwise cannot do it.
+        way_out: what to do instead.
+    """
     if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
         return
     name = type(optimizer).__name__

@@ -34,12 +34,31 @@ def check_servers(servers: int, world_size: int) -> None:
 
 class PSStrategy(SlicedStateStrategy):
     """A parameter server on ranks 0..servers-1 (see the module's text). The model's parameters
-    become views of flat buckets; parameters not in the optimizer, or frozen, are left alone."""
+    become views of flat buckets; parameters not in the optimizer, or frozen, are left alone.
+
+    Args:
+        model: the model; its parameters are handled as the strategy says.
+        optimizer: the user's optimizer over them.
+        world: this rank's World (its data-parallel group).
+        accumulation: micro-batches per optimizer step.
+        fp16_allreduce: compress gradients to fp16 for their exchange.
+        servers: ranks 0..servers-1 also serve (train.ps_servers).
+        bucket_bytes: the size of a flat bucket, in bytes.
+    """
 
     name = "ps"
 
     @classmethod
     def from_config(cls, config, model, optimizer, world, **context) -> "PSStrategy":
+        """Built from the settings: train.ps_servers besides the common ones.
+
+        Args:
+            config: the run's settings (TrainConfig).
+            model: the model.
+            optimizer: its optimizer.
+            world: this rank's World.
+            context: what set-up knows besides: mesh, plan, loss_fn, deferred.
+        """
         return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce, servers=config.ps_servers)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,

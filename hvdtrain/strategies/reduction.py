@@ -20,6 +20,14 @@ def adasum_refusal(size: int, local_size: int, cross_size: int, mpi_enabled: boo
     a reduction under Gloo fails with "No Adasum operation enabled"), and combines ranks pairwise
     in a binary tree, so it refuses other rank counts (horovod/torch/mpi_ops.py: "non-power of 2
     ranks"; with NCCL on GPUs, hosts). Checked at start, on every rank, before any collective.
+
+    Args:
+        size: ranks in the world.
+        local_size: ranks per host.
+        cross_size: hosts.
+        mpi_enabled: Horovod runs over MPI.
+        gpu_nccl: the ranks reduce on GPUs with NCCL.
+        homogeneous: every host runs as many ranks.
     """
     average = "or use train.reduction=average"
     if not mpi_enabled:

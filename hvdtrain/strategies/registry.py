@@ -78,11 +78,20 @@ def launch_refusal(config: "TrainConfig", world: "World", elastic: bool) -> Opti
 def build_strategy(config: "TrainConfig", model: "torch.nn.Module", optimizer: "torch.optim.Optimizer",
                    world: "World", mesh: "Optional[Mesh]" = None, plan: "Optional[ModelPlan]" = None,
                    loss_fn: Optional[Callable] = None, deferred: "Optional[DeferredInit]" = None) -> "Strategy":
-    """The strategy ``config`` asks for, over ``model`` and ``optimizer``; with a model-parallel
-    ``mesh``, config.strategy over each data-parallel group of split replicas (``plan`` says how to
-    split them, ``loss_fn`` is a pipeline's last stage's). Each class reads its own settings.
-    ``deferred``: the model was built on the meta device; a strategy that initializes by shard
-    (its capabilities' ``initializes_by_shard``) takes it, the others get the model made whole first."""
+    """The strategy the settings ask for; with a model-parallel mesh, config.strategy over each
+    data-parallel group of split replicas. Each class reads its own settings.
+
+    Args:
+        config: the run's settings.
+        model: the model.
+        optimizer: its optimizer.
+        world: this rank's World.
+        mesh: a model-parallel mesh, or None.
+        plan: how to split the replicas over ``mesh``.
+        loss_fn: a pipeline's last stage's loss function.
+        deferred: the model was built on the meta device; a strategy that initializes by shard (its capabilities'
+            ``initializes_by_shard``) takes it, the others get the model made whole first.
+    """
     cls = strategy_class(MODEL_PARALLEL if mesh is not None else config.strategy)
     if deferred is not None and not cls.capabilities.initializes_by_shard:
         deferred.make_whole()

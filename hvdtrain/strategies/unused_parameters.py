@@ -50,8 +50,15 @@ class GradientUse:
 
 
 def start_agreement(used_here: Sequence[bool], name: str, device: torch.device, process_set: Any = None) -> Any:
-    """Start the all-reduce that tells every rank how many ranks used each parameter (on the
-    gradients' ``device``: the same transport as they, NCCL on GPUs)."""
+    """Start the all-reduce that tells every rank how many ranks used each parameter (on the gradients'
+    device: the same transport as they, NCCL on GPUs).
+
+    Args:
+        used_here: per parameter: this rank's backward produced its gradient.
+        name: the all-reduce's name.
+        device: the gradients' device.
+        process_set: the data-parallel group's process set (None: every rank).
+    """
     flags = torch.tensor([1 if used else 0 for used in used_here], dtype=torch.int32, device=device)
     if process_set is None:
         return hvd.allreduce_async(flags, op=hvd.Sum, name=name)
@@ -109,7 +116,14 @@ def _values(optimizer: torch.optim.Optimizer, bucket: Any, start: int,
 
 def step_skipping(optimizer: torch.optim.Optimizer, buckets: Sequence[Any], use: GradientUse,
                   handle: Any) -> None:
-    """The flat-bucket step: ``optimizer.step()``, the parameters no rank used left unstepped."""
+    """The flat-bucket step: ``optimizer.step()``, the parameters no rank used left unstepped.
+
+    Args:
+        optimizer: the optimizer over the flat slices.
+        buckets: the flat buckets the parameters are views of.
+        use: which parameters this rank's backward reached.
+        handle: the agreement's all-reduce (start_agreement).
+    """
     idle = unused_everywhere(handle)
     _say_when_a_skipped_parameter_trains_again(use, idle)
     unused = [param for param, skip in zip(use.params, idle) if skip]

@@ -31,6 +31,14 @@ class ZeroStrategy(ShardedStrategy):
     buckets (stage 1) or absent between steps (stage 2). Parameters not in the optimizer, or
     frozen when the strategy is built, are left alone. Under Horovod elastic the buckets are cut
     anew for every new world, and the state comes back from the newest checkpoint.
+
+    Args:
+        model: the model; its parameters are handled as the strategy says.
+        optimizer: the user's optimizer over them.
+        world: this rank's World (its data-parallel group).
+        accumulation: micro-batches per optimizer step.
+        fp16_allreduce: compress gradients to fp16 for their exchange.
+        bucket_bytes: the largest flat bucket, in bytes.
     """
 
     stage: ClassVar[int]

@@ -31,6 +31,17 @@ _VERIFY = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_case(world: World, family: str, config: Any, layout: Layout, optimizer: str, steps: int) -> Outcome:
+    """One family under one layout: trained on this world and compared with one process (a collective: every rank
+    returns the same Outcome).
+
+    Args:
+        world: this rank's World.
+        family: the Hugging Face family.
+        config: its tiny configuration.
+        layout: the layout to train under.
+        optimizer: the optimizer's name.
+        steps: optimizer steps.
+    """
     started = time.perf_counter()
     tag = f"verify.{family}.{layout.name}.{optimizer}"
     local, trainer, trained = _train(world, config, layout, optimizer, steps)

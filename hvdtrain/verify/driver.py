@@ -35,8 +35,19 @@ class LaunchFailed(RuntimeError):
 def run(families: Sequence[str], layouts: Sequence[Layout], optimizers: Sequence[str], steps: int,
         family_timeout: float = FAMILY_TIMEOUT, launcher: str = "horovodrun", log_dir: Optional[Path] = None,
         extra_args: Sequence[str] = (), on_outcome: Optional[Callable[[Outcome], None]] = None) -> List[Outcome]:
-    """Every (family, layout, optimizer)'s outcome, world size by world size. ``on_outcome`` is
-    called with each as it arrives (the sweep writes them out as it goes)."""
+    """Every (family, layout, optimizer)'s outcome, world size by world size.
+
+    Args:
+        families: the Hugging Face families.
+        layouts: the layouts to try each under.
+        optimizers: the optimizers' names.
+        steps: optimizer steps per case.
+        family_timeout: seconds a family may take before its launch is stopped.
+        launcher: horovodrun or mpirun.
+        log_dir: where each launch's log is written (None: a temporary directory).
+        extra_args: more arguments for the worker.
+        on_outcome: called with each outcome as it arrives (the sweep writes them out as it goes).
+    """
     outcomes: List[Outcome] = []
     for ranks, group in _by_ranks(layouts).items():
         remaining = list(families)

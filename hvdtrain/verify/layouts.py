@@ -51,8 +51,16 @@ def named(names: str) -> list:
 
 
 def layout_for(tensor: int, pipeline: int, strategy: str = "ddp", meta: bool = False, data: int = 0) -> Layout:
-    """The layout of ``hvdtrain check-layout``'s flags. ``data`` 0: one replica under a mesh, two
-    without one (one rank alone would compare one process with itself)."""
+    """The layout of ``hvdtrain check-layout``'s flags.
+
+    Args:
+        tensor: T, the tensor-parallel size.
+        pipeline: P, the pipeline stages.
+        strategy: the data-parallel strategy.
+        meta: build the model on the meta device.
+        data: data-parallel replicas; 0: one under a mesh, two without one (one rank alone would compare one process
+            with itself).
+    """
     for flag, value in (("--tensor_parallel", tensor), ("--pipeline_parallel", pipeline), ("--data_parallel", data)):
         if not isinstance(value, int) or value < (0 if flag == "--data_parallel" else 1):
             raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}")

@@ -44,7 +44,17 @@ def logits_loss(outputs, targets: torch.Tensor) -> torch.Tensor:
 
 def one_process(model: torch.nn.Module, initial: Mapping[str, torch.Tensor], data: TensorDataset, seed: int,
                 global_batch: int, steps: int, optimizer: str) -> Tuple[Dict[str, torch.Tensor], List[float]]:
-    """(the final state, each step's loss) of ``model`` trained from ``initial`` in this process alone."""
+    """(the final state, each step's loss) of ``model`` trained from ``initial`` in this process alone.
+
+    Args:
+        model: the model, loaded with ``initial``.
+        initial: the starting state.
+        data: the whole data set.
+        seed: the sampler's seed, as the run's.
+        global_batch: samples per step.
+        steps: optimizer steps.
+        optimizer: the optimizer's name.
+    """
     model.load_state_dict(initial)
     step = make_optimizer(optimizer, model.parameters())
     sampler = ShardedSampler(len(data), rank=0, world_size=1, seed=seed)
@@ -78,6 +88,16 @@ class Comparison:
 def compare(final: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
             initial: Mapping[str, torch.Tensor], losses: List[float], expected_losses: List[float],
             tolerance: float) -> Comparison:
+    """How far a layout's final state and losses are from one process's.
+
+    Args:
+        final: the layout's final state, gathered whole.
+        expected: one process's final state.
+        initial: the starting state, to tell how far training moved.
+        losses: the layout's per-step losses.
+        expected_losses: one process's.
+        tolerance: the largest difference that counts as equal.
+    """
     missing = sorted(set(expected) ^ set(final))
     if missing:
         raise ValueError(f"the layout's gathered state and one process's hold different names: {missing[:5]}")

@@ -37,9 +37,15 @@ def counts(outcomes: Iterable[Outcome], layouts: Sequence[str], families: Iterab
 
 def markdown(outcomes: List[Outcome], layouts: Sequence[str], plans: Mapping[str, str], header: Mapping[str, str],
              built: Iterable[str] = ()) -> str:
-    """The page. ``plans``: each family's plans ("tp+pp", "tp", "pp", "no plan"), in the sweep's
-    order; ``header``: what the sweep ran on (versions, date, branch, sizes); ``built``: the
-    families that could be built tiny."""
+    """The page.
+
+    Args:
+        outcomes: every case's outcome.
+        layouts: the layouts' names, the table's columns.
+        plans: each family's plans ("tp+pp", "tp", "pp", "no plan"), in the sweep's order.
+        header: what the sweep ran on (versions, date, branch, sizes).
+        built: the families that could be built tiny.
+    """
     lines = ["# Hugging Face decoder families under every layout", ""]
     lines += [f"- **{key}**: {value}" for key, value in header.items()] + [""]
     lines += _summary(outcomes, layouts, plans, set(built)) + [""]

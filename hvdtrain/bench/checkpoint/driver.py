@@ -94,6 +94,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summarize(results, counts: Sequence[int], formats: Sequence[str], saves: int) -> List[Dict[str, Any]]:
+    """One row per (worker count, format): the medians of the stalls, waits and costs per save.
+
+    Args:
+        results: (workers, format, mode) -> the runs' JSON results.
+        counts: the worker counts run.
+        formats: the checkpoint formats run.
+        saves: checkpoints saved per run, to spread a run's extra time over.
+    """
     rows = []
     for np in counts:
         for checkpoint_format in formats:

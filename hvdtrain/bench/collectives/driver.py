@@ -137,7 +137,14 @@ PAIRING = {"horovod_mpi": "same job", "horovod_gloo": "same rounds, other job",
 
 def summarize(measurements: Sequence[Dict[str, Any]], ops: Sequence[str], sizes: Sequence[int],
               ranks: int) -> List[Dict[str, Any]]:
-    """One row per (op, size, backend) that ran: median time and spread, bandwidths, ratios to raw MPI."""
+    """One row per (op, size, backend) that ran: median time and spread, bandwidths, ratios to raw MPI.
+
+    Args:
+        measurements: every run's records, one per (op, size, backend).
+        ops: the collectives measured, in report order.
+        sizes: the message sizes measured, in bytes.
+        ranks: the job's rank count, for the bus bandwidth factor.
+    """
     rows = []
     for op in ops:
         for size in sizes:

@@ -257,7 +257,15 @@ def is_correct(op: str, output: Optional[np.ndarray], ranks: int) -> bool:
 
 
 def check(backend: str, op: str, call: Call, buf: Buffers, coordinator: Any) -> None:
-    """Fail every rank together (no rank left waiting in a collective) if any rank got a wrong result."""
+    """Fail every rank together (no rank left waiting in a collective) if any rank got a wrong result.
+
+    Args:
+        backend: the backend that ran the call, for the message.
+        op: the collective's name, for the message.
+        call: the collective under test; run once here on check values.
+        buf: the size's buffers the call reads and writes.
+        coordinator: the ranks' own channel (rank, size, max): it agrees on whether any rank failed.
+    """
     buf.fill_for_check(coordinator.rank)
     wrong = coordinator.max(0.0 if is_correct(op, call(), coordinator.size) else 1.0)
     if wrong:
@@ -272,7 +280,14 @@ def iterations(size: int, iters: int, warmup: int) -> Tuple[int, int]:
 
 
 def time_per_call(call: Call, warmup: int, iters: int, coordinator: Any) -> float:
-    """Seconds per call, slowest rank: every rank starts after the same barrier."""
+    """Seconds per call, slowest rank: every rank starts after the same barrier.
+
+    Args:
+        call: the collective to time.
+        warmup: untimed calls first.
+        iters: timed calls.
+        coordinator: the ranks' own channel: the barrier, and the max over ranks.
+    """
     for _ in range(warmup):
         call()
     coordinator.barrier()

@@ -29,12 +29,33 @@ class JobFailed(RuntimeError):
 
 def worker_argv(module: str, args: Sequence[str], out: Path, np: int, launcher: str,
                 hosts: Sequence[Host] = (), environ: Mapping[str, str] = os.environ) -> list:
+    """The command that runs ``module`` as the worker on ``np`` ranks, writing rank 0's result to ``out``.
+
+    Args:
+        module: the worker's module, run with ``python -m``.
+        args: the worker's own arguments.
+        out: the file rank 0 writes its JSON result to.
+        np: ranks.
+        launcher: none, mpirun or horovodrun (launch.commands.job_argv).
+        hosts: the hosts to run on (default: this one).
+        environ: the environment that decides which launcher binaries to use.
+    """
     return job_argv([sys.executable, "-m", module, "--out", str(out), *args], np, launcher, hosts, environ)
 
 
 def run_job(module: str, args: Sequence[str], np: int, launcher: str, timeout: float,
             env: Optional[Mapping[str, str]] = None, hosts: Sequence[Host] = ()) -> Dict[str, Any]:
-    """Launch the worker, wait at most ``timeout`` seconds, return rank 0's JSON result."""
+    """Launch the worker, wait at most ``timeout`` seconds, return rank 0's JSON result.
+
+    Args:
+        module: the worker's module.
+        args: the worker's own arguments.
+        np: ranks.
+        launcher: none, mpirun or horovodrun.
+        timeout: seconds before the job is killed.
+        env: variables added to this process's environment.
+        hosts: the hosts to run on (default: this one).
+    """
     environ = dict(os.environ)
     environ.update(env or {})
     if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -66,7 +87,16 @@ def driver_or_worker(argv: Sequence[str], worker: Callable[[Sequence[str]], int]
                      add_arguments: Callable[[argparse.ArgumentParser], None],
                      run: Callable[[argparse.Namespace], int], description: str, worker_flag: str = "--out") -> int:
     """The main of a module that is both a benchmark's driver and its worker: ``run_job`` starts the
-    worker with ``worker_flag`` among its arguments (--out FILE, unless the driver takes --out too)."""
+    worker with ``worker_flag`` among its arguments.
+
+    Args:
+        argv: the command line.
+        worker: the worker's main, run when ``worker_flag`` is in ``argv``.
+        add_arguments: adds the driver's options to its parser.
+        run: the driver's main, given the parsed options.
+        description: the driver's --help text.
+        worker_flag: the flag that marks a worker's command line (--out FILE, unless the driver takes --out too).
+    """
     if worker_flag in argv:
         return worker(argv)
     parser = argparse.ArgumentParser(description=description.splitlines()[0])

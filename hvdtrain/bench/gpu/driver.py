@@ -25,8 +25,16 @@ TIMEOUT = 900
 
 def selftest(ranks: int, expect: str, link_gbps: Optional[float] = None, sizes: Optional[Sequence[int]] = None,
              iters: int = 10, timeout: float = TIMEOUT) -> List[Row]:
-    """Run the worker with ``ranks`` ranks on this host and return its rows. ``expect``: the device
-    type every rank must compute on ("cuda" on a GPU node; "cpu" in the tests)."""
+    """Run the worker with ``ranks`` ranks on this host and return its rows.
+
+    Args:
+        ranks: ranks to start on this host.
+        expect: the device type every rank must compute on ("cuda" on a GPU node; "cpu" in the tests).
+        link_gbps: the link's bandwidth in GB/s to judge the all-reduce against (None: not judged).
+        sizes: the all-reduce sizes in bytes (None: the worker's).
+        iters: timed all-reduce calls per size.
+        timeout: seconds before the worker job is killed.
+    """
     if ranks < 1:
         raise ValueError(f"the self-test needs at least one rank, got {ranks}")
     args = ["--iters", str(iters)]

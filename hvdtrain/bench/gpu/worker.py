@@ -129,7 +129,14 @@ def pinning(world) -> Dict[str, Any]:
 # ---- all-reduce -------------------------------------------------------------------------------
 
 def allreduce(world, size_bytes: int, iters: int, warmup: int) -> Dict[str, Any]:
-    """One size: the sum checked once, then ``iters`` calls timed (the slowest rank's mean)."""
+    """One size: the sum checked once, then ``iters`` calls timed (the slowest rank's mean).
+
+    Args:
+        world: this rank's World.
+        size_bytes: the tensor's size in bytes.
+        iters: timed calls.
+        warmup: untimed calls first.
+    """
     import horovod.torch as hvd
 
     from hvdtrain.distributed import collectives
@@ -160,7 +167,14 @@ def allreduce(world, size_bytes: int, iters: int, warmup: int) -> Dict[str, Any]
 
 def classification_data(samples: int = 192, features: int = 12, classes: int = 4,
                         dtype: torch.dtype = torch.float64) -> TensorDataset:
-    """A fixed, learnable data set, the same on every rank (tests/mpi/helpers.py's)."""
+    """A fixed, learnable data set, the same on every rank (tests/mpi/helpers.py's).
+
+    Args:
+        samples: samples in the set.
+        features: input features per sample.
+        classes: label classes.
+        dtype: the inputs' dtype.
+    """
     generator = torch.Generator().manual_seed(2024)
     inputs = torch.randn(samples, features, generator=generator, dtype=dtype)
     labels = (inputs @ torch.randn(features, classes, generator=generator, dtype=dtype)).argmax(dim=1)
@@ -174,8 +188,19 @@ def small_mlp(seed: int, dtype: torch.dtype = torch.float64) -> nn.Module:
 
 def one_process(initial: Dict[str, torch.Tensor], model: nn.Module, optimizer: torch.optim.Optimizer,
                 data: TensorDataset, loss_fn, global_batch: int, steps: int, device: torch.device) -> List[float]:
-    """The reference: the same samples in the samplers' global order, ``global_batch`` at a time,
-    on this rank's device, without Horovod. Returns the per-step losses."""
+    """The reference: the same samples in the samplers' global order, a global batch at a time,
+    on this rank's device, without Horovod. Returns the per-step losses.
+
+    Args:
+        initial: the parameters' starting values, loaded into ``model`` first.
+        model: the model to train.
+        optimizer: its optimizer.
+        data: the whole data set.
+        loss_fn: loss(outputs, labels).
+        global_batch: samples per step (every rank's together).
+        steps: optimizer steps.
+        device: where to compute.
+    """
     from hvdtrain.data.sharding import ShardedSampler
 
     model.load_state_dict(initial)

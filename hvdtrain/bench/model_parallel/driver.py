@@ -75,7 +75,14 @@ def bubble_theory(stages: int, micro_batches: int) -> float:
 
 def in_flight_theory(schedule: str, micro_batches: int, stages: int, stage: int) -> int:
     """The most micro-batches whose activations ``stage`` holds at once: GPipe all M; 1F1B the
-    P - 1 - stage warm-up forwards and one more, never more than M."""
+    P - 1 - stage warm-up forwards and one more, never more than M.
+
+    Args:
+        schedule: gpipe or 1f1b.
+        micro_batches: M, micro-batches per batch.
+        stages: P, pipeline stages.
+        stage: this stage's index, from 0.
+    """
     if schedule == "gpipe":
         return micro_batches
     if schedule == "1f1b":
@@ -111,14 +118,21 @@ def model_bytes(dims: Dict[str, int]) -> int:
 
 
 def rank_bytes(dims: Dict[str, int], tensor: int, stages: int, held: Iterable[int]) -> Dict[str, float]:
-    """The parameter bytes of a rank whose stage holds layers ``held``, accounted, and how they
+    """The parameter bytes of a rank, accounted, and how they
     differ from the model / (T x P): measured - ideal = replicated + tied + stage balance, with
       replicated     the replicated parameters' bytes (the tied matrix excepted) x (1 - 1/T): each
                      tensor rank holds them whole instead of a 1/T share
       tied           the token matrix on the last stage of a pipeline (P > 1): a second copy, the
                      first stage's is the model's own
       stage balance  (the full bytes of the stage's layers, tied copy excepted, - model / P) / T:
-                     stages hold whole layers, so not exactly 1/P of the model"""
+                     stages hold whole layers, so not exactly 1/P of the model
+
+    Args:
+        dims: the model's dimensions (vocab, d_model, layers, ...).
+        tensor: T, the tensor-parallel size.
+        stages: P, the pipeline stages.
+        held: the layers this rank's stage holds.
+    """
     counts = layer_parameters(dims)
     held = sorted(set(held))
     split = sum(counts[i]["split"] for i in held) * FLOAT32

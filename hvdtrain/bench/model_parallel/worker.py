@@ -59,6 +59,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def make_trainer(args: argparse.Namespace, world, tensor: int, pipeline: int):
+    """A Trainer of the benchmark's model over a T x P mesh of ``world``, with its plan.
+
+    Args:
+        args: the worker's options (the model's size, batch, schedule).
+        world: this rank's World.
+        tensor: T, the tensor-parallel size.
+        pipeline: P, the pipeline stages.
+    """
     import torch
     from torch.utils.data import TensorDataset
 
@@ -116,8 +124,8 @@ class AllreduceTimer:
         import hvdtrain.parallel.tensor as tensor_module
 
         if not callable(getattr(tensor_module, "_allreduce_sum", None)):
-            raise RuntimeError("hvdtrain.parallel.tensor no longer routes f and g through _allreduce_sum: "
-                               "time its all-reduces where they are issued now")
+            raise RuntimeError("hvdtrain.parallel.tensor has no _allreduce_sum for f and g to route through: "
+                               "time its all-reduces where it issues them")
         self.module, self.original = tensor_module, tensor_module._allreduce_sum
         self.seconds, self.bytes, self.calls = 0.0, 0, 0
 

@@ -62,6 +62,14 @@ def step_flops(parameters: float, batch: float, seq_len: int) -> float:
 
 
 def device_rate(parameters: float, batch: float, seq_len: int, seconds: float) -> float:
+    """The device's rate in FLOP/s: one step's FLOPs over its seconds.
+
+    Args:
+        parameters: the model's parameter count.
+        batch: samples per step.
+        seq_len: tokens per sample.
+        seconds: the step's measured time.
+    """
     return step_flops(parameters, batch, seq_len) / seconds
 
 
@@ -103,9 +111,15 @@ def layout_key(layout) -> str:
 
 def predictions(shape, args, rates: Dict[str, float], link,
                 update_bandwidths: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
-    """Variant -> planner.Plan (memory unlimited: every layout 'fits'). ``rates`` and
-    ``update_bandwidths``: one_process and under_load, as ``calibrate`` measured them (without
-    update bandwidths, plan's assumed one)."""
+    """Variant -> planner.Plan (memory unlimited: every layout 'fits').
+
+    Args:
+        shape: the model's shape.
+        args: the driver's options.
+        rates: device FLOP/s, one_process and under_load, as ``calibrate`` measured them.
+        link: the fitted link (LinkFit).
+        update_bandwidths: the optimizer update's bytes/s, keyed like ``rates`` (None: plan's assumed one).
+    """
     from hvdtrain import planner
     from hvdtrain.planner.network import CALIBRATION
 
@@ -222,7 +236,14 @@ def worker_args(args: argparse.Namespace, mode: str, layouts: Sequence[str] = ()
 
 def calibrate(shape, args, single: Dict[str, Any], world: Dict[str, Any]) -> Dict[str, Any]:
     """Device rate from the plain step less its update (plan's compute is forward + backward), and
-    update bandwidth from the update alone: the bytes Adam streams over the whole model / its seconds."""
+    update bandwidth from the update alone: the bytes Adam streams over the whole model / its seconds.
+
+    Args:
+        shape: the model's shape.
+        args: the driver's options.
+        single: the one-process run's result.
+        world: the run's result at --workers.
+    """
     from hvdtrain import planner
 
     plain = single["plain_step_s"][str(args.batch)]

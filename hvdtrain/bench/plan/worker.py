@@ -40,6 +40,14 @@ def parse_layout(text: str) -> Dict[str, Any]:
 
 
 def format_layout(strategy: str, tensor: int, pipeline: int, micro_batches: int) -> str:
+    """A layout's label, strategy/T/P/M.
+
+    Args:
+        strategy: the data-parallel strategy.
+        tensor: T, the tensor-parallel size.
+        pipeline: P, the pipeline stages.
+        micro_batches: M, micro-batches per batch.
+    """
     return f"{strategy}/{tensor}/{pipeline}/{micro_batches}"
 
 

@@ -54,7 +54,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def formulas(psi_bytes: int, np: int, servers: int, rank: int) -> int:
-    """Bytes a rank sends plus receives per step under ps (see the module's text)."""
+    """Bytes a rank sends plus receives per step under ps (see the module's text).
+
+    Args:
+        psi_bytes: the model's gradient bytes.
+        np: ranks.
+        servers: ranks that also serve.
+        rank: the rank counted.
+    """
     slice_bytes = psi_bytes // servers
     if rank < servers:
         return 2 * (np - 1) * slice_bytes + 2 * (servers - 1) * slice_bytes
@@ -82,7 +89,15 @@ def table(results: Sequence[Dict[str, Any]]) -> List[str]:
 # The worker: one job, every rank.
 
 def measure(strategy, model, inputs, labels, steps: int) -> float:
-    """Median samples/s of the job (global batch over rank 0's step time)."""
+    """Median samples/s of the job (global batch over rank 0's step time).
+
+    Args:
+        strategy: the ps strategy over ``model``.
+        model: the model trained.
+        inputs: one batch's inputs.
+        labels: its labels.
+        steps: timed steps.
+    """
     import torch.nn.functional as F
 
     from hvdtrain.distributed import collectives

@@ -213,6 +213,15 @@ def verdicts(rows: List[Dict[str, Any]], args) -> List[Dict[str, Any]]:
 
 
 def text_report(rows, mem, verdict_lines, args, psi: Optional[int]) -> List[str]:
+    """The report's text: the throughput table, each strategy's memory and the verdicts.
+
+    Args:
+        rows: one per strategy, from the runs.
+        mem: the memory accounting by strategy.
+        verdict_lines: the targets' verdicts.
+        args: the driver's options (model, optimizer, batch, workers, rounds).
+        psi: the model's parameter bytes for the ZeRO formulas (None: unknown).
+    """
     def pair(held: Dict[str, Any], key: str) -> str:
         return f"{mib(held['rank0'][key]):.1f} / {mib(held['max'][key]):.1f}"
 

@@ -149,8 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated, from cnn, mlp, many (default: {','.join(MODELS)})")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help=f"comma-separated, from {', '.join(VARIANTS)} (default: all but horovod-gloo; "
-                             "dataparallel is skipped, with the reason, on a machine with too few GPUs)")
+                        help=f"comma-separated, from {', '.join(VARIANTS)} (default: all but horovod-gloo)")
     parser.add_argument("--workers", type=int, default=2, help="workers of the distributed variants (default: 2)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved repeats of every job (default: 5)")
     parser.add_argument("--batch", type=int, default=64, help="samples per worker per micro-batch (default: 64)")

@@ -124,7 +124,14 @@ def batches(loader: DataLoader) -> Iterator:
 
 
 def local_step(model, optimizer, micro_batches: Iterator, accumulation: int) -> None:
-    """One optimizer step of plain PyTorch: zero_grad, forward/backward per micro-batch, step."""
+    """One optimizer step of plain PyTorch: zero_grad, forward/backward per micro-batch, step.
+
+    Args:
+        model: the model.
+        optimizer: its optimizer.
+        micro_batches: (inputs, labels) pairs, ``accumulation`` of them.
+        accumulation: micro-batches per step; each loss is divided by it.
+    """
     optimizer.zero_grad()
     for _ in range(accumulation):
         inputs, targets = next(micro_batches)
@@ -204,7 +211,15 @@ def segment_steps(steps: int, segments: int) -> List[int]:
 
 
 def result(args, size: int, per_rank: List[Dict[str, Any]], model, extra: Dict[str, Any]) -> Dict[str, Any]:
-    """Rank 0's JSON: each segment lasts as long as its slowest rank."""
+    """Rank 0's JSON: each segment lasts as long as its slowest rank.
+
+    Args:
+        args: the worker's options.
+        size: ranks in the job.
+        per_rank: every rank's timings (segments, waits for gradients, CPU).
+        model: the model, for its parameter and tensor counts.
+        extra: fields added as is.
+    """
     slowest = [max(rank["segments"][k] for rank in per_rank) for k in range(args.segments)]
     elapsed = sum(slowest)
     per_step_samples = args.accumulation * args.batch * size
@@ -242,8 +257,16 @@ def rank_record(measured: Measured) -> Dict[str, Any]:
 
 def timed(barrier: Callable[[], None], run_steps: Callable[[int], None], args,
           sync: Optional["SyncTimer"] = None, others: tuple = ()) -> Measured:
-    """Warm up, then time ``args.steps`` steps in segments, the ranks lined up before each
-    (``sync`` and the ``others`` timers count from the first timed step)."""
+    """Warm up, then time the steps in segments, the ranks lined up before each
+    (``sync`` and the ``others`` timers count from the first timed step).
+
+    Args:
+        barrier: lines the ranks up.
+        run_steps: runs that many steps.
+        args: the worker's options (warm-up, steps, segments).
+        sync: the timer of the waits for gradients, or None.
+        others: more timers started with the first timed step.
+    """
     run_steps(args.warmup)
     for timer in (sync, *others):
         if timer is not None:

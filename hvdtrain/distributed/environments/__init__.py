@@ -43,7 +43,15 @@ def is_elastic_launch(environ: Mapping[str, str] = os.environ) -> bool:
 
 def world_mismatches(environment: ClusterEnvironment, rank: int, size: int,
                      local_rank: int, local_size: int) -> List[str]:
-    """Each value the launcher published that Horovod contradicts, as a sentence naming both."""
+    """Each value the launcher published that Horovod contradicts, as a sentence naming both.
+
+    Args:
+        environment: the launcher's variables, as found.
+        rank: Horovod's rank.
+        size: Horovod's size.
+        local_rank: Horovod's local rank.
+        local_size: Horovod's local size.
+    """
     pairs = [
         ("world size", environment.world_size(), size, "hvd.size()"),
         ("rank", environment.global_rank(), rank, "hvd.rank()"),
@@ -59,7 +67,15 @@ def world_mismatches(environment: ClusterEnvironment, rank: int, size: int,
 
 def check_world(environment: ClusterEnvironment, rank: int, size: int,
                 local_rank: int, local_size: int) -> None:
-    """Refuse to train with a world that is not the one the launcher started."""
+    """Refuse to train with a world that is not the one the launcher started.
+
+    Args:
+        environment: the launcher's variables, as found.
+        rank: Horovod's rank.
+        size: Horovod's size.
+        local_rank: Horovod's local rank.
+        local_size: Horovod's local size.
+    """
     problems = world_mismatches(environment, rank, size, local_rank, local_size)
     if problems:
         raise LauncherEnvironmentError(

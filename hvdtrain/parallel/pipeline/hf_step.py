@@ -135,7 +135,15 @@ class StageStep:
                  dtype: torch.dtype) -> None:
         """The dry run, on every rank before any exchange: the step_fn on each micro-batch against a
         model answering zeros (no memory: an expanded scalar), so that a misuse is refused alike
-        everywhere and the metrics' names are known to every stage."""
+        everywhere and the metrics' names are known to every stage.
+
+        Args:
+            step_fn: the user's step function.
+            loss: the model's own loss, as a micro-batch's share of the batch's token mean.
+            micro_batches: the batch's micro-batches.
+            vocab_size: the logits' last dimension, for the dry run's zeros.
+            dtype: the logits' dtype, for the dry run's zeros.
+        """
         self.step_fn, self.loss = step_fn, loss
         self.values: Optional[torch.Tensor] = None
         seen = set()

@@ -49,12 +49,18 @@ def exchange(group: Group, send: Optional[torch.Tensor], name: str,
              device: torch.device = torch.device("cpu")) -> Optional[torch.Tensor]:
     """Send ``send`` (or nothing) to the other rank of the 2-rank ``group`` and return what it
     sent (or None). Both ranks call it with the same ``name``; it returns when both did.
-    ``device``: the stage's, where an empty row (nothing to send) is made: Horovod refuses a
-    collective whose ranks' tensors are on different kinds of device (CPU on one, GPU on the other).
 
     One alltoall of bytes: each side's tensor travels with its own header (dtype code, ndim,
     shape), so the receiver needs to know nothing in advance, and both ways share the call
-    whatever their dtypes."""
+    whatever their dtypes.
+
+    Args:
+        group: the 2-rank group.
+        send: the tensor to send, or None.
+        name: the collective's name, the same on both ranks.
+        device: the stage's, where an empty row (nothing to send) is made: Horovod refuses a collective whose ranks'
+            tensors are on different kinds of device (CPU on one, GPU on the other).
+    """
     if group.size != 2 or group.process_set is None:
         raise ValueError(f"point-to-point needs a pair of ranks with a process set, got {group!r}")
     row = torch.empty(0, dtype=torch.uint8, device=device) if send is None else pack(send)

@@ -41,10 +41,18 @@ class Measure(NamedTuple):
 def from_last_stage(mesh: Mesh, name: str, device: torch.device, measure: Optional[Measure],
                     loss: Optional[torch.Tensor],
                     measured: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """(the loss, the metrics by name) as the last stage of this pipeline computed them (``loss`` and
-    ``measure``'s values there, None on the other stages), on every stage: one broadcast over
-    ``mesh.pipeline``, in float64 (the other stages receive into zeros on their own device: one
-    device kind per collective)."""
+    """(the loss, the metrics by name) as the last stage of this pipeline computed them, on every stage:
+    one broadcast over ``mesh.pipeline``, in float64 (the other stages receive into zeros on their
+    own device: one device kind per collective).
+
+    Args:
+        mesh: the mesh; the broadcast runs over ``mesh.pipeline``.
+        name: the collective's name.
+        device: this stage's device, where the other stages receive.
+        measure: what the last stage measures beside the loss, or None.
+        loss: the loss on the last stage, None on the others.
+        measured: ``measure``'s values on the last stage, None on the others.
+    """
     summary = torch.zeros(1 + (len(measure.names) if measure is not None else 0), dtype=torch.float64, device=device)
     if loss is not None:
         summary[0] = loss
@@ -248,17 +256,25 @@ _SCHEDULES = {"gpipe": _gpipe, "1f1b": _one_f_one_b}
 
 def run_schedule(schedule: str, stage: PipelineStage, mesh: Mesh, micro_batches: Sequence[MicroBatch],
                  loss_fn: LossFn, measure: Optional[Measure] = None, shares: bool = False) -> torch.Tensor:
-    """Forward and backward of every micro-batch through the pipeline by ``schedule`` ("gpipe" or
-    "1f1b"); a collective over ``mesh.pipeline`` (and ``mesh.ends``). Gradients accumulate in the
-    stage's ``.grad`` (the caller zeroes them). Returns the mean loss over the micro-batches
-    (float64, detached), the same on every stage; ``stage.stats`` holds the run's timings and
-    ``stage.metrics`` what ``measure`` measured, the mean over the micro-batches (equal in size), by
-    name, the same on every stage.
+    """Forward and backward of every micro-batch through the pipeline by the schedule; a collective over
+    ``mesh.pipeline`` (and ``mesh.ends``). Gradients accumulate in the stage's ``.grad`` (the caller
+    zeroes them). Returns the mean loss over the micro-batches (float64, detached), the same on every
+    stage; ``stage.stats`` holds the run's timings and ``stage.metrics`` what was measured, the mean
+    over the micro-batches (equal in size), by name, the same on every stage.
 
     Every stage passes the same number of micro-batches; the first stage uses their inputs, the
-    last their targets, the others only their count. ``loss_fn`` gives a micro-batch's mean loss
-    (the batch's is the mean over the micro-batches), or with ``shares`` its share of the batch's
-    (summed: a token mean over the whole batch, Hugging Face's num_items_in_batch)."""
+    last their targets, the others only their count.
+
+    Args:
+        schedule: gpipe or 1f1b.
+        stage: this rank's stage.
+        mesh: the mesh; its pipeline group runs the schedule.
+        micro_batches: the batch's micro-batches.
+        loss_fn: a micro-batch's mean loss (the batch's is the mean over the micro-batches), or with ``shares`` its
+            share of the batch's.
+        measure: what the last stage measures beside the loss, or None.
+        shares: ``loss_fn`` gives shares, summed: a token mean over the whole batch, Hugging Face's num_items_in_batch.
+    """
     if schedule not in _SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     micro_batches = list(micro_batches)

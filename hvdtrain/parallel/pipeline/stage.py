@@ -71,7 +71,16 @@ def _is_default_step(step_fn: Any) -> bool:
 
 
 class PipelinedModel:
-    """This rank's stage of the pipeline and how batches go through it."""
+    """This rank's stage of the pipeline and how batches go through it.
+
+    Args:
+        stage: this rank's stage.
+        mesh: the mesh.
+        loss_fn: the last stage's loss function.
+        micro_batches: micro-batches per batch.
+        schedule: gpipe or 1f1b.
+        model: the whole model's object, for its loss_function and config.
+    """
 
     def __init__(self, stage: PipelineStage, mesh: Mesh, loss_fn: LossFn, micro_batches: int, schedule: str,
                  model: nn.Module) -> None:
@@ -80,9 +89,16 @@ class PipelinedModel:
         self.__dict__["model"] = model  # the whole model's object: its loss_function and config
 
     def train_batch(self, batch: Any, autocast, divisor: int, step_fn: Any = None) -> Tuple[torch.Tensor, Dict]:
-        """Forward and backward of the batch's micro-batches by the schedule; the gradients of
-        ``loss / divisor`` (the accumulation count) accumulate. Returns (the batch's loss, its
-        metrics: the means over the micro-batches)."""
+        """Forward and backward of the batch's micro-batches by the schedule; the gradients of the loss over
+        the accumulation count accumulate. Returns (the batch's loss, its metrics: the means over the
+        micro-batches).
+
+        Args:
+            batch: the batch, cut into micro-batches here.
+            autocast: the forward's precision context.
+            divisor: the accumulation count, dividing the loss.
+            step_fn: a user's step function run on the last stage (None: ``loss_fn`` on the logits).
+        """
         micro = _micro_batches(batch, self.micro_batches)
         step = self._step_for(batch, micro, step_fn)  # every rank, before any exchange: refusals alike
         loss_fn = step.loss_fn if divisor == 1 else (lambda out, target: step.loss_fn(out, target) / divisor)
@@ -141,9 +157,18 @@ def probe_model(model: nn.Module, plan: ModelPlan) -> Optional[HFPipelinePlan]:
 
 def build_stage(model: nn.Module, plan: ModelPlan, mesh: Mesh, loss_fn: LossFn, micro_batches: int,
                 schedule: str, hf_plan: Optional[HFPipelinePlan] = None) -> PipelinedModel:
-    """Cut ``model`` into the mesh's stages (``plan.pipeline_layers(model)``, an nn.Sequential's
-    children, or a Hugging Face causal LM's by ``hf_plan``: probe_model's; ``plan.stage_layers`` or
-    balanced by parameter count) and keep this rank's."""
+    """Cut the model into the mesh's stages and keep this rank's.
+
+    Args:
+        model: the whole model.
+        plan: its layers (``plan.pipeline_layers(model)``, or an nn.Sequential's children) and their cut
+            (``plan.stage_layers``, else balanced by parameter count).
+        mesh: the mesh; its pipeline axis gives the stages.
+        loss_fn: the last stage's loss function.
+        micro_batches: micro-batches per batch.
+        schedule: gpipe or 1f1b.
+        hf_plan: a Hugging Face causal LM's layers, probe_model's (None: not one).
+    """
     if plan.pipeline_layers is not None:
         layers = list(plan.pipeline_layers(model))
     elif isinstance(model, nn.Sequential):

@@ -37,10 +37,17 @@ from hvdtrain.strategies.unused_parameters import GradientUse, start_agreement, 
 class FSDPStrategy(ShardedStrategy):
     """ZeRO stage 3: parameters, gradients and optimizer state sharded, gathered unit by unit.
 
-    ``wrap_policy(module) -> bool`` picks the units (default: the model's blocks, see
-    fsdp_units.default_wrap_policy); ``prefetch`` overlaps each unit's all-gather with the
-    previous unit's compute. ``deferred``: the model was built on the meta device; each rank gives
-    values to its shards only, one unit in memory at a time (initialization.py).
+    Args:
+        model: the model; its parameters are handled as the strategy says.
+        optimizer: the user's optimizer over them.
+        world: this rank's World (its data-parallel group).
+        accumulation: micro-batches per optimizer step.
+        fp16_allreduce: compress gradients to fp16 for their exchange.
+        wrap_policy: ``wrap_policy(module) -> bool`` picks the units (None: the model's blocks, see
+            fsdp_units.default_wrap_policy).
+        prefetch: overlap each unit's all-gather with the previous unit's compute.
+        deferred: the model was built on the meta device: each rank gives values to its shards only, one unit in memory
+            at a time (initialization.py).
     """
 
     name = "fsdp"
@@ -71,6 +78,15 @@ class FSDPStrategy(ShardedStrategy):
     @classmethod
     def from_config(cls, config: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                     **context: Any) -> "FSDPStrategy":
+        """Built from the settings; ``context``'s deferred initialization, if any, is taken.
+
+        Args:
+            config: the run's settings (TrainConfig).
+            model: the model.
+            optimizer: its optimizer.
+            world: this rank's World.
+            context: what set-up knows besides: mesh, plan, loss_fn, deferred.
+        """
         return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce,
                    deferred=context.get("deferred"))
 

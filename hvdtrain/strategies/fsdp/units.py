@@ -105,11 +105,20 @@ def parameter_owners(model: nn.Module, unit_paths: Sequence[str]) -> Dict[int, O
 def build_units(model: nn.Module, optimizer: torch.optim.Optimizer, policy: WrapPolicy, rank: int,
                 world_size: int, keep_initial: bool, with_values: bool = True,
                 ) -> Tuple[FSDPUnit, List[FSDPUnit], List[torch.Tensor]]:
-    """(root, the units with parameters in registration order, and with ``keep_initial`` the full
-    buffers of the parameters' values as given, bucket by bucket). Every trainable optimizer
-    parameter goes to one bucket; afterwards it is a view of a freed full buffer. Without
-    ``with_values`` the shards start at zero (the parameters hold no values: a re-cut for a new
-    world, filled from a checkpoint next)."""
+    """(root, the units with parameters in registration order, and when kept, the full buffers of the
+    parameters' values as given, bucket by bucket). Every trainable optimizer parameter goes to one
+    bucket; afterwards it is a view of a freed full buffer.
+
+    Args:
+        model: the model.
+        optimizer: its optimizer, whose trainable parameters are sharded.
+        policy: picks the units.
+        rank: this rank among the data-parallel ranks.
+        world_size: data-parallel ranks.
+        keep_initial: also return the full buffers of the parameters' values as given.
+        with_values: False: the shards start at zero (the parameters hold no values: a re-cut for a new world, filled
+            from a checkpoint next).
+    """
     found = find_units(model, policy)
     owners = parameter_owners(model, [path for path, _ in found])
     registration = {id(p): i for i, p in enumerate(model.parameters())}

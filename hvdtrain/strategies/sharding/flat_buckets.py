@@ -80,7 +80,15 @@ def bucket_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
                       rank: int, world_size: int) -> List[FlatBucket]:
     """The optimizer's trainable parameters packed into buckets, each parameter now a view of its
     bucket's buffer. Group by group, each group in reverse registration order: the order in which
-    backward produces the gradients, so that the first buckets fill up first."""
+    backward produces the gradients, so that the first buckets fill up first.
+
+    Args:
+        model: the model.
+        optimizer: its optimizer, whose trainable parameters are packed.
+        bucket_bytes: the largest bucket, in bytes.
+        rank: this rank among the data-parallel ranks: which slice of each bucket it owns.
+        world_size: data-parallel ranks.
+    """
     registration = {id(p): i for i, p in enumerate(model.parameters())}
     buckets: List[FlatBucket] = []
     for group, indices in enumerate(indices_by_group(optimizer)):
@@ -188,7 +196,15 @@ def shard_state_dict(buckets: Sequence[FlatBucket], group_indices: List[List[int
 def full_state_dict(buckets: Sequence[FlatBucket], group_indices: List[List[int]],
                     param_groups: List[Dict[str, Any]], shard_states: Sequence[Dict[str, Any]],
                     gathered: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, Any]:
-    """The user's optimizer's state_dict from the shards' states and their gathered full buffers."""
+    """The user's optimizer's state_dict from the shards' states and their gathered full buffers.
+
+    Args:
+        buckets: the flat buckets.
+        group_indices: per parameter group, torch's numbering of its parameters (indices_by_group).
+        param_groups: the user's optimizer's parameter groups.
+        shard_states: every rank's shard optimizer state.
+        gathered: per bucket, its state tensors' full buffers gathered from every rank.
+    """
     state: Dict[int, Dict[str, Any]] = {}
     for bucket, shard, full in zip(buckets, shard_states, gathered):
         if shard:

@@ -58,7 +58,14 @@ def unmanaged_state(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket]) ->
 
 def shard_state_dict(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket], optimizer: torch.optim.Optimizer,
                      group_indices: List[List[int]]) -> Dict[str, Any]:
-    """This rank's part (local: no collective); see the module's text."""
+    """This rank's part (local: no collective); see the module's text.
+
+    Args:
+        model: the model.
+        buckets: the flat buckets.
+        optimizer: the shard optimizer.
+        group_indices: per parameter group, torch's numbering of its parameters (indices_by_group).
+    """
     states = {}
     for bucket in buckets:
         state = optimizer.state.get(bucket.shard, {})
@@ -81,7 +88,14 @@ def shard_state_dict(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket], o
 
 def check_shard(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket], group_indices: List[List[int]],
                 state: Dict[str, Any]) -> None:
-    """ValueError unless ``state`` is this rank's part for this model, optimizer and world (local)."""
+    """ValueError unless ``state`` is this rank's part for this model, optimizer and world (local).
+
+    Args:
+        model: the model.
+        buckets: the flat buckets.
+        group_indices: per parameter group, torch's numbering of its parameters (indices_by_group).
+        state: the part to check, from a checkpoint.
+    """
     missing = [key for key in SHARD_KEYS if key not in state]
     if missing:
         raise ValueError(f"not a strategy shard: missing {', '.join(missing)}")
@@ -114,7 +128,15 @@ def _first_difference(saved: Dict[str, Any], mine: Dict[str, Any]) -> str:
 def load_shard_state_dict(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket], optimizer: torch.optim.Optimizer,
                           group_indices: List[List[int]], state: Dict[str, Any]) -> None:
     """Put this rank's part back: its slices into the buckets' shards, the unmanaged tensors into the
-    model, the shard optimizer's state (local; a ZeRO strategy then all-gathers its parameters)."""
+    model, the shard optimizer's state (local; a ZeRO strategy then all-gathers its parameters).
+
+    Args:
+        model: the model.
+        buckets: the flat buckets.
+        optimizer: the shard optimizer.
+        group_indices: per parameter group, torch's numbering of its parameters (indices_by_group).
+        state: this rank's part, checked by check_shard.
+    """
     check_shard(model, buckets, group_indices, state)
     with torch.no_grad():
         for bucket, value in zip(buckets, state["params"]):
