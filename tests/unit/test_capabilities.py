@@ -59,7 +59,8 @@ def test_how_a_strategy_declares_it_loads_is_what_its_class_implements():
         cls = registry.strategy_class(name)
         loads = cls.capabilities.loads
         assert issubclass(cls, ShardedStrategy) == (loads == caps.OWN_SHARD), name
-        assert hasattr(cls, "load_from") == (loads == caps.EVERY_PART), name
+        # every strategy reads a source through load_from; a mesh reads every rank's file even at its own layout
+        assert callable(getattr(cls, "load_from", None)) and callable(getattr(cls, "read_part", None)), name
         # every strategy whose optimizer steps slices clips a gradient norm as a collective
         if issubclass(cls, SlicedStateStrategy) or loads == caps.EVERY_PART:
             assert cls.capabilities.shards_gradients, name

@@ -18,7 +18,8 @@ optimizer's part for both). Imports neither Horovod nor the strategies: it runs 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+import math
+from typing import Any, Dict, List, Mapping, Sequence
 
 import torch
 
@@ -122,6 +123,66 @@ def load_shard_state_dict(model: torch.nn.Module, buckets: Sequence[fb.FlatBucke
     if state["unmanaged"]:
         model.load_state_dict(state["unmanaged"], strict=False)
     optimizer.load_state_dict(state["optimizer"])
+
+
+def part_from(source: Any, layout_: Mapping[str, Any], rank: int, world_size: int) -> Dict[str, Any]:
+    """Rank ``rank``'s part under ``layout_`` (a sharded strategy's own, for ``world_size`` ranks),
+    filled from a checkpoint ``source`` (hvdtrain.checkpoint.sources.contract): what that strategy's
+    shard_state_dict() would hold had it written it. Reads only the elements of the part (local)."""
+    source.check_flat_layout(layout_)
+    params: List[torch.Tensor] = []
+    states: Dict[int, Dict[str, Any]] = {}
+    for entry in layout_["buckets"]:
+        size = entry["padded_numel"] // world_size
+        low, high = rank * size, (rank + 1) * size
+        flat = torch.zeros(size, dtype=getattr(torch, entry["dtype"]))  # padding stays zero, as when written
+        state: Dict[str, Any] = {}
+        for names, shape, offset in zip(entry["names"], entry["shapes"], entry["offsets"]):
+            start, stop = max(low, offset), min(high, offset + math.prod(shape))
+            if start >= stop:
+                continue
+            name = names[0]
+            flat[start - low:stop - low] = source.read(name, start - offset, stop - offset)
+            for key, value in source.optimizer_state(name).items():
+                if fb.is_elementwise(value):
+                    state.setdefault(key, torch.zeros(size, dtype=value.dtype))
+                    state[key][start - low:stop - low] = source.read(name, start - offset, stop - offset, key)
+                else:
+                    state.setdefault(key, value.clone() if isinstance(value, torch.Tensor) else value)
+        params.append(flat)
+        if state:
+            states[entry["index"]] = state
+    groups = [{**{key: value for key, value in group.items() if key != "params"},
+               "params": [entry["index"] for entry in layout_["buckets"] if entry["group"] == g]}
+              for g, group in enumerate(source.param_groups())]
+    return {"rank": rank, "world_size": world_size, "params": params,
+            "optimizer": {"state": states, "param_groups": groups},
+            "unmanaged": {name: tensor.clone() for name, tensor in source.unmanaged().items()}, "layout": layout_}
+
+
+def part_from_weights(part: Dict[str, Any], source: Any) -> Dict[str, Any]:
+    """This rank's ``part`` (its shard_state_dict(): the optimizer's state and groups kept as they
+    are) with its slices and unmanaged tensors read from a ``source`` of weights only (a Hugging
+    Face directory), each tensor found under any of its names and checked for its shape (local)."""
+    rank, size = part["rank"], part["world_size"]
+    params = []
+    for entry in part["layout"]["buckets"]:
+        slice_size = entry["padded_numel"] // size
+        low, high = rank * slice_size, (rank + 1) * slice_size
+        flat = torch.zeros(slice_size, dtype=getattr(torch, entry["dtype"]))  # padding stays zero
+        for names, shape, offset in zip(entry["names"], entry["shapes"], entry["offsets"]):
+            start, stop = max(low, offset), min(high, offset + math.prod(shape))
+            if start < stop:
+                name = source.first_held(names)
+                source.check_shape(name, shape)
+                flat[start - low:stop - low] = source.read(name, start - offset, stop - offset)
+        params.append(flat)
+    unmanaged = {}
+    for name, value in part["unmanaged"].items():
+        held = source.first_held([name])
+        source.check_shape(held, value.shape)
+        unmanaged[name] = source.full_tensor(held).reshape(value.shape).to(value.dtype)
+    return {**part, "params": params, "unmanaged": unmanaged}
 
 
 def assemble_full_state(shards: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
