@@ -60,8 +60,14 @@ class SafetensorsSource(TensorSource):
         return self.read(name, 0, math.prod(shape)).reshape(shape)
 
     def read(self, name: str, start: int, stop: int, key: str = "") -> torch.Tensor:
-        """Elements [start, stop) of ``name`` flattened, reading only the rows (first-dimension
-        slices) that hold them."""
+        """Elements of a tensor flattened, reading only the rows (first-dimension slices) that hold them.
+
+        Args:
+            name: the tensor's name in the directory.
+            start: the first element read.
+            stop: the element after the last one read.
+            key: an optimizer state entry: refused, the directory holds weights only.
+        """
         if key:
             raise CheckpointError(f"{self.directory} holds weights only: no optimizer state ({key} of {name})")
         from safetensors import safe_open

@@ -56,8 +56,15 @@ class TensorSource(ABC):
         """The model's tensor ``name``, whole."""
 
     def read(self, name: str, start: int, stop: int, key: str = "") -> torch.Tensor:
-        """Elements [start, stop) of tensor ``name`` flattened, or of its optimizer state ``key``:
-        what a rank of a sharded strategy reads of its slice, without the rest where the source can."""
+        """Elements of a tensor flattened, or of its optimizer state: what a rank of a sharded strategy
+        reads of its slice, without the rest where the source can.
+
+        Args:
+            name: the tensor's state_dict name.
+            start: the first element read.
+            stop: the element after the last one read.
+            key: an optimizer state entry of the tensor (Adam's ``exp_avg``); empty: the tensor itself.
+        """
         whole = self.full_tensor(name) if not key else self._optimizer_entry(name, key)
         return whole.reshape(-1)[start:stop].clone()
 

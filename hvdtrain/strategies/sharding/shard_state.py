@@ -14,7 +14,9 @@ owns slice r of every bucket. A rank's part (``shard_state_dict``) holds, with n
 
 ``assemble_full_state`` assembles every rank's parts into the full {"model", "optimizer"} state in the
 plain formats, as ``Strategy.state_dict()`` gathers it (flat_buckets.full_state_dict does the
-optimizer's part for both). Imports neither Horovod nor the strategies: it runs in one process.
+optimizer's part for both). ``part_from`` fills a rank's part from a checkpoint of any layout,
+``part_from_weights`` from pretrained weights, both read through a tensor source
+(hvdtrain.checkpoint.sources.contract). Imports neither Horovod nor the strategies: it runs in one process.
 """
 from __future__ import annotations
 
@@ -125,14 +127,20 @@ def load_shard_state_dict(model: torch.nn.Module, buckets: Sequence[fb.FlatBucke
     optimizer.load_state_dict(state["optimizer"])
 
 
-def part_from(source: Any, layout_: Mapping[str, Any], rank: int, world_size: int) -> Dict[str, Any]:
-    """Rank ``rank``'s part under ``layout_`` (a sharded strategy's own, for ``world_size`` ranks),
-    filled from a checkpoint ``source`` (hvdtrain.checkpoint.sources.contract): what that strategy's
-    shard_state_dict() would hold had it written it. Reads only the elements of the part (local)."""
-    source.check_flat_layout(layout_)
+def part_from(source: Any, mine: Mapping[str, Any], rank: int, world_size: int) -> Dict[str, Any]:
+    """A rank's part in its own layout, filled from a checkpoint of any layout: what its strategy's
+    shard_state_dict() would hold had it written it. Reads only the elements of the part (local).
+
+    Args:
+        source: the checkpoint, asked as hvdtrain.checkpoint.sources.contract describes.
+        mine: the layout of the strategy's part (its shard_layout()).
+        rank: the rank whose part is read.
+        world_size: how many ranks share the buckets.
+    """
+    source.check_flat_layout(mine)
     params: List[torch.Tensor] = []
     states: Dict[int, Dict[str, Any]] = {}
-    for entry in layout_["buckets"]:
+    for entry in mine["buckets"]:
         size = entry["padded_numel"] // world_size
         low, high = rank * size, (rank + 1) * size
         flat = torch.zeros(size, dtype=getattr(torch, entry["dtype"]))  # padding stays zero, as when written
@@ -153,11 +161,11 @@ def part_from(source: Any, layout_: Mapping[str, Any], rank: int, world_size: in
         if state:
             states[entry["index"]] = state
     groups = [{**{key: value for key, value in group.items() if key != "params"},
-               "params": [entry["index"] for entry in layout_["buckets"] if entry["group"] == g]}
+               "params": [entry["index"] for entry in mine["buckets"] if entry["group"] == g]}
               for g, group in enumerate(source.param_groups())]
     return {"rank": rank, "world_size": world_size, "params": params,
             "optimizer": {"state": states, "param_groups": groups},
-            "unmanaged": {name: tensor.clone() for name, tensor in source.unmanaged().items()}, "layout": layout_}
+            "unmanaged": {name: tensor.clone() for name, tensor in source.unmanaged().items()}, "layout": mine}
 
 
 def part_from_weights(part: Dict[str, Any], source: Any) -> Dict[str, Any]:
