@@ -51,8 +51,8 @@ def test_a_strategy_of_ones_own_declares_its_record_and_keeps_it():
 
 def test_how_a_strategy_declares_it_loads_is_what_its_class_implements():
     """The checkpoint layer reads ``loads`` instead of asking which class it holds: the declaration
-    must name the methods the class has (own shards: the flat buckets' shard state; every part: a
-    mesh's source reader)."""
+    must name the methods the class has (own shards: the flat buckets' shard state); every strategy
+    reads any tensor source (load_from)."""
     from hvdtrain.strategies.sharding.sliced import ShardedStrategy, SlicedStateStrategy
 
     for name in registry.STRATEGIES:
