@@ -29,10 +29,10 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
 from hvdtrain.checkpoint.manager import CheckpointManager
-from hvdtrain.checkpoint.protocol import Checkpointing, attempt, problems_on_any_rank
+from hvdtrain.checkpoint.coordination import Checkpointing, attempt, problems_on_any_rank
 from hvdtrain.checkpoint import CheckpointError
-from hvdtrain.checkpoint import hf_export
-from hvdtrain.checkpoint import pretrained
+from hvdtrain.weights import hf_export
+from hvdtrain.weights import pretrained
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.batching import Batching
 from hvdtrain.data.sharding import LoaderFactory, ShardedSampler
@@ -413,20 +413,20 @@ class Session:
     def load_pretrained(self, directory) -> int:
         """Start from a local Hugging Face model directory's weights (config.json + safetensors, as
         save_pretrained writes it), each rank reading only what it keeps (under zero1, zero2, fsdp
-        its slices: hvdtrain.checkpoint.pretrained). Every rank calls it, before fit(); a directory
+        its slices: hvdtrain.weights.pretrained). Every rank calls it, before fit(); a directory
         that does not fit the model is refused on every rank. Returns the bytes this rank read."""
         if self.position.step:
             raise ValueError(f"load_pretrained starts a run from pretrained weights, but this one is at step "
                              f"{self.position.step} (resumed from a checkpoint, or trained): its weights are newer")
-        def read() -> Tuple[pretrained.SafetensorsReader, Dict[str, Any]]:
-            reader = pretrained.SafetensorsReader(directory)
-            return reader, pretrained.own_part(self.strategy, reader)
+        def read() -> Tuple[pretrained.SafetensorsSource, Any]:
+            reader = pretrained.SafetensorsSource(directory)
+            return reader, self.strategy.read_part(reader)
         outcome = attempt(read)
         problems = problems_on_any_rank(outcome if isinstance(outcome, str) else None, "pretrained")
         if problems:
             raise CheckpointError(f"the pretrained weights in {directory} cannot be loaded: {'; '.join(problems)}")
         reader, part = outcome
-        pretrained.apply(self.strategy, part)
+        self.strategy.load_part(part)
         self.topology.log.info(f"started from the pretrained weights in {directory} (this rank read "
                                f"{reader.bytes_read / 2**20:.1f} MiB)")
         return reader.bytes_read

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from hvdtrain.checkpoint import CheckpointError
-from hvdtrain.checkpoint import hf_export
-from hvdtrain.checkpoint.export import export_model_streamed
+from hvdtrain.weights import hf_export
+from hvdtrain.weights.export import export_model_streamed
 from hvdtrain.config.train import PRECISIONS
 from hvdtrain.data.sharding import sharded_loader
 from hvdtrain.distributed import collectives

@@ -9,17 +9,17 @@ from pathlib import Path
 from typing import Any, Dict
 
 from hvdtrain.checkpoint import FORMAT_VERSION, CheckpointError
-from hvdtrain.checkpoint import resharding
-from hvdtrain.checkpoint import sharded_format as sharded
+from hvdtrain.checkpoint.sources import sharded as sources
+from hvdtrain.checkpoint.formats import sharded
 
 
 def consolidate(path: Path) -> Dict[str, Any]:
-    """The full checkpoint (hvdtrain.checkpoint.store's format, which any strategy and worker count
+    """The full checkpoint (hvdtrain.checkpoint.formats.full's format, which any strategy and worker count
     resumes) from the sharded one at ``path``, in one process: every rank's file is read and checked."""
     manifest = sharded.read_manifest(Path(path))
-    resharding.verify(Path(path), manifest, range(manifest["world_size"]))
+    sources.verify(Path(path), manifest, range(manifest["world_size"]))
     try:
-        source = resharding.open_source(Path(path), manifest)
+        source = sources.open_source(Path(path), manifest)
         full = source.full_state()
     except (KeyError, ValueError, TypeError) as error:
         raise CheckpointError(f"{path}: the shards do not fit together: {type(error).__name__}: {error}") from None

@@ -1,19 +1,21 @@
 """The Trainer's checkpoints: what one holds to continue exactly, and putting it back.
 
 A checkpoint holds the strategy's model and optimizer state, the run state (hvdtrain.checkpoint.
-run_state: where the run is, the LR schedule, fp16's loss scale, the settings) and every rank's RNG
+formats.run_state: where the run is, the LR schedule, fp16's loss scale, the settings) and every rank's RNG
 states. A resumed run takes back a full checkpoint, or each rank its own part of a sharded one.
-Across ranks: hvdtrain.checkpoint.protocol.
+Across ranks: hvdtrain.checkpoint.coordination; how a strategy reads what it keeps: Strategy.load_from
+and hvdtrain.checkpoint.sources.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional
 
 from hvdtrain.checkpoint import FORMAT_VERSION
-from hvdtrain.checkpoint import kept as kept_state
-from hvdtrain.checkpoint.protocol import Checkpointing
-from hvdtrain.checkpoint.run_state import RunState
-from hvdtrain.checkpoint.sharded_format import is_sharded, resumes_as_written
+from hvdtrain.checkpoint.formats import kept as kept_state
+from hvdtrain.checkpoint.coordination import Checkpointing
+from hvdtrain.checkpoint.formats.run_state import RunState
+from hvdtrain.checkpoint.formats.sharded import is_sharded, resumes_as_written
+from hvdtrain.checkpoint.sources.full import FullStateSource
 from hvdtrain.common.capabilities import EVERY_PART
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.batching import Batching
@@ -68,7 +70,8 @@ class CheckpointManager:
         as_written = is_sharded(state) and resumes_as_written(state, self.config.strategy, self.topology.world.size,
                                                               self.topology.mesh_shape)
         if as_written:
-            # A mesh's rank keeps parts of every rank's file; its own file still holds its RNG states.
+            # A mesh's rank keeps parts of every rank's file (read through a source, as at another
+            # layout); its own file still holds its RNG states. A flat strategy's rank reads its own file.
             every_part = self.strategy.capabilities.loads == EVERY_PART
             shard = (self.protocol.load_resharded(state, self.strategy, keep_own=True) if every_part
                      else self.protocol.load_own_shard(state, self.strategy))
@@ -76,7 +79,7 @@ class CheckpointManager:
         elif is_sharded(state):  # another worker count or strategy: each rank's RNG is seeded anew below
             self.protocol.load_resharded(state, self.strategy)
         else:
-            self.strategy.load_state_dict(state)
+            self.strategy.load_from(FullStateSource(state))  # every rank holds it all: nothing to agree on
             if saved.world_size == self.topology.world.size and saved.mesh == self.topology.mesh_shape:
                 own_rng = state["rng"][self.topology.world.rank]
                 if saved.strategy == self.config.strategy:  # a zero2 rank's averages are its slices, not ddp's model

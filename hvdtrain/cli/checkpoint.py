@@ -41,7 +41,7 @@ def default_output(directory: Path) -> Path:
 
 
 def consolidate_checkpoint(args: argparse.Namespace) -> int:
-    from hvdtrain.checkpoint import sharded_format as sharded  # imports torch: only when running
+    from hvdtrain.checkpoint.formats import sharded  # imports torch: only when running
     from hvdtrain.checkpoint.consolidate import consolidate
     from hvdtrain.checkpoint import CheckpointError
     from hvdtrain.common.atomic import write_atomically

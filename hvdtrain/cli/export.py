@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or path.parent / f"{path.name.removesuffix('.pt')}-export"
     if args.format == "hf":
         return _export_hf(args, checkpoint, out)
-    from hvdtrain.checkpoint import export
+    from hvdtrain.weights import export
 
     existing = [out / name for name in (export.WEIGHTS_FILE, export.CONFIG_FILE) if (out / name).exists()]
     if existing and not args.force:
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _export_hf(args: argparse.Namespace, checkpoint: "Checkpoint", out: Path) -> int:
-    from hvdtrain.checkpoint import hf_export
+    from hvdtrain.weights import hf_export
 
     if args.hf_config is None:
         print("hvdtrain export: --format hf needs --hf-config, the model's config.json (a checkpoint holds the "
@@ -102,16 +102,17 @@ class Checkpoint:
     def __init__(self, path: Path) -> None:
         import torch
 
-        from hvdtrain.checkpoint import CheckpointError, resharding
-        from hvdtrain.checkpoint import sharded_format as sharded
-        from hvdtrain.checkpoint.hf_export import distinct_tensors, shared_names
-        from hvdtrain.checkpoint.store import CheckpointStore
+        from hvdtrain.checkpoint import CheckpointError
+        from hvdtrain.checkpoint.sources import sharded as sources
+        from hvdtrain.checkpoint.formats import sharded
+        from hvdtrain.weights.hf_export import distinct_tensors, shared_names
+        from hvdtrain.checkpoint.formats.full import CheckpointStore
 
         self.path = path
         if path.is_dir():
             self.info = sharded.read_manifest(path)
-            resharding.verify(path, self.info, range(self.info["world_size"]))
-            source = resharding.open_source(path, self.info)
+            sources.verify(path, self.info, range(self.info["world_size"]))
+            source = sources.open_source(path, self.info)
             self.aliases = source.aliases()
             self.tensors = source.model_tensors
             self.count = len(source.model_keys)
@@ -130,8 +131,8 @@ class Checkpoint:
 def _open(given: Path) -> Checkpoint:
     """The checkpoint ``given`` names: a file, a sharded checkpoint's directory, or the newest valid
     checkpoint in a checkpoint_dir."""
-    from hvdtrain.checkpoint import sharded_format as sharded
-    from hvdtrain.checkpoint.store import CheckpointStore
+    from hvdtrain.checkpoint.formats import sharded
+    from hvdtrain.checkpoint.formats.full import CheckpointStore
     from hvdtrain.checkpoint import CheckpointError
 
     if not given.exists():

@@ -22,9 +22,11 @@ MESH = "mesh"  # the data-parallel side of a tensor x pipeline mesh
 # strategies a user names, chosen by the mesh rather than by train.strategy.
 MODEL_PARALLEL = "model_parallel"
 
-# How a strategy takes a checkpoint's state back (and pretrained weights): every rank the full state
-# (load_state_dict), each rank its own shard of flat buckets (load_shard_state_dict), or each rank
-# what it holds of a mesh, read from every rank's file through a source (load_from).
+# What a strategy keeps of the state, which decides how a sharded checkpoint written at its own
+# layout comes back: every rank the full state, each rank its own shard of flat buckets (its own
+# file, read alone), or each rank what it holds of a mesh (read from every rank's file, as at any
+# other layout). Any other source (a full checkpoint, another layout, pretrained weights) every
+# strategy reads through Strategy.load_from.
 FULL_STATE, OWN_SHARD, EVERY_PART = "full_state", "own_shard", "every_part"
 
 

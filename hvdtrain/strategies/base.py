@@ -163,11 +163,41 @@ class Strategy(ABC):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Load a full {"model", "optimizer"} state (every rank holds all of it)."""
 
+    # Loading from a source of tensors (hvdtrain.checkpoint.sources.contract: a full checkpoint, a
+    # sharded or mesh checkpoint of any layout, a Hugging Face weights directory), which every
+    # strategy reads through the same questions. Reading is local and may fail on one rank alone;
+    # putting in place may be a collective. So the checkpoint layer has every rank read
+    # (read_part), agrees on every rank's outcome, and only then has every rank load_part.
+
+    def load_from(self, source: Any) -> None:
+        """Take this strategy's state from ``source``: what this rank keeps of it, read, then put in
+        place (every rank calls it: the loading may be a collective)."""
+        self.load_part(self.read_part(source))
+
+    def read_part(self, source: Any) -> Any:
+        """What this rank keeps of ``source``, read but not yet in place (local, no collective). Here
+        the whole state, which every rank holds; from a source without optimizer state (weights only)
+        every tensor of the model under each of its names, the optimizer's own state kept."""
+        if source.param_groups() is None:
+            model: Dict[str, torch.Tensor] = {}
+            for names, value in tensor_names(self.model):
+                name = source.first_held(names)
+                source.check_shape(name, value.shape)
+                tensor = source.full_tensor(name).reshape(value.shape).to(value.dtype)
+                model.update((alias, tensor) for alias in names)
+            return {"model": model, "optimizer": None}
+        return source.full_state()
+
+    def load_part(self, part: Any) -> None:
+        """Put what read_part read in place (every rank calls it, once every rank's read succeeded:
+        a strategy's load may be a collective)."""
+        if part["optimizer"] is None:
+            part = {"model": part["model"], "optimizer": self.state_dict()["optimizer"]}
+        self.load_state_dict(part)
+
     # Sharded checkpoints (train.checkpoint_format=sharded): each rank's own part, no collective.
-    # Only strategies that shard the state have them (hvdtrain.strategies.sharding.shard_state).
-    # A strategy that loads EVERY_PART (hvdtrain.common.capabilities; a tensor x pipeline mesh: a
-    # rank's tensors were written by the ranks of its replica and stage that write each element) loads
-    # through ``load_from(source)`` from every rank's file, also at its own layout, instead of its own.
+    # Only strategies that shard the state have them (hvdtrain.strategies.sharding.shard_state);
+    # a sharded checkpoint of another layout, or a mesh's, is read through load_from.
 
     def shard_state_dict(self) -> Dict[str, Any]:
         """This rank's own slices of the parameters and optimizer state, its buffers, and the layout

@@ -8,8 +8,8 @@ file appears, and fails as "too late" if that checkpoint was complete after all.
 """
 import pytest
 
-from hvdtrain.checkpoint import sharded_format as sharded
-from hvdtrain.checkpoint.store import LATEST, CheckpointStore, checkpoint_name
+from hvdtrain.checkpoint.formats import sharded
+from hvdtrain.checkpoint.formats.full import LATEST, CheckpointStore, checkpoint_name
 from tests.launch.helpers import PYTHON, kill_when, run
 
 MAX_STEPS, KILLED_AT = 6, 4  # checkpoints every 2 steps: 2 is complete when 4's write is killed

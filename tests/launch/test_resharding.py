@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hvdtrain.checkpoint import sharded_format as sharded
+from hvdtrain.checkpoint.formats import sharded
 from hvdtrain.checkpoint.consolidate import consolidate
 from tests.launch.helpers import PYTHON, run
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hvdtrain.checkpoint import CheckpointError
-from hvdtrain.checkpoint import sharded_format as sharded
-from hvdtrain.checkpoint.store import CheckpointStore, checkpoint_name
+from hvdtrain.checkpoint.formats import sharded
+from hvdtrain.checkpoint.formats.full import CheckpointStore, checkpoint_name
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed import collectives
 from hvdtrain.trainer import Trainer

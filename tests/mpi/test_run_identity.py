@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hvdtrain.checkpoint import CheckpointError
-from hvdtrain.checkpoint.store import CheckpointStore
+from hvdtrain.checkpoint.formats.full import CheckpointStore
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed import collectives
 from hvdtrain.fault_tolerance.elastic import ElasticState

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hvdtrain.distributed import collectives, rng
-from hvdtrain.checkpoint import sharded_format as sharded
+from hvdtrain.checkpoint.formats import sharded
 from hvdtrain.checkpoint.consolidate import consolidate
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.strategies import build_strategy

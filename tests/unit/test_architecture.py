@@ -19,6 +19,7 @@ LAYERS: Dict[str, int] = {
     "parallel": 3,                                   # the mesh, tensor and pipeline parallelism
     "strategies": 4,
     "checkpoint": 5, "observability": 5, "fault_tolerance": 5,
+    "weights": 6,                                    # import and export: reads checkpoint sources
     "examples": 6,
     "top": 7,                                        # hvdtrain/__init__.py, session.py, trainer.py, loop.py
     "bench": 8, "verify": 8,                         # leaves: they drive the Trainer, nothing imports them

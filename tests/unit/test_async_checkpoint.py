@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from hvdtrain.checkpoint import CheckpointError
-from hvdtrain.checkpoint import sharded_format as sharded
-from hvdtrain.checkpoint.background import BackgroundWrite
-from hvdtrain.checkpoint.snapshot import HostSnapshot
+from hvdtrain.checkpoint.formats import sharded
+from hvdtrain.checkpoint.async_writing.background import BackgroundWrite
+from hvdtrain.checkpoint.async_writing.snapshot import HostSnapshot
 
 
 def live_state():

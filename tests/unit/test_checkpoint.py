@@ -4,8 +4,8 @@ import logging
 import pytest
 import torch
 
-from hvdtrain.checkpoint import store as ckpt
-from hvdtrain.checkpoint.store import CheckpointError, CheckpointStore
+from hvdtrain.checkpoint.formats import full as ckpt
+from hvdtrain.checkpoint.formats.full import CheckpointError, CheckpointStore
 
 
 def state(step, **extra):

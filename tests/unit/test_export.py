@@ -5,8 +5,8 @@ import yaml
 from safetensors.torch import load_file
 from torch import nn
 
-from hvdtrain.checkpoint import export
-from hvdtrain.checkpoint.hf_export import distinct_tensors, shared_names
+from hvdtrain.weights import export
+from hvdtrain.weights.hf_export import distinct_tensors, shared_names
 
 
 class TiedLM(nn.Module):
@@ -27,7 +27,7 @@ class TiedLM(nn.Module):
 
 def save_checkpoint(directory, model_state, step, **run):
     """A full checkpoint of ``model_state`` at ``step`` in ``directory`` (its path), as a run writes one."""
-    from hvdtrain.checkpoint.store import FORMAT_VERSION, CheckpointStore
+    from hvdtrain.checkpoint.formats.full import FORMAT_VERSION, CheckpointStore
 
     return CheckpointStore(directory).save({"format": FORMAT_VERSION, "model": model_state, "optimizer": {},
                                             "scheduler": {}, "epoch": 0, "step": step, "epoch_position": 0,
@@ -80,7 +80,7 @@ def test_a_failed_export_leaves_the_previous_file_whole(tmp_path, monkeypatch):
         out.write(b"\x00" * 10)
         raise OSError("disk full")
 
-    from hvdtrain.checkpoint import safetensors_stream
+    from hvdtrain.weights import safetensors_stream
     monkeypatch.setattr(safetensors_stream.shutil, "copyfileobj", half_written)
     with pytest.raises(OSError, match="disk full"):
         export_state(TiedLM(seed=3).state_dict(), tmp_path)

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from hvdtrain.checkpoint import hf_export
-from hvdtrain.checkpoint.store import FORMAT_VERSION, CheckpointStore
+from hvdtrain.weights import hf_export
+from hvdtrain.checkpoint.formats.full import FORMAT_VERSION, CheckpointStore
 from hvdtrain.cli import main
 
 transformers = pytest.importorskip("transformers")
@@ -64,7 +64,7 @@ def test_wrong_uses_are_refused_and_a_failed_export_keeps_the_previous_one(tmp_p
     assert main(["export", str(tmp_path / "ckpt"), "--format", "hf", "--hf-config", str(config), "--out", str(out)]) == 1
     assert "exists: choose another --out, or --force" in capsys.readouterr().err
 
-    from hvdtrain.checkpoint.safetensors_stream import StreamedSafetensors
+    from hvdtrain.weights.safetensors_stream import StreamedSafetensors
 
     written = []
     add = StreamedSafetensors.add

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from hvdtrain.checkpoint import CheckpointError
-from hvdtrain.checkpoint.compatibility import check_settings, differing_settings
+from hvdtrain.checkpoint.formats.compatibility import check_settings, differing_settings
 from hvdtrain.checkpoint.ownership import OWNER, Ownership, read_owner
 
 LOG = logging.getLogger("test")

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hvdtrain import cli
-from hvdtrain.checkpoint import sharded_format as sharded
+from hvdtrain.checkpoint.formats import sharded
 from hvdtrain.checkpoint.consolidate import consolidate
-from hvdtrain.checkpoint.store import FORMAT_VERSION, CheckpointError, CheckpointStore
+from hvdtrain.checkpoint.formats.full import FORMAT_VERSION, CheckpointError, CheckpointStore
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed.startup import World
 from hvdtrain.strategies.fsdp.strategy import FSDPStrategy
@@ -72,7 +72,7 @@ def run_state(step):
 
 
 def save_sharded(directory, step, parts, store=None, publish=True):
-    """What every rank, then rank 0, do in a sharded save (hvdtrain.checkpoint.protocol), in one process."""
+    """What every rank, then rank 0, do in a sharded save (hvdtrain.checkpoint.coordination), in one process."""
     temporary = sharded.temporary_directory(directory, step)
     sharded.prepare(temporary)
     records = [sharded.write_shard(temporary, rank, len(parts), {"strategy": part, "rng": {"torch": torch.ones(2)}})

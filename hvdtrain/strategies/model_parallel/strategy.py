@@ -11,7 +11,7 @@ all-reduce of the gradients over the data-parallel group. Under zero1 a rank's p
 out among the D ranks of its data group (whole tensors, largest first, as PyTorch's
 ZeroRedundancyOptimizer does): each steps and keeps state for its share, then broadcasts it.
 Checkpoints: gathered whole (the full format), or each rank's own part (the sharded format, read
-back a tensor at a time at any layout: hvdtrain.checkpoint.mesh_source); exports gather one tensor
+back a tensor at a time at any layout: hvdtrain.checkpoint.sources.mesh); exports gather one tensor
 at a time.
 """
 from __future__ import annotations
@@ -60,26 +60,6 @@ def deal_out(sizes: Sequence[Tuple[str, int]], ranks: int) -> Dict[str, int]:
         owner[name] = rank
         load[rank] += size
     return owner
-
-
-class FullState:
-    """A gathered checkpoint's {"model", "optimizer"} state, asked as a sharded source is asked."""
-
-    def __init__(self, state: Dict[str, Any]) -> None:
-        self.model, self.optimizer = state["model"], state["optimizer"]
-        self.model_keys = list(self.model)
-
-    def full_tensor(self, name: str) -> torch.Tensor:
-        return self.model[name]
-
-    def optimizer_state_of(self, index: int, name: str) -> Dict[str, Any]:
-        return self.optimizer["state"].get(index, {})
-
-    def param_groups(self) -> List[Dict[str, Any]]:
-        return self.optimizer["param_groups"]
-
-    def parameter_count(self) -> int:
-        return sum(len(group["params"]) for group in self.optimizer["param_groups"])
 
 
 class ModelParallelStrategy(Strategy):
@@ -396,22 +376,57 @@ class ModelParallelStrategy(Strategy):
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.load_from(FullState(state))
+        model, optimizer = state["model"], state["optimizer"]
+        self._check_state(sum(len(group["params"]) for group in optimizer["param_groups"]), list(model))
+        self._load_whole(model.__getitem__, lambda index, name: optimizer["state"].get(index, {}),
+                         optimizer["param_groups"])
 
-    def load_from(self, source: Any) -> None:
-        """The whole state from ``source``, one whole tensor at a time; this rank keeps its slices and
-        its stage's tensors (no collective). ``source``: a full checkpoint's state (FullState), or a
-        sharded checkpoint of any layout (hvdtrain.checkpoint.resharding.open_source), answering
-        full_tensor(name), optimizer_state_of(index, name), param_groups() and parameter_count()."""
-        self.check_source(source)
+    def read_part(self, source: Any) -> Optional[Dict[str, Any]]:
+        """From a checkpoint of any layout (hvdtrain.checkpoint.sources.contract), one whole tensor at
+        a time: this rank keeps its slices and its stage's tensors, putting each in place as it reads
+        it (local, no collective: the checkpoint layer raises a failure on every rank, and no rank
+        continues from a part loaded), so no rank holds its part twice; returns None. From weights
+        only (a Hugging Face directory): its stage's tensors and its slices of the split ones, read
+        (each slice alone) and returned, for load_part."""
+        if source.param_groups() is None:
+            return {"local": self._read_weights(source)}
+        self._check_state(source.parameter_count(), source.model_keys)
+        self._load_whole(source.full_tensor, source.optimizer_state_of, source.param_groups())
+        return None
+
+    def load_part(self, part: Optional[Dict[str, Any]]) -> None:
+        if part is None:  # read_part put it in place already
+            return
+        with torch.no_grad():  # each rank's own tensors, read by itself: nothing to send
+            for names, value in tensor_names(self.model):
+                if names[0] in part["local"]:
+                    value.copy_(part["local"][names[0]])
+
+    def _read_weights(self, source: Any) -> Dict[str, torch.Tensor]:
+        local = {}
+        for names, value in tensor_names(self.model):
+            if not self.holds(value):
+                continue
+            shape, shard = self.full_shapes[names[0]], getattr(value, "tensor_shard", None)
+            name = source.first_held(names)
+            source.check_shape(name, shape)
+            tensor = source.full_tensor(name).reshape(shape) if shard is None else source.read_slice(name, shard)
+            local[names[0]] = tensor.to(value.dtype)
+        return local
+
+    def _load_whole(self, whole: Callable[[str], torch.Tensor],
+                    optimizer_state_of: Callable[[int, str], Dict[str, Any]], param_groups: List[Dict[str, Any]]) -> None:
+        """The whole state, one whole tensor at a time (``whole(name)``; ``optimizer_state_of(index,
+        name)``: the full optimizer's state of a parameter; ``param_groups``: the full optimizer's
+        groups); this rank keeps its slices and its stage's tensors (no collective)."""
         with torch.no_grad():
             for placement in self._model_placements:
                 if placement.local is not None:
-                    whole = source.full_tensor(placement.name)
-                    if tuple(whole.shape) != tuple(placement.shape):
-                        raise ValueError(f"the checkpoint's {placement.name} has shape {tuple(whole.shape)}, this "
+                    tensor = whole(placement.name)
+                    if tuple(tensor.shape) != tuple(placement.shape):
+                        raise ValueError(f"the checkpoint's {placement.name} has shape {tuple(tensor.shape)}, this "
                                          f"model's {tuple(placement.shape)}: it is another model")
-                    placement.local.copy_(placement.local_from_full(whole.to(placement.local.device)))
+                    placement.local.copy_(placement.local_from_full(tensor.to(placement.local.device)))
         local_state: Dict[int, Dict[str, Any]] = {}
         position = 0
         for names in self._owned_names:
@@ -419,7 +434,7 @@ class ModelParallelStrategy(Strategy):
                 shard = getattr(self._live[name], "tensor_shard", None)
                 full_shape = self._full_shapes[name][0]
                 entry = {}
-                for key, value in source.optimizer_state_of(self._optimizer_index[name], name).items():
+                for key, value in optimizer_state_of(self._optimizer_index[name], name).items():
                     if isinstance(value, torch.Tensor) and shard is not None and tuple(value.shape) == tuple(full_shape):
                         value = shard.take(value)
                     entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
@@ -427,26 +442,26 @@ class ModelParallelStrategy(Strategy):
                     local_state[position] = entry
                 position += 1
         groups, position = [], 0
-        for names, saved_group in zip(self._owned_names, source.param_groups()):
+        for names, saved_group in zip(self._owned_names, param_groups):
             groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
                            "params": list(range(position, position + len(names)))})
             position += len(names)
         self.optimizer.load_state_dict({"state": local_state, "param_groups": groups})
 
-    def check_source(self, source: Any) -> None:
-        """ValueError unless ``source`` holds this model's tensors and optimizer (before any is read)."""
-        if source.parameter_count() != len(self._optimizer_index):
-            raise ValueError(f"the checkpoint's optimizer has {source.parameter_count()} parameters, this model's "
+    def _check_state(self, parameter_count: int, keys: Sequence[str]) -> None:
+        """ValueError unless a checkpoint of ``parameter_count`` optimized parameters and the model
+        state_dict names ``keys`` is of this model (before any tensor is read)."""
+        if parameter_count != len(self._optimizer_index):
+            raise ValueError(f"the checkpoint's optimizer has {parameter_count} parameters, this model's "
                              f"{len(self._optimizer_index)}: it is another model")
-        keys = getattr(source, "model_keys", None)
-        if keys is not None and set(keys) != set(self._full_shapes):
+        if set(keys) != set(self._full_shapes):
             extra = sorted(set(keys) ^ set(self._full_shapes))[:5]
             raise ValueError(f"the checkpoint holds another model: the names differ ({', '.join(extra)})")
 
     # Sharded checkpoints (train.checkpoint_format=sharded): what this rank writes of the state, each
     # element by one rank (the rule of a gathered checkpoint, _writes); read back through a source
-    # over every rank's file (hvdtrain.checkpoint.mesh_source), at this layout or any other (its
-    # capabilities' loads: EVERY_PART).
+    # over every rank's file (hvdtrain.checkpoint.sources.mesh), at this layout or any other
+    # (read_part; its capabilities' loads: EVERY_PART).
 
     def shard_state_dict(self) -> Dict[str, Any]:
         model = {p.name: compact(p.local) for p in self._model_placements if p.writes}

@@ -14,11 +14,14 @@ owns slice r of every bucket. A rank's part (``shard_state_dict``) holds, with n
 
 ``assemble_full_state`` assembles every rank's parts into the full {"model", "optimizer"} state in the
 plain formats, as ``Strategy.state_dict()`` gathers it (flat_buckets.full_state_dict does the
-optimizer's part for both). Imports neither Horovod nor the strategies: it runs in one process.
+optimizer's part for both). ``part_from`` fills a rank's part from a checkpoint of any layout,
+``part_from_weights`` from pretrained weights, both read through a tensor source
+(hvdtrain.checkpoint.sources.contract). Imports neither Horovod nor the strategies: it runs in one process.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+import math
+from typing import Any, Dict, List, Mapping, Sequence
 
 import torch
 
@@ -144,6 +147,72 @@ def load_shard_state_dict(model: torch.nn.Module, buckets: Sequence[fb.FlatBucke
     if state["unmanaged"]:
         model.load_state_dict(state["unmanaged"], strict=False)
     optimizer.load_state_dict(state["optimizer"])
+
+
+def part_from(source: Any, mine: Mapping[str, Any], rank: int, world_size: int) -> Dict[str, Any]:
+    """A rank's part in its own layout, filled from a checkpoint of any layout: what its strategy's
+    shard_state_dict() would hold had it written it. Reads only the elements of the part (local).
+
+    Args:
+        source: the checkpoint, asked as hvdtrain.checkpoint.sources.contract describes.
+        mine: the layout of the strategy's part (its shard_layout()).
+        rank: the rank whose part is read.
+        world_size: how many ranks share the buckets.
+    """
+    source.check_flat_layout(mine)
+    params: List[torch.Tensor] = []
+    states: Dict[int, Dict[str, Any]] = {}
+    for entry in mine["buckets"]:
+        size = entry["padded_numel"] // world_size
+        low, high = rank * size, (rank + 1) * size
+        flat = torch.zeros(size, dtype=getattr(torch, entry["dtype"]))  # padding stays zero, as when written
+        state: Dict[str, Any] = {}
+        for names, shape, offset in zip(entry["names"], entry["shapes"], entry["offsets"]):
+            start, stop = max(low, offset), min(high, offset + math.prod(shape))
+            if start >= stop:
+                continue
+            name = names[0]
+            flat[start - low:stop - low] = source.read(name, start - offset, stop - offset)
+            for key, value in source.optimizer_state(name).items():
+                if fb.is_elementwise(value):
+                    state.setdefault(key, torch.zeros(size, dtype=value.dtype))
+                    state[key][start - low:stop - low] = source.read(name, start - offset, stop - offset, key)
+                else:
+                    state.setdefault(key, value.clone() if isinstance(value, torch.Tensor) else value)
+        params.append(flat)
+        if state:
+            states[entry["index"]] = state
+    groups = [{**{key: value for key, value in group.items() if key != "params"},
+               "params": [entry["index"] for entry in mine["buckets"] if entry["group"] == g]}
+              for g, group in enumerate(source.param_groups())]
+    return {"rank": rank, "world_size": world_size, "params": params,
+            "optimizer": {"state": states, "param_groups": groups},
+            "unmanaged": {name: tensor.clone() for name, tensor in source.unmanaged().items()}, "layout": mine}
+
+
+def part_from_weights(part: Dict[str, Any], source: Any) -> Dict[str, Any]:
+    """This rank's ``part`` (its shard_state_dict(): the optimizer's state and groups kept as they
+    are) with its slices and unmanaged tensors read from a ``source`` of weights only (a Hugging
+    Face directory), each tensor found under any of its names and checked for its shape (local)."""
+    rank, size = part["rank"], part["world_size"]
+    params = []
+    for entry in part["layout"]["buckets"]:
+        slice_size = entry["padded_numel"] // size
+        low, high = rank * slice_size, (rank + 1) * slice_size
+        flat = torch.zeros(slice_size, dtype=getattr(torch, entry["dtype"]))  # padding stays zero
+        for names, shape, offset in zip(entry["names"], entry["shapes"], entry["offsets"]):
+            start, stop = max(low, offset), min(high, offset + math.prod(shape))
+            if start < stop:
+                name = source.first_held(names)
+                source.check_shape(name, shape)
+                flat[start - low:stop - low] = source.read(name, start - offset, stop - offset)
+        params.append(flat)
+    unmanaged = {}
+    for name, value in part["unmanaged"].items():
+        held = source.first_held([name])
+        source.check_shape(held, value.shape)
+        unmanaged[name] = source.full_tensor(held).reshape(value.shape).to(value.dtype)
+    return {**part, "params": params, "unmanaged": unmanaged}
 
 
 def assemble_full_state(shards: Sequence[Dict[str, Any]]) -> Dict[str, Any]:

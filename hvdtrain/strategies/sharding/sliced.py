@@ -97,5 +97,25 @@ class ShardedStrategy(SlicedStateStrategy):
         self._carried_state = None
         self._after_shard_load()
 
+    def read_part(self, source: Any) -> Dict[str, Any]:
+        """This rank's part in its own layout, read from ``source``: from a sharded or mesh checkpoint
+        of any layout only the elements of its slices, from a weights directory its slices of the
+        parameters (its optimizer's state kept), from a full checkpoint (every rank holds all of it
+        already) the whole state, of which the load keeps its slices. Local: no collective."""
+        held = source.held_state()
+        if held is not None:
+            return {"full": held}
+        if source.param_groups() is None:
+            return shard_state.part_from_weights(self.shard_state_dict(), source)
+        rank, size = (self.buckets[0].rank, self.buckets[0].world_size) if self.buckets else (self.world.rank,
+                                                                                               self.world.size)
+        return shard_state.part_from(source, self.shard_layout(), rank, size)
+
+    def load_part(self, part: Dict[str, Any]) -> None:
+        if "full" in part:
+            self.load_state_dict(part["full"])
+        else:
+            self.load_shard_state_dict(part)
+
     def _after_shard_load(self) -> None:
         """What the rank's own slices need once loaded (a collective, when the model holds more)."""

@@ -1,14 +1,15 @@
 """Checkpoints across ranks: who reads and writes, and every rank reaching the same outcome.
 
 Rank 0 owns the directory for the run (hvdtrain.checkpoint.ownership), reads the newest valid
-checkpoint and checks it belongs to this run (hvdtrain.checkpoint.compatibility). Full format:
+checkpoint and checks it belongs to this run (hvdtrain.checkpoint.formats.compatibility). Full format:
 rank 0 writes, every rank receives by broadcast. Sharded format: every rank writes and reads its
 own file. Either way every rank decides from the same data (rank 0's outcome, broadcast, or every
-rank's, all-gathered): all succeed, or all raise the same error. Files themselves are store.py's
-and sharded_format.py's.
+rank's, all-gathered): all succeed, or all raise the same error. The files themselves are
+hvdtrain.checkpoint.formats'; a strategy reads what it keeps of them through a source
+(hvdtrain.checkpoint.sources).
 
-train.checkpoint_async: a save copies the state to host memory (hvdtrain.checkpoint.snapshot) and
-returns; a background thread writes, fsyncs and moves ``latest`` (hvdtrain.checkpoint.background).
+train.checkpoint_async: a save copies the state to host memory (hvdtrain.checkpoint.async_writing.snapshot) and
+returns; a background thread writes, fsyncs and moves ``latest`` (hvdtrain.checkpoint.async_writing.background).
 The next save, and the end of the run, wait for it and agree on its outcome.
 """
 from __future__ import annotations
@@ -18,16 +19,15 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from hvdtrain.distributed import collectives
-from hvdtrain.checkpoint import sharded_format as sharded
+from hvdtrain.checkpoint.formats import sharded
 from hvdtrain.checkpoint import CheckpointError
-from hvdtrain.checkpoint import resharding
-from hvdtrain.checkpoint.background import BackgroundWrite
-from hvdtrain.checkpoint.compatibility import check_settings
+from hvdtrain.checkpoint.sources import sharded as sources
+from hvdtrain.checkpoint.async_writing.background import BackgroundWrite
+from hvdtrain.checkpoint.formats.compatibility import check_settings
 from hvdtrain.checkpoint.ownership import Ownership
-from hvdtrain.checkpoint.run_state import RunState
-from hvdtrain.checkpoint.snapshot import HostSnapshot
-from hvdtrain.checkpoint.store import CheckpointStore
-from hvdtrain.common.capabilities import EVERY_PART, FULL_STATE, OWN_SHARD
+from hvdtrain.checkpoint.formats.run_state import RunState
+from hvdtrain.checkpoint.async_writing.snapshot import HostSnapshot
+from hvdtrain.checkpoint.formats.full import CheckpointStore
 from hvdtrain.common.units import format_bytes
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.parallel.topology import Topology
@@ -238,28 +238,22 @@ class Checkpointing:
     def load_resharded(self, state: Dict[str, Any], strategy: Strategy, keep_own: bool = False
                        ) -> Optional[Dict[str, Any]]:
         """The sharded checkpoint ``state`` (a manifest) written at another worker count or under
-        another strategy, or by a mesh (its capabilities' ``loads`` EVERY_PART: read from every rank's file at
-        any layout): every file is checked against the manifest (each by one rank), then a sharded
-        strategy's ranks each read their own part in their own layout, a mesh's ranks their slices
-        and stages one whole tensor at a time, any other strategy the whole state; only when every
-        rank's part is ready does any rank load (a mesh's ranks load as they read: no collective).
+        another strategy, or by a mesh (read from every rank's file at any layout): every file is
+        checked against the manifest (each by one rank), then every rank reads what its strategy
+        keeps (Strategy.read_part: a sharded strategy's ranks their own part in their own layout, a
+        mesh's ranks their slices and stages one whole tensor at a time, any other strategy the whole
+        state); only when every rank's read succeeded does any rank load it (Strategy.load_part).
         ``keep_own``: the checkpoint was written at this layout; returns this rank's own file (its
         "rng" and "callbacks" states)."""
         world, path = self.topology.world, Path(state["path"])
         part = source = None
-        loads = strategy.capabilities.loads
 
         def prepare() -> None:
             nonlocal part, source
-            resharding.verify(path, state, resharding.files_to_verify(world.size, world.rank, len(state["files"])))
-            source = resharding.open_source(path, state)
+            sources.verify(path, state, sources.files_to_verify(world.size, world.rank, len(state["files"])))
+            source = sources.open_source(path, state)
             try:
-                if loads == EVERY_PART:
-                    strategy.load_from(source)
-                elif loads == OWN_SHARD:
-                    part = resharding.own_part(source, strategy.shard_layout(), world.rank, world.size)
-                else:
-                    part = source.full_state()
+                part = strategy.read_part(source)
             except (KeyError, IndexError, TypeError) as error:
                 raise CheckpointError(f"its shards do not fit together: {type(error).__name__}: {error}") from None
         problems = problems_on_any_rank(attempt(prepare), "checkpoint.resharded.check")
@@ -269,10 +263,7 @@ class Checkpointing:
             ranks = lambda count: f"{count} rank{'s' if count != 1 else ''}"  # noqa: E731
             self.topology.log.info(f"resharding {path} ({ranks(state['world_size'])}, {state['strategy']}) for "
                                    f"{ranks(world.size)} under {self.config.strategy}")
-        if loads == OWN_SHARD:
-            strategy.load_shard_state_dict(part)
-        elif loads == FULL_STATE:
-            strategy.load_state_dict(part)
+        strategy.load_part(part)
         return source.files[world.rank] if keep_own else None
 
     def _agree(self, outcome: Any, name: str) -> None:

@@ -3,7 +3,7 @@ consolidating it first.
 
 Each rank's file of a flat strategy holds its slice of every flat bucket and the layout (per
 bucket: the parameters' names, shapes and offsets), so every element has a global position:
-bucket, offset, rank; a mesh's files hold slices and stages (hvdtrain.checkpoint.mesh_source). A rank
+bucket, offset, rank; a mesh's files hold slices and stages (hvdtrain.checkpoint.sources.mesh). A rank
 of the new run asks for the elements its own part needs (its slice of each of its buckets, under
 its own layout) and reads just those: the files are memory-mapped, so only the pages asked for
 are read. A sharded strategy (zero1, zero2, fsdp) receives its part in its own layout and holds
@@ -19,9 +19,9 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple
 import torch
 
 from hvdtrain.checkpoint import CheckpointError
-from hvdtrain.checkpoint import sharded_format as sharded
-from hvdtrain.checkpoint.mesh_source import MeshSource, is_mesh_part
-from hvdtrain.checkpoint.tensor_source import WholeTensorSource
+from hvdtrain.checkpoint.formats import sharded
+from hvdtrain.checkpoint.sources.mesh import MeshSource, is_mesh_part
+from hvdtrain.checkpoint.sources.contract import TensorSource
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.shard_state import assemble_full_state
 
@@ -32,7 +32,7 @@ def files_to_verify(world_size: int, rank: int, files: int) -> List[int]:
     return list(range(rank, files, world_size))
 
 
-def open_source(path: Path, manifest: Mapping[str, Any]) -> "ShardedSource | MeshSource":
+def open_source(path: Path, manifest: Mapping[str, Any]) -> TensorSource:
     """Every rank's file of the sharded checkpoint at ``path``, memory-mapped: a flat strategy's
     (buckets) or a tensor x pipeline mesh's, read through the same questions."""
     files = []
@@ -50,12 +50,13 @@ def open_source(path: Path, manifest: Mapping[str, Any]) -> "ShardedSource | Mes
     return ShardedSource(path, files)
 
 
-class ShardedSource(WholeTensorSource):
+class ShardedSource(TensorSource):
     """Every rank's part of one sharded checkpoint of flat buckets, memory-mapped, read by parameter
     and element."""
 
     def __init__(self, path: Path, files: Sequence[Dict[str, Any]]) -> None:
         self.path, self.files = Path(path), list(files)
+        self.where = str(self.path)
         self.parts = [file["strategy"] for file in self.files]
         self.world_size = len(self.parts)
         self.layout = self.parts[0]["layout"]
@@ -68,8 +69,11 @@ class ShardedSource(WholeTensorSource):
                     self._where[name] = (position, entry["index"], offset, tuple(shape))
         self._slice = [entry["padded_numel"] // self.world_size for entry in self.layout["buckets"]]
 
-    def has(self, name: str) -> bool:
-        return name in self._where
+    def holds(self, name: str) -> bool:
+        return name in self._where or name in self.unmanaged()
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return self._where[name][3] if name in self._where else tuple(self.unmanaged()[name].shape)
 
     def read(self, name: str, start: int, stop: int, key: str = "") -> torch.Tensor:
         """Elements [start, stop) of parameter ``name`` (flattened), or of its optimizer state ``key``."""
@@ -97,7 +101,7 @@ class ShardedSource(WholeTensorSource):
         """The whole {"model", "optimizer"} state, as consolidation makes it."""
         return assemble_full_state(self.parts)
 
-    def check_same_model(self, layout: Mapping[str, Any]) -> None:
+    def check_flat_layout(self, layout: Mapping[str, Any]) -> None:
         _check_same_model(self.layout, layout)
 
     # One whole tensor at a time (a tensor x pipeline mesh loading it, an export).
@@ -122,40 +126,6 @@ class ShardedSource(WholeTensorSource):
     def aliases(self) -> Dict[str, List[str]]:
         """A tied parameter's first state_dict name -> all its names."""
         return {names[0]: list(names) for entry in self.layout["buckets"] for names in entry["names"] if len(names) > 1}
-
-
-def own_part(source: "ShardedSource | MeshSource", layout: Mapping[str, Any], rank: int, world_size: int) -> Dict[str, Any]:
-    """Rank ``rank``'s part under ``layout`` (a sharded strategy's own, for ``world_size`` ranks),
-    filled from ``source``: what that strategy's shard_state_dict() would hold had it written it."""
-    source.check_same_model(layout)
-    params: List[torch.Tensor] = []
-    states: Dict[int, Dict[str, Any]] = {}
-    for entry in layout["buckets"]:
-        size = entry["padded_numel"] // world_size
-        low, high = rank * size, (rank + 1) * size
-        flat = torch.zeros(size, dtype=getattr(torch, entry["dtype"]))  # padding stays zero, as when written
-        state: Dict[str, Any] = {}
-        for names, shape, offset in zip(entry["names"], entry["shapes"], entry["offsets"]):
-            start, stop = max(low, offset), min(high, offset + math.prod(shape))
-            if start >= stop:
-                continue
-            name = names[0]
-            flat[start - low:stop - low] = source.read(name, start - offset, stop - offset)
-            for key, value in source.optimizer_state(name).items():
-                if fb.is_elementwise(value):
-                    state.setdefault(key, torch.zeros(size, dtype=value.dtype))
-                    state[key][start - low:stop - low] = source.read(name, start - offset, stop - offset, key)
-                else:
-                    state.setdefault(key, value.clone() if isinstance(value, torch.Tensor) else value)
-        params.append(flat)
-        if state:
-            states[entry["index"]] = state
-    groups = [{**{key: value for key, value in group.items() if key != "params"},
-               "params": [entry["index"] for entry in layout["buckets"] if entry["group"] == g]}
-              for g, group in enumerate(source.param_groups())]
-    return {"rank": rank, "world_size": world_size, "params": params,
-            "optimizer": {"state": states, "param_groups": groups},
-            "unmanaged": {name: tensor.clone() for name, tensor in source.unmanaged().items()}, "layout": layout}
 
 
 def _check_same_model(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from hvdtrain.checkpoint import CheckpointError
-from hvdtrain.checkpoint.tensor_source import WholeTensorSource
+from hvdtrain.checkpoint.sources.contract import TensorSource
 from hvdtrain.parallel.tensor_shard import TensorShard
 
 KIND = "mesh"
@@ -56,11 +56,12 @@ def assemble(pieces: Sequence[Piece], what: str) -> torch.Tensor:
     return full
 
 
-class MeshSource(WholeTensorSource):
+class MeshSource(TensorSource):
     """Every rank's file of one mesh checkpoint, memory-mapped, read one whole tensor at a time."""
 
     def __init__(self, path: Path, files: Sequence[Dict[str, Any]]) -> None:
         self.path, self.files = Path(path), list(files)
+        self.where = str(self.path)
         parts = [file["strategy"] for file in self.files]
         self.layout = parts[0]["layout"]
         for rank, part in enumerate(parts):
@@ -129,10 +130,18 @@ class MeshSource(WholeTensorSource):
         return {"model": {name: self.full_tensor(name).clone() for name in self.model_keys},
                 "optimizer": {"state": state, "param_groups": groups}}
 
-    # --- element ranges, for a flat sharded strategy (hvdtrain.checkpoint.resharding.own_part) ---
+    # --- element ranges, for a flat sharded strategy (Strategy.load_from) ---
 
-    def has(self, name: str) -> bool:
-        return name in self.index_of
+    def holds(self, name: str) -> bool:
+        return name in self._model
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        spec, tensor = self._model[name][0]
+        shape = list(tensor.shape)
+        if spec is not None:
+            shard = TensorShard.from_spec(spec)
+            shape[shard.dim] *= shard.parts
+        return tuple(shape)
 
     def _trained(self, name: str) -> bool:
         """Whether the optimizer trains ``name``'s tensor (under this name or a tied one's)."""
@@ -154,7 +163,7 @@ class MeshSource(WholeTensorSource):
         """Buffers and the parameters the optimizer does not train, whole."""
         return {name: self.full_tensor(name) for name in self.model_keys if not self._trained(name)}
 
-    def check_same_model(self, layout: Mapping[str, Any]) -> None:
+    def check_flat_layout(self, layout: Mapping[str, Any]) -> None:
         """CheckpointError unless a flat strategy's ``layout`` is of the model and optimizer written here."""
         if list(layout["model_keys"]) != self.model_keys:
             extra = sorted(set(layout["model_keys"]) ^ set(self.model_keys))[:5]

@@ -16,9 +16,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from hvdtrain.checkpoint import sharded_format as sharded
+from hvdtrain.checkpoint.formats import sharded
 from hvdtrain.checkpoint import FORMAT_VERSION, CheckpointError
-from hvdtrain.checkpoint.run_state import RunState, missing_keys
+from hvdtrain.checkpoint.formats.run_state import RunState, missing_keys
 from hvdtrain.common.atomic import write_atomically
 
 LATEST = "latest"
@@ -42,7 +42,7 @@ class CheckpointStore:
             raise ValueError(f"keep must be >= 1 (the newest checkpoint is always kept), got {keep}")
         self.directory = Path(directory)
         self.keep = keep
-        self.log = log or logging.getLogger("hvdtrain.checkpoint.store")
+        self.log = log or logging.getLogger("hvdtrain.checkpoint.formats.full")
 
     def save(self, state: Dict[str, Any], step: int) -> Path:
         """Write ``state`` as the checkpoint of ``step``, move ``latest`` to it, drop the oldest."""

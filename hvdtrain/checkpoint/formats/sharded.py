@@ -8,7 +8,7 @@ Every rank writes its file into a hidden ``.ckpt-000000030.tmp/``; rank 0 checks
 manifest and renames the directory into place, then ``latest`` moves: a kill leaves no directory or
 a complete one. An asynchronous save's ranks tell rank 0 their file is written through a record
 beside it (``rank-00001.json``: its bytes and sha256, or why it failed), not a collective. Which
-rank does what is hvdtrain.checkpoint.protocol's.
+rank does what is hvdtrain.checkpoint.coordination's.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from hvdtrain.checkpoint import CheckpointError
-from hvdtrain.checkpoint.run_state import RunState, missing_keys
+from hvdtrain.checkpoint.formats.run_state import RunState, missing_keys
 from hvdtrain.common.atomic import fsync_directory, write_atomically
 
 SHARDED_FORMAT = 1

@@ -5,7 +5,7 @@ state_dict names, a tied weight once (as ``save_pretrained`` writes it; loading 
 
 The tensors come from ``Strategy.full_tensors()``, one at a time: under fsdp one unit is gathered
 at a time, under a tensor/pipeline mesh one tensor, and rank 0 writes each before the next comes
-(hvdtrain.checkpoint.safetensors_stream), so no rank holds the whole model. The directory is written beside its place and moved there whole once complete (an existing
+(hvdtrain.weights.safetensors_stream), so no rank holds the whole model. The directory is written beside its place and moved there whole once complete (an existing
 one is replaced only then): a run killed mid-export leaves the previous export, or none.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
-from hvdtrain.checkpoint.safetensors_stream import StreamedSafetensors
+from hvdtrain.weights.safetensors_stream import StreamedSafetensors
 from hvdtrain.common.atomic import fsync_directory, write_text_atomically
 
 CONFIG = "config.json"

@@ -19,7 +19,7 @@ class RunState:
     strategy: str = "ddp"
     precision: Dict[str, Any] = field(default_factory=dict)  # fp16's loss scale
     config: Dict[str, Any] = field(default_factory=dict)  # the job's resolved settings, every section
-    kept: str = ""  # the session's keep() objects' states (hvdtrain.checkpoint.kept), rank 0's, encoded
+    kept: str = ""  # the session's keep() objects' states (hvdtrain.checkpoint.formats.kept), rank 0's, encoded
 
     # What every full checkpoint holds (hvdtrain wrote these from the first format on).
     FULL: ClassVar[Tuple[str, ...]] = ("scheduler", "epoch", "step", "epoch_position", "global_batch", "world_size")

@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 import torch
 import yaml
 
-from hvdtrain.checkpoint.safetensors_stream import StreamedSafetensors
+from hvdtrain.weights.safetensors_stream import StreamedSafetensors
 from hvdtrain.common.atomic import write_text_atomically
 
 WEIGHTS_FILE = "model.safetensors"

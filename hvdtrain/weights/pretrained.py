@@ -1,0 +1,103 @@
+"""Pretrained weights from a local Hugging Face model directory (``config.json`` with
+``model.safetensors``, or numbered files and ``model.safetensors.index.json``), read as a tensor
+source (hvdtrain.checkpoint.sources.contract): each strategy's ``load_from`` reads only what it
+keeps, under zero1, zero2 and fsdp its slice of every flat bucket (safetensors reads a tensor's rows
+without the rest of the file), under tensor and pipeline parallelism its stage's tensors and of each
+split one its slice, under ddp and ps the whole model, which each of their ranks holds anyway. A
+tied weight stored once is found under any of its names. The directory holds no optimizer state:
+the strategies keep their own.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Tuple
+
+import torch
+
+from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.checkpoint.sources.contract import TensorSource
+from hvdtrain.weights.hf_export import INDEX, WEIGHTS
+
+
+class SafetensorsSource(TensorSource):
+    """The tensors of a Hugging Face weights directory by name, read whole, by a flat range of their
+    elements or by a tensor-parallel slice; counts the bytes it hands out (``bytes_read``)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.where = str(self.directory)
+        index, single = self.directory / INDEX, self.directory / WEIGHTS
+        if index.is_file():
+            loaded = json.loads(index.read_text())
+            weight_map = loaded.get("weight_map") if isinstance(loaded, dict) else None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no weight_map: not the index save_pretrained writes")
+            self.files = {name: self.directory / file for name, file in weight_map.items()}
+        elif single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(single), framework="pt") as handle:
+                self.files = {name: single for name in handle.keys()}
+        else:
+            raise CheckpointError(f"{self.directory} holds neither {WEIGHTS} nor {INDEX}: not a Hugging Face "
+                                  f"weights directory (save_pretrained writes one)")
+        self.model_keys = list(self.files)
+        self.bytes_read = 0
+
+    def holds(self, name: str) -> bool:
+        return name in self.files
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            return tuple(handle.get_slice(name).get_shape())
+
+    def full_tensor(self, name: str) -> torch.Tensor:
+        shape = self.shape(name)
+        return self.read(name, 0, math.prod(shape)).reshape(shape)
+
+    def read(self, name: str, start: int, stop: int, key: str = "") -> torch.Tensor:
+        """Elements of a tensor flattened, reading only the rows (first-dimension slices) that hold them.
+
+        Args:
+            name: the tensor's name in the directory.
+            start: the first element read.
+            stop: the element after the last one read.
+            key: an optimizer state entry: refused, the directory holds weights only.
+        """
+        if key:
+            raise CheckpointError(f"{self.directory} holds weights only: no optimizer state ({key} of {name})")
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            view = handle.get_slice(name)
+            shape = view.get_shape()
+            numel = math.prod(shape)
+            if not shape or (start == 0 and stop == numel):
+                values = handle.get_tensor(name).reshape(-1)
+            else:
+                row = numel // shape[0]
+                first, last = start // row, -(-stop // row)
+                values = view[first:last].reshape(-1)[start - first * row:stop - first * row]
+        self.bytes_read += values.numel() * values.element_size()
+        return values.clone()
+
+    def read_slice(self, name: str, shard: Any) -> torch.Tensor:
+        """``shard``'s part of ``name`` (a tensor-parallel TensorShard: its block of dim ``shard.dim``
+        in each of its groups), read by safetensors' strided slicing, nothing else of the tensor."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            view = handle.get_slice(name)
+            shape = view.get_shape()
+            group = shape[shard.dim] // shard.groups
+            chunk = group // shard.parts
+            lead = (slice(None),) * shard.dim
+            parts = [view[lead + (slice(g * group + shard.index * chunk, g * group + (shard.index + 1) * chunk),)]
+                     for g in range(shard.groups)]
+        values = torch.cat(parts, dim=shard.dim) if len(parts) > 1 else parts[0]
+        self.bytes_read += values.numel() * values.element_size()
+        return values.clone()

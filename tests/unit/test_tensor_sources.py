@@ -1,0 +1,60 @@
+"""Every source of a model's tensors answers the same questions (hvdtrain.checkpoint.sources.contract),
+and one that cannot answer says so; a strategy's read of a weights-only source keeps its optimizer."""
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.checkpoint.sources.contract import TensorSource
+from hvdtrain.checkpoint.sources.full import FullStateSource
+from hvdtrain.checkpoint.sources.mesh import MeshSource
+from hvdtrain.checkpoint.sources.sharded import ShardedSource
+from hvdtrain.weights.pretrained import SafetensorsSource
+
+
+def test_every_source_is_one_of_the_contract():
+    for cls in (FullStateSource, ShardedSource, MeshSource, SafetensorsSource):
+        assert issubclass(cls, TensorSource), cls
+        assert not getattr(cls, "__abstractmethods__", None), cls
+
+
+def full_state():
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def test_a_full_checkpoint_answers_by_name_and_by_index():
+    state = full_state()
+    source = FullStateSource(state)
+    assert source.model_keys == ["weight", "bias"]
+    assert source.holds("weight") and not source.holds("other")
+    assert source.shape("weight") == (3, 4)
+    assert torch.equal(source.read("weight", 2, 7), state["model"]["weight"].reshape(-1)[2:7])
+    assert source.parameter_count() == 2 and source.param_groups() == state["optimizer"]["param_groups"]
+    assert torch.equal(source.optimizer_state_of(0, "weight")["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
+    assert source.held_state() is state
+    with pytest.raises(CheckpointError, match="by parameter index"):
+        source.optimizer_state("weight")
+
+
+def test_a_weights_directory_answers_the_model_and_says_it_has_no_optimizer_state(tmp_path):
+    weights = {"weight": torch.arange(12.0).reshape(3, 4), "bias": torch.zeros(3)}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    source = SafetensorsSource(tmp_path)
+    assert sorted(source.model_keys) == ["bias", "weight"]
+    assert source.first_held(["lm_head.weight", "weight"]) == "weight"
+    assert torch.equal(source.full_tensor("weight"), weights["weight"])
+    assert torch.equal(source.read("weight", 5, 10), torch.arange(5.0, 10.0))
+    assert source.param_groups() is None and source.parameter_count() is None
+    assert source.optimizer_state("weight") is None and source.optimizer_state_of(0, "weight") is None
+    assert source.full_state()["optimizer"] is None
+    with pytest.raises(CheckpointError, match="no optimizer state"):
+        source.read("weight", 0, 4, "exp_avg")
+    with pytest.raises(CheckpointError, match="has shape"):
+        source.check_shape("weight", (4, 3))
+    with pytest.raises(CheckpointError, match="no weights for"):
+        source.first_held(["missing"])
