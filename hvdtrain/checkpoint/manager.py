@@ -30,8 +30,22 @@ from hvdtrain.components.precision import Precision
 
 
 class CheckpointManager:
-    """Saves and restores one Trainer's state; ``protocol`` is None when the run keeps no checkpoints
-    (state_dict and load still work: they are how a caller saves elsewhere)."""
+    """Saves and restores one Trainer's state.
+
+    Args:
+        config: the run's train settings (strategy, checkpoint format, resume).
+        topology: the ranks and their mesh: whose RNG states are whose.
+        protocol: the checkpoint directory's work across ranks; None when the run keeps no checkpoints
+            (state_dict and load still work: they are how a caller saves elsewhere).
+        strategy: holds the model and optimizer state saved and restored.
+        position: where the run is (epoch, step, samples of the epoch).
+        lr: the learning rate's schedule state.
+        precision: fp16's loss scale state.
+        batching: the global batch size, recorded.
+        job_config: the job's resolved settings, recorded (a resume compares them).
+        callbacks: the callbacks whose states every checkpoint holds (None: none).
+        kept: the session's keep() objects by name, a dict it fills later (None: an empty one).
+    """
 
     def __init__(self, config: TrainConfig, topology: Topology, protocol: "Checkpointing | None",
                  strategy: Strategy, position: Position, lr: LearningRate, precision: Precision,

@@ -48,11 +48,15 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tens
 
 
 class Strategy(ABC):
-    """One way of spreading a model's training over the ranks.
+    """One way of spreading a model's training over the ranks. ``optimizer`` is then the torch
+    optimizer whose ``param_groups`` carry the live learning rate: the Trainer's scheduler drives it.
 
-    Built from the user's model (already on the device) and optimizer (over that model's
-    parameters, one worker's learning rate). ``optimizer`` is then the torch optimizer whose
-    ``param_groups`` carry the live learning rate: the Trainer's scheduler drives it.
+    Args:
+        model: the user's model, already on the device.
+        optimizer: the user's optimizer over that model's parameters, at one worker's learning rate.
+        world: this rank's World (its data-parallel group).
+        accumulation: micro-batches per optimizer step.
+        fp16_allreduce: compress gradients to fp16 for their exchange.
     """
 
     name: ClassVar[str]
@@ -81,7 +85,15 @@ class Strategy(ABC):
     @classmethod
     def from_config(cls, config: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                     **context: Any) -> "Strategy":
-        """Built from the settings: each strategy reads its own (``context``: mesh, plan, loss_fn)."""
+        """Built from the settings: each strategy reads its own.
+
+        Args:
+            config: the run's settings (TrainConfig).
+            model: the model.
+            optimizer: its optimizer.
+            world: this rank's World.
+            context: what set-up knows besides: mesh, plan, loss_fn, deferred.
+        """
         return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce)
 
     def follow_world(self, world: World) -> None:
@@ -93,9 +105,16 @@ class Strategy(ABC):
         """Every rank starts from rank 0's parameters, buffers and optimizer state."""
 
     def forward_backward(self, step_fn, batch: Any, autocast, scale_loss, divisor: int) -> Tuple[torch.Tensor, Dict]:
-        """One micro-batch: ``step_fn(model, batch)`` under ``autocast``, then backward of
-        ``scale_loss(loss) / divisor`` (the accumulation count); returns (loss, metrics). A pipeline
-        runs its schedule over the batch's micro-batches here instead."""
+        """One micro-batch: its forward, then backward of the scaled loss over the accumulation count;
+        returns (loss, metrics). A pipeline runs its schedule over the batch's micro-batches here instead.
+
+        Args:
+            step_fn: ``step_fn(model, batch) -> (loss, metrics)``, the forward.
+            batch: this rank's micro-batch.
+            autocast: ``autocast()``: the forward's precision context.
+            scale_loss: ``scale_loss(loss)``: the loss times fp16's loss scale (unchanged otherwise).
+            divisor: the accumulation count, dividing the scaled loss.
+        """
         with autocast():
             loss, metrics = step_fn(self.model, batch)
         scaled = scale_loss(loss)

@@ -28,12 +28,19 @@ def export_model_streamed(tensors: Iterable[Tuple[str, torch.Tensor]], aliases: 
                           directory: os.PathLike, writes: bool, metadata: Optional[Mapping[str, Any]] = None,
                           ) -> Optional[str]:
     """``directory/model.safetensors`` as ``export_tensors`` writes it, from tensors handed one at a
-    time (``Strategy.full_tensors()``: under fsdp one unit gathered at a time), each under every
-    name in ``aliases`` (a tied weight under each of its names). Only where ``writes`` (rank 0) is
-    anything copied: one tensor at a time into a data file beside the result; once every name, dtype
-    and shape is known, safetensors' header and then the data form the file, which appears whole or
-    not at all. Every rank iterates to the end, also after a failed write (they may be
-    collectives). Returns what went wrong on the writer (share it with the other ranks), or None."""
+    time. Only the writer copies anything: one tensor at a time into a data file beside the result;
+    once every name, dtype and shape is known, safetensors' header and then the data form the file,
+    which appears whole or not at all. Every rank iterates to the end, also after a failed write (they
+    may be collectives). Returns what went wrong on the writer (share it with the other ranks), or None.
+
+    Args:
+        tensors: (name, tensor) one at a time (``Strategy.full_tensors()``: under fsdp one unit gathered
+            at a time).
+        aliases: a tensor's name -> every name it is written under (a tied weight's); absent: its own.
+        directory: where model.safetensors goes.
+        writes: whether this rank writes (rank 0).
+        metadata: the file's string table, each value as JSON (the step, the strategy).
+    """
     tensors = iter(tensors)
     failure = None
     if writes:
@@ -61,8 +68,16 @@ def _write_streamed(tensors: Iterator[Tuple[str, torch.Tensor]], aliases: Mappin
 def export_tensors(tensors: Iterable[Tuple[str, torch.Tensor]], aliases: Mapping[str, List[str]],
                    directory: os.PathLike, config: Optional[Mapping[str, Any]] = None,
                    metadata: Optional[Mapping[str, Any]] = None) -> Path:
-    """``model.safetensors`` (and ``config.yaml``) from tensors read one at a time (a checkpoint read
-    by slice: ``hvdtrain export``), each under every name in ``aliases``; raises what went wrong."""
+    """``model.safetensors`` (and ``config.yaml``) from tensors read one at a time; raises what went
+    wrong. Returns the weights file's path.
+
+    Args:
+        tensors: (name, tensor) one at a time (a checkpoint read by slice: ``hvdtrain export``).
+        aliases: a tensor's name -> every name it is written under (a tied weight's); absent: its own.
+        directory: where the files go.
+        config: the run's resolved settings, written as config.yaml (None: no config.yaml).
+        metadata: the file's string table, each value as JSON (the step, the strategy, the worker count).
+    """
     directory = Path(directory)
     _write_streamed(iter(tensors), aliases, directory, metadata or {})
     if config is not None:

@@ -64,9 +64,18 @@ def shared_names(state: Mapping[str, torch.Tensor]) -> Dict[str, List[str]]:
 
 def export_hf(config_json: str, tensors: Iterable[Tuple[str, torch.Tensor]], directory: os.PathLike,
               writes: bool, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Optional[str]:
-    """Write ``directory`` from ``tensors``; only where ``writes`` (rank 0) are they copied and
-    written. Every rank iterates them to the end, also after a failed write: they may be collectives.
-    Returns what went wrong on the writer (share it with the other ranks), or None."""
+    """Write the Hugging Face directory; only the writer copies and writes the tensors. Every rank
+    iterates them to the end, also after a failed write: they may be collectives. Returns what went
+    wrong on the writer (share it with the other ranks), or None.
+
+    Args:
+        config_json: the text of config.json (hf_config_text).
+        tensors: (state_dict name, tensor) one at a time (``Strategy.full_tensors()``), a tied weight once.
+        directory: the directory written, replaced whole once complete.
+        writes: whether this rank writes (rank 0).
+        max_shard_bytes: bytes per safetensors file at most before the next one starts (a larger tensor
+            alone in its file); past one file, Hugging Face's numbered files and index.
+    """
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     tensors = iter(tensors)

@@ -40,8 +40,15 @@ def differing_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
 
 def check_settings(checkpoint: Mapping[str, Any], job_config: Mapping[str, Any], force: bool,
                    log: logging.Logger) -> None:
-    """Refuse to resume ``checkpoint`` (a full one, or a sharded one's manifest) when its recorded
-    settings differ from ``job_config`` in what defines the run, unless ``force``."""
+    """Refuse to resume a checkpoint whose recorded settings differ from this run's in what defines
+    the run (CheckpointError listing them).
+
+    Args:
+        checkpoint: the checkpoint resumed: a full one, or a sharded one's manifest.
+        job_config: this run's resolved settings, as checkpoints record them.
+        force: resume all the same, logging what differs (train.resume=force).
+        log: where that warning goes.
+    """
     saved = checkpoint.get("config") or {}
     if not saved:  # written before checkpoints recorded their settings: nothing to compare
         return

@@ -78,7 +78,14 @@ class _Hashing:
 
 
 def write_shard(temporary: Path, rank: int, world_size: int, state: Dict[str, Any]) -> Dict[str, Any]:
-    """One rank's file, flushed to disk; what the manifest records of it."""
+    """One rank's file, flushed to disk; what the manifest records of it.
+
+    Args:
+        temporary: the save's hidden directory (temporary_directory); made here if missing.
+        rank: the rank writing.
+        world_size: how many ranks write a file (in the file's name).
+        state: what the file holds besides its format, rank and world size: the strategy's part, the RNG states.
+    """
     temporary.mkdir(parents=True, exist_ok=True)  # rank 0 made it, if the ranks share the disk
     path = temporary / shard_name(rank, world_size)
     with open(path, "wb") as handle:
@@ -104,8 +111,15 @@ def write_record(temporary: Path, rank: int, record: "Dict[str, Any] | str") -> 
 def wait_for_records(temporary: Path, world_size: int, timeout: float,
                      stop: Callable[[], bool] = lambda: False, poll: float = 0.02) -> List[Dict[str, Any]]:
     """Rank 0: every rank's record, in rank order, once all are there; CheckpointError naming the ranks
-    that failed, that wrote nothing within ``timeout`` seconds (a directory not shared by every rank),
-    or when ``stop()`` says the run has ended."""
+    that failed or wrote nothing in time (a directory not shared by every rank), or when the run ended.
+
+    Args:
+        temporary: the save's hidden directory, where the records are written.
+        world_size: how many records to wait for.
+        timeout: seconds to wait for every record.
+        stop: ``stop()`` is True once the run has ended: waiting stops.
+        poll: seconds between looks at the directory.
+    """
     deadline = time.monotonic() + timeout
     records: Dict[int, Dict[str, Any]] = {}
     while True:
@@ -142,7 +156,16 @@ def _sha256(path: Path) -> str:
 
 def publish(directory: Path, step: int, strategy: str, files: Sequence[Dict[str, Any]],
             run_state: Dict[str, Any]) -> Path:
-    """Rank 0, once every rank has written: check the files, write the manifest, rename into place."""
+    """Rank 0, once every rank has written: check the files, write the manifest, rename into place.
+    Returns the checkpoint's directory.
+
+    Args:
+        directory: the checkpoint directory (train.checkpoint_dir).
+        step: the optimizer step saved, naming the checkpoint.
+        strategy: the strategy's name, recorded in the manifest.
+        files: what write_shard returned on each rank, in rank order.
+        run_state: the run state the manifest records (RunState.SHARDED's keys, SHARDED_OPTIONAL's if there).
+    """
     temporary = temporary_directory(directory, step)
     for record in files:
         path = temporary / record["name"]
@@ -230,9 +253,17 @@ def check_manifest(manifest: Any, path: Path) -> None:
 
 def resumes_as_written(state: Dict[str, Any], strategy: str, world_size: int,
                        mesh: Sequence[int] = ()) -> bool:
-    """Whether each rank of this run takes back its own file of the sharded checkpoint ``state``
-    (the same worker count, strategy and mesh), rather than a resharded part (hvdtrain.checkpoint.
-    resharding). Manifests written before meshes had sharded checkpoints name no mesh: a flat one."""
+    """Whether each rank of this run takes back its own file of a sharded checkpoint (the same worker
+    count, strategy and mesh), rather than a part read at another layout through a tensor source
+    (hvdtrain.checkpoint.sources).
+
+    Args:
+        state: the checkpoint's manifest.
+        strategy: this run's strategy's name.
+        world_size: this run's worker count.
+        mesh: this run's (data, pipeline, tensor) shape; empty: a flat one. A manifest written before
+            meshes had sharded checkpoints names none: a flat one.
+    """
     flat = [world_size, 1, 1]
     same_mesh = list(state.get("mesh") or flat) == (list(mesh) if mesh else flat)
     return state["world_size"] == world_size and state["strategy"] == strategy and same_mesh

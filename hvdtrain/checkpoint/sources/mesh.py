@@ -148,9 +148,15 @@ class MeshSource(TensorSource):
         return name in self.index_of or name in self._tied_trained
 
     def read(self, name: str, start: int, stop: int, key: str = "") -> torch.Tensor:
-        """Elements [start, stop) of parameter ``name`` (flattened), or of its optimizer state ``key``.
-        The whole tensor is kept until another is asked for: a bucket reads a tensor's elements in
-        one or two calls."""
+        """Elements of a parameter flattened, or of its optimizer state. The whole tensor is kept until
+        another is asked for: a bucket reads a tensor's elements in one or two calls.
+
+        Args:
+            name: the parameter's state_dict name.
+            start: the first element read.
+            stop: the element after the last one read.
+            key: an optimizer state entry of the parameter (Adam's ``exp_avg``); empty: the parameter itself.
+        """
         if self._cached[0] != (name, key):
             whole = self.full_tensor(name) if not key else self.optimizer_state_of(self.index_of[name], name)[key]
             self._cached = ((name, key), whole.reshape(-1))

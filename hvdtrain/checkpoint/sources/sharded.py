@@ -76,7 +76,15 @@ class ShardedSource(TensorSource):
         return self._where[name][3] if name in self._where else tuple(self.unmanaged()[name].shape)
 
     def read(self, name: str, start: int, stop: int, key: str = "") -> torch.Tensor:
-        """Elements [start, stop) of parameter ``name`` (flattened), or of its optimizer state ``key``."""
+        """Elements of a parameter flattened, or of its optimizer state, from the ranks' slices that
+        hold them.
+
+        Args:
+            name: the parameter's state_dict name.
+            start: the first element read.
+            stop: the element after the last one read.
+            key: an optimizer state entry of the parameter (Adam's ``exp_avg``); empty: the parameter itself.
+        """
         position, index, offset, _ = self._where[name]
         low, high, size = offset + start, offset + stop, self._slice[position]
         pieces = []

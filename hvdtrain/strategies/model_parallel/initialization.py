@@ -58,11 +58,17 @@ class _Whole:
 @torch.no_grad()
 def initialize_by_slice(deferred: DeferredInit, model: nn.Module, held: Set[int],
                         replacements: Sequence[Replacement] = ()) -> None:
-    """Give ``model`` (split, its stage chosen; ``held``: ids of the parameters and buffers this
-    rank's stage holds; ``replacements``: the layers tensor parallelism replaced) the values of the
-    model built whole, each rank only its part (collective: the verdict on tensors nothing
-    initialized is every rank's). While the steps run, the model has its layers as built, so that a
-    step that walks the model (a reset_parameters from above) meets the whole tensors."""
+    """Give the model the values of the model built whole, each rank only its part (collective: the
+    verdict on tensors nothing initialized is every rank's). While the steps run, the model has its
+    layers as built, so that a step that walks the model (a reset_parameters from above) meets the
+    whole tensors.
+
+    Args:
+        deferred: the model's deferred initialization: its placeholders and the steps that give values.
+        model: the model, split, its stage chosen.
+        held: ids of the parameters and buffers this rank's stage holds.
+        replacements: the layers tensor parallelism replaced: (parent, attribute, the layer as built, its split).
+    """
     deferred.granularity = "by tensor slice and pipeline stage"
     wholes: Dict[int, _Whole] = {id(t): _Whole(name, t) for name, t in deferred.placeholders.items()}
     split: List[nn.Parameter] = []

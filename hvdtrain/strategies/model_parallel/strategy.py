@@ -64,7 +64,23 @@ def deal_out(sizes: Sequence[Tuple[str, int]], ranks: int) -> Dict[str, int]:
 
 class ModelParallelStrategy(Strategy):
     """ddp, or zero1, over the data-parallel groups of a mesh whose model replicas span tensor x
-    pipeline ranks."""
+    pipeline ranks.
+
+    Args:
+        model: the whole model (or built on the meta device: ``deferred``); split and cut here.
+        optimizer: the user's optimizer over it; this rank steps a new one of its class over its own parameters.
+        world: this rank's World (every rank of the mesh).
+        accumulation: micro-batches per optimizer step.
+        fp16_allreduce: compress gradients to fp16 for their exchange.
+        mesh: this rank's place in the data x pipeline x tensor mesh, and its groups.
+        plan: how to split the layers (its tensor_plan; None there: the model's own tp_plan) and cut the stages.
+        loss_fn: ``loss_fn(outputs, targets)``: the pipeline's last stage's loss, without a step_fn.
+        data_parallel: ddp or zero1 over each data-parallel group.
+        micro_batches: micro-batches each batch is cut into for the pipeline.
+        schedule: the pipeline's schedule: gpipe or 1f1b.
+        deferred: the model was built on the meta device: each rank gives values only to its slices and
+            stage (initialization.py), and nothing is broadcast.
+    """
 
     name = "model_parallel"
 
@@ -74,6 +90,15 @@ class ModelParallelStrategy(Strategy):
 
     @classmethod
     def from_config(cls, config, model, optimizer, world, **context) -> "ModelParallelStrategy":
+        """Built from the settings: train.strategy over the data groups, micro_batches, pipeline_schedule.
+
+        Args:
+            config: the run's settings (TrainConfig).
+            model: the model.
+            optimizer: its optimizer.
+            world: this rank's World.
+            context: what set-up knows besides: mesh (required), plan, loss_fn, deferred.
+        """
         return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce, context["mesh"],
                    context.get("plan") or ModelPlan(), context.get("loss_fn"), data_parallel=config.strategy,
                    micro_batches=config.micro_batches, schedule=config.pipeline_schedule,
@@ -247,6 +272,17 @@ class ModelParallelStrategy(Strategy):
         """Done in set-up, before the model was cut (step 1 above): nothing left to send."""
 
     def forward_backward(self, step_fn, batch: Any, autocast, scale_loss, divisor: int) -> Tuple[torch.Tensor, Dict]:
+        """One pass as Strategy.forward_backward's without a pipeline; with one, its schedule over the
+        batch's micro-batches. Returns (loss, metrics).
+
+        Args:
+            step_fn: ``step_fn(model, batch) -> (loss, metrics)``; a pipeline runs it on its last stage.
+            batch: this rank's batch.
+            autocast: ``autocast()``: the forward's precision context.
+            scale_loss: ``scale_loss(loss)``: the loss times fp16's loss scale (a pipeline's schedule does not
+                take it).
+            divisor: the accumulation count, dividing the loss.
+        """
         if self.pipeline is None:
             return super().forward_backward(step_fn, batch, autocast, scale_loss, divisor)
         loss, metrics = self.pipeline.train_batch(batch, autocast, divisor, step_fn)
