@@ -6,7 +6,7 @@
     5. every rank applies the same update                                (step, update)
     6. rank 0 reports; metrics are reduced over every rank's samples     (reporter, evaluate)
 
-(1., rank 0's state everywhere before the first step, is the Trainer's set-up.) How the model's
+(1., rank 0's state everywhere before the first step, is the set-up's: hvdtrain.parts.) How the model's
 state is spread over the ranks is the strategy's; the loop never asks which one it runs.
 """
 from __future__ import annotations

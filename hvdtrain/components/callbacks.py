@@ -20,8 +20,8 @@ from hvdtrain.distributed import collectives
 
 
 class Callback:
-    """Override the hooks you need; each gets the Trainer first (``trainer.request_stop(why)``
-    ends training at the next agreement point)."""
+    """Override the hooks you need; each gets the Trainer first (or, in your own loop, the Session:
+    ``trainer.request_stop(why)`` ends training at the next agreement point)."""
 
     def on_train_start(self, trainer: Any) -> None:
         """fit() begins (also a fit() that continues a resumed run)."""
@@ -60,7 +60,8 @@ class Callback:
 
 
 class Callbacks:
-    """A Trainer's callbacks, and a stop one of them asked for."""
+    """A Trainer's (or Session's) callbacks, and a stop one of them asked for; ``trainer`` is what
+    each hook is given first, the object the user holds."""
 
     def __init__(self, trainer: Any, callbacks: Sequence[Callback]) -> None:
         for callback in callbacks:

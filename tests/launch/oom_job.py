@@ -121,7 +121,7 @@ def main(strategy: str, budget_per_parameter: float, meta: bool, tensor: int = 1
     counted.close()
     mine = {"baseline_data": baseline["data"], "baseline_rss": baseline["rss"], "cap": cap,
             "rss_cap": baseline["rss"] + budget, "peak_rss": status_bytes("VmHWM"), "peak_counted": counted.peak,
-            "counted_after_first_step": trainer.memory.per_rank[world.rank]["total"]}
+            "counted_after_first_step": trainer.parts.reporter.memory.per_rank[world.rank]["total"]}
     every = collectives.allgather_object(mine, name="oom_job.memory")
     if world.is_root:
         layout = f" x tensor {tensor} x pipeline {pipeline}" if tensor * pipeline > 1 else ""

@@ -99,7 +99,7 @@ def test_a_background_save_writes_what_a_synchronous_save_writes(world, tmp_path
         directory = f"{base}/{'async' if asynchronous else 'sync'}"
         run = trainer(world, strategy, checkpoint_format, directory, asynchronous)
         if asynchronous:
-            writes_after_the_next_step(monkeypatch, lambda: run.position.step)
+            writes_after_the_next_step(monkeypatch, lambda: run.parts.position.step)
         run.fit()  # returns once the step-6 checkpoint is written: it is read below without waiting
         run.close()
         runs[asynchronous] = directory

@@ -80,11 +80,11 @@ def test_a_stop_asked_on_one_rank_stops_every_rank_at_the_next_vote_with_a_check
     saved = sorted(p.name for p in (tmp_path.parent / tmp_path.name).glob("stop/ckpt-*")) if world.is_root else None
 
     assert steps == [5] * world.size  # asked at step 3, agreed at the vote of step 5
-    assert trainer.loop.stopped
+    assert trainer.parts.loop.stopped
     if world.is_root:
         assert saved == ["ckpt-000000005.pt"], saved
         expected = "asked by the last rank alone" if world.size == 1 else "a callback on another rank asked to stop"
-        assert trainer.callbacks.stop_reason == expected
+        assert trainer.parts.callbacks.stop_reason == expected
 
 
 def test_early_stopping_ends_the_run_when_the_metric_stops_improving(world, tmp_path):
@@ -97,7 +97,7 @@ def test_early_stopping_ends_the_run_when_the_metric_stops_improving(world, tmp_
     assert steps == [6] * world.size
     # The stop ends the epoch at step 6, and the epoch's record evaluates once more (as at max_steps).
     assert (stopper.best_step, stopper.waited) == (2, 3)
-    assert trainer.callbacks.stop_reason.startswith("early stopping: val_loss has not improved")
+    assert trainer.parts.callbacks.stop_reason.startswith("early stopping: val_loss has not improved")
 
 
 def test_early_stopping_on_a_metric_the_evaluation_does_not_report_is_refused_on_every_rank(world, tmp_path):

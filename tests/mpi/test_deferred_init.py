@@ -171,7 +171,7 @@ def test_a_hugging_face_model_built_on_meta_equals_it_built_whole(world, strateg
         meta_model = hugging_face_model(family)
     built = trainer_for(world, strategy, meta_model, max_steps=1)
     start = gathered(built)
-    held = built.initialization.peak_bytes
+    held = built.parts.initialization.peak_bytes
     whole_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
 
     # The constructors' draws and each Hugging Face model's own post_init pass, in the order building
@@ -190,7 +190,7 @@ def test_under_fsdp_no_rank_holds_the_whole_model_while_initializing(world):
     strategy = built.strategy
     whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     freed = all(not storage.is_allocated(bucket.flat_param) for bucket in strategy.buckets)
-    peaks = collectives.allgather_object(built.initialization.peak_bytes, name="test.deferred.peak")
+    peaks = collectives.allgather_object(built.parts.initialization.peak_bytes, name="test.deferred.peak")
 
     # The root (input layer and head) whole the whole time, one block's buffer at a time besides:
     # what every forward holds. Six blocks of 64 x 64: the model is several times that.
@@ -288,7 +288,7 @@ def test_an_initialization_from_above_the_units_equals_the_model_built_whole(wor
     assert differences(state, expected.state_dict()) == []
     if strategy == "fsdp":  # the root and the one block each operation touched, never two blocks
         strategy_ = built.strategy
-        assert built.initialization.peak_bytes == strategy_.root.full_bytes + strategy_.largest_unit_bytes()
+        assert built.parts.initialization.peak_bytes == strategy_.root.full_bytes + strategy_.largest_unit_bytes()
 
 
 def test_fsdp_refuses_an_initialization_that_reads_across_a_sharded_weight_and_ddp_runs_it(world):
@@ -364,11 +364,11 @@ def test_model_parallelism_initializes_only_its_slices_of_a_model_built_on_meta(
     built = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, None, config, world=world,
                     model_plan=plan(model), **loss)
     state = gathered(built)
-    peaks = collectives.allgather_object(built.initialization.peak_bytes, name=f"deferred.mp.{case}.{layout}")
+    peaks = collectives.allgather_object(built.parts.initialization.peak_bytes, name=f"deferred.mp.{case}.{layout}")
     built.close_mesh()
 
     assert differences(state, expected) == []
-    assert built.initialization.granularity == "by tensor slice and pipeline stage"
+    assert built.parts.initialization.granularity == "by tensor slice and pipeline stage"
     assert max(peaks) < 0.8 * whole_bytes, f"a rank held {max(peaks)} of the model's {whole_bytes} bytes at once"
 
 

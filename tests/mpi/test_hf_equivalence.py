@@ -205,7 +205,7 @@ def test_activation_checkpointing_takes_one_process_steps(world, family, layout,
     step = {"loss_fn": logits_loss} if "pipeline_parallel" in layout else None
     trainer, data, initial, final, step_losses = train(world, family, step=step, activation_checkpointing=mode,
                                                        **layout)
-    recomputed = trainer.recomputed_blocks
+    recomputed = trainer.parts.recomputed_blocks
     if mesh > 1:
         trainer.close_mesh()
 

@@ -64,7 +64,7 @@ def test_the_model_cut_into_stages_takes_one_process_steps(world, family, layout
     nan = torch.tensor(float("nan"), dtype=torch.float64)
     accuracies = collectives.allreduce_sum(torch.stack([m.get("accuracy", nan).double() for m in metrics]),
                                            name=f"hf.pp.{family}.{layout}.accuracy") / world.size
-    evaluated = trainer.strategy.forward_only(trainer.step_fn, (data.tensors[0][:BATCH], data.tensors[1][:BATCH]))
+    evaluated = trainer.strategy.forward_only(trainer.parts.step_fn, (data.tensors[0][:BATCH], data.tensors[1][:BATCH]))
     trainer.close_mesh()
 
     # 2 decoder layers + the embedding and the norm with the head: 4 layers over the stages.

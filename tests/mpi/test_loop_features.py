@@ -75,7 +75,7 @@ def test_clipping_by_the_global_norm_matches_one_process(world, strategy):
             opt.step()
     ours = flat_parameters(trainer.model)
     rows = agreed([(ours - flat_parameters(reference)).abs().max(), (ours - flat_parameters(unclipped)).abs().max(),
-                   trainer.grad_norm], name=f"clip.{strategy}")
+                   trainer.parts.loop.grad_norm], name=f"clip.{strategy}")
 
     assert min(norms) > 2 * max_norm, f"the gradient norms {norms} never needed clipping: the test proves nothing"
     assert (rows[:, 0] < BOUND).all(), f"max |clipped run - one process clipping| per rank: {rows[:, 0].tolist()}"
@@ -208,7 +208,7 @@ def test_fp16_skips_a_step_with_inf_on_every_rank_alike(world, strategy):
     held = lambda: torch.cat([b.shard.detach().reshape(-1) for b in trainer.strategy.buckets]) \
         if hasattr(trainer.strategy, "buckets") else flat_parameters(trainer.model)
     seen = {}
-    original_update = trainer.loop.update
+    original_update = trainer.parts.loop.update
 
     def watched_update():
         before = held().clone()
@@ -216,11 +216,12 @@ def test_fp16_skips_a_step_with_inf_on_every_rank_alike(world, strategy):
         if trainer.global_step == poisoned_step:
             seen["unchanged"] = torch.equal(before, held())
 
-    trainer.loop.update = watched_update
+    trainer.parts.loop.update = watched_update
     trainer.fit()
     trainer.strategy.whole_model()
     ours = flat_parameters(trainer.model)
-    rows = agreed([trainer.precision.skipped_steps, trainer.precision.scale, float(seen.get("unchanged", False))],
+    precision = trainer.parts.precision
+    rows = agreed([precision.skipped_steps, precision.scale, float(seen.get("unchanged", False))],
                   name=f"fp16.{strategy}")
     replicas = collectives.allgather_rows(ours.double().reshape(1, -1), name=f"fp16.{strategy}.params")
 
@@ -262,12 +263,13 @@ def test_fp16_loss_scale_resumes_from_a_checkpoint(world, strategy, checkpoint_f
     cfg = config(strategy, precision="fp16", checkpoint_dir=str(directory), checkpoint_format=checkpoint_format)
     model = small_mlp(seed=600, dtype=torch.float32)
     first = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, None, cfg, world=world)
-    first.precision.scale, first.precision.good_steps = 512.0, 3  # as if it had backed off and counted
+    first.parts.precision.scale, first.parts.precision.good_steps = 512.0, 3  # as if it had backed off and counted
     first.fit()  # ends with a checkpoint (the end of max_steps' epoch record)
-    saved = first.precision.state_dict()
+    saved = first.parts.precision.state_dict()
     model = small_mlp(seed=601, dtype=torch.float32)
     resumed = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, None, cfg, world=world)
-    rows = agreed([resumed.global_step, resumed.precision.scale, resumed.precision.good_steps], name=f"fp16.resume.{strategy}")
+    rows = agreed([resumed.global_step, resumed.parts.precision.scale, resumed.parts.precision.good_steps],
+                  name=f"fp16.resume.{strategy}")
 
     assert (rows[:, 0] == STEPS).all(), "the second run did not resume from the first's checkpoint"
     assert (rows[:, 1] == saved["scale"]).all() and (rows[:, 2] == saved["good_steps"]).all(), rows.tolist()
@@ -362,7 +364,7 @@ def test_a_scheduler_of_your_own_runs_over_the_scaled_rates_and_resumes_exactly(
     assert (rows[:, 0] < BOUND).all(), f"max |trainer - one process at the scheduler's rates|: {rows[:, 0].tolist()}"
     assert (rows[:, 1] == 0).all(), f"max |resumed - uninterrupted|: {rows[:, 1].tolist()}"
     assert (rows[:, 2] == 0.5 * world.size * 0.5 ** STEPS).all(), rows[:, 2].tolist()
-    assert "then your ExponentialLR" in whole.lr.describe()
+    assert "then your ExponentialLR" in whole.parts.lr.describe()
     with pytest.raises(ValueError, match="lr_scheduler replaces hvdtrain's own schedule: set train.warmup_epochs=0"):
         Trainer(small_mlp(seed=0), make(small_mlp(seed=0).parameters(), 0.5), data, None,
                 config(strategy, warmup_epochs=1.0), world=world, lr_scheduler=halving)

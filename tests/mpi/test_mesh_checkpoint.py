@@ -66,7 +66,7 @@ def trainer_for(world, layout, directory, max_steps, checkpoint_every=0):
 def gathered(trainer):
     """The whole state as a gathered checkpoint holds it, and the trainer's mesh closed."""
     state = copy.deepcopy(trainer.strategy.state_dict())
-    if trainer.mesh is not None:
+    if trainer.parts.topology.mesh is not None:
         trainer.close_mesh()  # left open, every later test's collectives slow down
     return state
 
@@ -143,7 +143,7 @@ def test_no_rank_writes_more_than_its_part(world, shared_tmp_path):
         pytest.skip("T=2 needs an even world")
     trainer = trainer_for(world, (2, 1, "ddp"), shared_tmp_path / "ckpt", STEPS)
     trainer.fit()
-    data_rank = trainer.mesh.coordinates.data
+    data_rank = trainer.parts.topology.mesh.coordinates.data
     saved = gathered(trainer)
     checkpoint = shared_tmp_path / "ckpt" / f"ckpt-{STEPS:09d}"
     part = torch.load(checkpoint / f"rank-{world.rank:05d}-of-{world.size:05d}.pt", weights_only=True)["strategy"]

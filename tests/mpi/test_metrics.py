@@ -40,6 +40,6 @@ def test_learning_rate_warms_up_to_base_times_workers_times_accumulation(world):
     trainer.fit()
     final_lr = trainer.optimizer.param_groups[0]["lr"]
 
-    assert trainer.warmup_steps == trainer.steps_per_epoch
+    assert trainer.parts.batching.warmup_steps == trainer.parts.batching.steps_per_epoch
     assert first_lr == pytest.approx(0.01)
     assert final_lr == pytest.approx(0.01 * world.size * 2)

@@ -133,7 +133,7 @@ def check_layout(world, layout, max_grad_norm=None, strategy="ddp", activation_c
     losses = record_step_losses(trainer)
     trainer.fit()
     final = trainer.strategy.state_dict()["model"]
-    data_width = trainer.mesh.shape.data
+    data_width = trainer.parts.topology.mesh.shape.data
     # Each data replica's loss; the global batch's loss is their mean (every rank of a replica holds it).
     # Every replica's T x P ranks hold its loss: the world's sum / world size is the mean over replicas.
     step_losses = collectives.allreduce_sum(torch.stack(losses), name=f"mp.{layout_id(layout)}.losses") / world.size
@@ -141,7 +141,7 @@ def check_layout(world, layout, max_grad_norm=None, strategy="ddp", activation_c
 
     final_optimizer = trainer.strategy.state_dict()["optimizer"]
     expected, expected_optimizer, expected_losses = reference(initial, data, BATCH * data_width, max_grad_norm)
-    grad_norm = trainer.grad_norm  # before clipping, at the last step
+    grad_norm = trainer.parts.loop.grad_norm  # before clipping, at the last step
     # A full checkpoint resumes under any layout: loading one process's state and gathering it back
     # gives it unchanged, bit for bit (each element travels once, added to zeros).
     trainer.strategy.load_state_dict({"model": expected, "optimizer": expected_optimizer})
@@ -154,7 +154,7 @@ def check_layout(world, layout, max_grad_norm=None, strategy="ddp", activation_c
     trainer.close_mesh()  # the last collective: left open, every later test's collectives slow down
 
     assert trainer.global_step == STEPS
-    assert len(trainer.recomputed_blocks) == (BLOCKS if activation_checkpointing == "full" else 0)
+    assert len(trainer.parts.recomputed_blocks) == (BLOCKS if activation_checkpointing == "full" else 0)
     assert moved > 1e-3, "training did not move the parameters: the test proves nothing"
     assert loss_error < 1e-10, f"per-step loss against one process: {step_losses.tolist()} vs {expected_losses}"
     assert worst < 1e-10, f"max |gathered - one process| = {worst}"

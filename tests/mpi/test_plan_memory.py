@@ -64,7 +64,8 @@ def test_predicted_memory_within_ten_percent_of_counted(world, layout):
     trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01), token_data(), None, config,
                       world=world, loss_fn=lm_loss, model_plan=ModelPlan(tensor_plan=tensor_plan(model), pipeline_layers=pipeline_layers))
     trainer.fit()  # the MemoryReport gathers every rank's counts after the first step (a collective)
-    counted = max(r["parameters"] + r["gradients"] + r["optimizer_state"] for r in trainer.memory.per_rank)
+    per_rank = trainer.parts.reporter.memory.per_rank
+    counted = max(r["parameters"] + r["gradients"] + r["optimizer_state"] for r in per_rank)
     trainer.close_mesh()
     setup = planner.Setup(SHAPE, batch=BATCH * data, memory=2 ** 40, workers=world.size)
     predicted = planner.memory(setup, planner.Layout(strategy, tensor, pipeline, data, micro)).states

@@ -70,7 +70,7 @@ def test_a_model_built_on_meta_gets_from_pretrained_weights_bitwise(world, pretr
     loaded = trainer.strategy.exported_model_state()
     different = [name for name, value in expected.items() if not torch.equal(loaded[name], value)]
 
-    assert trainer.initialization is not None, "the Trainer initialized the model from the meta device"
+    assert trainer.parts.initialization is not None, "the Trainer initialized the model from the meta device"
     assert not different, f"not the pretrained values: {different}"
 
 

@@ -153,7 +153,7 @@ def test_adasum_through_the_trainer_equals_horovods_tree_by_hand(world, accumula
                   if world.size >= 4 else adasum)
     ours = flat_parameters(trainer.model)
     rows = agreed([(ours - adasum).abs().max(), (ours - average).abs().max(), (ours - one_vector).abs().max(),
-                   trainer.lr_scale, trainer.strategy.optimizer.param_groups[0]["lr"],
+                   trainer.parts.lr.scale, trainer.strategy.optimizer.param_groups[0]["lr"],
                    (ours - other_tree).abs().max()], name=f"adasum.{accumulation}")
 
     print(f"\n[adasum x{world.size}, accumulation {accumulation}] max |Trainer - by hand| per rank "

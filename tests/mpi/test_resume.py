@@ -34,7 +34,7 @@ def test_resume_mid_epoch_continues_bitwise(world, tmp_path):
 
     rng.seed_everything(rng.rank_seed(1, world.rank))
     stopped = train(world, f"{base}/stopped", max_steps=7)
-    stopped_at = (stopped.position.epoch, stopped.position.epoch_position)
+    stopped_at = (stopped.parts.position.epoch, stopped.parts.position.epoch_position)
     rng.seed_everything(12345 + world.rank)  # the resumed run must not depend on the RNG it starts with
     resumed = train(world, f"{base}/stopped", max_steps=20, model_seed=99)
 

@@ -11,8 +11,8 @@ pytestmark = pytest.mark.mpi
 
 
 def epoch_indices(trainer: Trainer, epoch: int):
-    trainer.sampler.set_epoch(epoch)
-    return list(trainer.sampler)
+    trainer.parts.batching.sampler.set_epoch(epoch)
+    return list(trainer.parts.batching.sampler)
 
 
 def test_shards_are_disjoint_cover_the_data_and_reshuffle_per_epoch(world):

@@ -82,11 +82,11 @@ def test_after_an_elastic_sync_every_rank_decides_alike_whether_to_save(world, m
                       None, config, world=world)
     state = trainer._elastic_state()
     state.sync()  # zero2: rank 0's state everywhere, and step 0's checkpoint
-    trainer.loop.save_checkpoint()  # ddp: its own (zero2: the one the sync wrote, not again)
+    trainer.parts.loop.save_checkpoint()  # ddp: its own (zero2: the one the sync wrote, not again)
     # Rank 0 as a worker that joins; the others as survivors that wrote the checkpoint and took no step since.
-    trainer.loop.saved_at = None if world.is_root else trainer.position.step
+    trainer.parts.loop.saved_at = None if world.is_root else trainer.parts.position.step
     state.sync()
-    remembered = collectives.allgather_object(trainer.loop.saved_at, name=f"elastic.saved.{strategy}")
+    remembered = collectives.allgather_object(trainer.parts.loop.saved_at, name=f"elastic.saved.{strategy}")
     trainer.close()
 
     assert remembered == [None] * world.size, f"each rank's last saved step after the sync: {remembered}"
@@ -104,7 +104,7 @@ def test_every_rank_reports_its_memory_and_sharding_divides_it(world, tmp_path):
     held = {}
     for strategy in ("ddp", "zero2"):
         trainer = train(world, strategy, max_steps=1, run_dir=f"{base}/{strategy}", model=wide_mlp())
-        held[strategy] = trainer.memory.per_rank
+        held[strategy] = trainer.parts.reporter.memory.per_rank
     records = []
     if world.is_root:
         lines = Path(f"{base}/zero2/run/metrics.jsonl").read_text().splitlines()
@@ -136,7 +136,7 @@ def lm_run(world, strategy, activation_checkpointing):
     initial = flat_parameters(model)  # the same on every rank (one seed), before fsdp shards it
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=config.lr), TensorDataset(ids[:, :-1], ids[:, 1:]),
                       None, config, world=world, loss_fn=lm_loss)
-    blocks = trainer.recomputed_blocks
+    blocks = trainer.parts.recomputed_blocks
     trainer.fit()
     trainer.close()
     trainer.strategy.whole_model()

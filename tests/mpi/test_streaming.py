@@ -95,7 +95,7 @@ def test_the_trainer_ends_each_epoch_when_the_stream_runs_out(world, sized):
     steps = SAMPLES // global_batch
     assert trainer.global_step == 2 * steps, "two epochs of whole global batches"
     assert [record["step"] for record in history] == [steps, 2 * steps]
-    assert trainer.steps_per_epoch == (steps if sized else None)
+    assert trainer.parts.batching.steps_per_epoch == (steps if sized else None)
     for epoch in (0, 1):
         # The training ids of this epoch on every rank (evaluation's follow each epoch's training).
         union = []

@@ -39,7 +39,7 @@ def module_name(path: Path) -> str:
 
 def package_of(module: str) -> str:
     parts = module.split(".")
-    if len(parts) == 1 or parts[1] in ("session", "trainer", "loop"):
+    if len(parts) == 1 or parts[1] in ("session", "trainer", "loop", "parts"):
         return "top"
     return parts[1]
 

@@ -166,19 +166,19 @@ def worker(argv: Sequence[str]) -> int:
                       workloads.synthetic_dataset(args.model, samples, seed=1), None, config, world=world)
     stalls: List[float] = []
     reached: List[float] = []  # when the last timed step ended: its run's closing save is not timed
-    save = trainer.loop.save_checkpoint
+    save = trainer.parts.loop.save_checkpoint
 
     def timed_save() -> None:
-        if trainer.position.step % args.every:  # a fit()'s closing save (its epoch's record)
+        if trainer.parts.position.step % args.every:  # a fit()'s closing save (its epoch's record)
             reached.append(time.perf_counter())
             save()
             return
         started = time.perf_counter()
         save()
         stalls.append(time.perf_counter() - started)
-    trainer.loop.save_checkpoint = timed_save
+    trainer.parts.loop.save_checkpoint = timed_save
     waits: List[float] = []  # of the stalls: waiting for the previous write, and agreeing on it
-    protocol = trainer.checkpoints.protocol
+    protocol = trainer.parts.checkpoints.protocol
     if protocol is not None:
         finish = protocol.finish
 

@@ -289,7 +289,7 @@ def mesh_equivalence(world, tensor: int, pipeline: int) -> Dict[str, Any]:
     initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
     trainer.fit()
     final = trainer.strategy.state_dict()["model"]  # gathered whole from every rank's part
-    data_width = trainer.mesh.shape.data
+    data_width = trainer.parts.topology.mesh.shape.data
     trainer.close()
     trainer.close_mesh()
     reference = transformer(seed=0).to(world.device)
@@ -315,7 +315,7 @@ def train_in(world, precision: str, steps: int = 8):
     trainer.fit()
     final = trainer.strategy.state_dict()["model"]
     trainer.close()
-    return initial, final, trainer.precision.skipped_steps, steps
+    return initial, final, trainer.parts.precision.skipped_steps, steps
 
 
 def precision_steps(world, precision: str) -> Dict[str, Any]:

@@ -161,7 +161,7 @@ def run_tensor(args: argparse.Namespace, world) -> Dict[str, Any]:
     inputs, targets = token_batch(args, args.batch)
     variants = {"tensor": split, "whole": whole, "isolated": None}
     steps: Dict[str, List[List[float]]] = {name: [] for name in variants}
-    group, step_calls = trainer.mesh.tensor, 4 * args.layers
+    group, step_calls = trainer.parts.topology.mesh.tensor, 4 * args.layers
     payload = torch.randn(args.batch, args.seq_len, args.d_model)
     timer.take()
     for round_ in range(args.rounds):

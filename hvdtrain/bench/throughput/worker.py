@@ -418,7 +418,7 @@ def run_trainer(args) -> None:
         jobs.write_result(args.out, result(args, world.size, per_rank, model, {
             "controller": world.controller, "steps_taken": trainer.global_step,
             "strategy": args.strategy, "optimizer": args.optimizer,
-            "memory_per_rank": trainer.memory.per_rank,
+            "memory_per_rank": trainer.parts.reporter.memory.per_rank,
             "step_per_rank_s": [rank["step_s"] for rank in per_rank],  # strategy.step(): update (+ all-gather)
             "update_per_rank_s": [rank["update_s"] for rank in per_rank],  # the optimizer's own step
             "minor_faults_per_rank": [rank["minor_faults"] for rank in per_rank],  # over the timed steps
