@@ -115,10 +115,10 @@ class Parts:
 
     def out_of_memory_explained(self) -> contextlib.AbstractContextManager:
         """Around training: an out-of-memory error says what the loop was doing and what this rank held."""
-        return oom.explained(lambda error: self.explain_out_of_memory(error, self.loop.phase, self.optimizer,
+        return oom.explained(lambda error: self._explain_out_of_memory(error, self.loop.phase, self.optimizer,
                                                                       self.strategy.memory_bytes()))
 
-    def explain_out_of_memory(self, error: BaseException, phase: str, optimizer: torch.optim.Optimizer,
+    def _explain_out_of_memory(self, error: BaseException, phase: str, optimizer: torch.optim.Optimizer,
                               held: Dict[str, int]) -> str:
         """The message for an out-of-memory ``error`` in ``phase``, logged on this rank too."""
         return explain_out_of_memory(self.config, self.topology, self.model, error, phase, optimizer, held)
@@ -262,7 +262,14 @@ def build_parts(
 def refuse_what_cannot_run(cfg: TrainConfig, world: World, elastic_launch: bool,
                            lr_scheduler: Optional[SchedulerFactory]) -> None:
     """What this launch cannot do, refused on every rank alike before any collective, instead of
-    failing or hanging in the first step."""
+    failing or hanging in the first step.
+
+    Args:
+        cfg: the ``train`` section.
+        world: what Horovod was started with (hierarchical all-reduce).
+        elastic_launch: under Horovod elastic, async saves and your own scheduler are refused.
+        lr_scheduler: your own schedule, if given: it replaces hvdtrain's, which must then be off.
+    """
     if cfg.hierarchical_allreduce and not world.hierarchical_allreduce:
         raise ValueError(startup.hierarchical_conflict())
     if cfg.checkpoint_async and elastic_launch:
@@ -379,7 +386,14 @@ def shard(cfg: TrainConfig, topology: Topology, model: torch.nn.Module, optimize
 
 
 def start_schedule(lr: LearningRate, batching: Batching, topology: Topology, position: Position) -> None:
-    """The LR scaled to the current global batch, warmed up, continuing at the current step."""
+    """The LR scaled to the current global batch, warmed up, continuing at the current step.
+
+    Args:
+        lr: the rates and the schedule.
+        batching: the global batch, the warm-up and the run's total steps.
+        topology: the data-parallel world the rates are scaled to.
+        position: the step the schedule continues at.
+    """
     lr.start(batching.global_batch_size, batching.warmup_steps, topology.data_world, position.step,
              batching.total_steps)
 

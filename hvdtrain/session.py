@@ -288,12 +288,20 @@ def setup(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_datase
     """A Session for your own loop: ``model`` and ``optimizer`` (one worker's, as for one process)
     handed to ``config.strategy``, rank 0's state broadcast, the rates scaled to the global batch,
     ``train_dataset`` sharded over the ranks, and the newest checkpoint in train.checkpoint_dir
-    resumed. ``options``: the Session's (val_dataset, world, job_config, collate_fn, callbacks,
-    lr_scheduler, model_plan, init_fn, loss_fn or step_fn for evaluate()). Every rank calls it.
+    resumed. Every rank calls it.
 
     What needs hvdtrain's own loop is refused here, before any collective: pipeline parallelism
     (its schedule runs forward and backward together: use the Trainer) and Horovod elastic (a world
-    change restarts the loop from a commit: use the Trainer)."""
+    change restarts the loop from a commit: use the Trainer).
+
+    Args:
+        model: built as for one process (on the meta device too).
+        optimizer: over ``model``, with the learning rate of one worker.
+        train_dataset: the whole training set; each rank reads its shard.
+        config: the ``train`` section (default: TrainConfig()).
+        options: the Session's other arguments (val_dataset, world, job_config, collate_fn, callbacks,
+            lr_scheduler, model_plan, init_fn, loader_factory, loss_fn or step_fn for evaluate()).
+    """
     config = config or TrainConfig()
     if config.pipeline_parallel > 1:
         raise ValueError("train.pipeline_parallel > 1 runs forward and backward together in the pipeline's schedule, "

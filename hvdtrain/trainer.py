@@ -267,7 +267,18 @@ def evaluate_model(model: torch.nn.Module, dataset: Dataset, world: Optional[Wor
     """Evaluation alone, no optimizer: a whole ``model`` (the same on every rank: one loaded from an
     export, say) over ``dataset`` cut into one shard per rank, in order, each sample once; returns
     val_loss, val_<metric> and val_samples, means over every sample, the same on every rank (a
-    collective). ``step_fn(model, batch) -> (loss, metrics)`` for batches of any structure."""
+    collective).
+
+    Args:
+        model: whole, the same on every rank.
+        dataset: evaluated in order, each sample once.
+        world: this process's place in the job (default: Horovod started with defaults).
+        batch_size: samples per batch on each rank.
+        loss_fn: ``loss_fn(outputs, targets)``, the batch's mean loss (unless ``step_fn``).
+        step_fn: ``step_fn(model, batch) -> (loss, metrics)`` for batches of any structure.
+        collate_fn: how the loader makes a batch of samples.
+        precision: the forward's autocast, one of train.precision's values.
+    """
     if precision not in PRECISIONS:
         raise ValueError(f"evaluate_model(precision=...) must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     world = world or startup.init()

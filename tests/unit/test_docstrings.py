@@ -19,14 +19,6 @@ from typing import Iterator, List, Optional, Set, Tuple
 PACKAGE = Path(__file__).resolve().parents[2] / "hvdtrain"
 MAX_PARAMETERS = 3  # more than this many counted parameters: an Args: section is required
 
-# Functions in files being rewritten elsewhere at the time this test was written (the session and the
-# trainer): their Args: sections come with that work. Remove a name once its docstring has the section.
-PENDING = {
-    "hvdtrain.session.Session.__init__",
-    "hvdtrain.session.setup",
-    "hvdtrain.trainer.evaluate_model",
-}
-
 FunctionNode = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 
@@ -109,7 +101,7 @@ def public_functions() -> Iterator[Tuple[str, List[str], Set[str]]]:
 
 def test_args_sections_name_every_parameter():
     missing = {name: [parameter for parameter in names if parameter not in documented]
-               for name, names, documented in public_functions() if name not in PENDING}
+               for name, names, documented in public_functions()}
     missing = {name: parameters_ for name, parameters_ in missing.items() if parameters_}
     assert not missing, "public functions whose docstring's Args: section lacks parameters:\n" + "\n".join(
         f"  {name}: {', '.join(parameters_)}" for name, parameters_ in sorted(missing.items()))
@@ -136,9 +128,3 @@ def f(a, b, *rest, c, **options):
     assert parameters(function, is_method=False) == ["a", "b", "rest", "c", "options"]
     assert args_section(ast.get_docstring(function)) == {"a", "b", "rest", "c", "options"}
     assert args_section("No section.") is None
-
-
-def test_pending_names_are_in_the_files_being_rewritten():
-    rewritten = ("hvdtrain.session.", "hvdtrain.trainer.", "hvdtrain.loop.", "hvdtrain.checkpoint.",
-                 "hvdtrain.strategies.base.", "hvdtrain.strategies.model_parallel.")
-    assert all(name.startswith(rewritten) for name in PENDING)
