@@ -58,7 +58,6 @@ class TrainingLoop:
     grad_norm: float = float("nan")  # before clipping, at the last step (train.max_grad_norm)
     preempted: bool = False
     stopped: bool = False  # a callback asked, and every rank agreed
-    saved_at: Optional[int] = None  # the step of the last checkpoint, until the next step (or elastic sync)
     # Under Horovod elastic, for one run(): when the state survivors roll back to is committed.
     commits: Optional["Commits"] = None
     history: List[Dict[str, float]] = dataclasses.field(default_factory=list)  # one record per epoch
@@ -133,7 +132,7 @@ class TrainingLoop:
                                     {k: v for k, v in record.items() if k.startswith("val_")})
             self.callbacks.call("on_epoch_end", dict(record))
             if self.checkpoints is not None:
-                self.save_checkpoint()
+                self.checkpoints.save_unless_saved()
             if self.commits is not None:
                 self.commits.at_epoch_end()
             if self.stop_if_agreed("loop.stop.epoch"):
@@ -187,7 +186,8 @@ class TrainingLoop:
         self.evaluate_if_due()
         if self.commits is not None:
             self.commits.after_step(self.position.step)  # the point survivors roll back to; may raise to resize
-        self.checkpoint_if_due()
+        if self.checkpoints is not None and self.checkpoints.maybe_save() and self.commits is not None:
+            self.commits.after_checkpoint()
         self.vote_or_log()
         return True
 
@@ -209,7 +209,8 @@ class TrainingLoop:
         position = self.position
         position.step += 1
         position.epoch_position += self.batching.global_batch_size
-        self.saved_at = None  # (under elastic a rollback can bring the same step number back)
+        if self.checkpoints is not None:  # (under elastic a rollback can bring the same step number back)
+            self.checkpoints.forget_saved_step()
         self.faults.beat(position.step)
         self.reporter.after_step(position.step)
         self.callbacks.call("on_step_end", position.step)
@@ -220,16 +221,6 @@ class TrainingLoop:
         if (every and position.step % every == 0 and not self.finished(self.until_step)
                 and self.batching.has_steps_left(position.epoch_position)):
             self.evaluate_between_steps()
-
-    def checkpoint_if_due(self) -> None:
-        """train.checkpoint_every; the last step of an epoch is saved by the epoch's end, as the start
-        of the next."""
-        every, position = self.config.checkpoint_every, self.position
-        if (self.checkpoints is not None and every and position.step % every == 0
-                and self.batching.has_steps_left(position.epoch_position)):
-            self.save_checkpoint()
-            if self.commits is not None:
-                self.commits.after_checkpoint()
 
     def vote_or_log(self) -> None:
         """The preemption and stop votes (every preempt_check_every steps; every rank alike), else,
@@ -302,25 +293,6 @@ class TrainingLoop:
         self.callbacks.call("on_evaluation_end", position.step, metrics)
         self.stop_if_agreed("loop.stop.evaluation")
 
-    def forget_saved_step(self) -> None:
-        """Under Horovod elastic, at every sync: ``saved_at`` is this process's own memory, and after a
-        world change the ranks' differ (a worker that joins saved nothing; a survivor may have written
-        the very checkpoint the world continues from, or finished a save that a lost worker cut short
-        for another survivor). It decides whether a save, a collective, runs: forgotten on every rank,
-        every rank saves alike. (A survivor that skipped the save a joiner made, after an epoch left
-        with no step in the larger world, hung the job.)"""
-        self.saved_at = None
-
-    def save_checkpoint(self) -> None:
-        """A checkpoint of this step, unless it was just written, no step since (max_steps ending a
-        run on a checkpoint_every step reaches the epoch's end save too)."""
-        if self.saved_at == self.position.step:
-            return
-        with self.faults.checkpoint_io():
-            self.checkpoints.save()
-        self.saved_at = self.position.step
-        self.callbacks.call("on_checkpoint", self.position.step)
-
     def stop_if_agreed(self, name: str) -> bool:
         """Every rank: stop when a callback asked on any rank (a vote); the step is checkpointed first."""
         if self.stopped:  # agreed already (every rank alike): the epoch's end after a stop mid-epoch
@@ -334,7 +306,7 @@ class TrainingLoop:
         """Every rank agreed to stop for a callback: checkpoint this step and end as at max_steps."""
         self.stopped = True
         if self.checkpoints is not None:
-            self.save_checkpoint()
+            self.checkpoints.save_unless_saved()
         if self.topology.is_root:
             self.topology.log.info(f"stopped at step {self.position.step}: {self.callbacks.stop_reason}")
 
@@ -343,7 +315,7 @@ class TrainingLoop:
         if self.checkpoints is None:
             self.topology.log.warning("preemption signal, but no checkpoint_dir: this run cannot be resumed")
         else:
-            self.save_checkpoint()
+            self.checkpoints.save_unless_saved()
             with self.faults.checkpoint_io():
                 self.checkpoints.finish()  # written before the job is requeued (and killed)
         self.preempted = True

@@ -241,7 +241,7 @@ def build_parts(
                                   initialization, elastic_launch)
         kept: Dict[str, Any] = {}
         checkpoints = CheckpointManager(cfg, topology, protocol, strategy, position, lr, precision, batching,
-                                        job_config, hooks, kept)
+                                        job_config, hooks, kept, guard_io=faults.checkpoint_io)
         # Under elastic, a sharded strategy's first sync loads the checkpoint (every rank reads its part).
         if resumed is not None and not (elastic_launch and strategy.capabilities.elastic_from_checkpoint):
             with faults.checkpoint_io():

@@ -238,7 +238,7 @@ class Session:
         if self.parts.checkpoints.protocol is None:
             raise ValueError("save() writes into train.checkpoint_dir, and none is set: set it (the runs of one "
                              "job share it; a rerun resumes from the newest checkpoint there)")
-        self.parts.loop.save_checkpoint()
+        self.parts.checkpoints.save_unless_saved()
 
     def loader(self, dataset: Dataset, batch_size: Optional[int] = None,
                collate_fn: Optional[Callable[[List[Any]], Any]] = None) -> DataLoader:

@@ -214,7 +214,7 @@ class Trainer:
         """What Horovod elastic commits, rolls back to and syncs (hvdtrain.fault_tolerance.elastic)."""
         parts = self.parts
         # Each rank's memory of its own last save differs after a world change: forgotten at every sync.
-        on_sync = [parts.loop.forget_saved_step, parts.restart_schedule, parts.reporter.agree_run_directory]
+        on_sync = [parts.checkpoints.forget_saved_step, parts.restart_schedule, parts.reporter.agree_run_directory]
         if parts.strategy.capabilities.elastic_from_checkpoint:
             return elastic.CheckpointedElasticState(self._continue_from_newest_checkpoint,
                                                     on_reset=self._follow_world, on_sync=on_sync)
@@ -245,7 +245,7 @@ class Trainer:
                 parts.checkpoints.load(newest)
         if newest is None:
             parts.strategy.broadcast_from_root()
-            parts.loop.save_checkpoint()
+            parts.checkpoints.save_unless_saved()
 
     def _export_model(self, directory) -> None:
         """model.safetensors under every state_dict name, from the strategy's tensors one at a time

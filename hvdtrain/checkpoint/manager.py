@@ -8,7 +8,8 @@ and hvdtrain.checkpoint.sources.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+import contextlib
+from typing import Any, Callable, ContextManager, Dict, Mapping, Optional
 
 from hvdtrain.checkpoint import FORMAT_VERSION
 from hvdtrain.checkpoint.formats import kept as kept_state
@@ -45,13 +46,19 @@ class CheckpointManager:
         job_config: the job's resolved settings, recorded (a resume compares them).
         callbacks: the callbacks whose states every checkpoint holds (None: none).
         kept: the session's keep() objects by name, a dict it fills later (None: an empty one).
+        guard_io: a context around every save from the loop (the stall watchdog's checkpoint_io:
+            a save may outlast a step's stall limit).
     """
 
     def __init__(self, config: TrainConfig, topology: Topology, protocol: "Checkpointing | None",
                  strategy: Strategy, position: Position, lr: LearningRate, precision: Precision,
                  batching: Batching, job_config: Mapping[str, Any], callbacks: Optional[Callbacks] = None,
-                 kept: Optional[Dict[str, Any]] = None) -> None:
+                 kept: Optional[Dict[str, Any]] = None,
+                 guard_io: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
         self.config, self.topology, self.protocol = config, topology, protocol
+        self.guard_io = guard_io
+        # The step of the last checkpoint, until the next step (or elastic sync): a save it would repeat is skipped.
+        self.saved_at: Optional[int] = None
         # The session's keep() objects (a dict it fills later), and their states in the checkpoint resumed.
         self.kept: Dict[str, Any] = {} if kept is None else kept
         self.kept_state: Dict[str, Any] = {}
@@ -134,6 +141,32 @@ class CheckpointManager:
             self.protocol.save_sharded(own, self.run_state().shared(), step)
         else:
             self.protocol.save(self.state_dict(), step)
+
+    def save_unless_saved(self) -> None:
+        """A checkpoint of this step, unless it was just written, no step since (max_steps ending a
+        run on a checkpoint_every step reaches the epoch's end save too); the callbacks hear of it."""
+        if self.saved_at == self.position.step:
+            return
+        with self.guard_io():
+            self.save()
+        self.saved_at = self.position.step
+        self.callbacks.call("on_checkpoint", self.position.step)
+
+    def maybe_save(self) -> bool:
+        """train.checkpoint_every: a checkpoint when this step is due; the last step of an epoch is
+        saved by the epoch's end, as the start of the next. Returns whether it saved."""
+        every, position = self.config.checkpoint_every, self.position
+        if not (every and position.step % every == 0 and self.batching.has_steps_left(position.epoch_position)):
+            return False
+        self.save_unless_saved()
+        return True
+
+    def forget_saved_step(self) -> None:
+        """After every step, and under Horovod elastic at every sync: ``saved_at`` is this process's
+        own memory, and after a world change the ranks' differ (a worker that joins saved nothing; a
+        survivor may have written the very checkpoint the world continues from). It decides whether a
+        save, a collective, runs: forgotten on every rank, every rank saves alike."""
+        self.saved_at = None
 
     def finish(self) -> None:
         """Every rank calls it: the background write in flight (train.checkpoint_async) is done, and

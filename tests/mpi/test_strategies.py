@@ -82,11 +82,11 @@ def test_after_an_elastic_sync_every_rank_decides_alike_whether_to_save(world, m
                       None, config, world=world)
     state = trainer._elastic_state()
     state.sync()  # zero2: rank 0's state everywhere, and step 0's checkpoint
-    trainer.parts.loop.save_checkpoint()  # ddp: its own (zero2: the one the sync wrote, not again)
+    trainer.parts.checkpoints.save_unless_saved()  # ddp: its own (zero2: the one the sync wrote, not again)
     # Rank 0 as a worker that joins; the others as survivors that wrote the checkpoint and took no step since.
-    trainer.parts.loop.saved_at = None if world.is_root else trainer.parts.position.step
+    trainer.parts.checkpoints.saved_at = None if world.is_root else trainer.parts.position.step
     state.sync()
-    remembered = collectives.allgather_object(trainer.parts.loop.saved_at, name=f"elastic.saved.{strategy}")
+    remembered = collectives.allgather_object(trainer.parts.checkpoints.saved_at, name=f"elastic.saved.{strategy}")
     trainer.close()
 
     assert remembered == [None] * world.size, f"each rank's last saved step after the sync: {remembered}"

@@ -166,7 +166,7 @@ def worker(argv: Sequence[str]) -> int:
                       workloads.synthetic_dataset(args.model, samples, seed=1), None, config, world=world)
     stalls: List[float] = []
     reached: List[float] = []  # when the last timed step ended: its run's closing save is not timed
-    save = trainer.parts.loop.save_checkpoint
+    save = trainer.parts.checkpoints.save_unless_saved
 
     def timed_save() -> None:
         if trainer.parts.position.step % args.every:  # a fit()'s closing save (its epoch's record)
@@ -176,7 +176,7 @@ def worker(argv: Sequence[str]) -> int:
         started = time.perf_counter()
         save()
         stalls.append(time.perf_counter() - started)
-    trainer.parts.loop.save_checkpoint = timed_save
+    trainer.parts.checkpoints.save_unless_saved = timed_save
     waits: List[float] = []  # of the stalls: waiting for the previous write, and agreeing on it
     protocol = trainer.parts.checkpoints.protocol
     if protocol is not None:
