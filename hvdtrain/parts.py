@@ -9,7 +9,7 @@
     faults       preemption and the stall watchdog (elastic: the Trainer)    hvdtrain.fault_tolerance
     loop         epochs, batches and steps over those parts                  hvdtrain.loop
 
-build_parts() assembles them in order, one named step each: refusals, the model's preparation, the
+PartsHolder assembles them in order, one named step each: refusals, the model's preparation, the
 mesh and its random streams, the checkpoint read and the batching, the strategy, the LR schedule,
 the reporting, the checkpoints and the resume, the loop. What both fronts do with them (start and
 end a training, explain an out-of-memory error, pretrained weights, Hugging Face export, closing)
@@ -61,11 +61,11 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass
 class Parts:
-    """What a training run is made of, built by build_parts(); the Session and the Trainer hold one."""
+    """What a training run is made of, built by PartsHolder; the Session and the Trainer are one."""
 
     config: TrainConfig
     job_config: Dict[str, Any]  # the script's whole configuration, in the run directory and every checkpoint
-    # Under Horovod elastic, set-up runs no collective (see build_parts).
+    # Under Horovod elastic, set-up runs no collective (see PartsHolder).
     elastic_launch: bool
     callbacks: Callbacks
     kept: Dict[str, Any]  # Session.keep(): your own state, in every checkpoint
@@ -171,93 +171,171 @@ class Parts:
         self.topology.close()
 
 
-def build_parts(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    train_dataset: Dataset,
-    val_dataset: Optional[Dataset] = None,
-    config: Optional[TrainConfig] = None,
-    loss_fn: LossFn = F.cross_entropy,
-    world: Optional[World] = None,
-    job_config: Optional[Mapping[str, Any]] = None,
-    step_fn: Optional[StepFn] = None,
-    model_plan: Optional[ModelPlan] = None,
-    collate_fn: Optional[Callable[[List[Any]], Any]] = None,
-    callbacks: Sequence[Callback] = (),
-    lr_scheduler: Optional[SchedulerFactory] = None,
-    init_fn: Optional[InitFn] = None,
-    loader_factory: Optional[LoaderFactory] = None,
-    owner: Any = None,
-) -> Parts:
-    """The parts of a run of ``model`` and ``optimizer`` on ``train_dataset``, over all ranks (every
-    rank calls it). The arguments are the Session's and the Trainer's (hvdtrain.session.Session).
+class PartsHolder:
+    """What the Session (your own loop) and the Trainer (hvdtrain's loop) share: the parts of the run,
+    built once in order on every rank and held as ``parts``, and the calls both offer."""
 
-    Args:
-        model: built as for one process (on the meta device too: hvdtrain.strategies.deferred_init).
-        optimizer: over ``model``, with the learning rate of one worker.
-        train_dataset: the whole training set; each rank reads its shard.
-        val_dataset: evaluated at each epoch's end (and every train.eval_every steps), if given.
-        config: the ``train`` section (default: TrainConfig()).
-        loss_fn: ``loss_fn(outputs, targets)``, the batch's mean loss (unless ``step_fn``).
-        world: this process's place in the job (default: Horovod started from ``config``).
-        job_config: the script's whole resolved configuration (default: the ``train`` section).
-        step_fn: ``step_fn(model, batch) -> (loss, metrics)`` for batches of any structure.
-        model_plan: how one replica is split under tensor or pipeline parallelism.
-        collate_fn: how the loaders make a batch of samples.
-        callbacks: hvdtrain.Callback instances, called with ``owner``.
-        lr_scheduler: ``lr_scheduler(optimizer) -> scheduler``, replacing hvdtrain's schedule.
-        init_fn: ``init_fn(module)``, the values of a model built on the meta device.
-        loader_factory: ``loader_factory(dataset, sampler, batch_size) -> DataLoader``.
-        owner: what callbacks are given as their first argument: the Session or Trainer the user holds.
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_dataset: Dataset,
+        val_dataset: Optional[Dataset] = None,
+        config: Optional[TrainConfig] = None,
+        loss_fn: LossFn = F.cross_entropy,
+        world: Optional[World] = None,
+        job_config: Optional[Mapping[str, Any]] = None,
+        step_fn: Optional[StepFn] = None,
+        model_plan: Optional[ModelPlan] = None,
+        collate_fn: Optional[Callable[[List[Any]], Any]] = None,
+        callbacks: Sequence[Callback] = (),
+        lr_scheduler: Optional[SchedulerFactory] = None,
+        init_fn: Optional[InitFn] = None,
+        loader_factory: Optional[LoaderFactory] = None,
+    ) -> None:
+        """The parts of a run of ``model`` and ``optimizer`` on ``train_dataset``, over all ranks
+        (every rank calls it); a checkpoint in train.checkpoint_dir is resumed.
 
-    Returns:
-        The Parts, the checkpoint in train.checkpoint_dir (if any) resumed.
-    """
-    cfg = config or TrainConfig()
-    job_config = dict(job_config) if job_config is not None else {"train": cfg.to_dict()}
-    world = world or startup.init(seed=cfg.seed, timeline=cfg.timeline_steps > 0,
-                                  hierarchical_allreduce=cfg.hierarchical_allreduce,
-                                  dynamic_process_sets=cfg.model_parallel)
-    # Under Horovod elastic, set-up runs no collective: a worker that joins later runs this while
-    # the others wait in the elastic sync, and mismatched collectives deadlock. The elastic sync
-    # broadcasts rank 0's state (and its checkpoint, if it read one) instead.
-    elastic_launch = is_elastic_launch()
-    hooks = Callbacks(owner, callbacks)
-    refuse_what_cannot_run(cfg, world, elastic_launch, lr_scheduler)
-    initialization, model, recomputed_blocks = prepare_model(cfg, model, optimizer, world, init_fn)
-    precision = Precision(cfg.precision, world.device)
-    topology = build_topology(cfg, world)
-    # The stall watchdog guards the set-up's collectives too (a rank stuck in one ends the job).
-    faults = FaultHandling(cfg, topology)
-    with faults.guarding_setup():
-        protocol, resumed, batching = read_checkpoint_and_batch(cfg, topology, faults, job_config, elastic_launch,
-                                                                train_dataset, val_dataset, collate_fn, loader_factory)
-        strategy = shard(cfg, topology, model, optimizer, model_plan, loss_fn, initialization, elastic_launch)
-        position = Position()
-        lr = LearningRate(cfg, strategy.optimizer, lr_scheduler)
-        start_schedule(lr, batching, topology, position)
-        topology.follow(lambda followed: strategy.follow_world(followed.world))
-        reporter = build_reporter(cfg, topology, job_config, strategy, batching, lr, recomputed_blocks,
-                                  initialization, elastic_launch)
-        kept: Dict[str, Any] = {}
-        checkpoints = CheckpointManager(cfg, topology, protocol, strategy, position, lr, precision, batching,
-                                        job_config, hooks, kept, guard_io=faults.checkpoint_io)
-        # Under elastic, a sharded strategy's first sync loads the checkpoint (every rank reads its part).
-        if resumed is not None and not (elastic_launch and strategy.capabilities.elastic_from_checkpoint):
-            with faults.checkpoint_io():
-                checkpoints.load(resumed)
-        reporter.open_timeline(position.step)
-        step_fn = step_fn or supervised_step(loss_fn)
-        loop = TrainingLoop(cfg, topology, model, strategy, step_fn, precision, batching, lr, position, reporter,
-                            checkpoints if protocol is not None else None, faults, hooks)
-    return Parts(config=cfg, job_config=job_config, elastic_launch=elastic_launch, callbacks=hooks, kept=kept,
-                 given_optimizer=optimizer, step_fn=step_fn, initialization=initialization, model=model,
-                 recomputed_blocks=recomputed_blocks, precision=precision, topology=topology, faults=faults,
-                 batching=batching, strategy=strategy, position=position, lr=lr, reporter=reporter,
-                 checkpoints=checkpoints, loop=loop)
+        Args:
+            model: built as for one process (on the meta device too: hvdtrain.strategies.deferred_init).
+            optimizer: over ``model``, with the learning rate of one worker.
+            train_dataset: the whole training set; each rank reads its shard.
+            val_dataset: evaluated at each epoch's end (and every train.eval_every steps), if given.
+            config: the ``train`` section (default: TrainConfig()).
+            loss_fn: ``loss_fn(outputs, targets)``, the batch's mean loss (unless ``step_fn``).
+            world: this process's place in the job (default: Horovod started from ``config``).
+            job_config: the script's whole resolved configuration (default: the ``train`` section).
+            step_fn: ``step_fn(model, batch) -> (loss, metrics)`` for batches of any structure.
+            model_plan: how one replica is split under tensor or pipeline parallelism.
+            collate_fn: how the loaders make a batch of samples.
+            callbacks: hvdtrain.Callback instances, given this Session or Trainer.
+            lr_scheduler: ``lr_scheduler(optimizer) -> scheduler``, replacing hvdtrain's schedule.
+            init_fn: ``init_fn(module)``, the values of a model built on the meta device.
+            loader_factory: ``loader_factory(dataset, sampler, batch_size) -> DataLoader``.
+        """
+        cfg = config or TrainConfig()
+        job_config = dict(job_config) if job_config is not None else {"train": cfg.to_dict()}
+        world = world or startup.init(seed=cfg.seed, timeline=cfg.timeline_steps > 0,
+                                      hierarchical_allreduce=cfg.hierarchical_allreduce,
+                                      dynamic_process_sets=cfg.model_parallel)
+        # Under Horovod elastic, set-up runs no collective: a worker that joins later runs this while
+        # the others wait in the elastic sync, and mismatched collectives deadlock. The elastic sync
+        # broadcasts rank 0's state (and its checkpoint, if it read one) instead.
+        elastic_launch = is_elastic_launch()
+        hooks = Callbacks(self, callbacks)  # callbacks are given the Session or Trainer the user holds
+        refuse_what_cannot_run(cfg, world, elastic_launch, lr_scheduler)
+        initialization, model, recomputed_blocks = prepare_model(cfg, model, optimizer, world, init_fn)
+        precision = Precision(cfg.precision, world.device)
+        topology = build_topology(cfg, world)
+        # The stall watchdog guards the set-up's collectives too (a rank stuck in one ends the job).
+        faults = FaultHandling(cfg, topology)
+        with faults.guarding_setup():
+            protocol, resumed, batching = read_checkpoint_and_batch(
+                cfg, topology, faults, job_config, elastic_launch, train_dataset, val_dataset, collate_fn,
+                loader_factory)
+            strategy = shard(cfg, topology, model, optimizer, model_plan, loss_fn, initialization, elastic_launch)
+            position = Position()
+            lr = LearningRate(cfg, strategy.optimizer, lr_scheduler)
+            start_schedule(lr, batching, topology, position)
+            topology.follow(lambda followed: strategy.follow_world(followed.world))
+            reporter = build_reporter(cfg, topology, job_config, strategy, batching, lr, recomputed_blocks,
+                                      initialization, elastic_launch)
+            kept: Dict[str, Any] = {}
+            checkpoints = CheckpointManager(cfg, topology, protocol, strategy, position, lr, precision, batching,
+                                            job_config, hooks, kept, guard_io=faults.checkpoint_io)
+            # Under elastic, a sharded strategy's first sync loads the checkpoint (every rank reads its part).
+            if resumed is not None and not (elastic_launch and strategy.capabilities.elastic_from_checkpoint):
+                with faults.checkpoint_io():
+                    checkpoints.load(resumed)
+            reporter.open_timeline(position.step)
+            step_fn = step_fn or supervised_step(loss_fn)
+            loop = TrainingLoop(cfg, topology, model, strategy, step_fn, precision, batching, lr, position, reporter,
+                                checkpoints if protocol is not None else None, faults, hooks)
+        self.parts = Parts(config=cfg, job_config=job_config, elastic_launch=elastic_launch, callbacks=hooks,
+                           kept=kept, given_optimizer=optimizer, step_fn=step_fn, initialization=initialization, model=model,
+                           recomputed_blocks=recomputed_blocks, precision=precision, topology=topology, faults=faults,
+                           batching=batching, strategy=strategy, position=position, lr=lr, reporter=reporter,
+                           checkpoints=checkpoints, loop=loop)
+
+    # --- what users and callbacks read ------------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model on this rank's device, as the strategy trains it (call it in your forward)."""
+        return self.parts.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer the strategy steps (its param_groups carry the live learning rate)."""
+        return self.parts.optimizer
+
+    @property
+    def strategy(self) -> Strategy:
+        """How the model's state is spread over the ranks (``exported_model_state()`` makes it whole)."""
+        return self.parts.strategy
+
+    @property
+    def world(self) -> World:
+        """This process's place in the job now (under Horovod elastic it changes with the world)."""
+        return self.parts.world
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken since the run's start (a resumed run counts on)."""
+        return self.parts.position.step
+
+    @property
+    def history(self) -> List[Dict[str, float]]:
+        """The records of the epochs trained by the last fit() or epochs(), one per epoch."""
+        return self.parts.loop.history
+
+    @property
+    def preempted(self) -> bool:
+        """Training ended for a preemption signal (train.preempt_signal): the step is checkpointed and,
+        under SLURM, the job requeued; your script should end (the next start resumes)."""
+        return self.parts.loop.preempted
+
+    # --- the calls both offer ---------------------------------------------------------------------
+
+    def evaluate(self) -> Dict[str, float]:
+        """The step's loss and metrics over the whole validation set (every rank's shard), as
+        val_loss, val_<metric>."""
+        return self.parts.loop.evaluate()
+
+    def request_stop(self, reason: str) -> None:
+        """End training at the next point where the ranks agree (after an evaluation, at an epoch's
+        end, every preempt_check_every steps), with a checkpoint of that step; for callbacks."""
+        self.parts.callbacks.request_stop(reason)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything needed to continue exactly, in the full checkpoint format (every rank calls it)."""
+        return self.parts.checkpoints.state_dict()
+
+    def load_pretrained(self, directory) -> int:
+        """Start from a local Hugging Face model directory's weights, each rank reading only what it
+        keeps; every rank calls it, before training. Returns the bytes this rank read
+        (Parts.load_pretrained)."""
+        return self.parts.load_pretrained(directory)
+
+    def export_hf(self, directory, max_shard_bytes: int = hf_export.DEFAULT_MAX_SHARD_BYTES) -> None:
+        """A Hugging Face model, as it is now, as a directory ``from_pretrained`` loads; every rank
+        calls it, rank 0 writes (Parts.export_hf). The Trainer's ``run()`` does it at the end, into
+        the run directory's ``hf/``."""
+        self.parts.export_hf(directory, max_shard_bytes)
+
+    def close(self) -> None:
+        """Close the run directory's files and let the checkpoint directory go (a later training
+        claims it again)."""
+        self.parts.close()
+
+    def close_mesh(self) -> None:
+        """Remove the model-parallel mesh's Horovod process sets (a collective: every rank calls it).
+        A process that goes on after training (a sweep of Trainers, a test suite) closes them; the
+        run cannot step, gather or checkpoint afterwards."""
+        self.parts.close_mesh()
 
 
-# --- the steps of build_parts, in order --------------------------------------------------------------
+# --- the steps of PartsHolder's set-up, in order --------------------------------------------------------------
 
 def refuse_what_cannot_run(cfg: TrainConfig, world: World, elastic_launch: bool,
                            lr_scheduler: Optional[SchedulerFactory]) -> None:

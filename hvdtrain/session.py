@@ -13,27 +13,18 @@ the calls of a loop written over them. The Trainer holds the same parts and runs
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
-from hvdtrain.weights import hf_export
-from hvdtrain.components.callbacks import Callback
-from hvdtrain.components.lr import SchedulerFactory
-from hvdtrain.components.steps import StepFn
 from hvdtrain.config.train import TrainConfig
-from hvdtrain.data.sharding import LoaderFactory
 from hvdtrain.distributed.environments import is_elastic_launch
-from hvdtrain.distributed.world import World
-from hvdtrain.parallel.model_plan import ModelPlan
-from hvdtrain.parts import LossFn, Parts, build_parts
-from hvdtrain.strategies.base import Strategy
-from hvdtrain.strategies.deferred_init import InitFn
+from hvdtrain.parts import PartsHolder
 
-class Session:
+
+class Session(PartsHolder):
     """``model`` and ``optimizer`` set up to train on ``train_dataset``, data-parallel over all ranks,
     for your own loop (``hvdtrain.setup``: epochs, batches, backward, step).
 
@@ -64,68 +55,7 @@ class Session:
     The parts it is made of (strategy, batching, checkpoints...) are ``parts`` (hvdtrain.parts).
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        train_dataset: Dataset,
-        val_dataset: Optional[Dataset] = None,
-        config: Optional[TrainConfig] = None,
-        loss_fn: LossFn = F.cross_entropy,
-        world: Optional[World] = None,
-        job_config: Optional[Mapping[str, Any]] = None,
-        step_fn: Optional[StepFn] = None,
-        model_plan: Optional[ModelPlan] = None,
-        collate_fn: Optional[Callable[[List[Any]], Any]] = None,
-        callbacks: Sequence[Callback] = (),
-        lr_scheduler: Optional[SchedulerFactory] = None,
-        init_fn: Optional[InitFn] = None,
-        loader_factory: Optional[LoaderFactory] = None,
-    ) -> None:
-        """The parts of the run, built on every rank (hvdtrain.parts.build_parts); callbacks are given this session.
-
-        Args:
-            model: built as for one process (on the meta device too).
-            optimizer: over ``model``, with the learning rate of one worker.
-            train_dataset: the whole training set; each rank reads its shard.
-            val_dataset: evaluated at each epoch's end (and every train.eval_every steps), if given.
-            config: the ``train`` section (default: TrainConfig()).
-            loss_fn: ``loss_fn(outputs, targets)``, the batch's mean loss (unless ``step_fn``).
-            world: this process's place in the job (default: Horovod started from ``config``).
-            job_config: the script's whole resolved configuration (default: the ``train`` section).
-            step_fn: ``step_fn(model, batch) -> (loss, metrics)`` for batches of any structure.
-            model_plan: how one replica is split under tensor or pipeline parallelism.
-            collate_fn: how the loaders make a batch of samples.
-            callbacks: hvdtrain.Callback instances.
-            lr_scheduler: ``lr_scheduler(optimizer) -> scheduler``, replacing hvdtrain's schedule.
-            init_fn: ``init_fn(module)``, the values of a model built on the meta device.
-            loader_factory: ``loader_factory(dataset, sampler, batch_size) -> DataLoader``.
-        """
-        self.parts: Parts = build_parts(model, optimizer, train_dataset, val_dataset, config, loss_fn, world,
-                                        job_config, step_fn, model_plan, collate_fn, callbacks, lr_scheduler,
-                                        init_fn, loader_factory, owner=self)
-
     # --- what users read --------------------------------------------------------------------------
-
-    @property
-    def model(self) -> torch.nn.Module:
-        """The model on this rank's device, as the strategy trains it (call it in your forward)."""
-        return self.parts.model
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer the strategy steps (its param_groups carry the live learning rate)."""
-        return self.parts.optimizer
-
-    @property
-    def strategy(self) -> Strategy:
-        """How the model's state is spread over the ranks (``exported_model_state()`` makes it whole)."""
-        return self.parts.strategy
-
-    @property
-    def world(self) -> World:
-        """This process's place in the job."""
-        return self.parts.world
 
     @property
     def device(self) -> torch.device:
@@ -133,25 +63,9 @@ class Session:
         return self.parts.world.device
 
     @property
-    def global_step(self) -> int:
-        """Optimizer steps taken since the run's start (a resumed run counts on)."""
-        return self.parts.position.step
-
-    @property
     def steps_per_epoch(self) -> int:
         """Optimizer steps in an epoch at the global batch (for a schedule of your own)."""
         return self.parts.batching.steps_per_epoch
-
-    @property
-    def history(self) -> List[Dict[str, float]]:
-        """The records of the epochs trained by the last epochs(), one per epoch."""
-        return self.parts.loop.history
-
-    @property
-    def preempted(self) -> bool:
-        """The epochs ended for a preemption signal (train.preempt_signal): the step is checkpointed and,
-        under SLURM, the job requeued; your script should end (the next start resumes)."""
-        return self.parts.loop.preempted
 
     # --- your own loop ----------------------------------------------------------------------------
 
@@ -246,42 +160,6 @@ class Session:
         sample once; batches of train.eval_batch_size (else the training batch) unless given, made by
         the session's collate_fn (or loader_factory) unless another collate_fn is given."""
         return self.parts.batching.evaluation_loader(dataset, batch_size, collate_fn)
-
-    def evaluate(self) -> Dict[str, float]:
-        """The step's loss and metrics over the whole validation set (every rank's shard), as
-        val_loss, val_<metric>."""
-        return self.parts.loop.evaluate()
-
-    def request_stop(self, reason: str) -> None:
-        """End training at the next point where the ranks agree (after an evaluation, at an epoch's
-        end, every preempt_check_every steps), with a checkpoint of that step; for callbacks."""
-        self.parts.callbacks.request_stop(reason)
-
-    def state_dict(self) -> Dict[str, Any]:
-        """Everything needed to continue exactly, in the full checkpoint format (every rank calls it)."""
-        return self.parts.checkpoints.state_dict()
-
-    def load_pretrained(self, directory) -> int:
-        """Start from a local Hugging Face model directory's weights, each rank reading only what it
-        keeps; every rank calls it, before epochs(). Returns the bytes this rank read
-        (hvdtrain.parts.Parts.load_pretrained)."""
-        return self.parts.load_pretrained(directory)
-
-    def export_hf(self, directory, max_shard_bytes: int = hf_export.DEFAULT_MAX_SHARD_BYTES) -> None:
-        """A Hugging Face model, as it is now, as a directory ``from_pretrained`` loads; every rank
-        calls it, rank 0 writes (hvdtrain.parts.Parts.export_hf)."""
-        self.parts.export_hf(directory, max_shard_bytes)
-
-    def close(self) -> None:
-        """Close the run directory's files and let the checkpoint directory go."""
-        self.parts.close()
-
-    def close_mesh(self) -> None:
-        """Remove the model-parallel mesh's Horovod process sets (a collective: every rank calls it).
-        A process that goes on after training (a test suite) closes them; the session cannot step,
-        gather or checkpoint afterwards."""
-        self.parts.close_mesh()
-
 
 def setup(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_dataset: Dataset,
           config: Optional[TrainConfig] = None, **options: Any) -> Session:
