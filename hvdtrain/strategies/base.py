@@ -196,12 +196,16 @@ class Strategy(ABC):
     def read_part(self, source: Any) -> Any:
         """What this rank keeps of ``source``, read but not yet in place (local, no collective). Here
         the whole state, which every rank holds; from a source without optimizer state (weights only)
-        every tensor of the model under each of its names, the optimizer's own state kept."""
-        if source.param_groups() is None:
+        every tensor of the model under each of its names, the optimizer's own state kept. Every
+        tensor's shape and dtype is checked first (weights only: another floating-point dtype is
+        converted), so a checkpoint of another model is refused before anything is read."""
+        weights_only = source.param_groups() is None
+        for names, value in tensor_names(self.model):
+            source.check_tensor(source.first_held(names), value.shape, value.dtype, cast=weights_only)
+        if weights_only:
             model: Dict[str, torch.Tensor] = {}
             for names, value in tensor_names(self.model):
                 name = source.first_held(names)
-                source.check_shape(name, value.shape)
                 tensor = source.full_tensor(name).reshape(value.shape).to(value.dtype)
                 model.update((alias, tensor) for alias in names)
             return {"model": model, "optimizer": None}

@@ -20,6 +20,11 @@ from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint.sources.contract import TensorSource
 from hvdtrain.weights.hf_export import INDEX, WEIGHTS
 
+# safetensors' names of the dtypes (its header's "dtype") -> torch's
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
 
 class SafetensorsSource(TensorSource):
     """The tensors of a Hugging Face weights directory by name, read whole, by a flat range of their
@@ -59,15 +64,19 @@ class SafetensorsSource(TensorSource):
         shape = self.shape(name)
         return self.read(name, 0, math.prod(shape)).reshape(shape)
 
-    def read(self, name: str, start: int, stop: int, key: str = "") -> torch.Tensor:
-        """Elements of a tensor flattened, reading only the rows (first-dimension slices) that hold them.
+    def dtype(self, name: str) -> torch.dtype:
+        from safetensors import safe_open
 
-        Args:
-            name: the tensor's name in the directory.
-            start: the first element read.
-            stop: the element after the last one read.
-            key: an optimizer state entry: refused, the directory holds weights only.
-        """
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            stored = handle.get_slice(name).get_dtype()
+        if stored not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{name} in {self.directory} is of dtype {stored}, which hvdtrain does not read")
+        return SAFETENSORS_DTYPES[stored]
+
+    def _read(self, name: str, start: int, stop: int, key: str) -> torch.Tensor:
+        """Elements of a tensor flattened (the range within it: TensorSource.read checked it),
+        reading only the rows (first-dimension slices) that hold them; ``key`` (an optimizer state
+        entry) is refused: the directory holds weights only."""
         if key:
             raise CheckpointError(f"{self.directory} holds weights only: no optimizer state ({key} of {name})")
         from safetensors import safe_open

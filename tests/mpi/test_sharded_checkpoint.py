@@ -41,8 +41,8 @@ class WithExtras(Blocks):
     """Blocks (three units, odd sizes, so every world size > 1 pads), with what a rank keeps whole
     besides its slices: a buffer and a frozen parameter, both used in forward."""
 
-    def __init__(self, seed: int) -> None:
-        super().__init__(seed=seed)
+    def __init__(self, seed: int, hidden: int = 6) -> None:
+        super().__init__(seed=seed, hidden=hidden)
         self.register_buffer("scale", torch.linspace(0.5, 1.5, FEATURES, dtype=torch.float64))
         self.frozen = nn.Parameter(torch.full((FEATURES,), 0.1, dtype=torch.float64), requires_grad=False)
 
@@ -117,8 +117,8 @@ def test_a_strategy_resumes_bitwise_from_its_own_part_and_the_parts_consolidate_
     assert (everywhere[:, 4] == 0).all(), f"consolidated optimizer state: max |difference| {everywhere[:, 4].tolist()}"
 
 
-def trainer(world, strategy, directory, max_steps, model_seed=0, checkpoint_format="sharded"):
-    model = WithExtras(model_seed)
+def trainer(world, strategy, directory, max_steps, model_seed=0, checkpoint_format="sharded", model=None):
+    model = WithExtras(model_seed) if model is None else model
     config = TrainConfig(epochs=5, batch_size=MICRO_BATCH, accumulation=2, lr=0.01, warmup_epochs=0.5, seed=9,
                          strategy=strategy, max_steps=max_steps, checkpoint_dir=directory, log_every=1000,
                          checkpoint_format=checkpoint_format, progress="off")
@@ -265,3 +265,32 @@ def test_a_corrupt_shard_stops_every_rank_naming_the_file(world, tmp_path):
 
     assert len(set(outcomes)) == 1, f"the ranks did not agree: {outcomes}"
     assert f"rank {world.size - 1}: {victim} does not match" in outcomes[0], outcomes[0]
+
+
+@pytest.mark.parametrize("hidden", [4, 9], ids=["smaller", "larger"])
+@pytest.mark.parametrize("written,resumed", [("zero2", "zero1"), ("fsdp", "zero2")], ids=["zero2-zero1", "fsdp-zero2"])
+def test_a_resharded_checkpoint_of_a_model_with_other_layer_sizes_is_refused_on_every_rank(world, tmp_path, written,
+                                                                                         resumed, hidden):
+    """The same parameter names, each block's hidden layer smaller (its flat reads ran past one
+    tensor into the next: scrambled weights, silently) or larger (an IndexError): resharded under
+    another strategy, every rank refuses it naming a tensor, the saved shape and dtype and this
+    model's, and what to do, before any rank loads anything (the model keeps its own weights)."""
+    base = shared_directory(world, tmp_path, f"other_sizes.{written}.{resumed}.{hidden}")
+    fit(world, written, f"{base}/ckpt", max_steps=2)
+    model = WithExtras(seed=5, hidden=hidden)
+    before = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    try:
+        trainer(world, resumed, f"{base}/ckpt", max_steps=4, model=model)
+        outcome = "no error"
+    except sharded.CheckpointError as error:
+        outcome = str(error)
+    kept = all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    outcomes = collectives.allgather_object([outcome, kept], name=f"sharded.test.other_sizes.{written}.{hidden}")
+
+    messages = [message for message, _ in outcomes]
+    assert len(set(messages)) == 1, f"the ranks did not agree: {messages}"
+    for rank in range(world.size):
+        assert f"rank {rank}: blocks." in messages[0] and "float64 of shape [" in messages[0], messages[0]
+    assert f"this model's float64 of shape [{hidden}" in messages[0] or f", {hidden}]" in messages[0], messages[0]
+    assert "it belongs to another model" in messages[0] and "fresh checkpoint_dir" in messages[0], messages[0]
+    assert all(kept for _, kept in outcomes), "a rank loaded part of the refused checkpoint"

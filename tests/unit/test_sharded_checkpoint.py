@@ -323,3 +323,39 @@ def identical(ours, theirs) -> bool:
     if isinstance(ours, (list, tuple)):
         return type(ours) is type(theirs) and len(ours) == len(theirs) and all(map(identical, ours, theirs))
     return ours == theirs
+
+
+def sharded_source(trained):
+    """zero2's parts of ``trained`` on 2 ranks, read as a sharded checkpoint of any layout is."""
+    from hvdtrain.checkpoint.sources.sharded import ShardedSource
+    return ShardedSource("ckpt", [{"strategy": part} for part in parts_of(trained)])
+
+
+def test_a_read_outside_the_stored_tensor_is_refused_never_read_from_its_neighbour(trained):
+    """0.weight holds 30 elements, 0.bias follows it in the bucket: a range past its end (or
+    before its start) is refused naming the tensor, for the tensor and its optimizer state alike."""
+    source = sharded_source(trained)
+    weight = trained["model"]["0.weight"].reshape(-1)
+    assert torch.equal(source.read("0.weight", 25, 30), weight[25:30])
+    for start, stop in ((25, 35), (-1, 3), (0, 31), (31, 32), (4, 2)):
+        with pytest.raises(CheckpointError, match=r"elements \[.*\) of 0.weight .* has 30 \(shape \[5, 6\]\)"):
+            source.read("0.weight", start, stop)
+    with pytest.raises(CheckpointError, match=r"of the optimizer's exp_avg of 0.weight"):
+        source.read("0.weight", 20, 40, "exp_avg")
+
+
+@pytest.mark.parametrize("width,dtype", [(4, torch.float64), (7, torch.float64), (5, torch.float32)],
+                         ids=["smaller", "larger", "float32"])
+def test_a_resharded_read_refuses_a_model_whose_tensors_differ_before_reading_any(trained, width, dtype):
+    """The same names, a smaller or larger layer (or another dtype): zero1 reading zero2's
+    checkpoint refuses it naming the tensor, the saved shape and dtype and this model's, instead of
+    reading past one tensor into the next (smaller) or an IndexError (larger)."""
+    from hvdtrain.strategies.zero import Zero1Strategy
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(6, width), nn.BatchNorm1d(width), nn.Tanh(), nn.Linear(width, 3)).to(dtype)
+    strategy = Zero1Strategy(net, optimizer_for(net), world(0), 1, False)
+    # the buckets are filled from the last parameter: 3.weight is the first one checked
+    with pytest.raises(CheckpointError, match=r"3.weight in ckpt is float64 of shape \[3, 5\], this model's "
+                                              rf"{str(dtype)[6:]} of shape \[3, {width}\]: it belongs to another model"):
+        strategy.read_part(sharded_source(trained))
+    strategy.close()

@@ -58,3 +58,35 @@ def test_a_weights_directory_answers_the_model_and_says_it_has_no_optimizer_stat
         source.check_shape("weight", (4, 3))
     with pytest.raises(CheckpointError, match="no weights for"):
         source.first_held(["missing"])
+
+
+def test_a_tensors_dtype_is_checked_with_its_shape_and_pretrained_weights_may_be_cast(tmp_path):
+    """A resumed checkpoint has the model's dtypes exactly; pretrained weights of another floating
+    point precision (bf16 into an fp32 model) are accepted when asked (cast=True), an integer one never."""
+    save_file({"weight": torch.ones(3, 4, dtype=torch.bfloat16), "steps": torch.zeros(2, dtype=torch.int64)},
+              str(tmp_path / "model.safetensors"))
+    source = SafetensorsSource(tmp_path)
+    assert source.dtype("weight") == torch.bfloat16 and source.numel("weight") == 12
+    source.check_tensor("weight", (3, 4), torch.bfloat16)
+    source.check_tensor("weight", (3, 4), torch.float32, cast=True)
+    with pytest.raises(CheckpointError, match=r"weight in .* is bfloat16 of shape \[3, 4\], this model's float32"):
+        source.check_tensor("weight", (3, 4), torch.float32)
+    with pytest.raises(CheckpointError, match=r"this model's float32 of shape \[3, 4\]"):
+        source.check_tensor("steps", (3, 4), torch.float32, cast=True)
+    full = FullStateSource(full_state())
+    full.check_tensor("weight", (3, 4), "float32")
+    with pytest.raises(CheckpointError, match="start from a fresh checkpoint_dir"):
+        full.check_tensor("weight", (3, 5), torch.float32)
+
+
+def test_every_source_refuses_a_range_outside_the_tensor(tmp_path):
+    save_file({"weight": torch.arange(12.0).reshape(3, 4)}, str(tmp_path / "model.safetensors"))
+    for source in (SafetensorsSource(tmp_path), FullStateSource(full_state())):
+        assert source.read("weight", 12, 12).numel() == 0
+        with pytest.raises(CheckpointError, match=r"elements \[10, 13\) of weight"):
+            source.read("weight", 10, 13)
+
+
+def test_a_source_implements_the_reading_not_the_range_check():
+    with pytest.raises(TypeError, match="implements _read"):
+        type("Unchecked", (FullStateSource,), {"read": lambda self, name, start, stop, key="": None})

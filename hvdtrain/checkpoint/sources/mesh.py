@@ -147,18 +147,18 @@ class MeshSource(TensorSource):
         """Whether the optimizer trains ``name``'s tensor (under this name or a tied one's)."""
         return name in self.index_of or name in self._tied_trained
 
-    def read(self, name: str, start: int, stop: int, key: str = "") -> torch.Tensor:
-        """Elements of a parameter flattened, or of its optimizer state. The whole tensor is kept until
-        another is asked for: a bucket reads a tensor's elements in one or two calls.
+    def dtype(self, name: str) -> torch.dtype:
+        return self._model[name][0][1].dtype
 
-        Args:
-            name: the parameter's state_dict name.
-            start: the first element read.
-            stop: the element after the last one read.
-            key: an optimizer state entry of the parameter (Adam's ``exp_avg``); empty: the parameter itself.
-        """
+    def _read(self, name: str, start: int, stop: int, key: str) -> torch.Tensor:
+        """Elements of a parameter flattened, or of its optimizer state (the range is within the
+        parameter: TensorSource.read checked it). The whole tensor is kept until another is asked
+        for: a bucket reads a tensor's elements in one or two calls."""
         if self._cached[0] != (name, key):
             whole = self.full_tensor(name) if not key else self.optimizer_state_of(self.index_of[name], name)[key]
+            if whole.numel() != self.numel(name):
+                raise CheckpointError(f"the optimizer's {key} of {name} in {self.where} has {whole.numel()} elements, "
+                                      f"the tensor {self.numel(name)}: its files do not fit together")
             self._cached = ((name, key), whole.reshape(-1))
         return self._cached[1][start:stop].clone()
 

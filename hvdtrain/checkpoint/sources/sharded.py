@@ -63,10 +63,12 @@ class ShardedSource(TensorSource):
         self.model_keys: List[str] = list(self.layout["model_keys"])
         # name -> (bucket position, bucket index, offset in the bucket, shape)
         self._where: Dict[str, Tuple[int, int, int, Tuple[int, ...]]] = {}
+        self._dtypes: Dict[str, torch.dtype] = {}  # a bucket's tensors have its dtype
         for position, entry in enumerate(self.layout["buckets"]):
             for names, shape, offset in zip(entry["names"], entry["shapes"], entry["offsets"]):
                 for name in names:
                     self._where[name] = (position, entry["index"], offset, tuple(shape))
+                    self._dtypes[name] = getattr(torch, entry["dtype"])
         self._slice = [entry["padded_numel"] // self.world_size for entry in self.layout["buckets"]]
 
     def holds(self, name: str) -> bool:
@@ -75,22 +77,26 @@ class ShardedSource(TensorSource):
     def shape(self, name: str) -> Tuple[int, ...]:
         return self._where[name][3] if name in self._where else tuple(self.unmanaged()[name].shape)
 
-    def read(self, name: str, start: int, stop: int, key: str = "") -> torch.Tensor:
-        """Elements of a parameter flattened, or of its optimizer state, from the ranks' slices that
-        hold them.
+    def dtype(self, name: str) -> torch.dtype:
+        return self._dtypes[name] if name in self._where else self.unmanaged()[name].dtype
 
-        Args:
-            name: the parameter's state_dict name.
-            start: the first element read.
-            stop: the element after the last one read.
-            key: an optimizer state entry of the parameter (Adam's ``exp_avg``); empty: the parameter itself.
-        """
+    def _read(self, name: str, start: int, stop: int, key: str) -> torch.Tensor:
+        """Elements of a parameter flattened, or of its optimizer state, from the ranks' slices that
+        hold them (the range is within the parameter: TensorSource.read checked it)."""
+        if name not in self._where:
+            return super()._read(name, start, stop, key)
         position, index, offset, _ = self._where[name]
+        if start == stop:
+            return torch.empty(0, dtype=self._dtypes[name])
         low, high, size = offset + start, offset + stop, self._slice[position]
         pieces = []
         for rank in range(low // size, (high - 1) // size + 1):
             part = self.parts[rank]
             flat = part["params"][position] if not key else part["optimizer"]["state"][index][key]
+            if flat.numel() != size:
+                what = f"the optimizer's {key} of bucket {index}" if key else f"bucket {index}"
+                raise CheckpointError(f"{self.where}: rank {rank}'s slice of {what} has {flat.numel()} elements, "
+                                      f"the layout says {size}: its files do not fit together")
             pieces.append(flat[max(low, rank * size) - rank * size:min(high, (rank + 1) * size) - rank * size])
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
 

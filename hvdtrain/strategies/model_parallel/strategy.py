@@ -427,6 +427,8 @@ class ModelParallelStrategy(Strategy):
         if source.param_groups() is None:
             return {"local": self._read_weights(source)}
         self._check_state(source.parameter_count(), source.model_keys)
+        for name, (shape, dtype) in self._full_shapes.items():  # all of them, before any is put in place
+            source.check_tensor(name, shape, dtype)
         self._load_whole(source.full_tensor, source.optimizer_state_of, source.param_groups())
         return None
 
@@ -445,7 +447,7 @@ class ModelParallelStrategy(Strategy):
                 continue
             shape, shard = self.full_shapes[names[0]], getattr(value, "tensor_shard", None)
             name = source.first_held(names)
-            source.check_shape(name, shape)
+            source.check_tensor(name, shape, self._full_shapes[names[0]][1], cast=True)
             tensor = source.full_tensor(name).reshape(shape) if shard is None else source.read_slice(name, shard)
             local[names[0]] = tensor.to(value.dtype)
         return local

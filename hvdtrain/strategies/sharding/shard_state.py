@@ -21,7 +21,7 @@ optimizer's part for both). ``part_from`` fills a rank's part from a checkpoint 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -149,17 +149,26 @@ def load_shard_state_dict(model: torch.nn.Module, buckets: Sequence[fb.FlatBucke
     optimizer.load_state_dict(state["optimizer"])
 
 
-def part_from(source: Any, mine: Mapping[str, Any], rank: int, world_size: int) -> Dict[str, Any]:
+def part_from(source: Any, mine: Mapping[str, Any], rank: int, world_size: int,
+              unmanaged: Optional[Mapping[str, torch.Tensor]] = None) -> Dict[str, Any]:
     """A rank's part in its own layout, filled from a checkpoint of any layout: what its strategy's
-    shard_state_dict() would hold had it written it. Reads only the elements of the part (local).
+    shard_state_dict() would hold had it written it. Every tensor of the layout (not only those of
+    this rank's slices: every rank finds the same problem) and of ``unmanaged`` is checked for its
+    shape and dtype before any element is read (local).
 
     Args:
         source: the checkpoint, asked as hvdtrain.checkpoint.sources.contract describes.
         mine: the layout of the strategy's part (its shard_layout()).
         rank: the rank whose part is read.
         world_size: how many ranks share the buckets.
+        unmanaged: this model's buffers and untrained parameters (its part's "unmanaged"), to check
+            the checkpoint's against; None: not checked.
     """
     source.check_flat_layout(mine)
+    check_layout_tensors(source, mine)
+    if unmanaged is not None:
+        for name, value in unmanaged.items():
+            source.check_tensor(source.first_held([name]), value.shape, value.dtype)
     params: List[torch.Tensor] = []
     states: Dict[int, Dict[str, Any]] = {}
     for entry in mine["buckets"]:
@@ -190,10 +199,24 @@ def part_from(source: Any, mine: Mapping[str, Any], rank: int, world_size: int) 
             "unmanaged": {name: tensor.clone() for name, tensor in source.unmanaged().items()}, "layout": mine}
 
 
+def check_layout_tensors(source: Any, layout: Mapping[str, Any], cast: bool = False) -> None:
+    """CheckpointError unless ``source`` holds every tensor of the flat ``layout`` with the layout's
+    shape and dtype (``cast``: another floating-point dtype too, converted as read: pretrained
+    weights); checked before any element is read, so a tensor of another size is never read past."""
+    for entry in layout["buckets"]:
+        for names, shape in zip(entry["names"], entry["shapes"]):
+            source.check_tensor(source.first_held(names), shape, entry["dtype"], cast=cast)
+
+
 def part_from_weights(part: Dict[str, Any], source: Any) -> Dict[str, Any]:
     """This rank's ``part`` (its shard_state_dict(): the optimizer's state and groups kept as they
     are) with its slices and unmanaged tensors read from a ``source`` of weights only (a Hugging
-    Face directory), each tensor found under any of its names and checked for its shape (local)."""
+    Face directory), each tensor found under any of its names and checked for its shape and dtype
+    (a floating-point tensor of another precision is converted: pretrained bf16 weights into an
+    fp32 model) before any is read (local)."""
+    check_layout_tensors(source, part["layout"], cast=True)
+    for name, value in part["unmanaged"].items():
+        source.check_tensor(source.first_held([name]), value.shape, value.dtype, cast=True)
     rank, size = part["rank"], part["world_size"]
     params = []
     for entry in part["layout"]["buckets"]:
@@ -204,13 +227,11 @@ def part_from_weights(part: Dict[str, Any], source: Any) -> Dict[str, Any]:
             start, stop = max(low, offset), min(high, offset + math.prod(shape))
             if start < stop:
                 name = source.first_held(names)
-                source.check_shape(name, shape)
                 flat[start - low:stop - low] = source.read(name, start - offset, stop - offset)
         params.append(flat)
     unmanaged = {}
     for name, value in part["unmanaged"].items():
         held = source.first_held([name])
-        source.check_shape(held, value.shape)
         unmanaged[name] = source.full_tensor(held).reshape(value.shape).to(value.dtype)
     return {**part, "params": params, "unmanaged": unmanaged}
 

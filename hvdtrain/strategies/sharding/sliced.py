@@ -109,7 +109,8 @@ class ShardedStrategy(SlicedStateStrategy):
             return shard_state.part_from_weights(self.shard_state_dict(), source)
         rank, size = (self.buckets[0].rank, self.buckets[0].world_size) if self.buckets else (self.world.rank,
                                                                                                self.world.size)
-        return shard_state.part_from(source, self.shard_layout(), rank, size)
+        return shard_state.part_from(source, self.shard_layout(), rank, size,
+                                     unmanaged=shard_state.unmanaged_state(self.model, self.buckets))
 
     def load_part(self, part: Dict[str, Any]) -> None:
         if "full" in part:
