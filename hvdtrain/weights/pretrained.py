@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
@@ -50,25 +50,35 @@ class SafetensorsSource(TensorSource):
                                   f"weights directory (save_pretrained writes one)")
         self.model_keys = list(self.files)
         self.bytes_read = 0
+        # name -> (shape, safetensors dtype), read from a file's header once for all its tensors: every
+        # tensor's shape and dtype are asked before it is read (check_tensor, read's range check).
+        self._described: Dict[str, Tuple[Tuple[int, ...], str]] = {}
 
     def holds(self, name: str) -> bool:
         return name in self.files
 
-    def shape(self, name: str) -> Tuple[int, ...]:
-        from safetensors import safe_open
+    def _description(self, name: str) -> Tuple[Tuple[int, ...], str]:
+        """(shape, safetensors dtype) of ``name``, from its file's header."""
+        if name not in self._described:
+            from safetensors import safe_open
 
-        with safe_open(str(self.files[name]), framework="pt") as handle:
-            return tuple(handle.get_slice(name).get_shape())
+            with safe_open(str(self.files[name]), framework="pt") as handle:
+                for key in handle.keys():
+                    view = handle.get_slice(key)
+                    self._described[key] = (tuple(view.get_shape()), view.get_dtype())
+            if name not in self._described:
+                raise CheckpointError(f"{self.files[name]} holds no tensor {name}, which the index places there")
+        return self._described[name]
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return self._description(name)[0]
 
     def full_tensor(self, name: str) -> torch.Tensor:
         shape = self.shape(name)
         return self.read(name, 0, math.prod(shape)).reshape(shape)
 
     def dtype(self, name: str) -> torch.dtype:
-        from safetensors import safe_open
-
-        with safe_open(str(self.files[name]), framework="pt") as handle:
-            stored = handle.get_slice(name).get_dtype()
+        stored = self._description(name)[1]
         if stored not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{name} in {self.directory} is of dtype {stored}, which hvdtrain does not read")
         return SAFETENSORS_DTYPES[stored]
