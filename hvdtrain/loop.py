@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
 import torch
 
 from hvdtrain.checkpoint.manager import CheckpointManager
+from hvdtrain.common.flight.recorder import RECORDER
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.batching import Batching
 from hvdtrain.fault_tolerance.handling import FaultHandling
@@ -91,8 +92,10 @@ class TrainingLoop:
         for _ in self.epochs(until_step):
             for batch in self.batches():
                 self.phase = "the forward and backward pass"
+                flight = RECORDER.begin_phase("forward and backward", self.position.step)
                 loss, metrics = self.strategy.forward_backward(self.step_fn, batch, self.precision.autocast,
                                                                self.precision.scale_loss, self.config.accumulation)
+                RECORDER.end_phase(flight)
                 self.record(loss, metrics)
                 self.step()
 
@@ -156,14 +159,18 @@ class TrainingLoop:
         self.throughput = Throughput(self.batching.world.size)  # data-parallel width: distinct samples
         self.epoch_totals = Totals()
         self.micro_batches, self.interrupted = 0, False
+        loading = RECORDER.begin_phase("data loading", position.step)  # the flight recorder's phases
         for batch in self.batching.train_loader:
+            RECORDER.end_phase(loading)
             if self.finished(self.until_step):
                 break
             self.samples = batch_size(batch)
             yield to_device(batch, device)
             if self.interrupted:
                 break
+            loading = RECORDER.begin_phase("data loading", position.step)
         else:  # the loader ran out: a stream's epoch is over (every rank alike: whole global batches)
+            RECORDER.end_phase(loading)
             self.batching.exhausted = True
         self.epoch_totals += self.window.reduce(name="train.epoch")
         self.epoch_done = True
@@ -186,8 +193,12 @@ class TrainingLoop:
         self.evaluate_if_due()
         if self.commits is not None:
             self.commits.after_step(self.position.step)  # the point survivors roll back to; may raise to resize
-        if self.checkpoints is not None and self.checkpoints.maybe_save() and self.commits is not None:
-            self.commits.after_checkpoint()
+        if self.checkpoints is not None:
+            flight = RECORDER.begin_phase("checkpoint", self.position.step)
+            saved = self.checkpoints.maybe_save()
+            RECORDER.end_phase(flight)
+            if saved and self.commits is not None:
+                self.commits.after_checkpoint()
         self.vote_or_log()
         return True
 
@@ -195,11 +206,16 @@ class TrainingLoop:
         """5. Wait for the reduced gradients, then the same update on every rank. The wait is timed
         apart from the update: it is the step's exposed communication."""
         self.phase = "gradient synchronization"
+        step = self.position.step
+        flight = RECORDER.begin_phase("gradient synchronization", step)
         waited = time.perf_counter()
         self.strategy.synchronize()
         self.throughput.add_wait(time.perf_counter() - waited)
+        RECORDER.end_phase(flight)
         self.phase = "the optimizer step"
+        flight = RECORDER.begin_phase("optimizer step", step)
         self.update()
+        RECORDER.end_phase(flight)
         self.reporter.after_first_step(self.position.step + 1)
         self.strategy.zero_grad()
         self.lr.step()
@@ -272,10 +288,14 @@ class TrainingLoop:
             return {}
         self.phase = "evaluation"
         strategy = self.strategy
-        return evaluate(self.model, self.batching.val_loader,
-                        lambda _, batch: strategy.forward_only(self.step_fn, batch), self.topology.world.device,
-                        self.precision.autocast, after_batch=lambda: self.faults.beat(self.position.step),
-                        lockstep=strategy.capabilities.collective_forward, counts_samples=strategy.counts_samples)
+        flight = RECORDER.begin_phase("evaluation", self.position.step)
+        try:
+            return evaluate(self.model, self.batching.val_loader,
+                            lambda _, batch: strategy.forward_only(self.step_fn, batch), self.topology.world.device,
+                            self.precision.autocast, after_batch=lambda: self.faults.beat(self.position.step),
+                            lockstep=strategy.capabilities.collective_forward, counts_samples=strategy.counts_samples)
+        finally:
+            RECORDER.end_phase(flight)
 
     def evaluate_between_steps(self) -> None:
         """train.eval_every: the validation metrics now, recorded and printed; training then goes on

@@ -103,6 +103,7 @@ class Parts:
         """What every fit() and every epochs() starts with."""
         total = self.batching.steps_for(self.config.max_steps if until_step is None else until_step)
         self.reporter.start(total, self.position.step)
+        self.faults.flight.open(self.reporter.path)  # under elastic the run directory is agreed at the first sync
         self.faults.start_watchdog(self.strategy.pending_communication)
         self.loop.begin()
         self.callbacks.call("on_train_start")
@@ -163,6 +164,7 @@ class Parts:
         """Close the run directory's files (the metrics, TensorBoard and log files) and let the
         checkpoint directory go (another run may own it; a later training claims it again)."""
         self.reporter.close()
+        self.faults.flight.close()
         if self.checkpoints.protocol is not None:
             self.checkpoints.protocol.close()
 
@@ -240,6 +242,7 @@ class PartsHolder:
             topology.follow(lambda followed: strategy.follow_world(followed.world))
             reporter = build_reporter(cfg, topology, job_config, strategy, batching, lr, recomputed_blocks,
                                       initialization, elastic_launch)
+            faults.flight.open(reporter.path)  # flight records into the run directory (set-up's stalls too)
             kept: Dict[str, Any] = {}
             checkpoints = CheckpointManager(cfg, topology, protocol, strategy, position, lr, precision, batching,
                                             job_config, hooks, kept, guard_io=faults.checkpoint_io)

@@ -10,7 +10,7 @@ import argparse
 import importlib
 from typing import List, Optional
 
-COMMANDS = ("info", "launch", "doctor", "hosts", "plot", "checkpoint", "export", "plan", "bench", "check-layout")
+COMMANDS = ("info", "launch", "doctor", "hosts", "plot", "checkpoint", "export", "plan", "bench", "check-layout", "debug")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -72,6 +72,7 @@ class TrainConfig:
     resume: str = field(default="true", metadata={"help": "true: continue from the newest valid checkpoint in checkpoint_dir; force: even one of other settings; false: start anew", "details": "true is refused when the checkpoint was written with settings that define another run (the model, the data, and train's batch_size, lr, scale_lr, warmup_epochs, warmup_steps, lr_schedule, min_lr_ratio, decay_fraction, reduction, precision, max_grad_norm, sync_batchnorm, seed); force continues it all the same, with this run's settings; false is refused when checkpoint_dir already holds checkpoints. See docs/concepts/checkpoints.md.", "choices": RESUME_MODES})
     preempt_signal: str = field(default="USR1", metadata={"help": "signal that asks for checkpoint + requeue ('' disables)"})
     stall_timeout: float = field(default=600.0, metadata={"help": "seconds without a finished step before a rank ends the job, naming where it is stuck (0: never)"})
+    flight_recorder: int = field(default=2048, metadata={"help": "collectives and step phases each rank keeps for hang dumps into run_dir/flight (0: off)", "details": "Written on a stall, on SIGUSR2 and by hvdtrain debug dump RUN_DIR; hvdtrain debug analyze RUN_DIR names the first collective the ranks disagree on and the slowest rank per phase. See docs/concepts/faults.md."})
     elastic_commit_every: int = field(default=10, metadata={"help": "steps between in-memory commits under Horovod elastic (what a worker loss rolls back to; zero1/zero2/fsdp commit at each checkpoint instead)"})
     preempt_check_every: int = field(default=10, metadata={"help": "steps between the ranks' vote on a preemption signal (and on a stop a callback asked for)"})
     run_dir: Optional[str] = field(default=None, metadata={"help": "parent of the run directories (resolved config, metrics.jsonl, TensorBoard events, per-rank logs); null: no files"})
@@ -100,7 +101,8 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be a directory, or null for none, got ''")
         check_whole_numbers(self, ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints",
                                    "preempt_check_every", "elastic_commit_every"))
-        check_whole_numbers(self, ("num_workers", "checkpoint_every", "timeline_steps", "eval_every"), minimum=0)
+        check_whole_numbers(self, ("num_workers", "checkpoint_every", "timeline_steps", "eval_every", "flight_recorder"),
+                            minimum=0)
         if self.lr is not None and (isinstance(self.lr, bool) or not isinstance(self.lr, (int, float))
                                     or not (math.isfinite(self.lr) and self.lr > 0)):
             raise ValueError(f"TrainConfig.lr must be a finite number > 0, or null for the optimizer's own rates, "

@@ -12,6 +12,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Callable, ContextManager, Iterator, List, Optional, Tuple
 
 from hvdtrain.config.train import TrainConfig
+from hvdtrain.fault_tolerance.flight import FlightRecording
 from hvdtrain.fault_tolerance.preemption import PreemptionFlag, requeue, requeue_command
 from hvdtrain.fault_tolerance.watchdog import StallWatchdog
 from hvdtrain.parallel.topology import Topology
@@ -24,6 +25,7 @@ class FaultHandling:
         self.config, self.topology = config, topology
         self.preemption = PreemptionFlag(config.preempt_signal)
         self.watchdog: Optional[StallWatchdog] = None
+        self.flight = FlightRecording(config, topology)
         topology.follow(self._follow)
 
     def _follow(self, topology: Topology) -> None:
@@ -34,7 +36,9 @@ class FaultHandling:
         if self.config.stall_timeout:
             world = self.topology.world
             self.watchdog = StallWatchdog(self.config.stall_timeout, world.rank, world.hostname, pending,
-                                          phase=phase).start()
+                                          phase=phase)
+            self.watchdog.flight = self.flight
+            self.watchdog.start()
 
     def stop_watchdog(self) -> None:
         if self.watchdog is not None:

@@ -44,6 +44,7 @@ class StallWatchdog:
         self._paused = False
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hvdtrain-watchdog", daemon=True)
+        self.flight = None  # the flight recorder (hvdtrain.fault_tolerance.flight), set by FaultHandling
 
     def start(self) -> "StallWatchdog":
         self.beat(self._step)
@@ -84,12 +85,22 @@ class StallWatchdog:
                 f"{silent_for:.0f} s after step {self._step}; {where}. Ending the job "
                 f"(stall_timeout={self.timeout:g} s).")
 
+    def _dump_flight_record(self) -> str:
+        """On a stall: this rank's flight record written into the run directory; where, for the report."""
+        return self.flight.on_stall() if self.flight is not None else ""
+
+    def _flight_verdict(self, within: float) -> None:
+        """On a stall, rank 0 prints the analysis of every rank's flight record (waiting ``within`` s at most)."""
+        if self.flight is not None:
+            self.flight.verdict(within)
+
     def _watch(self) -> None:
         interval = max(0.1, min(5.0, self.timeout / 5))
         while not self._stopped.wait(interval):
             silent_for = time.monotonic() - self._last_beat
             if silent_for > self.timeout and not self._paused:
-                print(self.report(silent_for), file=sys.stderr, flush=True)
+                print(self.report(silent_for) + self._dump_flight_record(), file=sys.stderr, flush=True)
+                self._flight_verdict(within=interval + 2.0)
                 # The other ranks' watchdogs fire within one interval: let them report too before
                 # this exit makes the launcher kill them.
                 time.sleep(interval + 2.0)
