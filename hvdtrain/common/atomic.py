@@ -1,7 +1,8 @@
 """Files that appear whole or not at all: a kill at any moment leaves the old content or the new.
 
 Everything hvdtrain writes that a later run or tool reads (checkpoints, their manifests and
-``latest`` pointer, the exported model, a run's config, benchmark results) goes through here.
+``latest`` pointer, the exported model, a run's config, benchmark results) goes through here; each
+write is watched while it runs, its bytes counted, flush and rename included (hvdtrain.common.io_watch).
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
+
+from hvdtrain.common import io_watch
 
 
 def fsync_path(path: Path) -> None:
@@ -42,9 +45,9 @@ def atomic_path(path: Path) -> Iterator[Path]:
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """``write(handle)`` into a temporary file, flushed to disk, then renamed to ``path``."""
-    with atomic_path(path) as temporary:
+    with io_watch.watching(path, "write") as activity, atomic_path(path) as temporary:
         with open(temporary, "wb") as handle:
-            write(handle)
+            write(activity.counting(handle))
 
 
 def write_text_atomically(path: Path, text: str) -> None:

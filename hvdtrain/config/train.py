@@ -73,6 +73,7 @@ class TrainConfig:
     preempt_signal: str = field(default="USR1", metadata={"help": "signal that asks for checkpoint + requeue ('' disables)"})
     stall_timeout: float = field(default=600.0, metadata={"help": "seconds without a finished step before a rank ends the job, naming where it is stuck (0: never)"})
     flight_recorder: int = field(default=2048, metadata={"help": "collectives and step phases each rank keeps for hang dumps into run_dir/flight (0: off)", "details": "Written on a stall, on SIGUSR2 and by hvdtrain debug dump RUN_DIR; hvdtrain debug analyze RUN_DIR names the first collective the ranks disagree on and the slowest rank per phase. See docs/concepts/faults.md."})
+    checkpoint_timeout: float = field(default=600.0, metadata={"help": "seconds a checkpoint file being written may move no byte (one being read may last) before its rank ends the job, naming it (0: never)", "details": "While every rank saves or resumes, stall_timeout's step clock is paused (a large save is slow, not stuck) and each checkpoint file in flight, in any thread (a background save's too), is watched by this clock instead: a write restarts it with every block written, so a slow save that moves is never ended; a read (torch.load, safetensors) is one block, timed from its start. A rank stuck on a hung mount reports its file and the bytes written so far, and exits with the stall exit code (75). See docs/concepts/faults.md."})
     elastic_commit_every: int = field(default=10, metadata={"help": "steps between in-memory commits under Horovod elastic (what a worker loss rolls back to; zero1/zero2/fsdp commit at each checkpoint instead)"})
     preempt_check_every: int = field(default=10, metadata={"help": "steps between the ranks' vote on a preemption signal (and on a stop a callback asked for)"})
     run_dir: Optional[str] = field(default=None, metadata={"help": "parent of the run directories (resolved config, metrics.jsonl, TensorBoard events, per-rank logs); null: no files"})
@@ -110,6 +111,9 @@ class TrainConfig:
         if not (math.isfinite(self.stall_timeout) and self.stall_timeout >= 0):
             raise ValueError(f"TrainConfig.stall_timeout must be a finite number of seconds >= 0 (0: no watchdog), "
                              f"got {self.stall_timeout!r}")
+        if not (math.isfinite(self.checkpoint_timeout) and self.checkpoint_timeout >= 0):
+            raise ValueError(f"TrainConfig.checkpoint_timeout must be a finite number of seconds >= 0 (0: checkpoint "
+                             f"reads and writes are not watched), got {self.checkpoint_timeout!r}")
         if not (math.isfinite(self.warmup_epochs) and self.warmup_epochs >= 0):
             raise ValueError(f"TrainConfig.warmup_epochs must be a finite number >= 0, got {self.warmup_epochs!r}")
         for name in ("eval_batch_size", "prefetch_factor"):

@@ -2,7 +2,8 @@
 
 Preemption: every rank votes every few steps; when they agree, they checkpoint at the same step
 boundary, rank 0 requeues the SLURM job, and fit() returns. Stalls: every rank runs a watchdog that
-ends the job, naming where it is stuck, when no step finishes within the timeout. (Horovod elastic,
+ends the job, naming where it is stuck, when no step finishes within the timeout, or a checkpoint
+file's bytes stop moving (train.checkpoint_timeout). (Horovod elastic,
 the third kind, is hvdtrain.fault_tolerance.elastic.)
 """
 from __future__ import annotations
@@ -33,10 +34,10 @@ class FaultHandling:
             self.watchdog.rank = topology.world.rank
 
     def start_watchdog(self, pending: Optional[Callable[[], List[str]]], phase: str = "training") -> None:
-        if self.config.stall_timeout:
+        if self.config.stall_timeout or self.config.checkpoint_timeout:
             world = self.topology.world
             self.watchdog = StallWatchdog(self.config.stall_timeout, world.rank, world.hostname, pending,
-                                          phase=phase)
+                                          phase=phase, io_timeout=self.config.checkpoint_timeout)
             self.watchdog.flight = self.flight
             self.watchdog.start()
 
@@ -56,8 +57,8 @@ class FaultHandling:
             self.stop_watchdog()
 
     def checkpoint_io(self) -> ContextManager[None]:
-        """Writing or reading a large checkpoint is slow, not stuck: the watchdog is paused while every
-        rank saves or resumes."""
+        """Writing or reading a large checkpoint is slow, not stuck: the step clock is paused while every
+        rank saves or resumes; each file in flight is watched by train.checkpoint_timeout instead."""
         return self.watchdog.paused() if self.watchdog is not None else nullcontext()
 
     def beat(self, step: int) -> None:

@@ -5,8 +5,12 @@ does not fire under Gloo, nor for a frozen rank under MPI). Every rank runs this
 training loop beats after each step; when no beat comes for ``timeout`` seconds, the watchdog
 names the rank, host and last step, and the all-reduces this rank waits in, then ends the
 process, and the launcher ends the job. The rank that stopped is the one waiting in none. It also
-guards the Trainer's set-up (its collectives), and it is paused while a checkpoint is written:
-a large save is slow, not stuck.
+guards the Trainer's set-up (its collectives). While every rank saves or resumes, the step clock is
+paused (a large save is slow, not stuck; the ranks that do not write wait for the one that does),
+and each checkpoint file in flight is watched instead (hvdtrain.common.io_watch), in any thread (a
+background save's too): a write whose bytes stop moving, or a read that does not end, for
+``io_timeout`` seconds (train.checkpoint_timeout) is a stall too, reported with the file and the
+bytes moved so far. So a rank stuck on a hung mount ends the job rather than hanging every rank.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, List, Optional
 
+from hvdtrain.common import io_watch
 
 STALL_EXIT_CODE = 75
 
@@ -25,16 +30,19 @@ class StallWatchdog:
     """Ends the process when the training loop's beats stop for ``timeout`` seconds (see the module's text).
 
     Args:
-        timeout: seconds without a beat that count as a stall.
+        timeout: seconds without a beat that count as a stall; 0: the steps are not watched.
         rank: this rank, for the message.
         host: its host, for the message.
         pending: the names of the collectives this rank waits in; None: not known (set-up).
         exit_process: ends the process with the exit code (os._exit; a stand-in in the tests).
         phase: what is guarded (training, set-up), for the message.
+        io_timeout: seconds a checkpoint file in flight may move no byte (a read: may last) before
+            it counts as a stall (train.checkpoint_timeout); 0: checkpoint I/O is not watched.
     """
     def __init__(self, timeout: float, rank: int, host: str, pending: Optional[Callable[[], List[str]]],
-                 exit_process: Callable[[int], None] = os._exit, phase: str = "training") -> None:
-        self.timeout = timeout
+                 exit_process: Callable[[int], None] = os._exit, phase: str = "training",
+                 io_timeout: float = 0.0) -> None:
+        self.timeout, self.io_timeout = timeout, io_timeout
         self.rank, self.host = rank, host
         self._pending = pending  # None: the collectives in flight are not known (set-up)
         self._exit = exit_process
@@ -94,12 +102,44 @@ class StallWatchdog:
         if self.flight is not None:
             self.flight.verdict(within)
 
+    def io_report(self, activity: io_watch.IOActivity, now: float) -> str:
+        """The message for a checkpoint file in flight that stalled."""
+        elapsed = now - activity.started
+        if activity.kind == "write":
+            what = (f"the checkpoint write of {activity.path} moved no byte for {activity.silent_for(now):.0f} s "
+                    f"({activity.bytes} bytes written so far, {elapsed:.0f} s since it began)")
+        else:
+            what = f"the checkpoint read of {activity.path} has not ended after {elapsed:.0f} s"
+            if activity.bytes:
+                what += f" (no byte for {activity.silent_for(now):.0f} s, {activity.bytes} bytes read so far)"
+        return (f"[hvdtrain] STALL rank {self.rank} on {self.host}: {what}, in thread {activity.thread}; its "
+                f"file system may hang (a hung mount, a full quota). Ending the job "
+                f"(checkpoint_timeout={self.io_timeout:g} s).")
+
+    def stalled_io(self, now: float) -> Optional[io_watch.IOActivity]:
+        """The oldest checkpoint file in flight silent for more than io_timeout seconds, if any."""
+        if not self.io_timeout:
+            return None
+        return next((activity for activity in io_watch.active()
+                     if activity.silent_for(now) > self.io_timeout), None)
+
+    def stall_message(self) -> Optional[str]:
+        """What ends the job now (the steps stopped outside a checkpoint, or a checkpoint file in
+        flight stalled), or None."""
+        now = time.monotonic()
+        silent_for = now - self._last_beat
+        if self.timeout and silent_for > self.timeout and not self._paused:
+            return self.report(silent_for)
+        activity = self.stalled_io(now)
+        return self.io_report(activity, now) if activity is not None else None
+
     def _watch(self) -> None:
-        interval = max(0.1, min(5.0, self.timeout / 5))
+        shortest = min(t for t in (self.timeout, self.io_timeout) if t) if (self.timeout or self.io_timeout) else 5.0
+        interval = max(0.1, min(5.0, shortest / 5))
         while not self._stopped.wait(interval):
-            silent_for = time.monotonic() - self._last_beat
-            if silent_for > self.timeout and not self._paused:
-                print(self.report(silent_for) + self._dump_flight_record(), file=sys.stderr, flush=True)
+            message = self.stall_message()
+            if message is not None:
+                print(message + self._dump_flight_record(), file=sys.stderr, flush=True)
                 self._flight_verdict(within=interval + 2.0)
                 # The other ranks' watchdogs fire within one interval: let them report too before
                 # this exit makes the launcher kill them.

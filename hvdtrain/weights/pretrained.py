@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
 import torch
 
 from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint.sources.contract import TensorSource
+from hvdtrain.common import io_watch
 from hvdtrain.weights.hf_export import INDEX, WEIGHTS
 
 # safetensors' names of the dtypes (its header's "dtype") -> torch's
@@ -39,11 +42,10 @@ class SafetensorsSource(TensorSource):
             weight_map = loaded.get("weight_map") if isinstance(loaded, dict) else None
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index} has no weight_map: not the index save_pretrained writes")
-            self.files = {name: self.directory / file for name, file in weight_map.items()}
+            self.files = {name: self.directory / inside(self.directory, index, file)
+                          for name, file in weight_map.items()}
         elif single.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(single), framework="pt") as handle:
+            with opened(single) as handle:
                 self.files = {name: single for name in handle.keys()}
         else:
             raise CheckpointError(f"{self.directory} holds neither {WEIGHTS} nor {INDEX}: not a Hugging Face "
@@ -60,9 +62,7 @@ class SafetensorsSource(TensorSource):
     def _description(self, name: str) -> Tuple[Tuple[int, ...], str]:
         """(shape, safetensors dtype) of ``name``, from its file's header."""
         if name not in self._described:
-            from safetensors import safe_open
-
-            with safe_open(str(self.files[name]), framework="pt") as handle:
+            with opened(self.files[name]) as handle:
                 for key in handle.keys():
                     view = handle.get_slice(key)
                     self._described[key] = (tuple(view.get_shape()), view.get_dtype())
@@ -89,9 +89,7 @@ class SafetensorsSource(TensorSource):
         entry) is refused: the directory holds weights only."""
         if key:
             raise CheckpointError(f"{self.directory} holds weights only: no optimizer state ({key} of {name})")
-        from safetensors import safe_open
-
-        with safe_open(str(self.files[name]), framework="pt") as handle:
+        with opened(self.files[name]) as handle:
             view = handle.get_slice(name)
             shape = view.get_shape()
             numel = math.prod(shape)
@@ -107,9 +105,7 @@ class SafetensorsSource(TensorSource):
     def read_slice(self, name: str, shard: Any) -> torch.Tensor:
         """``shard``'s part of ``name`` (a tensor-parallel TensorShard: its block of dim ``shard.dim``
         in each of its groups), read by safetensors' strided slicing, nothing else of the tensor."""
-        from safetensors import safe_open
-
-        with safe_open(str(self.files[name]), framework="pt") as handle:
+        with opened(self.files[name]) as handle:
             view = handle.get_slice(name)
             shape = view.get_shape()
             group = shape[shard.dim] // shard.groups
@@ -120,3 +116,32 @@ class SafetensorsSource(TensorSource):
         values = torch.cat(parts, dim=shard.dim) if len(parts) > 1 else parts[0]
         self.bytes_read += values.numel() * values.element_size()
         return values.clone()
+
+
+def inside(directory: Path, index: Path, file: Any) -> str:
+    """``file``, an index's weight_map entry, if it is a plain file name (a file inside the model
+    directory); CheckpointError naming the entry otherwise: an index is data, and one naming
+    ``../../etc/passwd`` or an absolute path must not make every rank open that."""
+    plain = isinstance(file, str) and file not in ("", ".", "..") and os.path.basename(file) == file \
+        and "/" not in file and "\\" not in file
+    # Lexically inside (not resolved: a Hugging Face cache's files are symlinks into its blobs/).
+    if not plain or os.path.dirname(os.path.normpath(directory / file)) != os.path.normpath(directory):
+        raise CheckpointError(f"{index}: its weight_map names the file {file!r}, which is not a plain file name in "
+                              f"{directory}: an index names the model directory's own files only (as save_pretrained "
+                              f"writes it); fix or replace the index")
+    return file
+
+
+@contextmanager
+def opened(path: Path) -> Iterator[Any]:
+    """safetensors' handle on ``path``, watched while open (hvdtrain.common.io_watch); its errors (a
+    corrupt or cut header, a missing file) as CheckpointError naming the file, which load_pretrained
+    agrees on across ranks (safetensors' own error is none of the kinds it shares)."""
+    from safetensors import SafetensorError, safe_open
+
+    with io_watch.watching(path, "read"):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                yield handle
+        except SafetensorError as error:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from None

@@ -16,6 +16,7 @@ from typing import Any, BinaryIO, Dict, Iterable, List, Mapping, Optional
 
 import torch
 
+from hvdtrain.common import io_watch
 from hvdtrain.common.atomic import write_atomically
 
 # safetensors' names of torch's dtypes (its format's specification).
@@ -53,7 +54,8 @@ class StreamedSafetensors:
         for name in names:
             if name in self._header:
                 raise ValueError(f"{name} is written twice into {self.path}")
-            self._data.write(raw)
+            with io_watch.watching(self.path, "write") as activity:  # the stall watchdog's view of it
+                activity.counting(self._data).write(raw)
             self._header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
                                   "data_offsets": [self.bytes, self.bytes + len(raw)]}
             self.names.append(name)

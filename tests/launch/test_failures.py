@@ -25,6 +25,18 @@ def test_a_stalled_rank_ends_the_job_naming_itself_and_what_the_others_wait_for(
     assert f"STALL rank 0 on {HOST}" in output and "waiting in the all-reduce of 0.bias, 0.weight" in output
 
 
+def test_a_rank_hung_in_its_checkpoint_write_ends_the_job_naming_itself_and_its_file(tmp_path):
+    """Rank 1's shard write moves 1000 bytes and hangs; rank 0 waits for it in the save's collective.
+    Before the I/O watch, the paused watchdog let both hang until this test's timeout (the guard)."""
+    code, out, err = run(["mpirun", "-np", "2", PYTHON, "tests/launch/save_stall_job.py", str(tmp_path / "ckpt"), "3"],
+                         timeout=180)
+    output = out + err
+    shard = tmp_path / "ckpt" / ".ckpt-000000002.tmp" / "rank-00001-of-00002.pt"
+    assert code != 0
+    assert (f"STALL rank 1 on {HOST}: the checkpoint write of {shard} moved no byte for" in output
+            and "1000 bytes written so far" in output and "checkpoint_timeout=3 s" in output), output[-3000:]
+
+
 def test_a_crashed_rank_launched_through_horovodrun_is_named_with_its_host():
     crash = ("import os, torch, horovod.torch as hvd; hvd.init(); "
              "os._exit(3) if hvd.rank() == 1 else hvd.allreduce(torch.ones(1), name='x')")

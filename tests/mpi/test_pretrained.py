@@ -120,3 +120,26 @@ def test_model_parallel_ranks_read_only_their_part_of_the_pretrained_weights(wor
     if tensor == 2:
         assert held["model.layers.0.self_attn.q_proj.weight"] == (16, 32)  # this rank's 2 of 4 heads
         assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_a_weights_file_unreadable_on_one_rank_is_refused_alike_on_every_rank_naming_the_rank(
+        world, pretrained_dir, tmp_path, monkeypatch):
+    """The last rank sees a corrupt file in place of the first weights file (a bad copy on its node):
+    every rank raises the same CheckpointError naming that rank and the file; none fails alone."""
+    import safetensors
+
+    victim = sorted(pretrained_dir.glob("model-*.safetensors"))[0]
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(b"\x10" + b"\x00" * 7 + b"not a safetensors header")
+    real = safetensors.safe_open
+    if world.rank == world.size - 1:
+        monkeypatch.setattr(safetensors, "safe_open",
+                            lambda path, *args, **kwargs: real(str(corrupt) if Path(path) == victim else path,
+                                                               *args, **kwargs))
+    trainer = trainer_for(world, "zero2", tiny_llama(seed=5), max_steps=1)
+    with pytest.raises(CheckpointError) as raised:
+        trainer.load_pretrained(pretrained_dir)
+    messages = collectives.allgather_object(str(raised.value), name="pretrained.unreadable.messages")
+
+    assert messages == [messages[0]] * world.size, messages
+    assert f"rank {world.size - 1}: {victim} is not a readable safetensors file" in messages[0], messages[0]

@@ -14,7 +14,8 @@ from hvdtrain.config.loader import ConfigError, job_argument_parser, load_job, p
     ("lr", 0.0), ("warmup_epochs", -1.0), ("max_steps", 0), ("num_workers", -1),
     ("batch_size", 2.5), ("progress", "fancy"), ("timeline_steps", -1), ("run_name", "a/b"),
     ("strategy", "zero4"), ("lr", float("inf")), ("lr", float("nan")), ("stall_timeout", float("nan")),
-    ("stall_timeout", float("inf")), ("checkpoint_dir", ""), ("run_dir", ""), ("resume", "maybe"),
+    ("stall_timeout", float("inf")), ("checkpoint_timeout", float("nan")), ("checkpoint_timeout", -1.0),
+    ("checkpoint_dir", ""), ("run_dir", ""), ("resume", "maybe"),
     ("max_grad_norm", float("inf")), ("pin_memory", "always"),
 ])
 def test_invalid_settings_name_the_field_and_the_value(field_name, value):

@@ -1,5 +1,8 @@
 """Every source of a model's tensors answers the same questions (hvdtrain.checkpoint.sources.contract),
 and one that cannot answer says so; a strategy's read of a weights-only source keeps its optimizer."""
+import json
+import re
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -90,3 +93,27 @@ def test_every_source_refuses_a_range_outside_the_tensor(tmp_path):
 def test_a_source_implements_the_reading_not_the_range_check():
     with pytest.raises(TypeError, match="implements _read"):
         type("Unchecked", (FullStateSource,), {"read": lambda self, name, start, stop, key="": None})
+
+
+@pytest.mark.parametrize("entry", ["../../../etc/passwd", "/etc/passwd", "..", "sub/../../model.safetensors", ""])
+def test_an_index_naming_a_file_outside_the_model_directory_is_refused_before_any_read(tmp_path, entry):
+    """An index is data: a weight_map entry that is not a plain file name of the directory is never opened."""
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"weight": torch.ones(2)}, str(model / "model-00001-of-00001.safetensors"))
+    (model / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"weight": "model-00001-of-00001.safetensors", "bias": entry}}))
+    with pytest.raises(CheckpointError, match=rf"weight_map names the file {re.escape(repr(entry))}, which is not a "
+                                              rf"plain file name in {re.escape(str(model))}"):
+        SafetensorsSource(model)
+
+
+def test_a_corrupt_weights_file_is_a_checkpoint_error_naming_it(tmp_path):
+    """safetensors' own error is not one the ranks agree on (load_pretrained shares CheckpointError,
+    OSError, ValueError, RuntimeError): it is raised as a CheckpointError naming the file."""
+    save_file({"weight": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    source = SafetensorsSource(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x10" + b"\x00" * 7 + b"not a safetensors header")
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(tmp_path / 'model.safetensors'))} is not a "
+                                              r"readable safetensors file: .*header"):
+        source.shape("weight")

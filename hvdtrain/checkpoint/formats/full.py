@@ -19,6 +19,7 @@ import torch
 from hvdtrain.checkpoint.formats import sharded
 from hvdtrain.checkpoint import FORMAT_VERSION, CheckpointError
 from hvdtrain.checkpoint.formats.run_state import RunState, missing_keys
+from hvdtrain.common import io_watch
 from hvdtrain.common.atomic import write_atomically
 
 LATEST = "latest"
@@ -114,7 +115,8 @@ class CheckpointStore:
         if path.is_dir():
             return sharded.read_manifest(path)
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            with io_watch.watching(path, "read"):
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
             raise CheckpointError(f"{path} is unreadable: {type(error).__name__}: {error}") from None
         missing = missing_keys(state, REQUIRED_KEYS)

@@ -25,6 +25,7 @@ import torch
 
 from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint.formats.run_state import RunState, missing_keys
+from hvdtrain.common import io_watch
 from hvdtrain.common.atomic import fsync_directory, write_atomically
 
 SHARDED_FORMAT = 1
@@ -88,8 +89,8 @@ def write_shard(temporary: Path, rank: int, world_size: int, state: Dict[str, An
     """
     temporary.mkdir(parents=True, exist_ok=True)  # rank 0 made it, if the ranks share the disk
     path = temporary / shard_name(rank, world_size)
-    with open(path, "wb") as handle:
-        writer = _Hashing(handle)
+    with open(path, "wb") as handle, io_watch.watching(path, "write") as activity:
+        writer = _Hashing(activity.counting(handle))
         torch.save({"format": SHARDED_FORMAT, "rank": rank, "world_size": world_size, **state}, writer)
         handle.flush()
         os.fsync(handle.fileno())
@@ -216,7 +217,8 @@ def read_manifest(path: Path) -> Dict[str, Any]:
     Returned as the run state the Trainer resumes from, with ``kind`` and ``path``."""
     manifest_path = Path(path) / MANIFEST
     try:
-        manifest = json.loads(manifest_path.read_text())
+        with io_watch.watching(manifest_path, "read"):
+            manifest = json.loads(manifest_path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path} has no {MANIFEST}: not a complete sharded checkpoint") from None
     except (OSError, ValueError) as error:
@@ -283,11 +285,12 @@ def check_file(path: Path, manifest: Dict[str, Any], rank: int) -> Path:
 
 def read_shard(path: Path, manifest: Dict[str, Any], rank: int) -> Dict[str, Any]:
     """Rank ``rank``'s file, checked against the manifest (size and sha256), tensors only."""
-    file = check_file(Path(path), manifest, rank)
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
-        raise CheckpointError(f"{file} is unreadable: {type(error).__name__}: {error}") from None
+    with io_watch.watching(Path(path) / manifest["files"][rank]["name"], "read"):
+        file = check_file(Path(path), manifest, rank)
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
+            raise CheckpointError(f"{file} is unreadable: {type(error).__name__}: {error}") from None
     if not isinstance(state, dict) or state.get("format") != SHARDED_FORMAT or state.get("rank") != rank \
             or "strategy" not in state or "rng" not in state:
         raise CheckpointError(f"{file} is not rank {rank}'s shard of an hvdtrain sharded checkpoint")

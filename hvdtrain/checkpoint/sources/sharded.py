@@ -22,6 +22,7 @@ from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint.formats import sharded
 from hvdtrain.checkpoint.sources.mesh import MeshSource, is_mesh_part
 from hvdtrain.checkpoint.sources.contract import TensorSource
+from hvdtrain.common import io_watch
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.shard_state import assemble_full_state
 
@@ -39,7 +40,8 @@ def open_source(path: Path, manifest: Mapping[str, Any]) -> TensorSource:
     for entry in manifest["files"]:
         file = Path(path) / entry["name"]
         try:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            with io_watch.watching(file, "read"):
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
             raise CheckpointError(f"{file} is unreadable: {type(error).__name__}: {error}") from None
         if not isinstance(state, dict) or state.get("rank") != entry["rank"] or "strategy" not in state:
@@ -159,4 +161,5 @@ def verify(path: Path, manifest: Mapping[str, Any], indices: Sequence[int]) -> N
     """The files ``indices`` of the checkpoint, checked against the manifest (size and sha256),
     read in blocks: nothing is loaded."""
     for index in indices:
-        sharded.check_file(Path(path), manifest, index)
+        with io_watch.watching(Path(path) / manifest["files"][index]["name"], "read"):
+            sharded.check_file(Path(path), manifest, index)
