@@ -11,11 +11,11 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from hvdtrain.common.flight import analysis
 from hvdtrain.common.flight.dumps import DUMP_SIGNAL, DumpService, flight_directory, rank_file, write_dump
-from hvdtrain.common.flight.recorder import RECORDER
+from hvdtrain.common.flight.recorder import END, NAME, OP, RECORDER
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed import flight_hooks
 from hvdtrain.parallel.topology import Topology
@@ -68,6 +68,12 @@ class FlightRecording:
                           flight_hooks.describe_process_set, extra)
 
     # --- on a stall (the watchdog's thread) ------------------------------------------------------
+
+    def in_flight(self) -> List[str]:
+        """The Horovod operations this rank started and has not seen end, oldest first ("allreduce
+        'loss'"): what it waits in when the strategy's own reductions are not pending."""
+        return [f"{entry[OP]} '{entry[NAME]}'" if entry[NAME] else entry[OP]
+                for entry in list(RECORDER.collectives) if entry[END] is None]
 
     def on_stall(self) -> str:
         """This rank's dump, written; the words the stall report ends with."""

@@ -83,9 +83,13 @@ class StallWatchdog:
             where = "in the Trainer's set-up (its broadcasts, the mesh, reading the checkpoint)"
         else:
             waiting = self._pending()
+            # The strategy knows its gradient reductions only; the flight recorder sees every
+            # Horovod operation this rank started and has not seen end (a metric, a broadcast).
+            elsewhere = self.flight.in_flight() if self.flight is not None and not waiting else []
             where = (f"waiting in the all-reduce of {', '.join(waiting[:10])}"
                      + (f" and {len(waiting) - 10} more" if len(waiting) > 10 else "")
                      if waiting else
+                     f"waiting in {', '.join(elsewhere[:3])}" if elsewhere else
                      "not waiting in any collective: THIS rank stopped calling them (stuck in data loading, "
                      "in user code, or in I/O)")
         finished = "nothing finished" if self.phase == "set-up" else "no step finished"

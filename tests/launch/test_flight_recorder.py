@@ -17,6 +17,9 @@ def test_a_skipped_collective_is_named_from_the_flight_records(tmp_path):
         assert f"Flight record: {run_dir / 'flight' / f'rank-{rank:05d}.json'}." in output, output[-3000:]
         record = json.loads((run_dir / "flight" / f"rank-{rank:05d}.json").read_text())
         assert record["reason"] == "stall" and record["stacks"]
+    # Rank 0 waits in the extra all-reduce, which is no gradient reduction of the strategy's: its
+    # own line names it from the flight record, rather than saying it stopped calling collectives.
+    assert "STALL rank 0" in output and "waiting in allreduce 'flight.extra'" in output, output[-3000:]
     # The verdict the stall report ends with, and the command's, name rank 1 and the collective.
     expected = "where rank 0 entered allreduce 'flight.extra'"
     assert "[hvdtrain] flight records: rank 1 entered allreduce" in output and expected in output, output[-3000:]
