@@ -52,6 +52,7 @@ PROBE = ".hvdtrain-clock-"
 BEAT_SECONDS = 10.0  # how often the owner renews its lease
 EXPIRY_BEATS = 3.0  # another host takes over a record not renewed for this many beats
 SAME_RUN_BEATS = 1.5  # the same run in another process waits this long for a beat
+UNWRITTEN_RETRIES = 20  # reads of an empty record (a claim being written) before refusing unnamed
 MISSING_RETRIES = 3  # reads of a missing record before the owner takes it as lost
 NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
@@ -240,6 +241,7 @@ class Ownership:
         self.users = 0
         self.lost: Optional[str] = None  # why this run no longer owns the directory
         self._stop = threading.Event()
+        self._beating = threading.Lock()  # the thread's beat and a save's check, one at a time
         self._thread = threading.Thread(target=self._beat_until_released, name=f"hvdtrain-lease {directory}",
                                         daemon=True)
 
@@ -266,6 +268,7 @@ class Ownership:
                 raise _not_writable(directory, error) from None
             raise CheckpointError(f"cannot create checkpoint_dir {directory}: {error}") from None
         me = Owner.this_process(beat)
+        unwritten = 0
         while True:
             if cls._create(directory, me):
                 return cls(directory, me, log)
@@ -273,6 +276,10 @@ class Ownership:
             if found is None:
                 continue  # released or moved aside meanwhile: try again
             verdict, why = judge(found, me)
+            if found.owner is None and verdict == REFUSE and unwritten < UNWRITTEN_RETRIES:
+                unwritten += 1  # created an instant ago, its content comes next: read it, to name it
+                time.sleep(0.05)
+                continue
             if verdict == WAIT:
                 verdict, why = cls._wait_for_a_beat(directory, found, me)
             if verdict == REFUSE:
@@ -355,6 +362,11 @@ class Ownership:
 
     def beat(self) -> None:
         """Renew the lease, when the record is still this run's; else the run learns it lost it."""
+        with self._beating:
+            if self.lost is None:
+                self._beat()
+
+    def _beat(self) -> None:
         path = self.directory / OWNER
         for _ in range(MISSING_RETRIES):
             try:
@@ -375,15 +387,14 @@ class Ownership:
             return
         self.lost = (f"checkpoint_dir {self.directory} is no longer this run's: "
                      + (f"{owner.describe()} took it over" if owner else "its owner record was removed or replaced")
-                     + f" (this process did not renew its lease for {EXPIRY_BEATS * self.owner.beat:g} s: paused, "
-                       f"or cut off from the file system). This run writes no more checkpoints there: stop it, "
-                       f"and resume from that directory in one run only")
+                     + f": it judged this run gone (another host does so {EXPIRY_BEATS * self.owner.beat:g} s after "
+                       f"the last renewal: was this process paused, or cut off from the file system?). This run "
+                       f"writes no more checkpoints there: stop it, and resume from that directory in one run only")
         self.log.error(self.lost)
 
     def check(self) -> None:
         """Raise CheckpointError when this run no longer owns the directory (before a save)."""
-        if self.lost is None:
-            self.beat()
+        self.beat()
         if self.lost is not None:
             raise CheckpointError(self.lost)
 

@@ -271,3 +271,27 @@ def test_the_lease_is_renewed_while_the_owner_lives(tmp_path):
         assert taken.lost is None
     finally:
         taken.release()
+
+
+def test_a_save_of_a_run_whose_lease_was_taken_over_is_refused(tmp_path, monkeypatch):
+    """Checkpointing's saves check the lease first: the run taken over writes nothing more there."""
+    from types import SimpleNamespace
+
+    from hvdtrain.checkpoint import coordination
+
+    monkeypatch.setattr(coordination.collectives, "broadcast_object", lambda obj, root_rank, name: obj)
+    config = SimpleNamespace(checkpoint_dir=str(tmp_path), keep_checkpoints=3, checkpoint_async=False)
+    checkpoints = coordination.Checkpointing(config, SimpleNamespace(log=LOG, is_root=True), {})
+    as_host(monkeypatch, "hostA")
+    checkpoints.save({"step": 1}, 1)
+    age(tmp_path, 1000)  # this process paused past its lease (its beat comes every 10 s)
+    other = host_process(tmp_path, "hostB", "")
+    try:
+        owned_by(other)
+        with pytest.raises(CheckpointError, match=rf"checkpoint_dir {tmp_path} is no longer this run's: "
+                                                  rf"pid {other.pid} on hostB, started .* took it over"):
+            checkpoints.save({"step": 2}, 2)
+    finally:
+        other.communicate("", timeout=30)
+        checkpoints.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000001.pt", "latest"]
