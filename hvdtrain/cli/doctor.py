@@ -6,8 +6,8 @@
 Checks: ssh to every host; the same Python/torch/Horovod/mpi4py/hvdtrain on every host; a
 network interface with one name on every host; slots against cores and GPUs; the checkpoint
 directory writable and the same directory on every host, and the flock it gives (coherent,
-node-local or none); a short all-reduce with its bandwidth;
-scontrol inside SLURM. Exit 1 when any row fails. Runs on login nodes: no torch import here.
+node-local or none, from two hosts); a short all-reduce with its bandwidth; scontrol inside
+SLURM. Exit 1 when any row fails. Runs on login nodes: no torch import here.
 
     hvdtrain doctor --gpu                # on a GPU node: the GPU self-test (hvdtrain.bench.gpu)
 
