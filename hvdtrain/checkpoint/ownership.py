@@ -179,7 +179,8 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # another user's process
-    return True
+    stat = _read_text(f"/proc/{pid}/stat")  # a killed process not yet reaped is a zombie: gone
+    return not (stat and stat.rpartition(")")[2].split()[:1] == ["Z"])
 
 
 TAKE, WAIT, REFUSE = "take", "wait", "refuse"

@@ -295,3 +295,20 @@ def test_a_save_of_a_run_whose_lease_was_taken_over_is_refused(tmp_path, monkeyp
         other.communicate("", timeout=30)
         checkpoints.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000001.pt", "latest"]
+
+
+def test_a_killed_owner_not_yet_reaped_is_gone_too(tmp_path, monkeypatch, caplog):
+    """A zombie still answers kill(pid, 0): its state in /proc says it is gone."""
+    holder = host_process(tmp_path, "hostA", "")
+    pid = owned_by(holder)
+    holder.send_signal(signal.SIGKILL)  # not waited for: a zombie until then
+    while open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
+        time.sleep(0.01)
+    as_host(monkeypatch, "hostA")
+    try:
+        with caplog.at_level(logging.WARNING):
+            taken = Ownership.claim(tmp_path, LOG)
+        assert f"pid {pid} is gone from hostA" in caplog.text
+        taken.release()
+    finally:
+        holder.wait(timeout=30)
