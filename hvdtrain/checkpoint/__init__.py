@@ -2,7 +2,7 @@
 
     manager.py        the one door the session and trainer use: the state saved, resume, the save on preemption
     coordination.py   who reads and writes across ranks, and every rank agreeing on failures
-    ownership.py      one live run per checkpoint directory: its lock and owner record
+    ownership.py      one live run per checkpoint directory: its lease, the owner record
     formats/          what is on disk: the full format (one file), the sharded one (a file per rank and
                       a manifest), the run state both hold, the kept objects, the settings' check
     sources/          a model's tensors asked by name, the same way of every source (contract.py):

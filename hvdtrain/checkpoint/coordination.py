@@ -107,9 +107,12 @@ class Checkpointing:
         return outcome
 
     def _own(self) -> None:
-        """This process owns the directory (under Horovod elastic, whichever rank is 0 now)."""
+        """This process owns the directory (under Horovod elastic, whichever rank is 0 now), or
+        raises: a run whose lease another run took over writes nothing more there."""
         if self.ownership is None:
             self.ownership = Ownership.claim(self.store.directory, self.topology.log)
+        else:
+            self.ownership.check()
 
     def close(self) -> None:
         """Let the directory go (the run is over in this process). A write still in flight (the run

@@ -5,8 +5,9 @@
 
 Checks: ssh to every host; the same Python/torch/Horovod/mpi4py/hvdtrain on every host; a
 network interface with one name on every host; slots against cores and GPUs; the checkpoint
-directory writable and the same directory on every host; a short all-reduce with its bandwidth;
-scontrol inside SLURM. Exit 1 when any row fails. Runs on login nodes: no torch import here.
+directory writable and the same directory on every host, and the flock it gives (coherent,
+node-local or none, from two hosts); a short all-reduce with its bandwidth; scontrol inside
+SLURM. Exit 1 when any row fails. Runs on login nodes: no torch import here.
 
     hvdtrain doctor --gpu                # on a GPU node: the GPU self-test (hvdtrain.bench.gpu)
 
@@ -31,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--hostfile", help="the hostfile the job will use (any format hvdtrain reads)")
     where.add_argument("-H", "--hosts", help="hosts as a:2,b:2 (default: the SLURM allocation)")
-    parser.add_argument("--checkpoint-dir", help="check it is writable and the same directory on every host")
+    parser.add_argument("--checkpoint-dir", help="check it is writable, the same directory on every host, and which file locks it gives")
     parser.add_argument("--network-interface", help="check this interface exists on every host")
     parser.add_argument("--python", default=sys.executable,
                         help="the Python the job runs on every host (default: this one)")

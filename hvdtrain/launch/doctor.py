@@ -1,5 +1,6 @@
 """The checks of ``hvdtrain doctor`` (hvdtrain.cli.doctor), each a row of one table: ssh, versions,
-network interface, slots, the checkpoint directory, an all-reduce probe, SLURM. Runs on login
+network interface, slots, the checkpoint directory and the file locks it gives (coherent,
+node-local or no flock, from two hosts), an all-reduce probe, SLURM. Runs on login
 nodes: no torch import here (host_facts.py runs on each host; probe.py inside a short job).
 """
 from __future__ import annotations
@@ -164,6 +165,51 @@ def checkpoint_rows(facts: Mapping[str, dict], seen: Mapping[str, List[str]], di
     return rows
 
 
+LEASE = "the run lock (a lease on owner.json, no flock needed) works here"
+
+
+def lock_rows(holding: Tuple[Optional[dict], str], trying: Tuple[Optional[dict], str]) -> List[Row]:
+    """What flock the checkpoint directory gives, from one host holding a lock while another
+    (or, with one host, another process) tries it; and whether O_EXCL creation, which the run
+    lock relies on, is exclusive across them (host_facts.lock_hold and lock_try)."""
+    (hold, hold_error), (tried, try_error) = holding, trying
+    if hold is None or tried is None:
+        return [Row("checkpoint lock", "all hosts", FAIL, f"the lock probe did not run: {hold_error or try_error}")]
+    a, b = hold["host"], tried["host"]
+    where = a if a == b else f"{a} + {b}"
+    for found, host in ((hold, a), (tried, b)):
+        if found.get("flock") == "error":
+            return [Row("checkpoint lock", host, FAIL, f"the lock probe failed: {found.get('error')}")]
+    if not tried.get("exclusive"):
+        return [Row("checkpoint lock", where, FAIL,
+                    f"{b} created the file {a} had created with O_EXCL: creation is not exclusive here, so "
+                    f"hvdtrain's run lock cannot hold. HINT: put checkpoints on a file system that makes "
+                    f"O_EXCL atomic (NFSv3 or later, Lustre, GPFS, BeeGFS)")]
+    if "none" in (hold.get("flock"), tried.get("flock")):
+        error = hold.get("error") or tried.get("error")
+        return [Row("checkpoint lock", where, OK, f"no flock ({error}); {LEASE}")]
+    if a == b:
+        if tried["flock"] == "refused":
+            return [Row("checkpoint lock", where, OK, f"flock works between processes of {a} (one host: whether "
+                                                      f"other hosts see each other's locks was not checked); {LEASE}")]
+        return [Row("checkpoint lock", where, WARN, f"flock excludes nothing: a second process of {a} got the lock "
+                                                    f"the first held; {LEASE}")]
+    if tried["flock"] == "refused":
+        return [Row("checkpoint lock", where, OK, f"coherent flock: {b} was refused the lock {a} held; {LEASE}")]
+    return [Row("checkpoint lock", where, WARN,
+                f"node-local flock: {b} got the lock {a} held, so tools that rely on flock are unsafe "
+                f"across hosts here; {LEASE}")]
+
+
+def lock_probe(hosts: Sequence[Host], python: str, arguments: str) -> List[Row]:
+    """The first two hosts (one host: two processes of it) at once: one holds, the other tries."""
+    holder, tryer = hosts[0], hosts[1 if len(hosts) > 1 else 0]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        holding = pool.submit(run_on_host, holder.name, python, ["lock_hold", arguments])
+        trying = pool.submit(run_on_host, tryer.name, python, ["lock_try", arguments])
+        return lock_rows(holding.result(), trying.result())
+
+
 def scheduler_rows(environ: Mapping[str, str]) -> List[Row]:
     if "SLURM_JOB_ID" not in environ:
         return []
@@ -204,7 +250,7 @@ def probe_row(hosts: Sequence[Host], python: str, interface: Optional[str]) -> R
 def diagnose(hosts: Sequence[Host], python: str, checkpoint_dir: Optional[str],
              interface: Optional[str], probe: bool, environ: Mapping[str, str]) -> List[Row]:
     """Every check of ``hvdtrain doctor`` over ``hosts``, one row each: ssh, versions, network interfaces, slots, the
-    shared checkpoint directory, the scheduler and, with ``probe``, an all-reduce.
+    shared checkpoint directory and its file locks, the scheduler and, with ``probe``, an all-reduce.
 
     Args:
         hosts: the hosts to check, with their slots.
@@ -226,6 +272,9 @@ def diagnose(hosts: Sequence[Host], python: str, checkpoint_dir: Optional[str],
                 for host, (found, _) in on_every_host(reachable, python, ["tokens", arguments]).items()}
         on_every_host(reachable, python, ["cleanup", arguments])
         rows += checkpoint_rows(facts, seen, checkpoint_dir)
+        writable = [host for host in reachable if facts[host.name]["checkpoint"].get("writable")]
+        if writable:
+            rows += lock_probe(writable, python, arguments)
     rows += scheduler_rows(environ)
     if probe:
         if len(facts) == len(hosts):

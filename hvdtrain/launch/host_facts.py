@@ -7,15 +7,26 @@ come from the installed packages' metadata. It prints one JSON object.
     python host_facts.py facts '{"checkpoint_dir": "/shared/ckpt", "token": "abc"}'
     python host_facts.py tokens '{"checkpoint_dir": "/shared/ckpt", "token": "abc"}'
     python host_facts.py cleanup '{"checkpoint_dir": "/shared/ckpt", "token": "abc"}'
+    python host_facts.py lock_hold '{"checkpoint_dir": "/shared/ckpt", "token": "abc"}'   # on one host
+    python host_facts.py lock_try '{"checkpoint_dir": "/shared/ckpt", "token": "abc"}'    # on another, at once
+
+The lock probe: one host takes a flock on a file in the directory and creates another with O_EXCL,
+then holds both while a second host tries the same (they meet through marker files in the
+directory). The second host refused the flock: coherent; granted it: node-local; ENOSYS or
+EOPNOTSUPP: no flock. Its O_EXCL create must fail: hvdtrain's run lock (a lease) relies on it.
 """
+import errno
 import json
 import os
 import socket
 import sys
+import time
 from importlib import metadata
 
 PACKAGES = ("torch", "horovod", "mpi4py", "hvdtrain")
 TOKEN_PREFIX = ".hvdtrain-doctor-"
+LOCK_WAIT = 12  # seconds each side of the lock probe waits for the other's marker
+NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL)
 
 
 def versions():
@@ -109,6 +120,95 @@ def cleanup(args):
     return {"removed": True}
 
 
+def _probe_path(args, what):
+    return os.path.join(args["checkpoint_dir"], TOKEN_PREFIX + args["token"] + "-lock-" + what)
+
+
+def _wait_for(args, what):
+    """The other side's marker, or None after LOCK_WAIT s (listed, not stat'ed: listing the
+    directory revalidates NFS's cache of names)."""
+    name, deadline = os.path.basename(_probe_path(args, what)), time.monotonic() + LOCK_WAIT
+    while time.monotonic() < deadline:
+        if name in os.listdir(args["checkpoint_dir"]):
+            with open(_probe_path(args, what)) as handle:
+                return handle.read()
+        time.sleep(0.05)
+    return None
+
+
+def _mark(args, what, text):
+    with open(_probe_path(args, what), "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def lock_hold(args):
+    """Take a flock and an O_EXCL file, hold them until the other host tried (or LOCK_WAIT s)."""
+    import fcntl
+
+    result = {"host": socket.gethostname()}
+    try:
+        handle = open(_probe_path(args, "flock"), "a")
+        fd = os.open(_probe_path(args, "excl"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.close(fd)
+    except OSError as error:
+        _mark(args, "held", "error")
+        return dict(result, flock="error", error=f"{error.strerror}: {args['checkpoint_dir']}")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            result["flock"] = "held"
+        except OSError as error:
+            result.update(flock="none" if error.errno in NO_FLOCK else "error", error=error.strerror)
+        _mark(args, "held", result["flock"])
+        result["tried"] = _wait_for(args, "tried") is not None
+    finally:
+        handle.close()  # lets the flock go
+        for what in ("flock", "excl", "held", "tried"):
+            try:
+                os.remove(_probe_path(args, what))
+            except OSError:
+                pass
+    return result
+
+
+def lock_try(args):
+    """Once the other host holds them: try its flock (refused, granted or none) and its O_EXCL file."""
+    import fcntl
+
+    result = {"host": socket.gethostname()}
+    held = _wait_for(args, "held")
+    if held is None:
+        return dict(result, flock="error", error=f"the holding host's marker did not appear in {LOCK_WAIT} s")
+    result["holder"] = held
+    try:
+        try:
+            os.close(os.open(_probe_path(args, "excl"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            result["exclusive"] = False
+        except FileExistsError:
+            result["exclusive"] = True
+        if held != "held":
+            return result
+        with open(_probe_path(args, "flock"), "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                result["flock"] = "granted"
+            except BlockingIOError:
+                result["flock"] = "refused"
+            except OSError as error:
+                result.update(flock="none" if error.errno in NO_FLOCK else "error", error=error.strerror)
+    except OSError as error:
+        result.update(flock="error", error=f"{error.strerror}: {args['checkpoint_dir']}")
+    finally:
+        try:
+            _mark(args, "tried", "tried")
+        except OSError:
+            pass
+    return result
+
+
 if __name__ == "__main__":
     action, arguments = sys.argv[1], json.loads(sys.argv[2])
-    print(json.dumps({"facts": facts, "tokens": tokens, "cleanup": cleanup}[action](arguments)))
+    print(json.dumps({"facts": facts, "tokens": tokens, "cleanup": cleanup, "lock_hold": lock_hold,
+                      "lock_try": lock_try}[action](arguments)))

@@ -157,6 +157,57 @@ def test_doctor_passes_on_the_healthy_cluster(cluster):
     assert "eth0 is up on every host" in result.stdout
     assert re.search(r"allreduce\s+4 ranks, 2 hosts\s+ok\s+16 MiB in [0-9.]+ ms, busbw", result.stdout), result.stdout
     assert "shared by 2 hosts" in result.stdout
+    # The hosts share one kernel here, so flock is coherent between them.
+    assert re.search(r"checkpoint lock\s+hostA \+ hostB\s+ok\s+coherent flock: hostB was refused the lock hostA held",
+                     result.stdout), result.stdout
+
+
+# One claim of a checkpoint directory's run lock: 'owned PID' (then holds it until killed) or
+# 'refused MESSAGE' (exit 3); the takeover's warning goes to stderr.
+CLAIM = ("import logging, os, sys, time\n"
+         "from hvdtrain.checkpoint import CheckpointError\n"
+         "from hvdtrain.checkpoint.ownership import Ownership\n"
+         "try:\n"
+         "    held = Ownership.claim(sys.argv[1], logging.getLogger(), beat=float(sys.argv[2]))\n"
+         "except CheckpointError as error:\n"
+         "    print('refused', error, flush=True)\n"
+         "    sys.exit(3)\n"
+         "print('owned', os.getpid(), flush=True)\n"
+         "if sys.argv[3] == 'hold':\n"
+         "    time.sleep(3600)\n")
+LEASE_BEAT = 5.0  # the lease expires 15 s after the killed owner's last renewal
+
+
+def test_a_run_lock_held_on_hostA_is_refused_on_hostB_and_taken_over_once_its_lease_expired(cluster):
+    directory = cluster.state / "lease"
+    directory.mkdir()
+    host_a, host_b = cluster.hosts
+    owner = subprocess.Popen(host_a.enter() + [PYTHON, "-c", CLAIM, str(directory), str(LEASE_BEAT), "hold"],
+                             cwd=ROOT, env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        line = owner.stdout.readline().split()
+        assert line[:1] == ["owned"], (line, owner.stderr.read() if owner.poll() is not None else "")
+        pid = line[1]
+        on_b = cluster.run_on(host_b, [PYTHON, "-c", CLAIM, str(directory), str(LEASE_BEAT), "release"], 60, cwd=ROOT)
+        assert on_b.returncode == 3 and f"in use by a live run (pid {pid} on hostA" in on_b.stdout, on_b.describe()
+    finally:
+        os.killpg(owner.pid, signal.SIGKILL)
+        owner.communicate()
+    # Killed: hostB cannot see hostA's pid, so the lease decides. Refused until it expires, then taken.
+    attempts = []
+    while True:
+        on_b = cluster.run_on(host_b, [PYTHON, "-c", CLAIM, str(directory), str(LEASE_BEAT), "release"], 60, cwd=ROOT)
+        attempts.append(on_b)
+        if on_b.returncode != 3:
+            break
+        assert f"in use by a live run (pid {pid} on hostA" in on_b.stdout, on_b.describe()
+        assert len(attempts) < 60, "never taken over"
+        time.sleep(1)
+    assert on_b.returncode == 0 and on_b.stdout.startswith("owned "), on_b.describe()
+    assert f"its previous owner (pid {pid} on hostA" in on_b.stderr and "its lease expired" in on_b.stderr, on_b.describe()
+    assert len(attempts) > 1, "taken over before the lease expired"
+    assert sorted(p.name for p in directory.iterdir()) == []  # released on its way out
 
 
 def test_doctor_names_the_host_whose_sshd_is_stopped(cluster):

@@ -114,3 +114,49 @@ def test_the_host_facts_count_the_gpus_nvidia_smi_lists_and_none_without_it(tmp_
     assert counts["with"] == 2
     assert counts["without"] == (len(os.listdir("/proc/driver/nvidia/gpus"))
                                  if os.path.isdir("/proc/driver/nvidia/gpus") else 0)
+
+
+def holding(host, flock="held", **more):
+    return {"host": host, "flock": flock, "tried": True, **more}, ""
+
+
+def trying(host, flock, exclusive=True, **more):
+    return {"host": host, "holder": "held", "flock": flock, "exclusive": exclusive, **more}, ""
+
+
+def test_the_checkpoint_lock_row_names_the_flock_the_directory_gives_across_two_hosts():
+    coherent = doctor.lock_rows(holding("hostA"), trying("hostB", "refused"))
+    node_local = doctor.lock_rows(holding("hostA"), trying("hostB", "granted"))
+    none = doctor.lock_rows(holding("hostA", "none", error="Function not implemented"), trying("hostB", None))
+    assert statuses(coherent + node_local + none) == [("checkpoint lock", "hostA + hostB", "ok"),
+                                                      ("checkpoint lock", "hostA + hostB", "WARN"),
+                                                      ("checkpoint lock", "hostA + hostB", "ok")]
+    assert coherent[0].detail.startswith("coherent flock: hostB was refused the lock hostA held")
+    assert node_local[0].detail.startswith("node-local flock: hostB got the lock hostA held")
+    assert none[0].detail.startswith("no flock (Function not implemented)")
+    assert all(doctor.LEASE in row.detail for row in coherent + node_local + none)
+
+
+def test_the_checkpoint_lock_fails_where_o_excl_is_not_exclusive_or_the_probe_failed():
+    row, = doctor.lock_rows(holding("hostA"), trying("hostB", "refused", exclusive=False))
+    assert row.status == "FAIL" and "hostB created the file hostA had created with O_EXCL" in row.detail
+    row, = doctor.lock_rows(holding("hostA"), (None, "no answer in 30 s"))
+    assert row.status == "FAIL" and row.detail == "the lock probe did not run: no answer in 30 s"
+    row, = doctor.lock_rows(holding("hostA", "error", error="Permission denied: /x"), trying("hostB", None))
+    assert (row.host, row.status, row.detail) == ("hostA", "FAIL", "the lock probe failed: Permission denied: /x")
+
+
+def test_the_host_facts_lock_probe_between_two_processes_of_this_host(tmp_path):
+    """The script's two sides, run at once as the doctor runs them: this host's flock is the
+    kernel's, so the second process is refused; O_EXCL is exclusive; nothing is left behind."""
+    args = json.dumps({"checkpoint_dir": str(tmp_path), "token": "t3"})
+    script = tmp_path.parent / "host_facts.py"
+    script.write_text(doctor.FACTS_SCRIPT)
+    sides = [subprocess.Popen([sys.executable, "-I", str(script), action, args], stdout=subprocess.PIPE, text=True)
+             for action in ("lock_hold", "lock_try")]
+    answers = [json.loads(side.communicate(timeout=60)[0]) for side in sides]
+    assert answers[0]["flock"] == "held" and answers[0]["tried"]
+    assert answers[1]["flock"] == "refused" and answers[1]["exclusive"]
+    row, = doctor.lock_rows((answers[0], ""), (answers[1], ""))
+    assert row.status == "ok" and row.detail.startswith("flock works between processes of ")
+    assert list(tmp_path.iterdir()) == []
