@@ -50,7 +50,9 @@ def open_checked(path: Path) -> Opened:
         notes.append(f"{path} has no checksum file ({checksum_path(path).name}): its bytes could not be checked "
                      f"(written before checksums, or by hand)")
     state = CheckpointStore.read(path, mmap=True, verify=False)
-    return Opened(FullStateSource(state), state, notes)
+    source = FullStateSource(state)
+    source.where = str(path)
+    return Opened(source, state, notes)
 
 
 def read_everything(source: TensorSource) -> int:

@@ -16,7 +16,20 @@ from hvdtrain.checkpoint.consolidate import consolidate
 from hvdtrain.checkpoint.formats import sharded
 from hvdtrain.checkpoint.formats import full as full_format
 from hvdtrain.checkpoint.formats.full import FORMAT_VERSION, CheckpointStore
-from tests.unit.test_sharded_checkpoint import parts_of, run_state, save_sharded, trained  # noqa: F401 (a fixture)
+from tests.unit.test_sharded_checkpoint import model, optimizer_for, parts_of, save_sharded
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A model and its AdamW state after 2 steps (test_sharded_checkpoint's layout)."""
+    net = model()
+    optimizer = optimizer_for(net)
+    for step in range(2):
+        inputs = torch.randn(8, 6, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(net(inputs), torch.arange(8) % 3).backward()
+        optimizer.step()
+    return {"model": net.state_dict(), "optimizer": optimizer.state_dict()}
 
 
 def state(step, size=4000):

@@ -171,10 +171,16 @@ class CheckpointStore:
     def read(path: Path, mmap: bool = False, log: Optional[logging.Logger] = None,
              verify: bool = True) -> Dict[str, Any]:
         """Load one checkpoint: tensors and plain values only (``weights_only``), never code. Of a
-        full one, its checksum is checked first (``verify``; CorruptCheckpoint; none: a warning on
-        ``log``). Of a sharded one, its manifest only: its files are verified by the ranks
-        (coordination) or by read_newest_valid(verify_shards=True). ``mmap``: the tensors stay in
-        the file until read (an export reads one at a time)."""
+        sharded one, its manifest only: its files are verified by the ranks (coordination) or by
+        read_newest_valid(verify_shards=True).
+
+        Args:
+            path: a full checkpoint's file or a sharded one's directory.
+            mmap: the tensors stay in the file until read (an export reads one at a time).
+            log: where a full checkpoint without a checksum file is warned of.
+            verify: a full one's checksum is checked first (CorruptCheckpoint when it differs);
+                False: checked already by the caller.
+        """
         path = Path(path)
         if path.is_dir():
             return sharded.read_manifest(path)

@@ -280,8 +280,15 @@ def check_file(path: Path, manifest: Dict[str, Any], rank: int) -> Path:
 
 
 def read_shard(path: Path, manifest: Dict[str, Any], rank: int, verified: bool = False) -> Dict[str, Any]:
-    """Rank ``rank``'s file, checked against the manifest (size and checksum; ``verified``: its
-    checksum was checked already at this start, its size only now), tensors only."""
+    """Rank ``rank``'s file, checked against the manifest, tensors only.
+
+    Args:
+        path: the checkpoint's directory.
+        manifest: its manifest (read_manifest).
+        rank: whose file.
+        verified: its checksum was checked at this start already (coordination's pre-check): only
+            its size is checked now; False: size and checksum.
+    """
     file = check_file(Path(path), manifest, rank) if not verified else Path(path) / manifest["files"][rank]["name"]
     if verified and (not file.is_file() or file.stat().st_size != manifest["files"][rank]["bytes"]):
         file = check_file(Path(path), manifest, rank)  # changed since: named as any corrupt file is
