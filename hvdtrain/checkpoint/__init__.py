@@ -20,3 +20,9 @@ FORMAT_VERSION = 1  # of the full format (one file); hvdtrain.checkpoint.formats
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message says which file and why."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint whose files are not as written: a checksum or size that differs from its record,
+    a listed file missing, a file or manifest that cannot be read. A resume sets it aside (renamed,
+    never deleted) and falls back to the previous one."""

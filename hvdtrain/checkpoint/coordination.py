@@ -1,7 +1,11 @@
 """Checkpoints across ranks: who reads and writes, and every rank reaching the same outcome.
 
 Rank 0 owns the directory for the run (hvdtrain.checkpoint.ownership), reads the newest valid
-checkpoint and checks it belongs to this run (hvdtrain.checkpoint.formats.compatibility). Full format:
+checkpoint and checks it belongs to this run (hvdtrain.checkpoint.formats.compatibility). Before any
+rank uses it, its files are verified against their checksums: a full one by rank 0 as it reads it,
+a sharded one by every rank, each a share of its files (sources.files_to_verify), the outcome
+all-gathered. A corrupt one is named on rank 0, set aside (CheckpointStore.set_aside) and the
+next older one tried, every rank in step; the load then trusts the checksums checked here. Full format:
 rank 0 writes, every rank receives by broadcast. Sharded format: every rank writes and reads its
 own file. Either way every rank decides from the same data (rank 0's outcome, broadcast, or every
 rank's, all-gathered): all succeed, or all raise the same error. The files themselves are
@@ -20,7 +24,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from hvdtrain.distributed import collectives
 from hvdtrain.checkpoint.formats import sharded
-from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.checkpoint import CheckpointError, CorruptCheckpoint
 from hvdtrain.checkpoint.sources import sharded as sources
 from hvdtrain.checkpoint.async_writing.background import BackgroundWrite
 from hvdtrain.checkpoint.formats.compatibility import check_settings
@@ -45,6 +49,8 @@ class Checkpointing:
         self.background = BackgroundWrite() if config.checkpoint_async else None
         self.snapshot = HostSnapshot()
         self._abandoned = threading.Event()  # set when the run ends with a write in flight
+        self._candidate: Optional[Path] = None  # rank 0: the checkpoint _read_newest found
+        self._verified: Optional[Path] = None  # the checkpoint whose files' checksums this rank's start agreed on
 
     def start(self, broadcast: bool) -> Optional[Dict[str, Any]]:
         """Rank 0 claims the directory for this run, removes what killed saves left, and reads the
@@ -52,12 +58,17 @@ class Checkpointing:
         live owner, a checkpoint of other settings, resume=false over checkpoints) is raised on
         every rank.
 
-        Without ``broadcast`` (Horovod elastic set-up, which must run no collective) only rank 0
+        A checkpoint is resumed only once its files match their checksums; a corrupt one is set
+        aside and the previous one read (see the module's text). Without ``broadcast`` (Horovod
+        elastic set-up, which must run no collective) rank 0 verifies every file alone and only it
         holds the checkpoint, or raises; the elastic sync gives the others rank 0's state instead.
         """
-        outcome = attempt(self._open) if self.topology.is_root else None
+        outcome = attempt(lambda: self._open(verify_shards=not broadcast)) if self.topology.is_root else None
         if broadcast:
             outcome = collectives.broadcast_state(outcome, root_rank=0, name="checkpoint")
+            outcome = self._verified_by_every_rank(outcome)
+        elif self.topology.is_root and isinstance(outcome, dict):
+            self._resuming(outcome)
         try:
             if isinstance(outcome, str):
                 raise CheckpointError(outcome)
@@ -68,7 +79,7 @@ class Checkpointing:
             raise
         return outcome
 
-    def _open(self) -> Optional[Dict[str, Any]]:
+    def _open(self, verify_shards: bool) -> Optional[Dict[str, Any]]:
         self._own()
         log = self.topology.log
         removed, freed = self.store.remove_leftovers()
@@ -83,15 +94,51 @@ class Checkpointing:
                     f"and train.resume=false: this run's checkpoints would be mixed with them. Give this run another "
                     f"checkpoint_dir, move those away, or continue them with train.resume=true")
             return None
-        return self._read_newest()
+        return self._read_newest(verify_shards)
 
-    def _read_newest(self) -> Optional[Dict[str, Any]]:
-        newest = self.store.read_newest_valid()
+    def _read_newest(self, verify_shards: bool = False) -> Optional[Dict[str, Any]]:
+        """Rank 0: the newest valid checkpoint, the corrupt ones newer than it set aside;
+        ``verify_shards``: a sharded one's files all checked here (else by every rank, a share each)."""
+        newest = self.store.read_newest_valid(set_aside=True, verify_shards=verify_shards)
         if newest is None:
             return None
-        path, found = newest
-        self.topology.log.info(f"resuming from {path}")
+        self._candidate, found = newest
         return found
+
+    def _resuming(self, found: Dict[str, Any]) -> None:
+        """Rank 0, once the checkpoint's files are agreed good: say which it resumes."""
+        self.topology.log.info(f"resuming from {self._candidate}")
+        self._verified = self._candidate
+
+    def _verified_by_every_rank(self, outcome: Any) -> Any:
+        """Every rank, with rank 0's broadcast outcome: a sharded checkpoint's files, each checked by
+        one rank; while any is corrupt, rank 0 names it, sets it aside and reads the next older one
+        (broadcast, checked alike). Returns the outcome every rank continues with; every rank makes
+        the same collectives, each round's outcome being agreed."""
+        world = self.topology.world
+        while isinstance(outcome, dict) and sharded.is_sharded(outcome):
+            path, manifest = Path(outcome["path"]), outcome
+            share = sources.files_to_verify(world.size, world.rank, len(manifest["files"]))
+            found = collectives.allgather_object(check(lambda: sources.verify(path, manifest, share)),
+                                                 name="checkpoint.verify")
+            failed = [f"rank {rank}: {problem}" for rank, (corrupt, problem) in enumerate(found) if problem and not corrupt]
+            if failed:  # not the files' content (a permission, an I/O error): every rank stops, naming it
+                return f"the sharded checkpoint {path} cannot be verified: {'; '.join(failed)}"
+            corrupt = [problem for is_corrupt, problem in found if is_corrupt]
+            if not corrupt:
+                self._verified = path
+                if world.is_root:
+                    self._resuming(outcome)
+                return outcome
+
+            def fall_back() -> Optional[Dict[str, Any]]:
+                self.store.report_corrupt(path, "; ".join(corrupt), set_aside=True)
+                return self._read_newest()
+            outcome = attempt(fall_back) if world.is_root else None
+            outcome = collectives.broadcast_state(outcome, root_rank=0, name="checkpoint.fallback")
+        if world.is_root and isinstance(outcome, dict):
+            self._resuming(outcome)
+        return outcome
 
     def read_newest(self) -> Optional[Dict[str, Any]]:
         """Every rank: the newest valid checkpoint of this run (a sharded one's manifest), read by
@@ -102,6 +149,7 @@ class Checkpointing:
             return self._read_newest()
         outcome = attempt(read) if self.topology.is_root else None
         outcome = collectives.broadcast_state(outcome, root_rank=0, name="checkpoint.newest")
+        outcome = self._verified_by_every_rank(outcome)
         if isinstance(outcome, str):
             raise CheckpointError(outcome)
         return outcome
@@ -230,7 +278,8 @@ class Checkpointing:
 
         def read() -> None:
             nonlocal shard
-            shard = sharded.read_shard(Path(state["path"]), state, self.topology.world.rank)
+            shard = sharded.read_shard(Path(state["path"]), state, self.topology.world.rank,
+                                       verified=self._verified == Path(state["path"]))
             strategy.check_shard_state_dict(shard["strategy"])
         problems = problems_on_any_rank(attempt(read), "checkpoint.sharded.check")
         if problems:
@@ -253,7 +302,8 @@ class Checkpointing:
 
         def prepare() -> None:
             nonlocal part, source
-            sources.verify(path, state, sources.files_to_verify(world.size, world.rank, len(state["files"])))
+            if self._verified != path:  # start() verified it already: each file is hashed once per resume
+                sources.verify(path, state, sources.files_to_verify(world.size, world.rank, len(state["files"])))
             source = sources.open_source(path, state)
             try:
                 part = strategy.read_part(source)
@@ -284,6 +334,17 @@ def attempt(action: Callable[[], Any]) -> Any:
     except (CheckpointError, OSError, ValueError, RuntimeError) as error:
         return f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
     return result
+
+
+def check(action: Callable[[], Any]) -> "tuple[bool, Optional[str]]":
+    """(whether a file is corrupt, the problem or None) of ``action()``, a check of files."""
+    try:
+        action()
+    except CorruptCheckpoint as error:
+        return True, str(error)
+    except (CheckpointError, OSError, ValueError, RuntimeError) as error:
+        return False, f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
+    return False, None
 
 
 def problems_on_any_rank(problem: Optional[str], name: str) -> List[str]:

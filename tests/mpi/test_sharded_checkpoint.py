@@ -5,6 +5,7 @@ strategy as its consolidation does (resharded on load)."""
 import copy
 import io
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -248,23 +249,50 @@ def test_a_sharded_checkpoint_resumes_under_another_strategy_as_its_consolidatio
     assert (rows[:, 1] <= bound).all(), f"max |resharded - consolidated| after training per rank: {rows[:, 1].tolist()}"
 
 
-def test_a_corrupt_shard_stops_every_rank_naming_the_file(world, tmp_path):
-    """A bit flipped in the last rank's file (its size unchanged): that rank finds it when it
-    reads its own file; every rank raises, naming it, instead of the others training on."""
+class Lines(logging.Handler):
+    """What a logger said, line by line (the ranks' loggers do not propagate to pytest's capture)."""
+
+    def __init__(self, world):
+        super().__init__(logging.INFO)
+        self.lines, self.logger = [], logging.getLogger(f"hvdtrain.rank{world.rank}")
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def __enter__(self):
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+
+
+def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_previous_one_resumed(world, tmp_path):
+    """A bit flipped in the last rank's file of the newest checkpoint (its size unchanged): the ranks
+    verify their shares of its files, agree it is corrupt, rank 0 names the file and sets the
+    checkpoint aside, and every rank resumes the one before (it stopped every restart: the good one
+    beside it was never tried)."""
     base = shared_directory(world, tmp_path, "corrupt")
     fit(world, "fsdp", f"{base}/ckpt", max_steps=2)
-    newest = Path(f"{base}/ckpt/{sharded.directory_name(2)}")
+    fit(world, "fsdp", f"{base}/ckpt", max_steps=4)
+    newest = Path(f"{base}/ckpt/{sharded.directory_name(4)}")
     victim = newest / sharded.shard_name(world.size - 1, world.size)
     on_root(world, lambda: flip_a_byte(victim))
-    try:
-        trainer(world, "fsdp", f"{base}/ckpt", max_steps=4)
-        outcome = "no error"
-    except sharded.CheckpointError as error:
-        outcome = str(error)
+    with Lines(world) as log:
+        try:
+            outcome = trainer(world, "fsdp", f"{base}/ckpt", max_steps=6).global_step
+        except sharded.CheckpointError as error:
+            outcome = str(error)
     outcomes = collectives.allgather_object(outcome, name="sharded.test.corrupt")
+    aside = Path(f"{base}/ckpt/{sharded.directory_name(4)}.corrupt")
 
-    assert len(set(outcomes)) == 1, f"the ranks did not agree: {outcomes}"
-    assert f"rank {world.size - 1}: {victim} does not match" in outcomes[0], outcomes[0]
+    assert outcomes == [2] * world.size, f"every rank resumes step 2: {outcomes}"
+    assert aside.is_dir() and not newest.exists() and (aside / victim.name).is_file()
+    if world.is_root:
+        warned = [line for line in log.lines if "is corrupt" in line]
+        assert len(warned) == 1 and f"{victim} does not match" in warned[0], log.lines
+        assert f"set aside as {aside.name}" in warned[0], warned
+        assert f"resuming from {Path(base) / 'ckpt' / sharded.directory_name(2)}" in log.lines
 
 
 @pytest.mark.parametrize("hidden", [4, 9], ids=["smaller", "larger"])

@@ -34,7 +34,7 @@ def test_a_truncated_newest_checkpoint_is_reported_and_the_previous_one_used(tmp
     with caplog.at_level(logging.WARNING):
         path, loaded = store.read_newest_valid()
     assert path.name == "ckpt-000000010.pt" and loaded["step"] == 10
-    assert "ckpt-000000020.pt is unreadable" in caplog.text
+    assert "ckpt-000000020.pt has 100 bytes, " in caplog.text  # its checksum file says more
     assert "falling back to the previous checkpoint" in caplog.text
 
 
@@ -49,7 +49,8 @@ def test_a_save_killed_while_writing_leaves_the_previous_checkpoint_and_pointer(
     monkeypatch.setattr(ckpt.torch, "save", dies_half_way)
     with pytest.raises(KeyboardInterrupt):
         store.save(state(20), 20)
-    assert [p.name for p in tmp_path.iterdir() if p.name != "latest"] == ["ckpt-000000010.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "latest") == [
+        "ckpt-000000010.pt", "ckpt-000000010.pt.checksum"]
     assert store.latest_pointer() == "ckpt-000000010.pt"
     assert store.read_newest_valid()[1]["step"] == 10
 
@@ -112,4 +113,5 @@ def test_what_killed_saves_left_is_removed_and_counted(tmp_path):
     (tmp_path / ".ckpt-000000040.pt.tmp-77").touch()  # killed right after it was opened: still removed
     (tmp_path / "notes.txt").write_text("the user's own file")
     assert store.remove_leftovers() == (4, 1504)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000010.pt", "latest", "notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-000000010.pt", "ckpt-000000010.pt.checksum", "latest", "notes.txt"]

@@ -125,7 +125,7 @@ def test_the_manifest_records_every_file_and_the_run_state(tmp_path, trained):
     assert (manifest["kind"], manifest["strategy"], manifest["world_size"], manifest["step"]) == ("sharded", "zero2", 2, 30)
     assert [(f["name"], f["rank"], f["bytes"]) for f in manifest["files"]] == [
         (f"rank-0000{r}-of-00002.pt", r, (path / f"rank-0000{r}-of-00002.pt").stat().st_size) for r in range(2)]
-    assert all(len(f["sha256"]) == 64 for f in manifest["files"])
+    assert all(len(f["xxh3_128"]) == 32 for f in manifest["files"])  # hashed as written (xxhash)
     assert manifest["epoch_position"] == 64 and manifest["config"] == {"train": {"strategy": "zero2"}}
 
 
@@ -175,8 +175,8 @@ def test_both_kinds_are_pruned_together_and_a_consolidated_file_stays_with_its_d
     store.save(full_state(50), 50)
     assert [(step, p.name) for step, p in store.steps()] == [
         (50, "ckpt-000000050.pt"), (40, "ckpt-000000040.pt"), (40, "ckpt-000000040")]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "ckpt-000000040", "ckpt-000000040.pt", "ckpt-000000050.pt", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [  # each full file's checksum pruned with it
+        "ckpt-000000040", "ckpt-000000040.pt", "ckpt-000000050.pt", "ckpt-000000050.pt.checksum", "latest"]
 
 
 def test_at_the_same_step_the_full_checkpoint_wins(tmp_path, trained):

@@ -1,18 +1,21 @@
 """Sharded checkpoints on disk: one file per rank and a manifest, published as one directory.
 
     ckpt-000000030/
-      manifest.json            strategy, world size, step, each file's bytes and sha256, the run state
+      manifest.json            strategy, world size, step, each file's bytes and checksum, the run state
       rank-00000-of-00002.pt   a rank's slices, the layout to reassemble them, and its RNG states
 
-Every rank writes its file into a hidden ``.ckpt-000000030.tmp/``; rank 0 checks them, writes the
-manifest and renames the directory into place, then ``latest`` moves: a kill leaves no directory or
-a complete one. An asynchronous save's ranks tell rank 0 their file is written through a record
-beside it (``rank-00001.json``: its bytes and sha256, or why it failed), not a collective. Which
-rank does what is hvdtrain.checkpoint.coordination's.
+Every rank writes its file into a hidden ``.ckpt-000000030.tmp/``, hashing it as it writes
+(xxh3_128: hvdtrain.checkpoint.formats.checksums; manifests written before hold sha256, still
+checked); rank 0 checks them, writes the manifest and renames the directory into place, then
+``latest`` moves: a kill leaves no directory or a complete one. Re-saving a step renames the old
+directory to ``.ckpt-000000030.old`` first: a kill between the two renames leaves the complete
+temporary directory, which the next start puts in place (recover_publish). An asynchronous save's
+ranks tell rank 0 their file is written through a record beside it (``rank-00001.json``: its bytes
+and checksum, or why it failed), not a collective. Which rank does what is
+hvdtrain.checkpoint.coordination's.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -23,7 +26,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.checkpoint import CheckpointError, CorruptCheckpoint
+from hvdtrain.checkpoint.formats import checksums
 from hvdtrain.checkpoint.formats.run_state import RunState, missing_keys
 from hvdtrain.common import io_watch
 from hvdtrain.common.atomic import fsync_directory, write_atomically
@@ -63,21 +67,6 @@ def prepare(temporary: Path) -> None:
     temporary.mkdir(parents=True)
 
 
-class _Hashing:
-    """A file that hashes what torch.save writes through it (torch writes it front to back)."""
-
-    def __init__(self, handle) -> None:
-        self.handle, self.sha256, self.size = handle, hashlib.sha256(), 0
-
-    def write(self, data) -> int:
-        self.sha256.update(data)
-        self.size += len(data)
-        return self.handle.write(data)
-
-    def flush(self) -> None:
-        self.handle.flush()
-
-
 def write_shard(temporary: Path, rank: int, world_size: int, state: Dict[str, Any]) -> Dict[str, Any]:
     """One rank's file, flushed to disk; what the manifest records of it.
 
@@ -90,13 +79,11 @@ def write_shard(temporary: Path, rank: int, world_size: int, state: Dict[str, An
     temporary.mkdir(parents=True, exist_ok=True)  # rank 0 made it, if the ranks share the disk
     path = temporary / shard_name(rank, world_size)
     with open(path, "wb") as handle, io_watch.watching(path, "write") as activity:
-        writer = _Hashing(activity.counting(handle))
+        writer = checksums.HashingWriter(activity.counting(handle))
         torch.save({"format": SHARDED_FORMAT, "rank": rank, "world_size": world_size, **state}, writer)
         handle.flush()
         os.fsync(handle.fileno())
-        size = os.fstat(handle.fileno()).st_size
-    digest = writer.sha256.hexdigest() if size == writer.size else _sha256(path)
-    return {"name": path.name, "rank": rank, "bytes": size, "sha256": digest}
+    return {"name": path.name, "rank": rank, **writer.record(path)}
 
 
 def record_name(rank: int) -> str:
@@ -147,14 +134,6 @@ def wait_for_records(temporary: Path, world_size: int, timeout: float,
         time.sleep(poll)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def publish(directory: Path, step: int, strategy: str, files: Sequence[Dict[str, Any]],
             run_state: Dict[str, Any]) -> Path:
     """Rank 0, once every rank has written: check the files, write the manifest, rename into place.
@@ -202,6 +181,27 @@ def remove(path: Path) -> None:
     shutil.rmtree(hidden, ignore_errors=True)
 
 
+def recover_publish(directory: Path) -> List[Path]:
+    """The checkpoints whose publish was killed after its manifest was written, put in place; returns
+    them. Such a temporary directory is complete (rank 0 writes the manifest last, atomically, once
+    every file is there): killed between publish's two renames (the step's previous directory moved
+    to ``.ckpt-N.old``, the new one not yet in place), or just before them. Where the step's
+    directory exists the kill came before the first rename: that one stays, as if the save never
+    ran. Only while no save runs: at start."""
+    restored = []
+    for path in sorted(Path(directory).iterdir()):
+        match = LEFTOVER.match(path.name)
+        if not match or match.group(2) != "tmp" or not (path / MANIFEST).is_file():
+            continue
+        final = Path(directory) / directory_name(int(match.group(1)))
+        if not final.exists():
+            os.replace(path, final)
+            restored.append(final)
+    if restored:
+        fsync_directory(Path(directory))
+    return restored
+
+
 def remove_leftovers(directory: Path) -> None:
     """Delete the hidden directories of interrupted saves or deletions (never read as checkpoints).
     Rank 0 calls it after a save, when no rank is writing."""
@@ -222,7 +222,7 @@ def read_manifest(path: Path) -> Dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointError(f"{path} has no {MANIFEST}: not a complete sharded checkpoint") from None
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"{manifest_path} is unreadable: {type(error).__name__}: {error}") from None
+        raise CorruptCheckpoint(f"{manifest_path} is unreadable: {type(error).__name__}: {error}") from None
     check_manifest(manifest, Path(path))
     return {**manifest, "path": str(path)}
 
@@ -244,13 +244,14 @@ def check_manifest(manifest: Any, path: Path) -> None:
     if listed != expected:
         raise CheckpointError(f"{where} lists {listed}, expected one file per rank: {expected}")
     for rank, entry in enumerate(manifest["files"]):
-        if entry.get("rank") != rank or not isinstance(entry.get("bytes"), int) or not entry.get("sha256"):
-            raise CheckpointError(f"{where}: the entry of {entry['name']} needs rank {rank}, bytes and sha256")
+        if entry.get("rank") != rank or not isinstance(entry.get("bytes"), int) or not checksums.recorded(entry)[0]:
+            raise CheckpointError(f"{where}: the entry of {entry['name']} needs rank {rank}, bytes and a checksum "
+                                  f"({' or '.join(checksums.ALGORITHMS)})")
         file = path / entry["name"]
         if not file.is_file():
-            raise CheckpointError(f"{file} is missing (listed in {where})")
+            raise CorruptCheckpoint(f"{file} is missing (listed in {where})")
         if file.stat().st_size != entry["bytes"]:
-            raise CheckpointError(f"{file} has {file.stat().st_size} bytes, {where} says {entry['bytes']}")
+            raise CorruptCheckpoint(f"{file} has {file.stat().st_size} bytes, {where} says {entry['bytes']}")
 
 
 def resumes_as_written(state: Dict[str, Any], strategy: str, world_size: int,
@@ -272,25 +273,36 @@ def resumes_as_written(state: Dict[str, Any], strategy: str, world_size: int,
 
 
 def check_file(path: Path, manifest: Dict[str, Any], rank: int) -> Path:
-    """Rank ``rank``'s file, there and as the manifest says (size and sha256)."""
+    """Rank ``rank``'s file, there and as the manifest says (size and checksum); CorruptCheckpoint
+    naming the file and what differs."""
     entry = manifest["files"][rank]
-    file = path / entry["name"]
-    if not file.is_file():
-        raise CheckpointError(f"{file} is missing (listed in {path / MANIFEST})")
-    if file.stat().st_size != entry["bytes"] or _sha256(file) != entry["sha256"]:
-        raise CheckpointError(f"{file} does not match {path / MANIFEST} (size or sha256): it is "
-                              "corrupt, or from another checkpoint")
+    file = Path(path) / entry["name"]
+    checksums.check(file, entry, str(Path(path) / MANIFEST))
     return file
 
 
-def read_shard(path: Path, manifest: Dict[str, Any], rank: int) -> Dict[str, Any]:
-    """Rank ``rank``'s file, checked against the manifest (size and sha256), tensors only."""
+def read_shard(path: Path, manifest: Dict[str, Any], rank: int, verified: bool = False) -> Dict[str, Any]:
+    """Rank ``rank``'s file, checked against the manifest, tensors only.
+
+    Args:
+        path: the checkpoint's directory.
+        manifest: its manifest (read_manifest).
+        rank: whose file.
+        verified: its checksum was checked at this start already (coordination's pre-check): only
+            its size is checked now; False: size and checksum.
+    """
     with io_watch.watching(Path(path) / manifest["files"][rank]["name"], "read"):
-        file = check_file(Path(path), manifest, rank)
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
-            raise CheckpointError(f"{file} is unreadable: {type(error).__name__}: {error}") from None
+        return _read_shard(path, manifest, rank, verified)
+
+
+def _read_shard(path: Path, manifest: Dict[str, Any], rank: int, verified: bool) -> Dict[str, Any]:
+    file = check_file(Path(path), manifest, rank) if not verified else Path(path) / manifest["files"][rank]["name"]
+    if verified and (not file.is_file() or file.stat().st_size != manifest["files"][rank]["bytes"]):
+        file = check_file(Path(path), manifest, rank)  # changed since: named as any corrupt file is
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
+        raise CorruptCheckpoint(f"{file} is unreadable: {type(error).__name__}: {error}") from None
     if not isinstance(state, dict) or state.get("format") != SHARDED_FORMAT or state.get("rank") != rank \
             or "strategy" not in state or "rng" not in state:
         raise CheckpointError(f"{file} is not rank {rank}'s shard of an hvdtrain sharded checkpoint")

@@ -167,6 +167,12 @@ class TensorSource(ABC):
         whole, scalars; None when the source holds no optimizer state."""
         return None
 
+    def optimizer_parameter_names(self) -> Optional[List[str]]:
+        """The optimizer's parameters by their first state_dict name, in its numbering (the
+        ``index`` of optimizer_state_of); None when the source cannot name them (a full checkpoint
+        knows them by index only) or holds no optimizer state."""
+        return None
+
     def full_state(self) -> Dict[str, Any]:
         """The whole {"model", "optimizer"} state, as a gathered checkpoint holds it (the memory of
         all of it); "optimizer" None when the source holds no optimizer state."""

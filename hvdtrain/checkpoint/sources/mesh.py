@@ -113,6 +113,9 @@ class MeshSource(TensorSource):
     def parameter_count(self) -> int:
         return len(self.index_of)
 
+    def optimizer_parameter_names(self) -> List[str]:
+        return [name for names in self.optimizer_names for name in names]
+
     def aliases(self) -> Dict[str, List[str]]:
         """A tied tensor's first state_dict name -> all its names (a tied embedding and head)."""
         return {names[0]: list(names) for names in self.layout.get("tied", [])}

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 
-from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.checkpoint import CheckpointError, CorruptCheckpoint
 from hvdtrain.checkpoint.formats import sharded
 from hvdtrain.checkpoint.sources.mesh import MeshSource, is_mesh_part
 from hvdtrain.checkpoint.sources.contract import TensorSource
@@ -28,8 +28,8 @@ from hvdtrain.strategies.sharding.shard_state import assemble_full_state
 
 
 def files_to_verify(world_size: int, rank: int, files: int) -> List[int]:
-    """The files of the checkpoint this rank checks against the manifest (sha256): each file by
-    exactly one rank, so verifying costs one read of the checkpoint across all ranks."""
+    """The files of the checkpoint this rank checks against the manifest (size and checksum): each
+    file by exactly one rank, so verifying costs one read of the checkpoint across all ranks."""
     return list(range(rank, files, world_size))
 
 
@@ -43,7 +43,7 @@ def open_source(path: Path, manifest: Mapping[str, Any]) -> TensorSource:
             with io_watch.watching(file, "read"):
                 state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
-            raise CheckpointError(f"{file} is unreadable: {type(error).__name__}: {error}") from None
+            raise CorruptCheckpoint(f"{file} is unreadable: {type(error).__name__}: {error}") from None
         if not isinstance(state, dict) or state.get("rank") != entry["rank"] or "strategy" not in state:
             raise CheckpointError(f"{file} is not rank {entry['rank']}'s shard of an hvdtrain sharded checkpoint")
         files.append(state)
@@ -139,6 +139,11 @@ class ShardedSource(TensorSource):
     def parameter_count(self) -> int:
         return sum(len(indices) for indices in self.layout["group_indices"])
 
+    def optimizer_parameter_names(self) -> List[str]:
+        names = {index: aliases[0] for entry in self.layout["buckets"]
+                 for aliases, index in zip(entry["names"], entry["param_indices"])}
+        return [names.get(index, "") for index in range(self.parameter_count())]
+
     def aliases(self) -> Dict[str, List[str]]:
         """A tied parameter's first state_dict name -> all its names."""
         return {names[0]: list(names) for entry in self.layout["buckets"] for names in entry["names"] if len(names) > 1}
@@ -158,8 +163,8 @@ def _check_same_model(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None
 
 
 def verify(path: Path, manifest: Mapping[str, Any], indices: Sequence[int]) -> None:
-    """The files ``indices`` of the checkpoint, checked against the manifest (size and sha256),
-    read in blocks: nothing is loaded."""
+    """The files ``indices`` of the checkpoint, checked against the manifest (size and checksum),
+    read in blocks: nothing is loaded. CorruptCheckpoint naming the first file that differs."""
     for index in indices:
         with io_watch.watching(Path(path) / manifest["files"][index]["name"], "read"):
             sharded.check_file(Path(path), manifest, index)
