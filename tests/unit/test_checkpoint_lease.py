@@ -294,7 +294,7 @@ def test_a_save_of_a_run_whose_lease_was_taken_over_is_refused(tmp_path, monkeyp
     finally:
         other.communicate("", timeout=30)
         checkpoints.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000001.pt", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000001.pt", "ckpt-000000001.pt.checksum", "latest"]
 
 
 def test_a_killed_owner_not_yet_reaped_is_gone_too(tmp_path, monkeypatch, caplog):
