@@ -195,6 +195,8 @@ def judge(found: Found, me: Owner) -> Tuple[str, str]:
         if found.age > EXPIRY_BEATS * beat:
             return TAKE, f"its unreadable owner record was not renewed for {found.age:.0f} s"
         return REFUSE, "its owner record is being written"
+    if me.same_machine(owner) and owner.pid == me.pid:  # claim() found no lease of its own on it
+        return TAKE, "the record names this process, which holds no lease there (a copied directory)"
     if me.same_machine(owner) and not _pid_alive(owner.pid):
         return TAKE, f"pid {owner.pid} is gone from {owner.host}"
     if not owner.token and owner.host == me.host:  # a flock-era record, never renewed: its pid decides

@@ -312,3 +312,20 @@ def test_a_killed_owner_not_yet_reaped_is_gone_too(tmp_path, monkeypatch, caplog
         taken.release()
     finally:
         holder.wait(timeout=30)
+
+
+def test_a_copy_of_a_directory_this_process_owns_is_taken_not_refused(tmp_path, caplog):
+    """shutil.copytree keeps owner.json and its time: the copy names this live process with a fresh
+    lease, yet this process holds no lease on the copy, so it is this process's to take."""
+    import shutil
+
+    held = Ownership.claim(tmp_path / "run", LOG)
+    try:
+        shutil.copytree(tmp_path / "run", tmp_path / "copy")
+        with caplog.at_level(logging.WARNING):
+            copy = Ownership.claim(tmp_path / "copy", LOG)
+        assert "holds no lease there (a copied directory)" in caplog.text
+        assert read_owner(tmp_path / "copy").token != read_owner(tmp_path / "run").token
+        copy.release()
+    finally:
+        held.release()
