@@ -42,7 +42,9 @@ def outcome(action, name):
 
 
 def names(directory):
-    return sorted(path.name for path in Path(directory).iterdir() if path.name.startswith("ckpt-"))
+    """The checkpoints (and those set aside), without the full ones' checksum files."""
+    return sorted(path.name for path in Path(directory).iterdir()
+                  if path.name.startswith("ckpt-") and not path.name.endswith(".checksum"))
 
 
 STEPS_10_20_30 = ["ckpt-000000010.pt", "ckpt-000000020.pt", "ckpt-000000030.pt"]
@@ -79,7 +81,8 @@ def test_a_checkpoint_of_other_settings_is_refused_unless_forced(world, shared_t
 
 
 def test_a_newer_unreadable_checkpoint_never_displaces_what_the_run_writes(world, shared_tmp_path):
-    """keep_checkpoints=1 used to keep the unreadable newest step and delete each save just written."""
+    """keep_checkpoints=1 used to keep the unreadable newest step and delete each save just written;
+    the unreadable one is set aside at the start that finds it, under a name no run reads or prunes."""
     first = trainer(world, shared_tmp_path, max_steps=20)
     first.fit()
     first.close()
@@ -94,7 +97,7 @@ def test_a_newer_unreadable_checkpoint_never_displaces_what_the_run_writes(world
     third_at = third.global_step
     third.close()
     assert resumed_at == 20 and third_at == 24
-    assert names(shared_tmp_path) == ["ckpt-000000024.pt", "ckpt-000000030.pt"]
+    assert names(shared_tmp_path) == ["ckpt-000000024.pt", "ckpt-000000030.pt.corrupt"]
     assert (shared_tmp_path / "latest").read_text().strip() == "ckpt-000000024.pt"
 
 
