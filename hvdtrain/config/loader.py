@@ -19,12 +19,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from hvdtrain.common.errors import HvdtrainError
+
 _NONE_WORDS = {"none", "null", "~", ""}
 _TRUE_WORDS = {"true", "yes", "on", "1"}
 _FALSE_WORDS = {"false", "no", "off", "0"}
 
 
-class ConfigError(ValueError):
+class ConfigError(HvdtrainError, ValueError):
     """A setting that cannot be used; the message names it and says what is accepted."""
 
 
