@@ -14,8 +14,11 @@ from __future__ import annotations
 import os
 import sys
 from types import TracebackType
-from typing import Optional, Type
+from typing import Mapping, Optional, Type
 
+# Where each launcher puts a process's rank (Open MPI, srun's PMIx, Hydra, horovodrun over Gloo, srun):
+# before Horovod starts, the only way to know which process speaks for the job.
+RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "HOROVOD_RANK", "SLURM_PROCID")
 REFUSED_EXIT_CODE = 2  # as argparse's usage errors, and a settings error (hvdtrain.config.loader.parse_job)
 SHOW_TRACEBACK = "HVDTRAIN_TRACEBACK"
 
@@ -37,12 +40,23 @@ def one_line(error: BaseException) -> str:
     return "hvdtrain: " + " ".join(str(error).split())
 
 
+def launcher_rank(environ: Optional[Mapping[str, str]] = None) -> int:
+    """This process's rank as its launcher's variables say (0 when none does: one process)."""
+    environ = os.environ if environ is None else environ
+    for name in RANK_VARIABLES:
+        value = environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 def install_refusal_hook(is_root: bool) -> None:
     """Make an uncaught HvdtrainError end this process with one line on ``is_root``'s stderr and
     exit status 2 (every other exception: the previous hook's traceback). Idempotent.
 
-    The exit skips the interpreter's shutdown (Horovod's, which could wait for peers): a refusal
-    comes before anything worth flushing but the standard streams, which it flushes.
+    The hook ends the process by raising SystemExit, which Python honours from an excepthook: the
+    interpreter then shuts down as after any exit (atexit: Horovod's shutdown, MPI's finalize), so
+    that mpirun sees ranks that ended properly, with status 2, not ranks that vanished.
     """
     previous = sys.excepthook
     if getattr(previous, "hvdtrain_refusals", False):
@@ -56,12 +70,8 @@ def install_refusal_hook(is_root: bool) -> None:
             previous(kind, error, trace)
         elif is_root:
             print(one_line(error), file=sys.stderr)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(REFUSED_EXIT_CODE)
+        sys.stderr.flush()
+        raise SystemExit(REFUSED_EXIT_CODE)
 
     hook.hvdtrain_refusals = True  # type: ignore[attr-defined]
     hook.previous = previous  # type: ignore[attr-defined]

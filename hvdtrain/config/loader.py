@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from hvdtrain.common.errors import HvdtrainError
+from hvdtrain.common.errors import REFUSED_EXIT_CODE, HvdtrainError, launcher_rank
 
 _NONE_WORDS = {"none", "null", "~", ""}
 _TRUE_WORDS = {"true", "yes", "on", "1"}
@@ -294,11 +294,14 @@ def job_argument_parser(job_cls: type, description: str) -> argparse.ArgumentPar
 
 def parse_job(job_cls: type, parser: argparse.ArgumentParser,
               argv: Optional[Sequence[str]] = None) -> Tuple[Any, argparse.Namespace]:
-    """(the job's settings, the script's own options); a bad setting exits 2 with its reason."""
+    """(the job's settings, the script's own options); a bad setting exits 2 with its reason, said
+    by rank 0 alone (every rank reads the same settings, before Horovod starts)."""
     args, rest = parser.parse_known_args(argv)
     try:
         job = load_job(job_cls, args.config, rest)
     except ConfigError as error:
+        if launcher_rank() != 0:
+            parser.exit(REFUSED_EXIT_CODE)
         parser.error(str(error))
     if args.print_config:
         print(to_yaml(job), end="")
