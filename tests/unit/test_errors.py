@@ -66,3 +66,12 @@ def test_the_command_prints_a_refusal_it_did_not_catch_as_one_line(monkeypatch, 
     monkeypatch.setattr(info, "run", refuses)
     assert cli.main(["info"]) == 2
     assert capsys.readouterr().err == "hvdtrain: no layout fits 2 GiB per worker: give each worker 4 GiB\n"
+
+
+def test_a_missing_pretrained_directory_is_a_refusal_and_still_a_file_not_found(tmp_path):
+    pytest.importorskip("transformers")
+    from hvdtrain.examples.hf_lm import HFLMModelConfig, model_config
+
+    with pytest.raises(MissingPath, match=f"model.pretrained={tmp_path / 'absent'} has no config.json") as refused:
+        model_config(HFLMModelConfig(pretrained=str(tmp_path / "absent")), 40)
+    assert isinstance(refused.value, FileNotFoundError)
