@@ -72,3 +72,29 @@ def test_term_with_preempt_on_term_checkpoints_instead_of_dying(tmp_path):
                                          signal.SIGTERM, ranks=job)
     assert code == 0, err[-3000:]
     assert_checkpointed_as_preempted(out, tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
+def test_each_rank_gets_a_forwarded_usr2_exactly_once(launcher, tmp_path):
+    """USR2 (the ranks' flight recorder dump) reaches every rank once, and the launcher lives on."""
+    process = subprocess.Popen([HVDTRAIN, "launch", "--launcher", launcher, "-np", "2", "--timeout", "200", "--",
+                                PYTHON, "tests/launch/signal_count_job.py", str(tmp_path)],
+                               cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 200
+        while len(list(tmp_path.glob("ready.*"))) < 2:
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the ranks did not start in time"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGUSR2)  # each rank counts what arrives for 2 s, then exits 0
+        try:
+            out, err = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the ranks did not end after the USR2 (the launcher's exit: {process.poll()}): it did "
+                        f"not reach them")
+    finally:
+        kill_session(process.pid)
+    counts = {path.name: int(path.read_text()) for path in tmp_path.glob("usr2.*")}
+    assert counts == {"usr2.0": 1, "usr2.1": 1}, (counts, err[-3000:])
+    assert process.returncode == 0, err[-3000:]
