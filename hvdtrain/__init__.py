@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # start-up and who this process is
     "init": "hvdtrain.distributed.startup",
+    "HvdtrainError": "hvdtrain.common.errors",
     "World": "hvdtrain.distributed.world",
     # settings
     "TrainConfig": "hvdtrain.config.train",

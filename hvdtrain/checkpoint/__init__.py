@@ -15,10 +15,12 @@ May import common/, config/, distributed/, parallel/ and strategies/ (a strategy
 """
 from __future__ import annotations
 
+from hvdtrain.common.errors import HvdtrainError
+
 FORMAT_VERSION = 1  # of the full format (one file); hvdtrain.checkpoint.formats.sharded has its own
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(HvdtrainError, RuntimeError):
     """A checkpoint that cannot be used; the message says which file and why."""
 
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from typing import List, Optional
+
+from hvdtrain.common.errors import REFUSED_EXIT_CODE, HvdtrainError, one_line
 
 COMMANDS = ("info", "launch", "doctor", "hosts", "plot", "checkpoint", "export", "plan", "bench", "check-layout", "debug")
 
@@ -27,5 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run one command; a refusal (hvdtrain.HvdtrainError) is one line and exit status 2, as a bad option."""
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except HvdtrainError as refusal:
+        print(one_line(refusal), file=sys.stderr)
+        return REFUSED_EXIT_CODE

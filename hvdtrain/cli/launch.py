@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(argv))
         return 0
-    return execute(argv, args.timeout, spec.hosts)
+    return execute(argv, args.timeout, spec.hosts,
+                   rank_command=spec.command if args.launcher == "horovodrun" else None)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

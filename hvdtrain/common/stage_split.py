@@ -1,9 +1,11 @@
 """A model's layers cut into contiguous pipeline stages, from each layer's cost alone: the pipeline
 (hvdtrain.parallel.pipeline.schedule, by parameter count) and the planner (by modelled elements) cut
-the same way. Imports nothing."""
+the same way. Imports nothing but hvdtrain.common.errors."""
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
+
+from hvdtrain.common.errors import LayoutError
 
 
 def contiguous_stages(costs: Sequence[float], stages: int, plan: Optional[Sequence[int]] = None) -> List[List[int]]:
@@ -12,7 +14,7 @@ def contiguous_stages(costs: Sequence[float], stages: int, plan: Optional[Sequen
     if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
         raise ValueError(f"a pipeline needs a whole number >= 1 of stages, got {stages!r}")
     if len(costs) < stages:
-        raise ValueError(f"{len(costs)} layers cannot fill {stages} pipeline stages (each needs a layer): "
+        raise LayoutError(f"{len(costs)} layers cannot fill {stages} pipeline stages (each needs a layer): "
                          f"use at most {len(costs)} stages, or split the model into more layers")
     if plan is None:
         plan = _balanced_plan(list(costs), stages)

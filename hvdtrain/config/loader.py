@@ -19,12 +19,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from hvdtrain.common.errors import REFUSED_EXIT_CODE, HvdtrainError, launcher_rank
+
 _NONE_WORDS = {"none", "null", "~", ""}
 _TRUE_WORDS = {"true", "yes", "on", "1"}
 _FALSE_WORDS = {"false", "no", "off", "0"}
 
 
-class ConfigError(ValueError):
+class ConfigError(HvdtrainError, ValueError):
     """A setting that cannot be used; the message names it and says what is accepted."""
 
 
@@ -292,11 +294,14 @@ def job_argument_parser(job_cls: type, description: str) -> argparse.ArgumentPar
 
 def parse_job(job_cls: type, parser: argparse.ArgumentParser,
               argv: Optional[Sequence[str]] = None) -> Tuple[Any, argparse.Namespace]:
-    """(the job's settings, the script's own options); a bad setting exits 2 with its reason."""
+    """(the job's settings, the script's own options); a bad setting exits 2 with its reason, said
+    by rank 0 alone (every rank reads the same settings, before Horovod starts)."""
     args, rest = parser.parse_known_args(argv)
     try:
         job = load_job(job_cls, args.config, rest)
     except ConfigError as error:
+        if launcher_rank() != 0:
+            parser.exit(REFUSED_EXIT_CODE)
         parser.error(str(error))
     if args.print_config:
         print(to_yaml(job), end="")

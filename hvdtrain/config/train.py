@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -20,6 +21,9 @@ RESUME_MODES = ("true", "false", "force")
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "selective")
 PIN_MEMORY_MODES = ("auto", "true", "false")
+# Signals a preemption may be asked with: caught (not KILL, STOP), and not sent by the system for
+# other reasons (CHLD, WINCH, PIPE, ALRM...). '' disables it.
+PREEMPT_SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP")
 LOGGERS = ("csv", "mlflow", "wandb")  # beside metrics.jsonl and TensorBoard (hvdtrain.observability.metric_sinks)
 
 
@@ -70,7 +74,8 @@ class TrainConfig:
     checkpoint_format: str = field(default="full", metadata={"help": "full: rank 0 writes the whole state in one file; sharded (zero1, zero2, fsdp): every rank writes its own slices", "details": "A full checkpoint is gathered on rank 0 and resumes under any strategy and worker count. A sharded one gathers nothing; it resumes at any worker count and under any strategy, resharded on load (each rank reads only the slices it needs), and hvdtrain checkpoint consolidate makes it a full one. See docs/concepts/checkpoints.md.", "choices": CHECKPOINT_FORMATS})
     checkpoint_async: bool = field(default=False, metadata={"help": "a save stalls training only while the state is copied to host memory; a background thread writes it", "details": "The next save (or the end of the run) waits for that write. Costs one more host copy of what this rank writes. See docs/concepts/checkpoints.md."})
     resume: str = field(default="true", metadata={"help": "true: continue from the newest valid checkpoint in checkpoint_dir; force: even one of other settings; false: start anew", "details": "true is refused when the checkpoint was written with settings that define another run (the model, the data, and train's batch_size, lr, scale_lr, warmup_epochs, warmup_steps, lr_schedule, min_lr_ratio, decay_fraction, reduction, precision, max_grad_norm, sync_batchnorm, seed); force continues it all the same, with this run's settings; false is refused when checkpoint_dir already holds checkpoints. See docs/concepts/checkpoints.md.", "choices": RESUME_MODES})
-    preempt_signal: str = field(default="USR1", metadata={"help": "signal that asks for checkpoint + requeue ('' disables)"})
+    preempt_signal: str = field(default="USR1", metadata={"help": "signal that asks for checkpoint + requeue: USR1, USR2, TERM, INT or HUP ('' disables)", "details": "SLURM sends it before the time limit with #SBATCH --signal=B:USR1@90 (hvdtrain launch passes it on to the ranks). KILL and STOP cannot be caught, and CHLD, WINCH and the like come from the system routinely: refused. See docs/how-to/slurm.md."})
+    preempt_on_term: bool = field(default=False, metadata={"help": "TERM also asks for checkpoint + requeue, beside preempt_signal: SLURM's preemption with GraceTime sends TERM, then KILL", "details": "Off by default: TERM is also what scancel and a time limit send, and a run that ends for them should not requeue itself. The checkpoint must be written within GraceTime (or KillWait): vote often (preempt_check_every). Under mpirun, a TERM to mpirun itself kills the ranks a second later: this is for signals SLURM sends to the ranks (srun). See docs/how-to/slurm.md."})
     stall_timeout: float = field(default=600.0, metadata={"help": "seconds without a finished step before a rank ends the job, naming where it is stuck (0: never)"})
     flight_recorder: int = field(default=2048, metadata={"help": "collectives and step phases each rank keeps for hang dumps into run_dir/flight (0: off)", "details": "Written on a stall, on SIGUSR2 and by hvdtrain debug dump RUN_DIR; hvdtrain debug analyze RUN_DIR names the first collective the ranks disagree on and the slowest rank per phase. See docs/concepts/faults.md."})
     checkpoint_timeout: float = field(default=600.0, metadata={"help": "seconds a checkpoint file being written may move no byte (one being read may last) before its rank ends the job, naming it (0: never)", "details": "While every rank saves or resumes, stall_timeout's step clock is paused (a large save is slow, not stuck) and each checkpoint file in flight, in any thread (a background save's too), is watched by this clock instead: a write restarts it with every block written, so a slow save that moves is never ended; a read (torch.load, safetensors) is one block, timed from its start. A rank stuck on a hung mount reports its file and the bytes written so far, and exits with the stall exit code (75). See docs/concepts/faults.md."})
@@ -104,6 +109,10 @@ class TrainConfig:
                                    "preempt_check_every", "elastic_commit_every"))
         check_whole_numbers(self, ("num_workers", "checkpoint_every", "timeline_steps", "eval_every", "flight_recorder"),
                             minimum=0)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"TrainConfig.seed must be a whole number >= 0 (each rank's seed is derived from it by "
+                             f"numpy's SeedSequence, which takes no negative number), got {self.seed!r}")
+        self._check_preempt_signal()
         if self.lr is not None and (isinstance(self.lr, bool) or not isinstance(self.lr, (int, float))
                                     or not (math.isfinite(self.lr) and self.lr > 0)):
             raise ValueError(f"TrainConfig.lr must be a finite number > 0, or null for the optimizer's own rates, "
@@ -176,6 +185,19 @@ class TrainConfig:
         for refused_here, why in refused:
             if refused_here:
                 raise ValueError(f"TrainConfig.{layout} does not work with {why}")
+
+    def _check_preempt_signal(self) -> None:
+        """preempt_signal as a bare upper-case name (SIGUSR1 and usr1 are USR1), one of PREEMPT_SIGNALS or ''."""
+        if not isinstance(self.preempt_signal, str):
+            raise ValueError(f"TrainConfig.preempt_signal must be a signal's name, got {self.preempt_signal!r}")
+        name = self.preempt_signal.strip().upper()
+        self.preempt_signal = name[3:] if name.startswith("SIG") else name
+        if self.preempt_signal and self.preempt_signal not in PREEMPT_SIGNALS:
+            known = hasattr(signal, f"SIG{self.preempt_signal}")
+            why = {"KILL": "it cannot be caught", "STOP": "it cannot be caught"}.get(
+                self.preempt_signal, "the system sends it for other reasons" if known else "no such signal")
+            raise ValueError(f"TrainConfig.preempt_signal must be one of {', '.join(PREEMPT_SIGNALS)}, or '' for "
+                             f"none, got {self.preempt_signal!r} ({why})")
 
     def _check_adasum(self) -> None:
         """What Horovod's Adasum cannot be combined with (beyond the strategies that refuse it), each

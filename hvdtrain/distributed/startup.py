@@ -14,6 +14,7 @@ import torch
 
 import horovod.torch as hvd
 
+from hvdtrain.common.errors import install_refusal_hook
 from hvdtrain.distributed import devices
 from hvdtrain.distributed import environments as launcher_env
 from hvdtrain.distributed import rng
@@ -164,6 +165,8 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
                                           " ".join(f"{k}={v}" for k, v in applied.items()))
     launcher = launcher_env.detect()
     hvd.init()
+    # A refusal from here on (every rank raises it alike): one line on rank 0, exit 2 on every rank.
+    install_refusal_hook(is_root=hvd.rank() == 0)
     launcher_env.check_world(launcher, hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
 
     hostname = socket.gethostname()

@@ -17,6 +17,7 @@ from typing import Any, Tuple
 import torch
 import torch.nn.functional as F
 
+from hvdtrain.common.errors import MissingPath
 from hvdtrain.config.checks import check_whole_numbers
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.examples.textlm import TextLMDataConfig
@@ -78,7 +79,7 @@ def model_config(model: HFLMModelConfig, characters: int) -> Tuple[Any, str]:
     if model.pretrained:
         directory = Path(model.pretrained)
         if not (directory / "config.json").is_file():
-            raise FileNotFoundError(f"model.pretrained={directory} has no config.json: give a Hugging Face model "
+            raise MissingPath(f"model.pretrained={directory} has no config.json: give a Hugging Face model "
                                     f"directory (save_pretrained's, or a train_hf.py run's hf/)")
         config = transformers.AutoConfig.from_pretrained(directory)
         if config.vocab_size < characters:

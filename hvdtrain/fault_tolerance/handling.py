@@ -24,7 +24,7 @@ class FaultHandling:
 
     def __init__(self, config: TrainConfig, topology: Topology) -> None:
         self.config, self.topology = config, topology
-        self.preemption = PreemptionFlag(config.preempt_signal)
+        self.preemption = PreemptionFlag(config.preempt_signal, on_term=config.preempt_on_term)
         self.watchdog: Optional[StallWatchdog] = None
         self.flight = FlightRecording(config, topology)
         topology.follow(self._follow)

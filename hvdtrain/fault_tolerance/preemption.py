@@ -17,16 +17,21 @@ import torch
 
 from hvdtrain.distributed import collectives
 class PreemptionFlag:
-    """Set by ``signal_name`` (e.g. "USR1", as in ``#SBATCH --signal=USR1@90``); empty disables it."""
+    """Set by ``signal_name`` (e.g. "USR1", as in ``#SBATCH --signal=USR1@90``); empty disables it.
+    ``on_term``: TERM sets it too (train.preempt_on_term: SLURM's preemption with GraceTime)."""
 
-    def __init__(self, signal_name: str) -> None:
+    def __init__(self, signal_name: str, on_term: bool = False) -> None:
         self.signal_name = signal_name
         self._requested = False
-        if signal_name and threading.current_thread() is threading.main_thread():
-            number = getattr(signal, f"SIG{signal_name.upper().removeprefix('SIG')}", None)
-            if number is None:
-                raise ValueError(f"unknown signal {signal_name!r}: use a name such as USR1, USR2 or TERM")
-            signal.signal(number, self._on_signal)
+        names = [signal_name] if signal_name else []
+        if on_term:
+            names.append("TERM")
+        if names and threading.current_thread() is threading.main_thread():
+            for name in dict.fromkeys(name.upper().removeprefix("SIG") for name in names):
+                number = getattr(signal, f"SIG{name}", None)
+                if number is None:
+                    raise ValueError(f"unknown signal {signal_name!r}: use a name such as USR1, USR2 or TERM")
+                signal.signal(number, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         self._requested = True

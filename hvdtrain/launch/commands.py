@@ -89,7 +89,9 @@ def horovodrun_argv(spec: LaunchSpec) -> List[str]:
 
 def srun_argv(spec: LaunchSpec) -> List[str]:
     """srun inside an allocation; PMIx is what Debian's and most sites' Open MPI speak."""
-    argv = ["srun", "--mpi=pmix", f"--ntasks={spec.np}"]
+    # --kill-on-bad-exit=1: a rank that dies ends the step (as mpirun does), instead of the others
+    # waiting in a collective until the time limit.
+    argv = ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", f"--ntasks={spec.np}"]
     if spec.hosts:
         argv.append("--nodelist=" + ",".join(h.name for h in spec.hosts))
     if spec.network_interface:

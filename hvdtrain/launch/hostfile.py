@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 
+from hvdtrain.common.errors import HvdtrainError
+
 _HOSTNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 _OPENMPI_KEYS = {"slots", "max_slots", "max-slots"}
 
 
-class HostfileError(ValueError):
+class HostfileError(HvdtrainError, ValueError):
     """A hostfile or host list that cannot be used; the message says where and why."""
 
 

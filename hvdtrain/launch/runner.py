@@ -1,5 +1,6 @@
 """Launching a job: the launcher's command line from the options, and running it with a time limit,
-naming the rank that failed first. The command is hvdtrain.cli.launch."""
+passing on the signals a scheduler sends (preemption's USR1 among them), naming the rank that failed
+first. The command is hvdtrain.cli.launch."""
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,18 @@ from typing import IO, Deque, List, Optional, Sequence, Tuple
 from hvdtrain.launch.commands import BUILDERS, LaunchSpec, exports_present
 from hvdtrain.launch.failures import first_failed_rank, rank_host
 from hvdtrain.launch.hostfile import Host, hosts_from_options, total_slots
+from hvdtrain.launch.sessions import descendants_running
 
 GRACE_SECONDS = 10  # between SIGTERM and SIGKILL when a job must be stopped
+
+# What hvdtrain launch passes on to the job instead of dying of it (USR1/USR2's default action would
+# kill the launcher alone, leaving mpirun and the ranks running). Each goes to the launcher's process
+# group, which holds the launcher but not the ranks (mpirun puts each rank in a group of its own), so
+# that every rank gets it once, from its launcher: Open MPI's mpirun forwards USR1 and USR2 to the
+# ranks and answers TERM and INT by sending TERM to them (then KILL a second later); srun forwards
+# them all. horovodrun forwards neither USR1 nor USR2 (it dies of them; its ranks get TERM): under it
+# those go straight to the ranks on this host (execute's rank_command).
+FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 
 
 def build_command(args: argparse.Namespace, environ=os.environ) -> Tuple[List[str], LaunchSpec]:
@@ -42,8 +53,19 @@ def _relay(stream: IO[str], sink: IO[str], keep: Deque[str]) -> None:
         keep.append(line)
 
 
-def execute(argv: List[str], timeout: Optional[float], hosts: Sequence[Host] = ()) -> int:
-    """Run the launcher in its own process group: a timeout or Ctrl-C stops every rank it started."""
+def execute(argv: List[str], timeout: Optional[float], hosts: Sequence[Host] = (),
+            rank_command: Optional[Sequence[str]] = None) -> int:
+    """Run the launcher in its own process group: a timeout stops every rank it started; USR1,
+    USR2, TERM and INT sent to this process go on to the job (FORWARDED), which then ends as the
+    ranks decide (a preempted run checkpoints and exits): its exit code is returned.
+
+    Args:
+        argv: the launcher's command line (build_command).
+        timeout: seconds before the whole job is stopped (exit code 124); None: no limit.
+        hosts: the hosts of the job, to name the one of a failed rank.
+        rank_command: for a launcher that does not forward USR1 and USR2 (horovodrun), the ranks'
+            command line: those signals go to the processes running it on this host instead.
+    """
     try:
         process = subprocess.Popen(argv, start_new_session=True, stderr=subprocess.PIPE, text=True)
     except FileNotFoundError:
@@ -57,10 +79,21 @@ def execute(argv: List[str], timeout: Optional[float], hosts: Sequence[Host] = (
         except ProcessLookupError:
             pass
 
+    def forward(signum, _frame=None) -> None:
+        if rank_command is not None and signum in (signal.SIGUSR1, signal.SIGUSR2):
+            for pid in descendants_running(process.pid, rank_command):
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+            return
+        # INT as TERM: srun takes one INT for a status report, not an order to stop.
+        stop(signal.SIGTERM if signum == signal.SIGINT else signum)
+
     tail: Deque[str] = collections.deque(maxlen=400)
     relay = threading.Thread(target=_relay, args=(process.stderr, sys.stderr, tail), daemon=True)
     relay.start()
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
         try:
             code = process.wait(timeout=timeout)

@@ -5,7 +5,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Sequence
 
 
 def session_members(session: int) -> List[int]:
@@ -41,3 +41,21 @@ def kill_session(session: int, timeout: float = 30.0) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.05)
+
+
+def descendants_running(root: int, command: Sequence[str]) -> List[int]:
+    """The live descendants of process ``root`` whose command line is ``command``: a launcher's
+    ranks on this host (psutil, which Horovod installs; imported here only)."""
+    import psutil
+    try:
+        children = psutil.Process(root).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for child in children:
+        try:
+            if child.cmdline() == list(command) and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found

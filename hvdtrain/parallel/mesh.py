@@ -18,6 +18,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import horovod.torch as hvd
 
+from hvdtrain.common.errors import LayoutError
 from hvdtrain.distributed import startup
 Ranks = Tuple[int, ...]
 # The process sets meshes made, and how many meshes use each: Horovod refuses a second set of the
@@ -42,14 +43,14 @@ class MeshShape:
 
     @classmethod
     def for_world(cls, world_size: int, tensor: int = 1, pipeline: int = 1) -> "MeshShape":
-        """The shape with the data-parallel width that fills the world, or ValueError saying what divides."""
+        """The shape with the data-parallel width that fills the world, or LayoutError (a ValueError) saying what divides."""
         for name, value in (("tensor_parallel", tensor), ("pipeline_parallel", pipeline)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"train.{name} must be a whole number >= 1, got {value!r}")
         model = tensor * pipeline
         if world_size % model:
             fits = [n for n in range(model, 4 * model + 1, model)]
-            raise ValueError(
+            raise LayoutError(
                 f"train.tensor_parallel={tensor} x train.pipeline_parallel={pipeline} = {model} ranks per model "
                 f"replica does not divide the {world_size} workers: run {' or '.join(map(str, fits[:3]))} workers, "
                 f"or choose tensor_parallel x pipeline_parallel dividing {world_size}")

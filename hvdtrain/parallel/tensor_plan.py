@@ -44,6 +44,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
+from hvdtrain.common.errors import LayoutError
 from hvdtrain.parallel.own_forward import has_own_forward, own_forward_problem
 from hvdtrain.parallel.tensor_experts import (EXPERT_STYLES, IDENTITY_STYLES, check_experts, check_identity_expert,
                                               check_parameter_entries, divided_identity, is_transposed, named_cuts,
@@ -105,7 +106,7 @@ def _heads_check(path: str, module: nn.Module, parent: Optional[nn.Module], styl
         return  # not a projection into heads (an MLP inside an attention-like module)
     heads = width // head_dim
     if heads % size:
-        raise ValueError(f"tensor plan: {path} holds {heads} heads of {head_dim} ({type(parent).__name__}); "
+        raise LayoutError(f"tensor plan: {path} holds {heads} heads of {head_dim} ({type(parent).__name__}); "
                          f"tensor_parallel={size} would cut a head. Choose a tensor_parallel that divides "
                          f"{heads} (grouped-query attention has fewer key/value heads than query heads)")
 
@@ -160,7 +161,7 @@ def _check_module(path: str, module: nn.Module, parent: Optional[nn.Module], sty
         raise ValueError(f"tensor plan: {path}.qkv has {module.qkv.out_features} outputs, not 3 x "
                          f"{module.proj.in_features} (q, k and v of proj's width)")
     if heads % size:
-        raise ValueError(f"tensor plan: {path} has heads={heads}, not divisible by tensor_parallel={size}")
+        raise LayoutError(f"tensor plan: {path} has heads={heads}, not divisible by tensor_parallel={size}")
 
 
 def summed_parameters(model: nn.Module, chosen: List[Tuple[str, str]]) -> List[str]:

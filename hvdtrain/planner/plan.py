@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
+from hvdtrain.common.errors import HvdtrainError
 from hvdtrain.planner.layout import STRATEGIES, Estimate, Setup, layouts
 from hvdtrain.planner.memory import memory
 from hvdtrain.planner.network import LABEL
@@ -20,7 +21,7 @@ def format_count(parameters: float) -> str:
     return f"{parameters / 1e9:.4g}B" if parameters >= 1e9 else f"{parameters / 1e6:.4g}M"
 
 
-class NothingFits(ValueError):
+class NothingFits(HvdtrainError, ValueError):
     """No layout fits the memory per worker; the message says what would."""
 
 

@@ -17,6 +17,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
+from hvdtrain.common.errors import HvdtrainError
 from hvdtrain.launch.commands import job_argv
 from hvdtrain.launch.sessions import kill_session
 from hvdtrain.verify.layouts import Layout
@@ -28,7 +29,7 @@ FAMILY_TIMEOUT = 300.0  # seconds for one family's cases in one launch
 START_TIMEOUT = 180.0  # seconds for a launch to start its first family (imports, Horovod's start)
 
 
-class LaunchFailed(RuntimeError):
+class LaunchFailed(HvdtrainError, RuntimeError):
     """A launch that never reached its first family (Horovod did not start, the worker cannot import)."""
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
@@ -69,7 +70,8 @@ def export_tensors(tensors: Iterable[Tuple[str, torch.Tensor]], aliases: Mapping
                    directory: os.PathLike, config: Optional[Mapping[str, Any]] = None,
                    metadata: Optional[Mapping[str, Any]] = None) -> Path:
     """``model.safetensors`` (and ``config.yaml``) from tensors read one at a time; raises what went
-    wrong. Returns the weights file's path.
+    wrong (a failed or interrupted export leaves no file of its own, nor the directory if it made
+    it). Returns the weights file's path.
 
     Args:
         tensors: (name, tensor) one at a time (a checkpoint read by slice: ``hvdtrain export``).
@@ -79,9 +81,19 @@ def export_tensors(tensors: Iterable[Tuple[str, torch.Tensor]], aliases: Mapping
         metadata: the file's string table, each value as JSON (the step, the strategy, the worker count).
     """
     directory = Path(directory)
-    _write_streamed(iter(tensors), aliases, directory, metadata or {})
-    if config is not None:
-        write_text_atomically(directory / CONFIG_FILE, yaml.safe_dump(dict(config), sort_keys=False))
+    made = not directory.exists()
+    written: List[Path] = []
+    try:
+        _write_streamed(iter(tensors), aliases, directory, metadata or {})
+        written.append(directory / WEIGHTS_FILE)
+        if config is not None:
+            write_text_atomically(directory / CONFIG_FILE, yaml.safe_dump(dict(config), sort_keys=False))
+    except BaseException:  # Ctrl-C too: weights without their settings are no export
+        for path in written:
+            path.unlink(missing_ok=True)
+        if made:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
     return directory / WEIGHTS_FILE
 
 

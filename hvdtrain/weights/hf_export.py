@@ -109,13 +109,13 @@ def _write_directory(config_json: str, tensors: Iterator[Tuple[str, torch.Tensor
         if not parts:
             raise ValueError("the model has no tensors to export")
         parts[-1].close()
-    except BaseException:
+        _name_parts(staging, [{"path": part.path, "names": part.names} for part in parts], total)
+        write_text_atomically(staging / CONFIG, config_json)
+        fsync_directory(staging)
+        _replace_directory(staging, final)
+    except BaseException:  # Ctrl-C too: the staging directory is no export
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _name_parts(staging, [{"path": part.path, "names": part.names} for part in parts], total)
-    write_text_atomically(staging / CONFIG, config_json)
-    fsync_directory(staging)
-    _replace_directory(staging, final)
 
 
 def _name_parts(directory: Path, parts: List[Dict[str, Any]], total: int) -> None:
@@ -138,6 +138,11 @@ def _replace_directory(staging: Path, final: Path) -> None:
     shutil.rmtree(previous, ignore_errors=True)
     if final.exists():
         final.rename(previous)
-    staging.rename(final)
+    try:
+        staging.rename(final)
+    except BaseException:
+        if previous.exists():
+            previous.rename(final)  # the previous export stays where it was
+        raise
     fsync_directory(final.parent)
     shutil.rmtree(previous, ignore_errors=True)

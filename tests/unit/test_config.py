@@ -199,3 +199,16 @@ def test_a_list_setting_takes_each_of_its_choices_at_most_once(loggers):
     with pytest.raises(ValueError, match=r"TrainConfig\.loggers takes each of csv, mlflow, wandb at most once"):
         TrainConfig(loggers=loggers, run_dir="runs")
     assert TrainConfig(loggers=["mlflow", "csv"], run_dir="runs").loggers == ["mlflow", "csv"]
+
+
+def test_a_bad_setting_is_said_by_rank_zero_alone(capsys, monkeypatch):
+    """Every rank reads the same settings: the others exit 2 too, silently."""
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_job(Job, job_argument_parser(Job, "demo"), ["--train.epochs=x"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_job(Job, job_argument_parser(Job, "demo"), ["--train.epochs=x"])
+    assert exit_info.value.code == 2 and "--train.epochs: expected a whole number, got 'x'" in capsys.readouterr().err

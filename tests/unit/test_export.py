@@ -166,3 +166,27 @@ def test_a_rank_that_does_not_write_only_iterates_and_a_failed_write_is_reported
     assert next(unsupported, None) is None
     assert first.read_bytes() == before  # the previous file untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("fails", ["config", "interrupted"])
+def test_a_failed_or_interrupted_export_into_a_new_directory_leaves_nothing(tmp_path, monkeypatch, fails):
+    from hvdtrain.weights.safetensors_stream import StreamedSafetensors
+
+    if fails == "config":  # the weights are written whole, then the settings cannot be
+        def no_space(path, text):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(export, "write_text_atomically", no_space)
+        expected = OSError
+    else:  # Ctrl-C while the third tensor is written
+        add, seen = StreamedSafetensors.add, []
+
+        def interrupted_at_the_third(self, tensor, names):
+            seen.append(names)
+            if len(seen) == 3:
+                raise KeyboardInterrupt
+            return add(self, tensor, names)
+        monkeypatch.setattr(StreamedSafetensors, "add", interrupted_at_the_third)
+        expected = KeyboardInterrupt
+    with pytest.raises(expected):
+        export_state(TiedLM(seed=0).state_dict(), tmp_path / "new", config={"train": {"lr": 0.1}})
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -80,3 +80,20 @@ def test_wrong_uses_are_refused_and_a_failed_export_keeps_the_previous_one(tmp_p
     assert "No space left on device" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf", "pretrained"]  # no staging left
+
+
+def test_an_export_that_fails_after_its_weights_leaves_no_staging_and_keeps_the_previous(tmp_path, capsys,
+                                                                                         monkeypatch):
+    config = checkpoint_of(tiny_llama(seed=2), tmp_path / "ckpt")
+    out = tmp_path / "hf"
+    assert main(["export", str(tmp_path / "ckpt"), "--format", "hf", "--hf-config", str(config), "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def no_space(path, text):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(hf_export, "write_text_atomically", no_space)  # every weight written, then config.json
+    assert main(["export", str(tmp_path / "ckpt"), "--format", "hf", "--hf-config", str(config), "--out", str(out),
+                 "--force"]) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf", "pretrained"]  # no staging left

@@ -50,7 +50,7 @@ def test_horovodrun_and_srun_command_lines():
         "--network-interface", "eth0", "python", "train.py", "--epochs", "3",
     ]
     assert srun_argv(spec()) == [
-        "srun", "--mpi=pmix", "--ntasks=4", "--nodelist=hostA,hostB",
+        "srun", "--mpi=pmix", "--kill-on-bad-exit=1", "--ntasks=4", "--nodelist=hostA,hostB",
         "--export=ALL,NCCL_SOCKET_IFNAME=eth0", "python", "train.py", "--epochs", "3",
     ]
 

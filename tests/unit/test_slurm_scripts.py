@@ -59,3 +59,12 @@ def test_the_gpu_script_gives_each_rank_one_gpu_and_its_cores():
     for option in ("--ntasks-per-node", "--cpus-per-task", "--partition", "--gres"):
         line = next(line for line in text.splitlines() if f"SBATCH {option}" in line)
         assert "# SITE:" in line, line
+
+
+def test_every_srun_ends_the_step_when_a_rank_dies():
+    """Without --kill-on-bad-exit, the ranks left wait in a collective for the dead one until the time limit."""
+    launches = [(path.name, line) for path in sorted(SCRIPTS[0].parent.glob("*.sbatch"))
+                for line in path.read_text().splitlines() if line.startswith("srun ")]
+    assert len(launches) >= 2, launches
+    for name, line in launches:
+        assert "--kill-on-bad-exit=1" in line.split(), f"{name}: {line}"

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from typing import ClassVar, Mapping, Optional, Tuple
 
+from hvdtrain.common.errors import HvdtrainError
 
-class LauncherEnvironmentError(RuntimeError):
+
+class LauncherEnvironmentError(HvdtrainError, RuntimeError):
     """The launcher's variables are malformed, or disagree with what Horovod reports."""
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import re
 from typing import List
 
+from hvdtrain.common.errors import HvdtrainError
+
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 _HOSTNAME_PART = re.compile(r"^[A-Za-z0-9._-]*$")
 
 
-class NodelistError(ValueError):
+class NodelistError(HvdtrainError, ValueError):
     """A host list that does not follow SLURM's grammar."""
 
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from hvdtrain.common.errors import HvdtrainError
 from hvdtrain.parallel.pipeline.schedule import Measure
 
 IGNORE_INDEX = -100  # transformers' ignore_index of labels (padding, prompts)
@@ -79,7 +80,7 @@ class ModelLoss:
         return self.loss_function(logits, labels, vocab_size=self.vocab_size, num_items_in_batch=self.items)
 
 
-class StepFnRefused(ValueError):
+class StepFnRefused(HvdtrainError, ValueError):
     """A step_fn that does with the model more than a pipeline stage can answer."""
 
 

@@ -1,0 +1,100 @@
+"""``hvdtrain launch`` passes a scheduler's signals on to the job: SLURM's preemption warning (USR1,
+``--signal=B:USR1@90`` sends it to the batch shell's processes, the launcher among them) reaches
+every rank once, the job checkpoints and ends as preempted, and the launcher returns its exit code."""
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from hvdtrain.launch.sessions import descendants_running, session_members
+from tests.launch.helpers import BIN, PYTHON, ROOT, kill_session, launch_env
+
+HVDTRAIN = str(BIN / "hvdtrain")
+
+
+def signal_when_stepped(argv, directory, signum, ranks=None, timeout=420.0):
+    """Start ``argv``, send ``signum`` to its first process (or to the processes running the command
+    ``ranks``) once rank 0 has stepped three times, and return (exit code, stdout, stderr); every
+    process of it is killed if it does not end in time."""
+    process = subprocess.Popen(argv, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while not (directory / "stepped").exists():
+            assert process.poll() is None, f"the job ended (exit {process.returncode}) before its 3rd step"
+            assert time.monotonic() < deadline, "no 3rd step in time"
+            time.sleep(0.05)
+        if ranks is None:
+            process.send_signal(signum)
+        else:
+            pids = descendants_running(process.pid, ranks)
+            assert len(pids) == 2, pids
+            for pid in pids:
+                os.kill(pid, signum)
+        out, err = process.communicate(timeout=max(deadline - time.monotonic(), 30))
+        left = session_members(process.pid)
+    except subprocess.TimeoutExpired:
+        kill_session(process.pid)
+        out, err = process.communicate()
+        pytest.fail(f"the job did not end after the signal:\n{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        kill_session(process.pid)
+    assert not left, f"processes {left} of the job outlived the launcher"
+    return process.returncode, out, err
+
+
+def assert_checkpointed_as_preempted(out, checkpoints):
+    """The run said it was preempted after step 3 or later, and its checkpoint holds that step."""
+    said = re.findall(r"preempted at step (\d+); run again to resume", out)
+    assert len(said) == 1, out[-2000:]
+    step = int(said[0])
+    assert step >= 3
+    assert (checkpoints / f"ckpt-{step:09d}.pt").is_file(), sorted(p.name for p in checkpoints.iterdir())
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
+def test_usr1_at_the_launcher_checkpoints_every_rank_and_ends_the_job_as_preempted(launcher, tmp_path):
+    code, out, err = signal_when_stepped(
+        [HVDTRAIN, "launch", "--launcher", launcher, "-np", "2", "--timeout", "400", "--",
+         PYTHON, "tests/launch/signal_job.py", "train", str(tmp_path)], tmp_path, signal.SIGUSR1)
+    assert code == 0, err[-3000:]
+    assert_checkpointed_as_preempted(out, tmp_path / "ckpt")
+
+
+def test_term_with_preempt_on_term_checkpoints_instead_of_dying(tmp_path):
+    """SLURM's GraceTime preemption sends TERM to every task (then KILL): with train.preempt_on_term
+    the ranks checkpoint and end as preempted."""
+    job = [PYTHON, "tests/launch/signal_job.py", "train", str(tmp_path), "--train.preempt_on_term=true"]
+    code, out, err = signal_when_stepped(["mpirun", "-np", "2", "--oversubscribe", *job], tmp_path,
+                                         signal.SIGTERM, ranks=job)
+    assert code == 0, err[-3000:]
+    assert_checkpointed_as_preempted(out, tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
+def test_each_rank_gets_a_forwarded_usr2_exactly_once(launcher, tmp_path):
+    """USR2 (the ranks' flight recorder dump) reaches every rank once, and the launcher lives on."""
+    process = subprocess.Popen([HVDTRAIN, "launch", "--launcher", launcher, "-np", "2", "--timeout", "200", "--",
+                                PYTHON, "tests/launch/signal_count_job.py", str(tmp_path)],
+                               cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 200
+        while len(list(tmp_path.glob("ready.*"))) < 2:
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the ranks did not start in time"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGUSR2)  # each rank counts what arrives for 2 s, then exits 0
+        try:
+            out, err = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the ranks did not end after the USR2 (the launcher's exit: {process.poll()}): it did "
+                        f"not reach them")
+    finally:
+        kill_session(process.pid)
+    counts = {path.name: int(path.read_text()) for path in tmp_path.glob("usr2.*")}
+    assert counts == {"usr2.0": 1, "usr2.1": 1}, (counts, err[-3000:])
+    assert process.returncode == 0, err[-3000:]

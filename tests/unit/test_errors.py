@@ -1,0 +1,77 @@
+"""Refusals (hvdtrain.HvdtrainError) end a process with one line on rank 0 and exit status 2; every
+refusal type is one, and still the type callers caught before."""
+import subprocess
+import sys
+
+import pytest
+
+import hvdtrain
+from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.common.errors import HvdtrainError, LayoutError, MissingPath
+from hvdtrain.config.loader import ConfigError
+from hvdtrain.distributed.environments.base import LauncherEnvironmentError
+from hvdtrain.distributed.environments.nodelist import NodelistError
+from hvdtrain.launch.hostfile import HostfileError
+from hvdtrain.planner.plan import NothingFits
+from hvdtrain.verify.driver import LaunchFailed
+
+
+@pytest.mark.parametrize("kind, base", [(ConfigError, ValueError), (CheckpointError, RuntimeError),
+                                        (HostfileError, ValueError), (NothingFits, ValueError),
+                                        (LaunchFailed, RuntimeError), (NodelistError, ValueError),
+                                        (LauncherEnvironmentError, RuntimeError), (LayoutError, ValueError),
+                                        (MissingPath, FileNotFoundError)])
+def test_every_refusal_is_an_hvdtrain_error_and_keeps_its_base(kind, base):
+    assert issubclass(kind, HvdtrainError) and issubclass(kind, base)
+    assert hvdtrain.HvdtrainError is HvdtrainError
+
+
+def ends(code, env=None):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+
+
+RAISES = ("from hvdtrain.common.errors import install_refusal_hook\n"
+          "from hvdtrain.checkpoint import CheckpointError\n"
+          "install_refusal_hook(is_root={root})\n"
+          "print('before', flush=True)\n"
+          "raise CheckpointError('checkpoint_dir x holds checkpoints already\\nand resume=false')\n")
+
+
+def test_a_refusal_is_one_line_on_rank_zero_and_exit_status_two():
+    root = ends(RAISES.format(root=True))
+    assert (root.returncode, root.stderr, root.stdout) == (
+        2, "hvdtrain: checkpoint_dir x holds checkpoints already and resume=false\n", "before\n")
+    other = ends(RAISES.format(root=False))
+    assert (other.returncode, other.stderr) == (2, "")
+
+
+def test_any_other_error_keeps_its_traceback():
+    done = ends("from hvdtrain.common.errors import install_refusal_hook\n"
+                "install_refusal_hook(is_root=True)\nraise KeyError('x')\n")
+    assert done.returncode == 1 and "Traceback" in done.stderr and "KeyError: 'x'" in done.stderr
+
+
+def test_hvdtrain_traceback_shows_a_refusals_traceback(monkeypatch):
+    import os
+    done = ends(RAISES.format(root=True), env=dict(os.environ, HVDTRAIN_TRACEBACK="1"))
+    assert done.returncode == 2 and "Traceback" in done.stderr and "CheckpointError" in done.stderr
+
+
+def test_the_command_prints_a_refusal_it_did_not_catch_as_one_line(monkeypatch, capsys):
+    from hvdtrain import cli
+    from hvdtrain.cli import info
+
+    def refuses(args):
+        raise NothingFits("no layout fits 2 GiB per worker: give each worker 4 GiB")
+    monkeypatch.setattr(info, "run", refuses)
+    assert cli.main(["info"]) == 2
+    assert capsys.readouterr().err == "hvdtrain: no layout fits 2 GiB per worker: give each worker 4 GiB\n"
+
+
+def test_a_missing_pretrained_directory_is_a_refusal_and_still_a_file_not_found(tmp_path):
+    pytest.importorskip("transformers")
+    from hvdtrain.examples.hf_lm import HFLMModelConfig, model_config
+
+    with pytest.raises(MissingPath, match=f"model.pretrained={tmp_path / 'absent'} has no config.json") as refused:
+        model_config(HFLMModelConfig(pretrained=str(tmp_path / "absent")), 40)
+    assert isinstance(refused.value, FileNotFoundError)
