@@ -52,7 +52,7 @@ def workers(marker, **environment):
 
 def checkpoint_steps(directory):
     """Steps of the complete checkpoints: ckpt-N.pt (full), ckpt-N/ (sharded, published)."""
-    return sorted(int(p.name[5:14]) for p in directory.glob("ckpt-*"))
+    return sorted(int(p.name[5:14]) for p in directory.glob("ckpt-*") if not p.name.endswith(".checksum"))
 
 
 # The test's own deadline must fire before pytest-timeout's default (300 s), or a slow machine

@@ -77,7 +77,7 @@ def test_every_hook_is_called_at_its_point_with_the_same_arguments_on_every_rank
 def test_a_stop_asked_on_one_rank_stops_every_rank_at_the_next_vote_with_a_checkpoint(world, tmp_path):
     trainer = fit(world, tmp_path, "stop", [StopOnOneRank()], preempt_check_every=5, eval_every=0, checkpoint_every=0)
     steps = collectives.allgather_object(trainer.global_step, name="callbacks.stop.steps")
-    saved = sorted(p.name for p in (tmp_path.parent / tmp_path.name).glob("stop/ckpt-*")) if world.is_root else None
+    saved = sorted(p.name for p in (tmp_path.parent / tmp_path.name).glob("stop/ckpt-*.pt")) if world.is_root else None
 
     assert steps == [5] * world.size  # asked at step 3, agreed at the vote of step 5
     assert trainer.parts.loop.stopped
