@@ -140,14 +140,21 @@ def test_a_killed_owner_on_another_host_is_taken_over_once_its_lease_expired(fil
     assert read_owner(directory) is None
 
 
-def test_a_requeue_of_the_same_slurm_job_takes_over_at_once(file_system, monkeypatch, caplog):
+def after_slurm_job_4242_killed_on_host_a(file_system, monkeypatch, job):
+    """SLURM job 4242's owner on hostA killed (its lease not yet expired); this process is then
+    SLURM job ``job``'s restart 1 on hostB. Returns the directory."""
     directory, patch = file_system
     holder = host_process(directory, "hostA", patch, env={"SLURM_JOB_ID": "4242"})
     owned_by(holder)
     killed(holder)
     as_host(monkeypatch, "hostB")
-    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_ID", job)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    return directory
+
+
+def test_a_requeue_of_the_same_slurm_job_takes_over_at_once(file_system, monkeypatch, caplog):
+    directory = after_slurm_job_4242_killed_on_host_a(file_system, monkeypatch, "4242")
     with caplog.at_level(logging.WARNING):
         taken = Ownership.claim(directory, LOG)
     assert "SLURM job 4242's requeue" in caplog.text
@@ -156,13 +163,7 @@ def test_a_requeue_of_the_same_slurm_job_takes_over_at_once(file_system, monkeyp
 
 
 def test_another_slurm_job_is_refused_at_once(file_system, monkeypatch):
-    directory, patch = file_system
-    holder = host_process(directory, "hostA", patch, env={"SLURM_JOB_ID": "4242"})
-    owned_by(holder)
-    killed(holder)
-    as_host(monkeypatch, "hostB")
-    monkeypatch.setenv("SLURM_JOB_ID", "4243")
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    directory = after_slurm_job_4242_killed_on_host_a(file_system, monkeypatch, "4243")
     with pytest.raises(CheckpointError, match=r"in use by a live run \(SLURM job 4242, pid"):
         Ownership.claim(directory, LOG)
 
