@@ -6,9 +6,9 @@ def test_doctor_passes_on_this_host_and_measures_an_allreduce(tmp_path):
     code, out, err = run([str(BIN / "hvdtrain"), "doctor", "-H", "localhost:2",
                           "--checkpoint-dir", str(tmp_path)], timeout=180)
     assert code == 0, out + err
-    for check in ("reach", "versions", "network", "slots", "checkpoint dir", "allreduce"):
+    for check in ("reach", "versions", "network", "slots", "checkpoint dir", "checkpoint lock", "allreduce"):
         assert any(line.startswith(check) and " ok " in line for line in out.splitlines()), check
-    assert "busbw" in out and "all 6 checks passed on 1 host(s)" in out
+    assert "busbw" in out and "all 7 checks passed on 1 host(s)" in out
 
 
 def test_doctor_fails_naming_the_row_when_the_checkpoint_dir_is_not_writable(tmp_path):
