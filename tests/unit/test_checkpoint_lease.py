@@ -123,11 +123,7 @@ def test_a_live_owner_on_another_host_is_refused_naming_it(file_system, monkeypa
 
 
 def test_a_killed_owner_on_another_host_is_taken_over_once_its_lease_expired(file_system, monkeypatch, caplog):
-    directory, patch = file_system
-    holder = host_process(directory, "hostA", patch)
-    pid = owned_by(holder)
-    killed(holder)
-    as_host(monkeypatch, "hostB")
+    directory, pid = owner_killed_on_host_a(file_system, monkeypatch, "hostB")
     age(directory, 2.9 * LONG_BEAT)  # two beats missed, the third not yet
     with pytest.raises(CheckpointError, match=rf"in use by a live run \(pid {pid} on hostA"):
         Ownership.claim(directory, LOG)
@@ -140,14 +136,21 @@ def test_a_killed_owner_on_another_host_is_taken_over_once_its_lease_expired(fil
     assert read_owner(directory) is None
 
 
-def after_slurm_job_4242_killed_on_host_a(file_system, monkeypatch, job):
-    """SLURM job 4242's owner on hostA killed (its lease not yet expired); this process is then
-    SLURM job ``job``'s restart 1 on hostB. Returns the directory."""
+def owner_killed_on_host_a(file_system, monkeypatch, then_as, env=None):
+    """An owner on hostA (with ``env``) killed, its lease not yet expired; this process then plays
+    host ``then_as``. Returns the directory and the killed owner's pid."""
     directory, patch = file_system
-    holder = host_process(directory, "hostA", patch, env={"SLURM_JOB_ID": "4242"})
-    owned_by(holder)
+    holder = host_process(directory, "hostA", patch, env=env)
+    pid = owned_by(holder)
     killed(holder)
-    as_host(monkeypatch, "hostB")
+    as_host(monkeypatch, then_as)
+    return directory, pid
+
+
+def after_slurm_job_4242_killed_on_host_a(file_system, monkeypatch, job):
+    """SLURM job 4242's owner on hostA killed; this process is then SLURM job ``job``'s restart 1
+    on hostB. Returns the directory."""
+    directory, _ = owner_killed_on_host_a(file_system, monkeypatch, "hostB", env={"SLURM_JOB_ID": "4242"})
     monkeypatch.setenv("SLURM_JOB_ID", job)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     return directory
@@ -187,11 +190,7 @@ def test_the_same_run_in_another_process_takes_over_when_no_beat_comes(file_syst
 
 
 def test_a_dead_pid_on_the_same_host_is_taken_at_once(file_system, monkeypatch, caplog):
-    directory, patch = file_system
-    holder = host_process(directory, "hostA", patch)
-    pid = owned_by(holder)
-    killed(holder)
-    as_host(monkeypatch, "hostA")
+    directory, pid = owner_killed_on_host_a(file_system, monkeypatch, "hostA")
     with caplog.at_level(logging.WARNING):
         taken = Ownership.claim(directory, LOG)
     assert f"pid {pid} is gone from hostA" in caplog.text
