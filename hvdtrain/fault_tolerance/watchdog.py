@@ -97,15 +97,6 @@ class StallWatchdog:
                 f"{silent_for:.0f} s after step {self._step}; {where}. Ending the job "
                 f"(stall_timeout={self.timeout:g} s).")
 
-    def _dump_flight_record(self) -> str:
-        """On a stall: this rank's flight record written into the run directory; where, for the report."""
-        return self.flight.on_stall() if self.flight is not None else ""
-
-    def _flight_verdict(self, within: float) -> None:
-        """On a stall, rank 0 prints the analysis of every rank's flight record (waiting ``within`` s at most)."""
-        if self.flight is not None:
-            self.flight.verdict(within)
-
     def io_report(self, activity: io_watch.IOActivity, now: float) -> str:
         """The message for a checkpoint file in flight that stalled."""
         elapsed = now - activity.started
@@ -138,13 +129,17 @@ class StallWatchdog:
         return self.io_report(activity, now) if activity is not None else None
 
     def _watch(self) -> None:
-        shortest = min(t for t in (self.timeout, self.io_timeout) if t) if (self.timeout or self.io_timeout) else 5.0
+        shortest = min((t for t in (self.timeout, self.io_timeout) if t), default=5.0)
         interval = max(0.1, min(5.0, shortest / 5))
         while not self._stopped.wait(interval):
             message = self.stall_message()
             if message is not None:
-                print(message + self._dump_flight_record(), file=sys.stderr, flush=True)
-                self._flight_verdict(within=interval + 2.0)
+                # The flight record goes with the report (where it was written); rank 0 then prints
+                # the analysis once every rank's record is in.
+                flight = self.flight
+                print(message + (flight.on_stall() if flight is not None else ""), file=sys.stderr, flush=True)
+                if flight is not None:
+                    flight.verdict(within=interval + 2.0)
                 # The other ranks' watchdogs fire within one interval: let them report too before
                 # this exit makes the launcher kill them.
                 time.sleep(interval + 2.0)

@@ -22,11 +22,10 @@ from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint.sources.contract import TensorSource
 from hvdtrain.common import io_watch
 from hvdtrain.weights.hf_export import INDEX, WEIGHTS
+from hvdtrain.weights.safetensors_stream import SAFETENSORS_DTYPES
 
-# safetensors' names of the dtypes (its header's "dtype") -> torch's
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                      "BOOL": torch.bool}
+# safetensors' names of the dtypes (its header's "dtype") -> torch's: the writer's table, read backwards.
+TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 class SafetensorsSource(TensorSource):
@@ -79,9 +78,9 @@ class SafetensorsSource(TensorSource):
 
     def dtype(self, name: str) -> torch.dtype:
         stored = self._description(name)[1]
-        if stored not in SAFETENSORS_DTYPES:
+        if stored not in TORCH_DTYPES:
             raise CheckpointError(f"{name} in {self.directory} is of dtype {stored}, which hvdtrain does not read")
-        return SAFETENSORS_DTYPES[stored]
+        return TORCH_DTYPES[stored]
 
     def _read(self, name: str, start: int, stop: int, key: str) -> torch.Tensor:
         """Elements of a tensor flattened (the range within it: TensorSource.read checked it),

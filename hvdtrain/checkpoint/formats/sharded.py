@@ -296,9 +296,10 @@ def read_shard(path: Path, manifest: Dict[str, Any], rank: int, verified: bool =
 
 
 def _read_shard(path: Path, manifest: Dict[str, Any], rank: int, verified: bool) -> Dict[str, Any]:
-    file = check_file(Path(path), manifest, rank) if not verified else Path(path) / manifest["files"][rank]["name"]
-    if verified and (not file.is_file() or file.stat().st_size != manifest["files"][rank]["bytes"]):
-        file = check_file(Path(path), manifest, rank)  # changed since: named as any corrupt file is
+    entry = manifest["files"][rank]
+    file = Path(path) / entry["name"]
+    if not verified or not file.is_file() or file.stat().st_size != entry["bytes"]:
+        check_file(Path(path), manifest, rank)  # raises naming the file (a verified one changed since)
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
