@@ -13,9 +13,13 @@ from hvdtrain.launch.sessions import descendants_running, session_members
 from tests.launch.helpers import BIN, PYTHON, ROOT, kill_session, launch_env
 
 HVDTRAIN = str(BIN / "hvdtrain")
+JOB_TIMEOUT = 420.0  # a guard against a job that ignores the signal, not a speed bound
+# The job's own deadline must fire before pytest-timeout's (300 s by default): the test then kills
+# the job's processes and reports its output, rather than a stack dump leaving them running.
+pytestmark = pytest.mark.timeout(JOB_TIMEOUT + 60)
 
 
-def signal_when_stepped(argv, directory, signum, ranks=None, timeout=420.0):
+def signal_when_stepped(argv, directory, signum, ranks=None, timeout=JOB_TIMEOUT):
     """Start ``argv``, send ``signum`` to its first process (or to the processes running the command
     ``ranks``) once rank 0 has stepped three times, and return (exit code, stdout, stderr); every
     process of it is killed if it does not end in time."""
