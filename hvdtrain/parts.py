@@ -50,6 +50,9 @@ from hvdtrain.loop import TrainingLoop
 from hvdtrain.observability.reporting import Reporter
 from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.parallel.topology import Topology
+from hvdtrain.parallel.sequence import modules as sequence_modules
+from hvdtrain.parallel.sequence.batches import BatchSplitter, split_step
+from hvdtrain.parallel.sequence.probe import prove as prove_split
 from hvdtrain.strategies import build_strategy, launch_refusal
 from hvdtrain.strategies.base import Strategy
 from hvdtrain.strategies.deferred_init import DeferredInit, InitFn
@@ -219,7 +222,7 @@ class PartsHolder:
         job_config = dict(job_config) if job_config is not None else {"train": cfg.to_dict()}
         world = world or startup.init(seed=cfg.seed, timeline=cfg.timeline_steps > 0,
                                       hierarchical_allreduce=cfg.hierarchical_allreduce,
-                                      dynamic_process_sets=cfg.model_parallel)
+                                      dynamic_process_sets=cfg.needs_process_sets)
         # Under Horovod elastic, set-up runs no collective: a worker that joins later runs this while
         # the others wait in the elastic sync, and mismatched collectives deadlock. The elastic sync
         # broadcasts rank 0's state (and its checkpoint, if it read one) instead.
@@ -235,7 +238,10 @@ class PartsHolder:
             protocol, resumed, batching = read_checkpoint_and_batch(
                 cfg, topology, faults, job_config, elastic_launch, train_dataset, val_dataset, collate_fn,
                 loader_factory)
+            splitter = prepare_sequences(topology, model)
             strategy = shard(cfg, topology, model, optimizer, model_plan, loss_fn, initialization, elastic_launch)
+            if splitter is not None:
+                prove_split(model, splitter, topology.sequence, strategy.forward_only, world.device)
             position = Position()
             lr = LearningRate(cfg, strategy.optimizer, lr_scheduler)
             start_schedule(lr, batching, topology, position)
@@ -252,6 +258,8 @@ class PartsHolder:
                     checkpoints.load(resumed)
             reporter.open_timeline(position.step)
             step_fn = step_fn or supervised_step(loss_fn)
+            if splitter is not None:  # each rank computes its part of every sequence
+                step_fn = split_step(step_fn, splitter)
             loop = TrainingLoop(cfg, topology, model, strategy, step_fn, precision, batching, lr, position, reporter,
                                 checkpoints if protocol is not None else None, faults, hooks)
         self.parts = Parts(config=cfg, job_config=job_config, elastic_launch=elastic_launch, callbacks=hooks,
@@ -363,6 +371,9 @@ def refuse_what_cannot_run(cfg: TrainConfig, world: World, elastic_launch: bool,
                          f"train.warmup_steps=null (or 0) and train.lr_schedule=constant (got "
                          f"{cfg.warmup_epochs:g}, {cfg.warmup_steps} and {cfg.lr_schedule}), and put a warm-up "
                          f"into your scheduler if you want one")
+    if cfg.sequence_parallel > 1 and elastic_launch:
+        raise ValueError(f"train.sequence_parallel={cfg.sequence_parallel} is not supported under Horovod elastic (the "
+                         f"sequence groups are fixed at start): launch without --min-np/--max-np")
     if lr_scheduler is not None and elastic_launch:
         raise ValueError("lr_scheduler is not supported under Horovod elastic: the global batch and the scaled "
                          "rates change with the world, and your scheduler was built for one; use train.lr_schedule, "
@@ -396,7 +407,7 @@ def prepare_model(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.opt
 def build_topology(cfg: TrainConfig, world: World) -> Topology:
     """The world and the model-parallel mesh, with the mesh's random streams."""
     # The mesh is a collective, refused on every rank alike when it does not divide the world.
-    topology = Topology.build(world, cfg.tensor_parallel, cfg.pipeline_parallel)
+    topology = Topology.build(world, cfg.tensor_parallel, cfg.pipeline_parallel, cfg.sequence_parallel)
     if topology.mesh is not None:  # every rank, so that a group's first rank starts its stream anew too
         rng.seed_everything(rng.rank_seed(cfg.seed, topology.rng_rank))
     return topology
@@ -432,6 +443,15 @@ def read_checkpoint_and_batch(cfg: TrainConfig, topology: Topology, faults: Faul
                          f"cut into train.micro_batches={cfg.micro_batches}: choose a divisor of {batch_size}")
     batching = Batching(cfg, topology.data_world, batch_size, train_dataset, val_dataset, collate_fn, loader_factory)
     return protocol, resumed, batching
+
+
+def prepare_sequences(topology: Topology, model: torch.nn.Module) -> Optional[BatchSplitter]:
+    """Under sequence parallelism, the model's attention split by heads around an all-to-all (before
+    the strategy wraps it) and the splitter of its batches; None otherwise. Refused by name on every
+    rank alike (the same model everywhere) before any collective of the step."""
+    if topology.sequence is None:
+        return None
+    return sequence_modules.prepare(model, topology.sequence)
 
 
 def shard(cfg: TrainConfig, topology: Topology, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

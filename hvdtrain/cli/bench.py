@@ -22,11 +22,13 @@ BENCHMARKS = {
                    "the step's stall per checkpoint, synchronous against train.checkpoint_async, full and sharded"),
     "activations": ("hvdtrain.bench.activations.driver",
                     "train.activation_checkpointing: activation bytes kept for backward and step time, against none"),
+    "sequence": ("hvdtrain.bench.sequence.driver",
+                 "the longest sequence that trains under a memory cap per rank: ddp against sequence_parallel"),
 }
 
 
 HELP = ("benchmarks: collectives, throughput, strategies, scaling, projection, model-parallel, ps, plan, "
-        "checkpoint, activations")
+        "checkpoint, activations, sequence")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

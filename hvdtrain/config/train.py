@@ -17,6 +17,8 @@ CHECKPOINT_FORMATS = ("full", "sharded")
 PRECISIONS = ("fp32", "bf16", "fp16")
 REDUCTIONS = ("average", "adasum")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+# The data-parallel strategies whose reduction serves a sequence group's ranks (the sum of their partial gradients).
+SEQUENCE_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 RESUME_MODES = ("true", "false", "force")
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "selective")
@@ -58,6 +60,7 @@ class TrainConfig:
     compile: bool = field(default=False, metadata={"help": "run the model's forward (and its backward) through torch.compile; not with strategy=fsdp", "details": "The model, its state_dict keys and checkpoints stay as they are; the first step and the first evaluation compile. See docs/how-to/compile.md."})
     tensor_parallel: int = field(default=1, metadata={"help": "ranks that split each layer of one model replica (Megatron-style), one host's ranks; needs a tensor plan", "details": "Attention is split by heads, the MLP by columns then rows: two all-reduces per block forward, two backward. Innermost in the mesh, so one host's ranks. train_lm.py has the example transformer's tensor plan. See docs/concepts/model-parallelism.md."})
     pipeline_parallel: int = field(default=1, metadata={"help": "pipeline stages per model replica, each holding a contiguous run of layers", "details": "Activations move forward and their gradients backward between neighbouring stages; data-parallel width = workers / (tensor_parallel x pipeline_parallel). See docs/concepts/model-parallelism.md."})
+    sequence_parallel: int = field(default=1, metadata={"help": "ranks that share each batch and hold 1/S of every sequence (Ulysses): longer sequences per rank; heads split around attention", "details": "The ranks of a sequence group read the same batch, each keeps its part of every sequence, and an all-to-all turns tokens into heads around attention and back (any head-local attention: SDPA, eager, causal, sliding-window, grouped-query with key/value heads replicated when fewer than S). Data-parallel width for the data = workers / sequence_parallel; gradients are reduced over all workers by train.strategy (ddp, zero1, zero2, fsdp). A Hugging Face model is split through transformers' attention interface and proved at set-up against the whole model on a probe. See docs/concepts/sequence-parallelism.md."})
     micro_batches: int = field(default=1, metadata={"help": "micro-batches each worker's batch is cut into for the pipeline (pipeline_parallel > 1); must divide batch_size", "details": "More micro-batches, a smaller idle bubble: (stages - 1) / (micro_batches + stages - 1)."})
     pipeline_schedule: str = field(default="1f1b", metadata={"help": "gpipe: every micro-batch forward, then every one backward; 1f1b: one forward, one backward in turn after a warm-up", "details": "gpipe holds all micro-batches' activations, 1f1b at most pipeline_parallel micro-batches'; the same bubble, the same result.", "choices": PIPELINE_SCHEDULES})
     seed: int = field(default=42, metadata={"help": "one seed for the job; ranks derive theirs from it"})
@@ -152,7 +155,9 @@ class TrainConfig:
             self._check_adasum()
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ValueError(f"TrainConfig.max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm!r}")
-        check_whole_numbers(self, ("tensor_parallel", "pipeline_parallel", "micro_batches"))
+        check_whole_numbers(self, ("tensor_parallel", "pipeline_parallel", "sequence_parallel", "micro_batches"))
+        if self.sequence_parallel > 1:
+            self._check_sequence_parallel()
         if self.model_parallel:
             self._check_model_parallel()
         elif self.micro_batches > 1:
@@ -163,6 +168,11 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.run_name must be a plain directory name, got {self.run_name!r}")
         # What the strategy (or the model-parallel layout) cannot do: hvdtrain.common.capabilities.
         check_strategy_settings(self)
+
+    @property
+    def needs_process_sets(self) -> bool:
+        """Whether Horovod must start with dynamic process sets (a mesh, or sequence groups)."""
+        return self.model_parallel or self.sequence_parallel > 1
 
     @property
     def model_parallel(self) -> bool:
@@ -185,6 +195,22 @@ class TrainConfig:
         for refused_here, why in refused:
             if refused_here:
                 raise ValueError(f"TrainConfig.{layout} does not work with {why}")
+
+    def _check_sequence_parallel(self) -> None:
+        """What sequence parallelism does not combine with (yet), each with the reason."""
+        refused = [
+            (self.model_parallel, "tensor_parallel or pipeline_parallel > 1: sequence groups are not yet a "
+             "dimension of the model-parallel mesh; use sequence_parallel with a data-parallel strategy"),
+            (self.strategy not in SEQUENCE_STRATEGIES, f"strategy={self.strategy}: the sequence groups' ranks "
+             f"reduce gradients as data-parallel ranks under {', '.join(SEQUENCE_STRATEGIES)}"),
+            (self.reduction == "adasum", "reduction=adasum: a sequence group's ranks each hold part of one "
+             "gradient, to be summed, which Adasum's combination is not; use reduction=average"),
+            (self.sync_batchnorm, "sync_batchnorm: a sequence model has no batch norm to synchronise; set "
+             "sync_batchnorm=false"),
+        ]
+        for refused_here, why in refused:
+            if refused_here:
+                raise ValueError(f"TrainConfig.sequence_parallel={self.sequence_parallel} does not work with {why}")
 
     def _check_preempt_signal(self) -> None:
         """preempt_signal as a bare upper-case name (SIGUSR1 and usr1 are USR1), one of PREEMPT_SIGNALS or ''."""

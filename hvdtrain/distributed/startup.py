@@ -117,7 +117,7 @@ def threads_per_rank(local_size: int, cpus_visible: int, cpus_on_host: int) -> i
 
 def dynamic_process_sets_conflict() -> str:
     """What to do when process sets are needed after Horovod started without dynamic process sets."""
-    return (f"tensor or pipeline parallelism makes Horovod process sets after start, which needs "
+    return (f"tensor, pipeline or sequence parallelism makes Horovod process sets after start, which needs "
             f"{DYNAMIC_PROCESS_SETS}=1 when hvd.init() runs, and hvd.init() already ran without it "
             f"(hvdtrain.init() or hvd.init() before the Trainer). Call hvdtrain.init(..., "
             f"dynamic_process_sets=True) first, or set {DYNAMIC_PROCESS_SETS}=1 in the launch")

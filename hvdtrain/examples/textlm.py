@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 
 from hvdtrain.config.checks import check_fraction, check_whole_numbers
 from hvdtrain.config.train import TrainConfig
+from hvdtrain.parallel.sequence.batches import token_offset
 from hvdtrain.planner.model_shape import ModelShape
 
 
@@ -176,9 +177,13 @@ class CausalSelfAttention(nn.Module):
         batch, length, width = x.shape
         # (B, T, 3C) -> three (B, heads, T, C / heads)
         q, k, v = self.qkv(x).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = self.attend(q, k, v)
         return self.residual_dropout(self.proj(y.transpose(1, 2).reshape(batch, length, width)))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of (B, heads, T, C / heads) tensors: sequence parallelism runs it on
+        whole sequences of part of the heads (hvdtrain.parallel.sequence.modules)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
 
 
 class Block(nn.Module):
@@ -235,10 +240,11 @@ class TinyTransformerLM(nn.Module):
                 nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * len(self.blocks)) if deep else 0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        length = ids.shape[1]
-        if length > self.seq_len:
-            raise ValueError(f"{length} tokens exceed the model's context of {self.seq_len}")
-        positions = torch.arange(length, device=ids.device)
+        # Under sequence parallelism ids are this rank's part of each sequence, from token_offset() on.
+        first, length = token_offset(), ids.shape[1]
+        if first + length > self.seq_len:
+            raise ValueError(f"{first + length} tokens exceed the model's context of {self.seq_len}")
+        positions = torch.arange(first, first + length, device=ids.device)
         x = self.dropout(self.token(ids) + self.position(positions))
         for block in self.blocks:
             x = block(x)

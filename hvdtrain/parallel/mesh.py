@@ -161,14 +161,7 @@ class Mesh:
         if any(len(g) < world_size for g in groups) and not startup.dynamic_process_sets_enabled():
             raise ValueError(startup.dynamic_process_sets_conflict())
         for ranks in groups:
-            # The whole world already has a process set; Horovod refuses a second one with its ranks.
-            if len(ranks) == world_size:
-                sets[ranks] = hvd.global_process_set
-                continue
-            if ranks not in _SHARED:
-                _SHARED[ranks] = [hvd.add_process_set(list(ranks)), 0]
-            _SHARED[ranks][1] += 1
-            sets[ranks] = _SHARED[ranks][0]
+            sets[ranks] = acquire_process_set(ranks, world_size)
         return cls(shape, rank, sets)
 
     @property
@@ -186,10 +179,27 @@ class Mesh:
     def close(self) -> None:
         """Remove the process sets no other live mesh uses (a collective: every rank, in the same order)."""
         for ranks in self._added:
-            _SHARED[ranks][1] -= 1
-            if _SHARED[ranks][1] == 0:
-                hvd.remove_process_set(_SHARED.pop(ranks)[0])
+            release_process_set(ranks)
         self._added = []
+
+
+def acquire_process_set(ranks: Ranks, world_size: int) -> hvd.ProcessSet:
+    """The process set of ``ranks``, made (a collective over the world: every rank, in the same order)
+    or shared with a live user of the same ranks; the whole world's is Horovod's global set."""
+    if len(ranks) == world_size:  # Horovod refuses a second set of the whole world's ranks
+        return hvd.global_process_set
+    if ranks not in _SHARED:
+        _SHARED[ranks] = [hvd.add_process_set(list(ranks)), 0]
+    _SHARED[ranks][1] += 1
+    return _SHARED[ranks][0]
+
+
+def release_process_set(ranks: Ranks) -> None:
+    """One user fewer of ``ranks``' set (acquired with fewer ranks than the world); removed with its last
+    (a collective: every rank, in the same order)."""
+    _SHARED[ranks][1] -= 1
+    if _SHARED[ranks][1] == 0:
+        hvd.remove_process_set(_SHARED.pop(ranks)[0])
 
 
 def describe_rank(shape: MeshShape, rank: int, hostname: str) -> str:

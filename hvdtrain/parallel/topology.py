@@ -12,26 +12,40 @@ from hvdtrain.distributed import startup
 from hvdtrain.distributed.world import World
 from hvdtrain.distributed.logs import get_logger
 from hvdtrain.parallel.mesh import Mesh
+from hvdtrain.parallel.sequence.groups import SequenceGroup
 
 Follower = Callable[["Topology"], None]
 
 
 class Topology:
-    """The world and, when one model replica spans several ranks, the mesh over it."""
+    """The world and, when one model replica spans several ranks, the mesh over it; under sequence
+    parallelism, this rank's sequence group (its ranks share a batch, each holds part of every sequence)."""
 
-    def __init__(self, world: World, mesh: Optional[Mesh] = None) -> None:
+    def __init__(self, world: World, mesh: Optional[Mesh] = None, sequence: Optional[SequenceGroup] = None) -> None:
         self.world = world
         self.mesh = mesh
+        self.sequence = sequence
         self._followers: List[Follower] = []
 
     @classmethod
-    def build(cls, world: World, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> "Topology":
-        """The mesh is a collective (every rank makes the same process sets), refused on every rank
-        alike when it does not divide the world; without model parallelism there is none."""
-        mesh = None
+    def build(cls, world: World, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+              sequence_parallel: int = 1) -> "Topology":
+        """The mesh and the sequence groups are collectives (every rank makes the same process sets),
+        refused on every rank alike when they do not divide the world; without model or sequence
+        parallelism there are none.
+
+        Args:
+            world: this rank's World.
+            tensor_parallel: T, ranks per tensor group.
+            pipeline_parallel: P, pipeline stages.
+            sequence_parallel: S, ranks per sequence group.
+        """
+        mesh = sequence = None
         if tensor_parallel * pipeline_parallel > 1:
             mesh = Mesh.build(world.size, world.rank, tensor_parallel, pipeline_parallel)
-        return cls(world, mesh)
+        if sequence_parallel > 1:
+            sequence = SequenceGroup.build(world.size, world.rank, sequence_parallel)
+        return cls(world, mesh, sequence)
 
     @property
     def log(self) -> logging.Logger:
@@ -44,7 +58,10 @@ class Topology:
 
     @property
     def data_world(self) -> World:
-        """What the data sees: one worker per model replica (the data-parallel group's width)."""
+        """What the data sees: one worker per model replica (the data-parallel group's width), one per
+        sequence group."""
+        if self.sequence is not None:
+            return replace(self.world, rank=self.sequence.data_index, size=self.world.size // self.sequence.size)
         if self.mesh is None:
             return self.world
         return replace(self.world, rank=self.mesh.coordinates.data, size=self.mesh.shape.data)
@@ -69,8 +86,9 @@ class Topology:
 
     def reform(self) -> int:
         """Horovod elastic formed a new world: take its ranks, tell the followers; returns the old size."""
-        if self.mesh is not None:
-            raise RuntimeError("a model-parallel mesh is fixed at start: Horovod elastic cannot re-form it")
+        if self.mesh is not None or self.sequence is not None:
+            raise RuntimeError("a model-parallel mesh or sequence groups are fixed at start: Horovod elastic cannot "
+                               "re-form them")
         previous = self.world.size
         self.world = startup.reformed(self.world)
         for follower in self._followers:
@@ -84,3 +102,5 @@ class Topology:
         later collective of a process that goes on (a sweep of Trainers, a test suite)."""
         if self.mesh is not None:
             self.mesh.close()
+        if self.sequence is not None:
+            self.sequence.close()

@@ -1,6 +1,7 @@
 """The layouts a family is checked under: how many ranks, and the Trainer settings that make them.
 
-The sweep's four (T=2, P=2, T=2 x P=2 and fsdp built on the meta device) and ddp, by name; and any
+The sweep's five (T=2, P=2, T=2 x P=2, fsdp built on the meta device and S=2: sequence
+parallelism) and ddp, by name; and any
 (tensor, pipeline, strategy) that ``hvdtrain check-layout`` is asked for. Importing this module
 imports no torch (the command line reads it while building its parser).
 """
@@ -20,15 +21,16 @@ class Layout:
     data: int = 1  # data-parallel replicas of the model
     strategy: str = "ddp"
     meta: bool = False  # the model built on the meta device, given its values by the Trainer
+    sequence: int = 1  # ranks sharing each batch, each with part of every sequence
 
     @property
     def ranks(self) -> int:
-        return self.tensor * self.pipeline * self.data
+        return self.tensor * self.pipeline * self.data * self.sequence
 
     def settings(self) -> Dict[str, Any]:
         """TrainConfig's fields for this layout."""
         return {"tensor_parallel": self.tensor, "pipeline_parallel": self.pipeline, "strategy": self.strategy,
-                "micro_batches": MICRO_BATCHES if self.pipeline > 1 else 1}
+                "micro_batches": MICRO_BATCHES if self.pipeline > 1 else 1, "sequence_parallel": self.sequence}
 
 
 LAYOUTS: Dict[str, Layout] = {layout.name: layout for layout in (
@@ -37,8 +39,9 @@ LAYOUTS: Dict[str, Layout] = {layout.name: layout for layout in (
     Layout("T2xP2", tensor=2, pipeline=2),
     Layout("fsdp-meta", data=2, strategy="fsdp", meta=True),
     Layout("ddp", data=2),
+    Layout("S2", sequence=2),
 )}
-SWEEP = ("T2", "P2", "T2xP2", "fsdp-meta")
+SWEEP = ("T2", "P2", "T2xP2", "fsdp-meta", "S2")
 
 
 def named(names: str) -> list:

@@ -19,6 +19,12 @@ TOLERANCE = 1e-10
 # A refusal's message -> the reason it is counted under. The first that matches names it; the message
 # itself is kept beside it. Worded loosely on purpose: the messages are hvdtrain's and may be rephrased.
 REASONS: Tuple[Tuple[str, str], ...] = (
+    # hvdtrain.parallel.sequence: its set-up probe, the attention interface, the heads' split.
+    (r"sequence_parallel=\d+ would train another model.*mixes tokens", "sp: split loss or logits differ (set-up probe)"),
+    (r"sequence_parallel=\d+ would train another model.*forward failed", "sp: split forward fails (set-up probe)"),
+    (r"sequence_parallel.*AttentionInterface", "sp: attention outside transformers' interface"),
+    (r"sequence_parallel.*num_attention_heads", "sp: no attention heads"),
+    (r"sequence_parallel.*(query heads|key/value heads)", "sizes do not split"),
     # hvdtrain.parallel.tensor_audit and tensor_probe: a split found wrong before any update.
     (r"found on the first step", "tp: a gradient counted otherwise than once (first-step audit)"),
     (r"found at set-up\): on a probe", "tp: split logits differ from the whole model's (set-up probe)"),

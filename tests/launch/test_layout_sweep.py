@@ -1,5 +1,6 @@
 """The layout checks for real, on a fixed slice of Hugging Face families across the tp plan styles:
-one launch of 2 ranks runs every family at T=2 and at P=2 (hvdtrain.verify.driver), and none ends
+one launch of 2 ranks runs every family at T=2, at P=2 and at S=2 (sequence parallelism;
+hvdtrain.verify.driver), and none ends
 ``differs`` or ``error`` (refused before the first step is an answer; trained and different never
 is); and ``hvdtrain check-layout`` answers equal with exit 0 and a refusal with exit 2 and its reason.
 
@@ -22,7 +23,8 @@ pytest.importorskip("transformers")
 # local_params (granite_swa); moe_tp_experts / packed_colwise (qwen2_moe); no plan (gpt2).
 SLICE = ["llama", "gemma2", "qwen3", "olmo2", "cohere2", "gpt_neox", "gemma3_text", "granite_swa", "qwen2_moe",
          "gpt2"]
-TIMEOUT = 420  # a launch of 10 families (~2 minutes alone on 2 cores) and two check-layout runs
+LAYOUTS = ("T2", "P2", "S2")
+TIMEOUT = 600  # a launch of 10 families at 3 layouts (~3 minutes alone on 2 cores) and two check-layout runs
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -36,25 +38,25 @@ def launchable():
 
 @pytest.fixture(scope="module")
 def slice_outcomes(tmp_path_factory):
-    return driver.run(SLICE, named("T2,P2"), list(OPTIMIZERS), steps=3, family_timeout=150,
+    return driver.run(SLICE, named(",".join(LAYOUTS)), list(OPTIMIZERS), steps=3, family_timeout=200,
                       log_dir=tmp_path_factory.mktemp("sweep-logs"))
 
 
 @pytest.mark.timeout(TIMEOUT)
 def test_no_family_of_the_slice_trains_and_differs_or_fails(slice_outcomes):
     seen = {(o.family, o.layout, o.optimizer) for o in slice_outcomes}
-    assert seen == {(f, layout, opt) for f in SLICE for layout in ("T2", "P2") for opt in OPTIMIZERS}
+    assert seen == {(f, layout, opt) for f in SLICE for layout in LAYOUTS for opt in OPTIMIZERS}
     wrong = [f"{o.family} {o.layout} {o.optimizer}: {o.summary()}" for o in slice_outcomes
              if o.result not in ("equal", "refused")]
     assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.timeout(TIMEOUT)
-def test_llama_and_gemma2_are_equal_under_both_layouts(slice_outcomes):
+def test_llama_and_gemma2_are_equal_under_every_layout(slice_outcomes):
     # Gemma2 trained 6e-2 away from one process at T=2 before its scaled embedding kept its forward.
     for family in ("llama", "gemma2"):
         cases = [o for o in slice_outcomes if o.family == family]
-        assert [o.result for o in cases] == ["equal"] * 4, [o.summary() for o in cases]
+        assert [o.result for o in cases] == ["equal"] * 2 * len(LAYOUTS), [o.summary() for o in cases]
         assert all(o.max_diff < 1e-10 and o.moved > 1e-3 for o in cases)  # it trained, and stayed equal
 
 

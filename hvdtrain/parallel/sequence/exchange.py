@@ -1,0 +1,83 @@
+"""The all-to-alls of sequence parallelism, as autograd functions: each is the other's gradient.
+
+``to_whole_sequence``: (batch, heads, length / S, dim) on each of S ranks, every rank its own part
+of the sequence, into (batch, heads / S, length, dim): every rank the whole sequence of its own
+heads (rank i heads i·H/S to (i+1)·H/S). ``to_own_tokens`` is the inverse. One Horovod all-to-all
+each, on the sequence group's process set; Horovod splits along the first dimension, so the part
+for rank j is put first before, and the part from rank j read first after.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+
+
+def _alltoall(x: torch.Tensor, process_set: Any, name: str) -> torch.Tensor:
+    kwargs = {} if process_set is None else {"process_set": process_set}
+    return hvd.alltoall(x.contiguous(), name=name, **kwargs)
+
+
+def _heads_out(x: torch.Tensor, size: int, process_set: Any, name: str) -> torch.Tensor:
+    batch, heads, length, dim = x.shape
+    parts = x.reshape(batch, size, heads // size, length, dim).transpose(0, 1)  # part j of the heads first
+    received = _alltoall(parts, process_set, name)  # (S, batch, heads / S, length / S, dim): sequence part j first
+    return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * length, dim)
+
+
+def _heads_in(x: torch.Tensor, size: int, process_set: Any, name: str) -> torch.Tensor:
+    batch, heads, length, dim = x.shape
+    parts = x.reshape(batch, heads, size, length // size, dim).permute(2, 0, 1, 3, 4)  # sequence part j first
+    received = _alltoall(parts, process_set, name)  # (S, batch, heads, length / S, dim): heads part j first
+    return received.transpose(0, 1).reshape(batch, size * heads, length // size, dim)
+
+
+class _ToWholeSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, size, process_set, name):
+        ctx.size, ctx.process_set, ctx.name = size, process_set, name
+        return _heads_out(x, size, process_set, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_in(grad, ctx.size, ctx.process_set, ctx.name + ".grad"), None, None, None
+
+
+class _ToOwnTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, size, process_set, name):
+        ctx.size, ctx.process_set, ctx.name = size, process_set, name
+        return _heads_in(x, size, process_set, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_out(grad, ctx.size, ctx.process_set, ctx.name + ".grad"), None, None, None
+
+
+def to_whole_sequence(x: torch.Tensor, size: int, process_set: Any, name: str) -> torch.Tensor:
+    """(B, H, T / S, d) of this rank's tokens -> (B, H / S, T, d) of its heads (H divisible by S).
+
+    Args:
+        x: the tensor, laid out as said.
+        size: S, ranks of the sequence group (1: returned as is).
+        process_set: the group's Horovod process set (None: the whole world).
+        name: the collective's name (its gradient's adds ``.grad``).
+    """
+    if size == 1:
+        return x
+    return _ToWholeSequence.apply(x, size, process_set, name)
+
+
+def to_own_tokens(x: torch.Tensor, size: int, process_set: Any, name: str) -> torch.Tensor:
+    """(B, H / S, T, d) of this rank's heads -> (B, H, T / S, d) of its tokens (the inverse).
+
+    Args:
+        x: the tensor, laid out as said.
+        size: S, ranks of the sequence group (1: returned as is).
+        process_set: the group's Horovod process set (None: the whole world).
+        name: the collective's name (its gradient's adds ``.grad``).
+    """
+    if size == 1:
+        return x
+    return _ToOwnTokens.apply(x, size, process_set, name)

@@ -1,0 +1,241 @@
+"""Sequence parallelism (Ulysses) takes one process's steps: each rank of a sequence group holds
+1/S of every sequence, attention runs on whole sequences of 1/S of the heads between two
+all-to-alls, and the gradients are reduced by the data-parallel strategy over every rank.
+
+Hugging Face decoders through transformers' attention interface: Llama (grouped-query attention,
+2 key/value heads: divided at S=2, replicated onto the ranks at S=4), Qwen3 (per-head q/k norms) and
+SmolLM3 (layers without rotary embeddings between rotary ones; named by no other test), under ddp
+and fsdp, at S=2 (2 ranks), S=4 and S=2 x D=2 (4 ranks); hvdtrain's example transformer (learned
+positions from token_offset()); a tokenized batch with padding and ignored labels, the model's own
+loss, averaged over every counted token as one process does; and the refusals: heads that do not
+split, and a model that mixes tokens outside attention (found by set-up's probe, before a step).
+
+Float64 throughout (hvdtrain.verify.exact). Why 1e-10 holds on any x86-64 CPU: the all-to-alls move
+values without arithmetic; each rank's attention over whole sequences computes what one process's
+does for those heads; the partial gradients of the group's ranks are summed by the strategy's
+all-reduce: only the order of float64 additions differs (relative 1e-16 per operation, a few hundred
+per step, 3 steps), while a token at the wrong position, a lost head or a loss counted per part
+moves values by more than 1e-4 (checked by how far training moved them).
+"""
+import copy
+
+import pytest
+import torch
+
+from hvdtrain.common.errors import LayoutError
+from hvdtrain.config.train import TrainConfig
+from hvdtrain.data.sharding import ShardedSampler
+from hvdtrain.distributed import collectives
+from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
+from hvdtrain.trainer import Trainer
+from hvdtrain.verify.exact import float64_throughout
+from tests.mpi import helpers
+from tests.mpi.helpers import record_step_losses
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.process_sets,
+    pytest.mark.np4(reason="S=4 and S=2 x D=2 fit only at 4 ranks"),
+]
+
+VOCAB, SEQ, BATCH, STEPS, SEED = 64, 16, 4, 3, 7
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, max_position_embeddings=SEQ)
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**SHAPE, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=8, tie_word_embeddings=False),
+    # Layer 1 of 2 without rotary embeddings (no_rope_layer_interval=2): positions matter only where used.
+    "smollm3": lambda: transformers.SmolLM3Config(**SHAPE, no_rope_layer_interval=2, pad_token_id=0, bos_token_id=1,
+                                                 eos_token_id=2, tie_word_embeddings=False),
+}
+
+
+def hf_model(family, seed):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).double()
+
+
+def example_model(seed):
+    torch.manual_seed(seed)
+    return TinyTransformerLM(VOCAB, seq_len=SEQ, d_model=32, layers=2, heads=4).double()
+
+
+def causal_lm_step(model, batch):
+    inputs, targets = batch
+    logits = model(input_ids=inputs).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)), {}
+
+
+def example_step(model, batch):
+    inputs, targets = batch
+    return lm_loss(model(inputs), targets), {}
+
+
+def groups_of(world, sequence):
+    if world.size % sequence:  # the same decision on every rank
+        pytest.skip(f"sequence_parallel={sequence} does not divide {world.size} ranks")
+    return world.size // sequence
+
+
+def train(world, make, step_fn, data, sequence, strategy, collate_fn=None):
+    """(initial gathered model, final gathered model, each step's loss averaged over the world)."""
+    model = make(100 + world.rank)  # different on every rank: set-up must broadcast rank 0's
+    config = TrainConfig(epochs=1, batch_size=BATCH, lr=0.01, scale_lr=False, warmup_epochs=0, max_steps=STEPS,
+                         seed=SEED, log_every=1000, tensorboard=False, strategy=strategy, sequence_parallel=sequence)
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, None, config, world=world,
+                      step_fn=step_fn, collate_fn=collate_fn)
+    initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
+    losses = record_step_losses(trainer)
+    trainer.fit()
+    final = trainer.strategy.state_dict()["model"]
+    trainer.close_mesh()
+    step_losses = collectives.allreduce_sum(torch.stack(losses), name=f"sp.{sequence}.{strategy}.losses") / world.size
+    return initial, final, step_losses
+
+
+def one_process(make, initial, batches, loss_of):
+    """The reference: each step's global batch in the sampler's order; ``loss_of(model, indices)``,
+    the mean of the data-parallel groups' batch losses (as ddp averages them)."""
+    model = make(0)
+    model.load_state_dict(initial)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    for indices in batches:
+        optimizer.zero_grad()
+        loss = loss_of(model, indices)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+def step_batches(samples, groups):
+    sampler = ShardedSampler(samples, rank=0, world_size=1, seed=SEED)
+    sampler.set_epoch(0)
+    order = list(sampler)
+    size = BATCH * groups
+    return [order[step * size:(step + 1) * size] for step in range(STEPS)]
+
+
+def check(expected, expected_losses, initial, final, step_losses):
+    worst = max((final[name] - expected[name]).abs().max().item() for name in expected)
+    moved = min((expected[name] - initial[name]).abs().max().item() for name in expected if name.endswith("weight"))
+    loss_error = (step_losses - torch.tensor(expected_losses, dtype=torch.float64)).abs().max().item()
+    assert moved > 1e-4, "training did not move every weight: the test proves nothing"
+    assert loss_error < 1e-10, f"per-step loss against one process: {step_losses.tolist()} vs {expected_losses}"
+    assert worst < 1e-10, f"max |gathered - one process| = {worst}"
+
+
+def pair_loss(step_fn, data):
+    def loss_of(model, indices):
+        return step_fn(model, (data.tensors[0][indices], data.tensors[1][indices]))[0]
+    return loss_of
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sequence,strategy", [(2, "ddp"), (2, "fsdp"), (4, "ddp")])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hugging_face_decoders_take_one_process_steps(world, family, sequence, strategy):
+    groups = groups_of(world, sequence)
+    data = helpers.token_data(VOCAB, SEQ)
+    make = lambda seed: hf_model(family, seed)  # noqa: E731
+    with float64_throughout():
+        initial, final, step_losses = train(world, make, causal_lm_step, data, sequence, strategy)
+        # D groups: ddp's mean of the groups' batch means; each group's batch is consecutive in the global one.
+        loss_of = lambda model, indices: torch.stack([  # noqa: E731
+            pair_loss(causal_lm_step, data)(model, part) for part in torch.tensor(indices).chunk(groups)]).mean()
+        expected, expected_losses = one_process(make, initial, step_batches(len(data), groups), loss_of)
+    check(expected, expected_losses, initial, final, step_losses)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sequence", [2, 4])
+def test_the_example_transformer_takes_one_process_steps(world, sequence):
+    groups = groups_of(world, sequence)
+    data = helpers.token_data(VOCAB, SEQ)
+    with float64_throughout():
+        initial, final, step_losses = train(world, example_model, example_step, data, sequence, "ddp")
+        loss_of = lambda model, indices: torch.stack([  # noqa: E731
+            pair_loss(example_step, data)(model, part) for part in torch.tensor(indices).chunk(groups)]).mean()
+        expected, expected_losses = one_process(example_model, initial, step_batches(len(data), groups), loss_of)
+    check(expected, expected_losses, initial, final, step_losses)
+
+
+def padded_tokens(samples=64):
+    """Tokenized samples as a data collator gives them: trailing padding (1 to 7 tokens) masked out and
+    its labels ignored, so each sequence counts another number of targets."""
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (samples, SEQ), generator=generator)
+    kept = SEQ - torch.randint(1, 8, (samples,), generator=generator)
+    mask = (torch.arange(SEQ) < kept[:, None]).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    return [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(samples)]
+
+
+@pytest.mark.timeout(240)
+def test_a_padded_batch_with_the_models_own_loss_counts_every_target_once(world):
+    """The default step (``model(**batch).loss``): its mean over the group's counted targets, not of the parts' means."""
+    if world.size == 1:
+        pytest.skip("one rank has no sequence group")
+    samples = padded_tokens()
+    make = lambda seed: hf_model("llama", seed)  # noqa: E731
+    stacked = {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    with float64_throughout():
+        model = make(100 + world.rank)
+        config = TrainConfig(epochs=1, batch_size=BATCH, lr=0.01, scale_lr=False, warmup_epochs=0, max_steps=STEPS,
+                             seed=SEED, log_every=1000, tensorboard=False, sequence_parallel=world.size)
+        trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), samples, None, config, world=world)
+        initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
+        losses = record_step_losses(trainer)
+        trainer.fit()
+        final = trainer.strategy.state_dict()["model"]
+        trainer.close_mesh()
+        step_losses = collectives.allreduce_sum(torch.stack(losses), name="sp.padded.losses") / world.size
+        loss_of = lambda model, indices: model(**{k: v[indices] for k, v in stacked.items()}).loss  # noqa: E731
+        expected, expected_losses = one_process(make, initial, step_batches(len(samples), 1), loss_of)
+    check(expected, expected_losses, initial, final, step_losses)
+
+
+def refusal(world, model, step_fn=causal_lm_step):
+    """The error set-up raised on this rank (None if it trained), agreed over the world before asserting."""
+    config = TrainConfig(epochs=1, batch_size=BATCH, lr=0.01, warmup_epochs=0, max_steps=1, seed=SEED, log_every=1000,
+                         tensorboard=False, sequence_parallel=world.size)
+    error = None
+    try:
+        trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), helpers.token_data(VOCAB, SEQ), None,
+                          config, world=world, step_fn=step_fn)
+        trainer.close_mesh()
+    except LayoutError as raised:
+        error = str(raised)
+    collectives.allgather_object(error, name="sp.refusal")
+    return error
+
+
+@pytest.mark.timeout(120)
+def test_heads_that_do_not_split_are_refused_by_name(world):
+    if world.size == 1:
+        pytest.skip("one rank has no sequence group")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        **{**SHAPE, "hidden_size": 30, "num_attention_heads": 3 * world.size - 1, "num_key_value_heads": 1,
+           "head_dim": 8}))
+    error = refusal(world, model)
+    assert error is not None and f"{3 * world.size - 1} query heads, not a multiple of {world.size}" in error
+
+
+@pytest.mark.timeout(120)
+def test_a_model_that_mixes_tokens_outside_attention_is_refused_before_a_step(world):
+    """A token shift in an MLP (as convolutional or RWKV-style layers do) sees only this rank's part:
+    the probe finds the split model's loss off and refuses, where training would have differed."""
+    if world.size == 1:
+        pytest.skip("one rank has no sequence group")
+    model = hf_model("llama", 0)
+    mlp = model.model.layers[0].mlp
+    own = mlp.forward
+    mlp.forward = lambda x: own(torch.roll(x, 1, dims=1))
+    with float64_throughout():
+        error = refusal(world, model)
+    assert error is not None and "would train another model than one process" in error, error
+    assert "mixes tokens outside its attention" in error
