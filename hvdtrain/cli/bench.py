@@ -22,11 +22,13 @@ BENCHMARKS = {
                    "the step's stall per checkpoint, synchronous against train.checkpoint_async, full and sharded"),
     "activations": ("hvdtrain.bench.activations.driver",
                     "train.activation_checkpointing: activation bytes kept for backward and step time, against none"),
+    "packing": ("hvdtrain.bench.packing.driver",
+                "real tokens/s of documents packed into rows (hvdtrain.data.packing) against padded batches, on a Llama"),
 }
 
 
 HELP = ("benchmarks: collectives, throughput, strategies, scaling, projection, model-parallel, ps, plan, "
-        "checkpoint, activations")
+        "checkpoint, activations, packing")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
