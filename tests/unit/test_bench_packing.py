@@ -24,6 +24,7 @@ def test_the_bench_trains_the_same_tokens_packed_and_padded_and_counts_their_pad
     for way in (packed, padded):
         assert way["padding_share"] == pytest.approx(1 - way["real_tokens"] / way["token_slots"])
         assert way["tokens_per_s"]["repeats"] == 1 and way["tokens_per_s"]["median"] > 0
-    assert result["packed_over_padded"] == pytest.approx(packed["tokens_per_s"]["median"]
-                                                         / padded["tokens_per_s"]["median"])
+    # One round: the speed-up is that round's pair of passes.
+    assert result["packed_over_padded"]["median"] == pytest.approx(packed["tokens_per_s"]["median"]
+                                                                   / padded["tokens_per_s"]["median"])
     assert "real tokens/s" in out and "x padded" in out
