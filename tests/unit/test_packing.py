@@ -166,14 +166,16 @@ def token_documents(lengths, seed=1):
 LENGTHS = [5, 3, 7, 1, 9, 20, 2]
 
 
-def hugging_face_model(family):
+def hugging_face_model(family, attention="sdpa"):
     transformers = pytest.importorskip("transformers")
     from tests.mpi.hf_models import tiny_config
 
     config = tiny_config(family)
     config.max_position_embeddings = ROW
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).to(torch.float64)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+    assert model.config._attn_implementation == attention
+    return model.to(torch.float64)
 
 
 def example_model():
@@ -203,9 +205,10 @@ def one_at_a_time(model, documents, row_length):
     return loss_and_gradients(model, total / targets)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "example"])
-def test_a_packed_batch_has_the_loss_and_gradients_of_its_documents_one_at_a_time(family):
-    model = example_model() if family == "example" else hugging_face_model(family)
+@pytest.mark.parametrize("family, attention", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa"),
+                                               ("example", None)])
+def test_a_packed_batch_has_the_loss_and_gradients_of_its_documents_one_at_a_time(family, attention):
+    model = example_model() if family == "example" else hugging_face_model(family, attention)
     documents = token_documents(LENGTHS)
     rows = list(pack_documents(documents, ROW, open_rows=2))
     batch = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
