@@ -139,6 +139,19 @@ def test_a_map_style_dataset_is_packed_at_once_and_a_stream_as_it_is_read_again_
         PackedStream(iter(documents), ROW)
 
 
+def test_a_resumed_epoch_of_a_packed_stream_skips_the_rows_already_trained_on():
+    """What the docs promise of a resume: StreamShards skips ``start`` rows, and packing the same
+    stream again yields the same rows, so the rest of the epoch is the rows after them."""
+    from hvdtrain.data.streaming import StreamShards
+
+    stream = PackedStream(EpochDocuments(), 8, open_rows=2)
+    stream.set_epoch(1)
+    whole = [row["input_ids"].tolist() for row in stream]
+    shards = StreamShards(stream, rank=0, world_size=1, batch_size=1)
+    shards.set_epoch(1, start=2)
+    assert len(whole) > 3 and [row["input_ids"].tolist() for row in shards] == whole[2:]
+
+
 def test_the_block_causal_mask_lets_a_token_see_only_its_own_document_up_to_itself():
     mask = block_causal_mask(torch.tensor([[0, 1, 2, 0, 1, 0]]))
     allowed = [[int(v) for v in line] for line in mask[0, 0].tolist()]
