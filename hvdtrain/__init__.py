@@ -46,6 +46,8 @@ _EXPORTS = {
     "supervised_step": "hvdtrain.components.steps",
     "ShardedSampler": "hvdtrain.data.sharding",
     "StreamShards": "hvdtrain.data.streaming",
+    "packed": "hvdtrain.data.packing",
+    "packed_lm_step": "hvdtrain.data.packing",
     "Callback": "hvdtrain.components.callbacks",
     "EarlyStopping": "hvdtrain.components.callbacks",
     "EMA": "hvdtrain.components.callbacks",

@@ -24,11 +24,13 @@ BENCHMARKS = {
                     "train.activation_checkpointing: activation bytes kept for backward and step time, against none"),
     "sequence": ("hvdtrain.bench.sequence.driver",
                  "the longest sequence that trains under a memory cap per rank: ddp against sequence_parallel"),
+    "packing": ("hvdtrain.bench.packing.driver",
+                "real tokens/s of documents packed into rows (hvdtrain.data.packing) against padded batches, on a Llama"),
 }
 
 
 HELP = ("benchmarks: collectives, throughput, strategies, scaling, projection, model-parallel, ps, plan, "
-        "checkpoint, activations, sequence")
+        "checkpoint, activations, sequence, packing")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

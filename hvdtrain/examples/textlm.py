@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 
 from hvdtrain.config.checks import check_fraction, check_whole_numbers
 from hvdtrain.config.train import TrainConfig
+from hvdtrain.data.packing import block_causal_mask
 from hvdtrain.parallel.sequence.batches import token_offset
 from hvdtrain.planner.model_shape import ModelShape
 
@@ -173,17 +174,20 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
         self.residual_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         batch, length, width = x.shape
         # (B, T, 3C) -> three (B, heads, T, C / heads)
         q, k, v = self.qkv(x).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        y = self.attend(q, k, v)
+        y = self.attend(q, k, v) if mask is None else self.attend(q, k, v, mask)
         return self.residual_dropout(self.proj(y.transpose(1, 2).reshape(batch, length, width)))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of (B, heads, T, C / heads) tensors: sequence parallelism runs it on
-        whole sequences of part of the heads (hvdtrain.parallel.sequence.modules)."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Causal attention of (B, heads, T, C / heads) tensors, within each document given a packed
+        row's mask: sequence parallelism runs it on whole sequences of part of the heads
+        (hvdtrain.parallel.sequence.modules)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              dropout_p=self.dropout if self.training else 0.0)
 
 
 class Block(nn.Module):
@@ -197,8 +201,9 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
                                  nn.Linear(4 * d_model, d_model), nn.Dropout(dropout))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.norm1(x))
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # No mask, no argument: a tensor-parallel attention (hvdtrain.parallel.tensor) takes none.
+        x = x + (self.attention(self.norm1(x)) if mask is None else self.attention(self.norm1(x), mask))
         return x + self.mlp(self.norm2(x))
 
 
@@ -239,15 +244,18 @@ class TinyTransformerLM(nn.Module):
                 deep = name.endswith(("attention.proj.weight", "mlp.2.weight"))
                 nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * len(self.blocks)) if deep else 0.02)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # Under sequence parallelism ids are this rank's part of each sequence, from token_offset() on.
+    def forward(self, ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits of ``ids``; with ``position_ids`` (packed rows: hvdtrain.data.packing), positions restart
+        at every document and attention stays within it. Under sequence parallelism ``ids`` are this
+        rank's part of each sequence, from ``token_offset()`` on."""
         first, length = token_offset(), ids.shape[1]
         if first + length > self.seq_len:
             raise ValueError(f"{first + length} tokens exceed the model's context of {self.seq_len}")
-        positions = torch.arange(first, first + length, device=ids.device)
+        positions = torch.arange(first, first + length, device=ids.device) if position_ids is None else position_ids
+        mask = None if position_ids is None else block_causal_mask(position_ids)
         x = self.dropout(self.token(ids) + self.position(positions))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.head(self.norm(x))
 
 

@@ -2,7 +2,8 @@
 (hf.py), or a model of your own through its attention modules' ``attend``.
 
 A module of your own takes part by computing attention in one method, ``attend(q, k, v)`` on
-(batch, heads, length, dim) tensors returning the same shape, with its head count in ``heads``
+(batch, heads, length, dim) tensors returning the same shape (a ``mask`` argument, packed rows', is
+refused), with its head count in ``heads``
 (and ``kv_heads`` when fewer key/value heads), and by adding ``token_offset()`` to its positions
 (hvdtrain.examples.textlm does both). Each such module's ``attend`` is wrapped to run on whole
 sequences of 1/S of the heads.
@@ -26,7 +27,10 @@ def _own_attention(model: nn.Module) -> List[nn.Module]:
 
 def _split_attend(attend, module_name: str, group: Any, split: Any):
     @functools.wraps(attend)
-    def attend_whole_sequences(q, k, v):
+    def attend_whole_sequences(q, k, v, mask=None):
+        if mask is not None:  # a packed row's document mask: this rank holds part of its positions
+            raise LayoutError(f"train.sequence_parallel does not take packed rows (an attention mask) yet in "
+                              f"{module_name!r}: train them without sequence parallelism")
         output, _ = split_attention(lambda q, k, v: (attend(q, k, v), None), q, k, v, group, split,
                                     f"sequence.{module_name}")
         return output
