@@ -169,8 +169,12 @@ class Parts:
             self.checkpoints.protocol.close()
 
     def close_mesh(self) -> None:
-        """Remove the model-parallel mesh's Horovod process sets (a collective: every rank calls it)."""
+        """Remove the model-parallel mesh's and the expert groups' Horovod process sets (a collective:
+        every rank calls it)."""
         self.topology.close()
+        close_groups = getattr(self.strategy, "close_groups", None)
+        if close_groups is not None:
+            close_groups()
 
 
 class PartsHolder:
@@ -219,7 +223,7 @@ class PartsHolder:
         job_config = dict(job_config) if job_config is not None else {"train": cfg.to_dict()}
         world = world or startup.init(seed=cfg.seed, timeline=cfg.timeline_steps > 0,
                                       hierarchical_allreduce=cfg.hierarchical_allreduce,
-                                      dynamic_process_sets=cfg.model_parallel)
+                                      dynamic_process_sets=cfg.model_parallel or cfg.expert_parallel > 1)
         # Under Horovod elastic, set-up runs no collective: a worker that joins later runs this while
         # the others wait in the elastic sync, and mismatched collectives deadlock. The elastic sync
         # broadcasts rank 0's state (and its checkpoint, if it read one) instead.

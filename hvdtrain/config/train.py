@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 
+from hvdtrain.common.capabilities import DECLARED, EXPERT_PARALLEL
 from hvdtrain.common.capabilities import STRATEGY_NAMES as STRATEGIES
 from hvdtrain.config.checks import check_choices, check_only_with, check_whole_numbers
 from hvdtrain.config.strategy_checks import check_strategy_settings
@@ -58,6 +59,7 @@ class TrainConfig:
     compile: bool = field(default=False, metadata={"help": "run the model's forward (and its backward) through torch.compile; not with strategy=fsdp", "details": "The model, its state_dict keys and checkpoints stay as they are; the first step and the first evaluation compile. See docs/how-to/compile.md."})
     tensor_parallel: int = field(default=1, metadata={"help": "ranks that split each layer of one model replica (Megatron-style), one host's ranks; needs a tensor plan", "details": "Attention is split by heads, the MLP by columns then rows: two all-reduces per block forward, two backward. Innermost in the mesh, so one host's ranks. train_lm.py has the example transformer's tensor plan. See docs/concepts/model-parallelism.md."})
     pipeline_parallel: int = field(default=1, metadata={"help": "pipeline stages per model replica, each holding a contiguous run of layers", "details": "Activations move forward and their gradients backward between neighbouring stages; data-parallel width = workers / (tensor_parallel x pipeline_parallel). See docs/concepts/model-parallelism.md."})
+    expert_parallel: int = field(default=1, metadata={"help": "ranks over which each mixture-of-experts layer's experts are split (E consecutive data-parallel ranks); tokens reach them by all-to-all", "details": "Each rank of an expert group holds experts / E of every fused experts module (transformers 5's MoE families) and keeps its own data; the router, its top-k and its load-balancing loss stay the model's. The experts' gradients are averaged over the ranks holding the same experts. strategy=ddp only, not with tensor or pipeline parallelism. See docs/concepts/model-parallelism.md."})
     micro_batches: int = field(default=1, metadata={"help": "micro-batches each worker's batch is cut into for the pipeline (pipeline_parallel > 1); must divide batch_size", "details": "More micro-batches, a smaller idle bubble: (stages - 1) / (micro_batches + stages - 1)."})
     pipeline_schedule: str = field(default="1f1b", metadata={"help": "gpipe: every micro-batch forward, then every one backward; 1f1b: one forward, one backward in turn after a warm-up", "details": "gpipe holds all micro-batches' activations, 1f1b at most pipeline_parallel micro-batches'; the same bubble, the same result.", "choices": PIPELINE_SCHEDULES})
     seed: int = field(default=42, metadata={"help": "one seed for the job; ranks derive theirs from it"})
@@ -152,7 +154,9 @@ class TrainConfig:
             self._check_adasum()
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ValueError(f"TrainConfig.max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm!r}")
-        check_whole_numbers(self, ("tensor_parallel", "pipeline_parallel", "micro_batches"))
+        check_whole_numbers(self, ("tensor_parallel", "pipeline_parallel", "micro_batches", "expert_parallel"))
+        if self.expert_parallel > 1:
+            self._check_expert_parallel()
         if self.model_parallel:
             self._check_model_parallel()
         elif self.micro_batches > 1:
@@ -181,6 +185,26 @@ class TrainConfig:
              "rank's whole model today, not its stage's or its tensor slice's; use precision=bf16 (no loss scale)"),
             (self.sync_batchnorm, "sync_batchnorm: its statistics are reduced over every rank, and a model "
              "replica spans several; set sync_batchnorm=false"),
+        ]
+        for refused_here, why in refused:
+            if refused_here:
+                raise ValueError(f"TrainConfig.{layout} does not work with {why}")
+
+    def _check_expert_parallel(self) -> None:
+        """What expert parallelism does not combine with (yet), each with the reason and the way out."""
+        layout = f"expert_parallel={self.expert_parallel}"
+        refuses = DECLARED[EXPERT_PARALLEL].refuses
+        refused = [
+            (self.strategy != "ddp", f"strategy={self.strategy}: only ddp holds the rest of the model under expert "
+             f"parallelism so far (zero1, zero2, fsdp and ps are not built for it); use strategy=ddp"),
+            (self.model_parallel, f"tensor_parallel={self.tensor_parallel} x pipeline_parallel="
+             f"{self.pipeline_parallel}: {refuses['mesh']}; set both to 1"),
+            (self.reduction == "adasum", f"reduction=adasum: {refuses['adasum']}; use reduction=average"),
+            (self.compile, f"compile: {refuses['compile']}; set compile=false"),
+            (self.checkpoint_format == "sharded", f"checkpoint_format=sharded: {refuses['sharded_checkpoints']}; "
+             f"use checkpoint_format=full"),
+            (self.precision == "fp16", "precision=fp16: the loss scale's inf/nan check covers one rank's gradients, "
+             "and a rank's experts are its own; use precision=bf16 (no loss scale)"),
         ]
         for refused_here, why in refused:
             if refused_here:
