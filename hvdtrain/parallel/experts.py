@@ -58,7 +58,14 @@ def check_world(world_size: int, size: int) -> None:
 
 class ExpertGroups:
     """This rank's expert group (all-to-all) and replica group (the experts' gradient average), with
-    their Horovod process sets. ``build`` and ``close`` are collectives over the whole world."""
+    their Horovod process sets. ``build`` and ``close`` are collectives over the whole world.
+
+    Args:
+        size: E, ranks per expert group.
+        expert: this rank's expert group (its all-to-alls).
+        replica: the ranks holding the same experts (their gradients' average).
+        added: the process sets this object holds a count of (released by close).
+    """
 
     def __init__(self, size: int, expert: Group, replica: Group, added: List[Ranks]) -> None:
         self.size, self.expert, self.replica, self._added = size, expert, replica, added
