@@ -96,7 +96,7 @@ def test_a_checkpoint_holds_the_experts_whole_and_resumes_at_any_expert_parallel
     """Qwen2-MoE at E=2 writes a full checkpoint (every expert once, gathered whole, under the
     model's own names), which resumes bitwise at E=2 and at E=1 (plain ddp); the gathered state
     loads into a fresh E=2 model bitwise, and the exported directory loads in plain transformers
-    to the same tensors."""
+    and as pretrained weights at E=2 (each rank reading its experts' rows) to the same tensors."""
     from pathlib import Path
 
     from tests.mpi.test_hf_moe import make_model, make_trainer, token_data
@@ -124,6 +124,11 @@ def test_a_checkpoint_holds_the_experts_whole_and_resumes_at_any_expert_parallel
     fresh.strategy.load_state_dict(saved)
     resumed["loaded whole at E2"] = differences(fresh.strategy.state_dict(), saved)
     fresh.close_mesh()
+    pretrained = make_trainer(world, make_model("qwen2_moe", 400), data, expert_parallel=2)
+    pretrained.load_pretrained(Path(directory) / "hf")  # weights only: each rank takes its experts
+    weights = pretrained.strategy.state_dict()["model"]
+    resumed["pretrained at E2"] = [name for name in saved["model"] if not torch.equal(weights[name], saved["model"][name])]
+    pretrained.close_mesh()
     written.close_mesh()
     exported = None
     if world.is_root:
@@ -133,5 +138,40 @@ def test_a_checkpoint_holds_the_experts_whole_and_resumes_at_any_expert_parallel
 
     shape = saved["model"]["model.layers.0.mlp.experts.gate_up_proj"].shape
     assert tuple(shape) == (4, 2 * 16, 32), "gathered whole: every expert, [gate; up] of 2 x 16 rows"
-    assert resumed == {"E2": [], "E1": [], "loaded whole at E2": []}
+    assert resumed == {"E2": [], "E1": [], "loaded whole at E2": [], "pretrained at E2": []}
     assert exported == []
+
+
+@pytest.mark.timeout(240)
+def test_clipping_counts_every_expert_once(world):
+    """Mixtral at E=2 with train.max_grad_norm below the gradients' norm: the global norm counts each
+    expert once (its replicas hold the same averaged gradient) and every replicated gradient once, so
+    the steps are one process's clipped ones (a norm counting a rank's own experts only, or
+    counting the replicated gradients once per rank, scales the steps otherwise: by 1e-4 and more)."""
+    from tests.mpi.test_hf_moe import STEPS, BATCH, data_ranks_orders, make_model, moe_step
+
+    if world.size % 2:
+        pytest.skip("expert_parallel=2 needs an even world")
+    max_norm = 0.05
+    with float64_throughout():
+        # SGD: its step is proportional to the clipped gradient (Adam's would all but ignore the scale)
+        trainer, data, initial, final, _ = train(world, "mixtral", torch.optim.SGD, 0.1, expert_parallel=2,
+                                                 max_grad_norm=max_norm)
+        trainer.close_mesh()
+        model = make_model("mixtral", 0)
+        model.load_state_dict(initial)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        orders, norms = data_ranks_orders(len(data), world.size), []
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            for order in orders:
+                batch = order[step * BATCH:(step + 1) * BATCH]
+                loss, _ = moe_step(model, (data.tensors[0][batch], data.tensors[1][batch]))
+                (loss / len(orders)).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            optimizer.step()
+    worst = max((final[name] - t).abs().max().item() for name, t in model.state_dict().items())
+    print(f"\nmixtral E=2 clipped to {max_norm}: norms {norms}, max |param - one process| {worst:.2e}")
+
+    assert min(norms) > 2 * max_norm, "the gradients were not clipped: the test proves nothing"
+    assert worst < 1e-10, worst
