@@ -111,3 +111,11 @@ def test_the_dispatch_in_a_group_of_one_gives_the_modules_own_output_and_gradien
     assert max(relative) < bound, relative
     # the cases are there: expert 1 chosen by no token, the dropped pair adding nothing
     assert expected_grads[2][1].abs().max() == 0 and (expected_grads[1][2, 1] == 0 or not sentinel)
+
+
+def test_an_elastic_launch_is_refused_by_name():
+    from hvdtrain.strategies.registry import launch_refusal
+
+    refusal = launch_refusal(TrainConfig(expert_parallel=2), world=None, elastic=True)
+    assert refusal.startswith("train.expert_parallel=2 does not support Horovod elastic (the expert groups are fixed")
+    assert launch_refusal(TrainConfig(expert_parallel=2), world=None, elastic=False) is None
