@@ -172,8 +172,12 @@ class Parts:
             self.checkpoints.protocol.close()
 
     def close_mesh(self) -> None:
-        """Remove the model-parallel mesh's Horovod process sets (a collective: every rank calls it)."""
+        """Remove the model-parallel mesh's and the expert groups' Horovod process sets (a collective:
+        every rank calls it)."""
         self.topology.close()
+        close_groups = getattr(self.strategy, "close_groups", None)
+        if close_groups is not None:
+            close_groups()
 
 
 class PartsHolder:

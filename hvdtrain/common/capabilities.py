@@ -21,6 +21,9 @@ MESH = "mesh"  # the data-parallel side of a tensor x pipeline mesh
 # The model-parallel layout (train.tensor_parallel x pipeline_parallel > 1): registered beside the
 # strategies a user names, chosen by the mesh rather than by train.strategy.
 MODEL_PARALLEL = "model_parallel"
+# Expert parallelism (train.expert_parallel > 1): ddp with each fused experts module split over
+# expert groups, chosen by that setting over train.strategy=ddp.
+EXPERT_PARALLEL = "expert_parallel"
 
 # What a strategy keeps of the state, which decides how a sharded checkpoint written at its own
 # layout comes back: every rank the full state, each rank its own shard of flat buckets (its own
@@ -105,9 +108,19 @@ DECLARED: Dict[str, Capabilities] = {
             COMPILE: "Horovod's collectives inside the forward do not compile (a graph break at every "
                      "tensor-parallel layer)"},
         collective_forward=True, initializes_by_shard=True, shards_gradients=True, loads=EVERY_PART),
+    EXPERT_PARALLEL: Capabilities(
+        refuses={
+            ELASTIC: "the expert groups are fixed at start, and a lost worker takes its experts with it",
+            ADASUM: "Adasum combines over the whole world, and the experts' gradients are averaged over their "
+                    "replica groups",
+            COMPILE: "the experts' all-to-all inside the forward does not compile (Dynamo cannot trace Horovod's "
+                     "collectives)",
+            SHARDED_CHECKPOINTS: "expert parallelism writes the full format, the experts gathered whole",
+            MESH: "expert parallelism does not combine with tensor or pipeline parallelism yet"},
+        collective_forward=True, shards_gradients=True),
 }
-# The values of train.strategy (the model-parallel layout is chosen by the mesh, over one of them).
-STRATEGY_NAMES = tuple(name for name in DECLARED if name != MODEL_PARALLEL)
+# The values of train.strategy (the model-parallel and expert-parallel layouts are chosen by their settings).
+STRATEGY_NAMES = tuple(name for name in DECLARED if name not in (MODEL_PARALLEL, EXPERT_PARALLEL))
 
 
 def supporting(capability: str) -> list:

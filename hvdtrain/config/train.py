@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 
+from hvdtrain.common.capabilities import DECLARED, EXPERT_PARALLEL
 from hvdtrain.common.capabilities import STRATEGY_NAMES as STRATEGIES
 from hvdtrain.config.checks import check_choices, check_only_with, check_whole_numbers
 from hvdtrain.config.strategy_checks import check_strategy_settings
@@ -61,6 +62,7 @@ class TrainConfig:
     tensor_parallel: int = field(default=1, metadata={"help": "ranks that split each layer of one model replica (Megatron-style), one host's ranks; needs a tensor plan", "details": "Attention is split by heads, the MLP by columns then rows: two all-reduces per block forward, two backward. Innermost in the mesh, so one host's ranks. train_lm.py has the example transformer's tensor plan. See docs/concepts/model-parallelism.md."})
     pipeline_parallel: int = field(default=1, metadata={"help": "pipeline stages per model replica, each holding a contiguous run of layers", "details": "Activations move forward and their gradients backward between neighbouring stages; data-parallel width = workers / (tensor_parallel x pipeline_parallel). See docs/concepts/model-parallelism.md."})
     sequence_parallel: int = field(default=1, metadata={"help": "ranks that share each batch and hold 1/S of every sequence (Ulysses): longer sequences per rank; heads split around attention", "details": "The ranks of a sequence group read the same batch, each keeps its part of every sequence, and an all-to-all turns tokens into heads around attention and back (any head-local attention: SDPA, eager, causal, sliding-window, grouped-query with key/value heads replicated when fewer than S). Data-parallel width for the data = workers / sequence_parallel; gradients are reduced over all workers by train.strategy (ddp, zero1, zero2, fsdp). A Hugging Face model is split through transformers' attention interface and proved at set-up against the whole model on a probe. See docs/concepts/sequence-parallelism.md."})
+    expert_parallel: int = field(default=1, metadata={"help": "ranks over which each mixture-of-experts layer's experts are split (E consecutive data-parallel ranks); tokens reach them by all-to-all", "details": "Each rank of an expert group holds experts / E of every fused experts module (transformers 5's MoE families) and keeps its own data; the router, its top-k and its load-balancing loss stay the model's. The experts' gradients are averaged over the ranks holding the same experts. strategy=ddp only, not with tensor or pipeline parallelism. See docs/concepts/model-parallelism.md."})
     micro_batches: int = field(default=1, metadata={"help": "micro-batches each worker's batch is cut into for the pipeline (pipeline_parallel > 1); must divide batch_size", "details": "More micro-batches, a smaller idle bubble: (stages - 1) / (micro_batches + stages - 1)."})
     pipeline_schedule: str = field(default="1f1b", metadata={"help": "gpipe: every micro-batch forward, then every one backward; 1f1b: one forward, one backward in turn after a warm-up", "details": "gpipe holds all micro-batches' activations, 1f1b at most pipeline_parallel micro-batches'; the same bubble, the same result.", "choices": PIPELINE_SCHEDULES})
     seed: int = field(default=42, metadata={"help": "one seed for the job; ranks derive theirs from it"})
@@ -155,9 +157,12 @@ class TrainConfig:
             self._check_adasum()
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ValueError(f"TrainConfig.max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm!r}")
-        check_whole_numbers(self, ("tensor_parallel", "pipeline_parallel", "sequence_parallel", "micro_batches"))
+        check_whole_numbers(self, ("tensor_parallel", "pipeline_parallel", "sequence_parallel", "expert_parallel",
+                                   "micro_batches"))
         if self.sequence_parallel > 1:
             self._check_sequence_parallel()
+        if self.expert_parallel > 1:
+            self._check_expert_parallel()
         if self.model_parallel:
             self._check_model_parallel()
         elif self.micro_batches > 1:
@@ -172,7 +177,7 @@ class TrainConfig:
     @property
     def needs_process_sets(self) -> bool:
         """Whether Horovod must start with dynamic process sets (a mesh, or sequence groups)."""
-        return self.model_parallel or self.sequence_parallel > 1
+        return self.model_parallel or self.sequence_parallel > 1 or self.expert_parallel > 1
 
     @property
     def model_parallel(self) -> bool:
@@ -203,6 +208,8 @@ class TrainConfig:
              "dimension of the model-parallel mesh; use sequence_parallel with a data-parallel strategy"),
             (self.strategy not in SEQUENCE_STRATEGIES, f"strategy={self.strategy}: the sequence groups' ranks "
              f"reduce gradients as data-parallel ranks under {', '.join(SEQUENCE_STRATEGIES)}"),
+            (self.expert_parallel > 1, f"expert_parallel={self.expert_parallel}: the router's load-balancing loss "
+             f"would be computed per part of each sequence, not over the sequence as one process does"),
             (self.reduction == "adasum", "reduction=adasum: a sequence group's ranks each hold part of one "
              "gradient, to be summed, which Adasum's combination is not; use reduction=average"),
             (self.sync_batchnorm, "sync_batchnorm: a sequence model has no batch norm to synchronise; set "
@@ -211,6 +218,26 @@ class TrainConfig:
         for refused_here, why in refused:
             if refused_here:
                 raise ValueError(f"TrainConfig.sequence_parallel={self.sequence_parallel} does not work with {why}")
+
+    def _check_expert_parallel(self) -> None:
+        """What expert parallelism does not combine with (yet), each with the reason and the way out."""
+        layout = f"expert_parallel={self.expert_parallel}"
+        refuses = DECLARED[EXPERT_PARALLEL].refuses
+        refused = [
+            (self.strategy != "ddp", f"strategy={self.strategy}: only ddp holds the rest of the model under expert "
+             f"parallelism so far (zero1, zero2, fsdp and ps are not built for it); use strategy=ddp"),
+            (self.model_parallel, f"tensor_parallel={self.tensor_parallel} x pipeline_parallel="
+             f"{self.pipeline_parallel}: {refuses['mesh']}; set both to 1"),
+            (self.reduction == "adasum", f"reduction=adasum: {refuses['adasum']}; use reduction=average"),
+            (self.compile, f"compile: {refuses['compile']}; set compile=false"),
+            (self.checkpoint_format == "sharded", f"checkpoint_format=sharded: {refuses['sharded_checkpoints']}; "
+             f"use checkpoint_format=full"),
+            (self.precision == "fp16", "precision=fp16: the loss scale's inf/nan check covers one rank's gradients, "
+             "and a rank's experts are its own; use precision=bf16 (no loss scale)"),
+        ]
+        for refused_here, why in refused:
+            if refused_here:
+                raise ValueError(f"TrainConfig.{layout} does not work with {why}")
 
     def _check_preempt_signal(self) -> None:
         """preempt_signal as a bare upper-case name (SIGUSR1 and usr1 are USR1), one of PREEMPT_SIGNALS or ''."""

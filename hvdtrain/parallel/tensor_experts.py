@@ -41,8 +41,8 @@ PARAMETER_CUTS = {"colwise": (1, 1), "packed_colwise": (1, 2), "rowwise": (2, 1)
 NOT_REPRODUCED = {
     "embedding_colwise": "an embedding split by its hidden dimension is not implemented",
     "sequence_parallel": "sequence parallelism is not implemented",
-    "grouped_gemm": "expert parallelism (base_model_ep_plan) is not implemented",
-    "ep_dispatch_experts": "expert parallelism (base_model_ep_plan) is not implemented",
+    "grouped_gemm": "transformers' expert-parallel plan (base_model_ep_plan) is not read: use train.expert_parallel",
+    "ep_dispatch_experts": "transformers' expert-parallel plan (base_model_ep_plan) is not read: use train.expert_parallel",
 }
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Callable, Dict, Optional
 
-from hvdtrain.common.capabilities import DECLARED, ELASTIC, MODEL_PARALLEL, STRATEGY_NAMES, supporting
+from hvdtrain.common.capabilities import (DECLARED, ELASTIC, EXPERT_PARALLEL, MODEL_PARALLEL, STRATEGY_NAMES,
+                                          supporting)
 from hvdtrain.config.strategy_checks import either
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ STRATEGIES: Dict[str, str] = {
     "fsdp": "hvdtrain.strategies.fsdp.strategy:FSDPStrategy",
     "ps": "hvdtrain.strategies.ps:PSStrategy",
     MODEL_PARALLEL: "hvdtrain.strategies.model_parallel.strategy:ModelParallelStrategy",
+    EXPERT_PARALLEL: "hvdtrain.strategies.experts:ExpertParallelStrategy",
 }
 
 
@@ -47,8 +49,11 @@ def strategy_class(name: str) -> type:
 
 
 def chosen_name(config: "TrainConfig") -> str:
-    """The registered name of the strategy ``config`` runs: the model-parallel layout over a mesh."""
-    return MODEL_PARALLEL if config.model_parallel else config.strategy
+    """The registered name of the strategy ``config`` runs: the model-parallel layout over a mesh,
+    expert parallelism when train.expert_parallel > 1."""
+    if config.model_parallel:
+        return MODEL_PARALLEL
+    return EXPERT_PARALLEL if config.expert_parallel > 1 else config.strategy
 
 
 def launch_refusal(config: "TrainConfig", world: "World", elastic: bool) -> Optional[str]:
@@ -57,9 +62,11 @@ def launch_refusal(config: "TrainConfig", world: "World", elastic: bool) -> Opti
     if elastic:
         capabilities = DECLARED[chosen_name(config)]
         if not capabilities.supports(ELASTIC):
+            layout = chosen_name(config) != config.strategy
             what = ("train.tensor_parallel / pipeline_parallel do not" if config.model_parallel
+                    else f"train.expert_parallel={config.expert_parallel} does not" if layout
                     else f"train.strategy={config.strategy} does not")
-            also = "" if config.model_parallel else f"use {either(supporting(ELASTIC))} under elastic, or "
+            also = "" if layout else f"use {either(supporting(ELASTIC))} under elastic, or "
             return (f"{what} support Horovod elastic ({capabilities.refuses[ELASTIC]}): {also}launch without "
                     f"--min-np/--max-np")
         if capabilities.elastic_from_checkpoint and not config.checkpoint_dir:
@@ -92,7 +99,7 @@ def build_strategy(config: "TrainConfig", model: "torch.nn.Module", optimizer: "
         deferred: the model was built on the meta device; a strategy that initializes by shard (its capabilities'
             ``initializes_by_shard``) takes it, the others get the model made whole first.
     """
-    cls = strategy_class(MODEL_PARALLEL if mesh is not None else config.strategy)
+    cls = strategy_class(MODEL_PARALLEL if mesh is not None else chosen_name(config))
     if deferred is not None and not cls.capabilities.initializes_by_shard:
         deferred.make_whole()
         deferred = None

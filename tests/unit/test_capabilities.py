@@ -61,8 +61,8 @@ def test_how_a_strategy_declares_it_loads_is_what_its_class_implements():
         assert issubclass(cls, ShardedStrategy) == (loads == caps.OWN_SHARD), name
         # every strategy reads a source through load_from; a mesh reads every rank's file even at its own layout
         assert callable(getattr(cls, "load_from", None)) and callable(getattr(cls, "read_part", None)), name
-        # every strategy whose optimizer steps slices clips a gradient norm as a collective
-        if issubclass(cls, SlicedStateStrategy) or loads == caps.EVERY_PART:
+        # every strategy whose optimizer steps slices (or split experts) clips a gradient norm as a collective
+        if issubclass(cls, SlicedStateStrategy) or loads == caps.EVERY_PART or name == caps.EXPERT_PARALLEL:
             assert cls.capabilities.shards_gradients, name
         else:
             assert not cls.capabilities.shards_gradients, name
