@@ -185,7 +185,14 @@ class CausalSelfAttention(nn.Module):
                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Causal attention of (B, heads, T, C / heads) tensors, within each document given a packed
         row's mask: sequence parallelism runs it on whole sequences of part of the heads
-        (hvdtrain.parallel.sequence.modules)."""
+        (hvdtrain.parallel.sequence.modules).
+
+        Args:
+            q: queries, (B, heads, T, C / heads).
+            k: keys, alike.
+            v: values, alike.
+            mask: a packed row's block-causal mask (None: causal).
+        """
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               dropout_p=self.dropout if self.training else 0.0)
 
