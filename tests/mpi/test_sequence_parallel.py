@@ -218,11 +218,11 @@ def test_heads_that_do_not_split_are_refused_by_name(world):
     if world.size == 1:
         pytest.skip("one rank has no sequence group")
     torch.manual_seed(0)
+    heads = world.size + 1  # a multiple of no S > 1 that divides the world
     model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
-        **{**SHAPE, "hidden_size": 30, "num_attention_heads": 3 * world.size - 1, "num_key_value_heads": 1,
-           "head_dim": 8}))
+        **{**SHAPE, "hidden_size": 8 * heads, "num_attention_heads": heads, "num_key_value_heads": 1, "head_dim": 8}))
     error = refusal(world, model)
-    assert error is not None and f"{3 * world.size - 1} query heads, not a multiple of {world.size}" in error
+    assert error is not None and f"{heads} query heads, not a multiple of {world.size}" in error
 
 
 @pytest.mark.timeout(120)
