@@ -21,6 +21,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 from hvdtrain.common.errors import LayoutError
 from hvdtrain.config.train import TrainConfig
@@ -239,3 +240,35 @@ def test_a_model_that_mixes_tokens_outside_attention_is_refused_before_a_step(wo
         error = refusal(world, model)
     assert error is not None and "would train another model than one process" in error, error
     assert "mixes tokens outside its attention" in error
+
+
+@pytest.mark.timeout(240)
+def test_activation_bytes_per_rank_are_the_sequences_share(world):
+    """What autograd keeps for backward in one step, counted per rank (each storage once, parameters
+    excluded: hvdtrain.bench.sequence.worker): 1/S of one rank's whole-sequence step, plus, per layer,
+    the attention's output in the tokens' layout (B x T/S x width floats), which one process keeps as
+    the same storage as attention's own saved output, and sequence parallelism cannot (that one is
+    laid out by heads). Exact byte counts: the same on any machine."""
+    if world.size == 1:
+        pytest.skip("one rank has no sequence group")
+    from hvdtrain.bench.sequence.worker import SavedActivations
+    length, width, layers = 256, 64, 2
+    counted = {}
+    for sequence in (1, world.size):
+        torch.manual_seed(0)
+        model = TinyTransformerLM(VOCAB, seq_len=length, d_model=width, layers=layers, heads=8)
+        ids = torch.randint(0, VOCAB, (8, length + 1), generator=torch.Generator().manual_seed(1))
+        config = TrainConfig(epochs=1, batch_size=1, max_steps=1, lr=1e-3, warmup_epochs=0, progress="off",
+                             tensorboard=False, sequence_parallel=sequence)
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=1e-3), TensorDataset(ids[:, :-1], ids[:, 1:]),
+                          None, config, world=world, loss_fn=lm_loss)
+        saved = SavedActivations(trainer.model)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
+            trainer.fit()
+        trainer.close_mesh()
+        counted[sequence] = saved.bytes
+    every = helpers.agreed([counted[1], counted[world.size]], name="sp.activations")
+    formula = counted[1] / world.size + layers * (length // world.size) * width * 4
+    for whole, split in every.tolist():
+        assert whole == counted[1]  # every rank keeps the same for a whole sequence
+        assert abs(split - formula) <= 0.01 * formula, f"{split:.0f} bytes against {formula:.0f} (1/S: {whole / world.size:.0f})"

@@ -10,17 +10,22 @@ does not fit: ddp (every rank its own whole sequences) and sequence_parallel = w
 share each sequence). Printed: the longest length each trained, the first that did not fit, the
 ratio of the longest lengths, and per rank at each trained length the activation bytes autograd kept
 for backward against the formula: sequence-parallel activations are 1/S of ddp's at the same
-length (measured at the length both trained, or scaled linearly from ddp's longest).
+length, plus per layer attention's output in the tokens' layout (B x T/S x d_model floats), which
+one process keeps in the same storage as attention's own saved output (per token of the sequence,
+at each ladder's longest).
 """
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Dict, List, Optional, Sequence
 
 from hvdtrain.bench.common import jobs, report
 from hvdtrain.common.tables import format_table
+from hvdtrain.launch.hostfile import Host
 
 WORKER = "hvdtrain.bench.sequence.worker"
+FLOAT32 = 4
 OUT_OF_MEMORY = "ran out of memory"
 # glibc returns freed large blocks at once with a fixed mmap threshold (else they count against
 # RLIMIT_DATA long after torch freed them); Horovod's fusion buffer capped as in the OOM test.
@@ -33,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths-ddp", default="2048,3072,4096,6144", help="ddp's ladder of sequence lengths")
     parser.add_argument("--lengths-split", default="8192,12288,16384,24576",
                         help="sequence parallelism's ladder (multiples of --workers)")
+    parser.add_argument("--d-model", type=int, default=128, help="the example transformer's width (default: 128)")
+    parser.add_argument("--layers", type=int, default=4, help="its blocks (default: 4)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per job (default: 900)")
     parser.add_argument("--launcher", default="mpirun", choices=jobs.LAUNCHERS)
     parser.add_argument("--out", default=None, help="directory for results.json (default: bench-results/sequence-<time>)")
@@ -43,10 +50,13 @@ def climb(sequence: int, lengths: Sequence[int], args: argparse.Namespace) -> Di
     trained: Dict[int, List[Dict[str, int]]] = {}
     failed: Optional[int] = None
     env = {**ENV, "HOROVOD_STALL_CHECK_TIME_SECONDS": "60"}
+    cpus = os.cpu_count() or 1
+    hosts = [Host("localhost", args.workers)] if args.workers > cpus else []  # slots: more ranks than cores
     for length in lengths:
         try:
             result = jobs.run_job(WORKER, ["--sequence", str(sequence), "--length", str(length), "--cap-mib",
-                                           str(args.cap_mib)], args.workers, args.launcher, args.timeout, env=env)
+                                           str(args.cap_mib), "--d-model", str(args.d_model), "--layers", str(args.layers)], args.workers, args.launcher, args.timeout, env=env,
+                                  hosts=hosts)
         except jobs.JobFailed as error:
             if OUT_OF_MEMORY not in str(error):
                 raise
@@ -77,8 +87,12 @@ def run(args: argparse.Namespace) -> int:
                      f"{longest[split] / longest[1]:.2f}x (ddp's first that did not fit: {results[1]['failed']})")
         per_token_ddp = max(r["activations"] for r in results[1]["trained"][longest[1]]) / longest[1]
         per_token_split = max(r["activations"] for r in results[split]["trained"][longest[split]]) / longest[split]
+        # 1/S of ddp's, plus per layer attention's output in the tokens' layout (4 bytes x width per
+        # token of the part), which ddp keeps in the same storage as attention's own saved output.
+        formula = (per_token_ddp + args.layers * args.d_model * FLOAT32) / split
         lines.append(f"activation bytes per rank per token of the sequence: ddp {per_token_ddp:.0f}, S={split} "
-                     f"{per_token_split:.0f}: {per_token_split / per_token_ddp:.3f} of ddp's (formula 1/S = {1 / split:.3f})")
+                     f"{per_token_split:.0f} = {per_token_split / per_token_ddp:.3f} of ddp's; formula (ddp's + "
+                     f"layers x d_model x 4) / S = {formula:.0f} ({per_token_split / formula - 1:+.2%})")
     report.print_lines(lines)
     path = report.write_json(report.output_dir(args.out, "sequence") / "results.json",
                              {"machine": report.machine(), "cap_mib": args.cap_mib, "workers": args.workers,

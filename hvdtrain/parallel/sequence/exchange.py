@@ -30,7 +30,10 @@ def _heads_in(x: torch.Tensor, size: int, process_set: Any, name: str) -> torch.
     batch, heads, length, dim = x.shape
     parts = x.reshape(batch, heads, size, length // size, dim).permute(2, 0, 1, 3, 4)  # sequence part j first
     received = _alltoall(parts, process_set, name)  # (S, batch, heads, length / S, dim): heads part j first
-    return received.transpose(0, 1).reshape(batch, size * heads, length // size, dim)
+    # Laid out (batch, tokens, heads, dim), viewed as (batch, heads, tokens, dim): the caller's turn back
+    # into (batch, tokens, width) (transformers', the example's) is then a view, not another copy.
+    tokens = received.permute(1, 3, 0, 2, 4).reshape(batch, length // size, size * heads, dim)
+    return tokens.transpose(1, 2)
 
 
 class _ToWholeSequence(torch.autograd.Function):
