@@ -184,6 +184,8 @@ class PartsHolder:
     """What the Session (your own loop) and the Trainer (hvdtrain's loop) share: the parts of the run,
     built once in order on every rank and held as ``parts``, and the calls both offer."""
 
+    own_loop = False  # the Session's: your loop runs the forward, not the Trainer's step
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -233,6 +235,11 @@ class PartsHolder:
         elastic_launch = is_elastic_launch()
         hooks = Callbacks(self, callbacks)  # callbacks are given the Session or Trainer the user holds
         refuse_what_cannot_run(cfg, world, elastic_launch, lr_scheduler)
+        if cfg.sequence_parallel > 1 and self.own_loop:
+            raise ValueError(f"train.sequence_parallel={cfg.sequence_parallel} cuts each batch inside the Trainer's "
+                             f"step (each rank its part of every sequence); your own loop's forward would see whole "
+                             f"sequences: use hvdtrain.Trainer (a step_fn of your own is cut the same way), or "
+                             f"train.sequence_parallel=1")
         initialization, model, recomputed_blocks = prepare_model(cfg, model, optimizer, world, init_fn)
         precision = Precision(cfg.precision, world.device)
         topology = build_topology(cfg, world)

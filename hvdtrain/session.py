@@ -55,6 +55,8 @@ class Session(PartsHolder):
     The parts it is made of (strategy, batching, checkpoints...) are ``parts`` (hvdtrain.parts).
     """
 
+    own_loop = True
+
     # --- what users read --------------------------------------------------------------------------
 
     @property

@@ -272,3 +272,42 @@ def test_activation_bytes_per_rank_are_the_sequences_share(world):
     for whole, split in every.tolist():
         assert whole == counted[1]  # every rank keeps the same for a whole sequence
         assert abs(split - formula) <= 0.01 * formula, f"{split:.0f} bytes against {formula:.0f} (1/S: {whole / world.size:.0f})"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["hf", "example"])
+def test_a_forward_of_your_own_on_whole_sequences_is_one_processes(world, kind):
+    """Outside the Trainer's step (an evaluation of your own, generation) the model attends whole
+    sequences as one process does: no exchange, no rank's part taken for the whole."""
+    if world.size == 1:
+        pytest.skip("one rank has no sequence group")
+    make = (lambda seed: hf_model("llama", seed)) if kind == "hf" else example_model  # noqa: E731
+    with float64_throughout():
+        model = make(0)
+        config = TrainConfig(epochs=1, batch_size=BATCH, lr=0.01, warmup_epochs=0, max_steps=1, seed=SEED,
+                             log_every=1000, tensorboard=False, sequence_parallel=world.size)
+        trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), helpers.token_data(VOCAB, SEQ), None,
+                          config, world=world, step_fn=causal_lm_step if kind == "hf" else example_step)
+        trainer.fit()
+        whole = make(1)
+        whole.load_state_dict(trainer.strategy.state_dict()["model"])
+        ids = helpers.token_data(VOCAB, SEQ).tensors[0][:2]
+        with torch.no_grad():
+            mine = trainer.model(input_ids=ids).logits if kind == "hf" else trainer.model(ids)
+            expected = whole(input_ids=ids).logits if kind == "hf" else whole(ids)
+        trainer.close_mesh()
+    worst = helpers.agreed([(mine - expected).abs().max().item()], name="sp.own.forward")
+    assert worst.max().item() < 1e-12, worst.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_your_own_loop_is_refused_by_name(world):
+    """The Session's loop runs the forward itself, on whole batches: sequence parallelism cannot cut them."""
+    if world.size == 1:
+        pytest.skip("one rank has no sequence group")
+    import hvdtrain
+    config = TrainConfig(epochs=1, batch_size=BATCH, sequence_parallel=world.size, tensorboard=False)
+    model = example_model(0)
+    with pytest.raises(ValueError, match="use hvdtrain.Trainer"):
+        hvdtrain.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), helpers.token_data(VOCAB, SEQ),
+                       config=config, world=world)

@@ -49,6 +49,10 @@ class BatchSplitter:
         self.size, self.index = group.size, group.index
         self.length: Optional[int] = None
         self.padding_mask: Optional[torch.Tensor] = None
+        # True while a split step runs. A model's forward outside one (an evaluation of your own on
+        # whole sequences) attends as one process does; the model's own pre-forward hook reads it once
+        # per forward, so a backward's recomputation (activation checkpointing) keeps its forward's choice.
+        self.active = False
 
     def _part(self, tensor: torch.Tensor) -> torch.Tensor:
         width = tensor.shape[1] // self.size
@@ -126,8 +130,12 @@ def split_step(step_fn: Callable[[torch.nn.Module, Any], Tuple[torch.Tensor, dic
     """``step_fn`` on this rank's part of every batch, its loss scaled to its share of the group's."""
     def step(model: torch.nn.Module, batch: Any) -> Tuple[torch.Tensor, dict]:
         local, scale = splitter.split(batch)
-        with splitter.positioned(batch):
-            loss, metrics = step_fn(model, local)
+        splitter.active = True
+        try:
+            with splitter.positioned(batch):
+                loss, metrics = step_fn(model, local)
+        finally:
+            splitter.active = False
         return (loss * scale if scale != 1.0 else loss), metrics
 
     step.supervised_loss_fn = getattr(step_fn, "supervised_loss_fn", None)

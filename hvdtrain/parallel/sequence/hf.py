@@ -11,8 +11,9 @@ sequence. Position ids (rotary embeddings) come with the batch (batches.py). Wha
 across the sequence outside attention (a convolution, a token shift) is not head-local: set-up's
 probe (probe.py) finds it, and the layout is refused.
 
-The state is kept by the config's identity (transformers' configs are not hashable) and switched
-off for the probe's whole-model run.
+The state is kept by the config's identity (transformers' configs are not hashable). It splits only
+the forwards of the Trainer's split step (batches.split_step): the model's pre-forward hook switches
+it on there and off for any other forward (the probe's whole-model run, an evaluation of your own).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ class SplitAttention:
 
     def __init__(self, group: Any, split: HeadSplit, inner: str, batches: Any) -> None:
         self.group, self.split, self.inner, self.batches = group, split, inner, batches
-        self.enabled = True
+        self.enabled = False  # set by the model's pre-forward hook: on inside a split step only
 
     def attention_function(self, module: nn.Module):
         if self.inner == "eager":  # the family's own eager function, as the model would pick it
@@ -126,7 +127,9 @@ def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_
 
 def _positions(state: SplitAttention, module: nn.Module, args: tuple, kwargs: dict):
     """A forward given this rank's part of the sequences without position ids (a step of your own
-    calling ``model(input_ids=...)``) gets the whole sequence's: rotary embeddings need them."""
+    calling ``model(input_ids=...)``) gets the whole sequence's: rotary embeddings need them. Outside a
+    split step (a forward of your own on whole sequences) the model attends as one process does."""
+    state.enabled = state.batches.active
     if not state.enabled or kwargs.get("position_ids") is not None:
         return None
     tokens = kwargs.get("input_ids", args[0] if args else None)

@@ -6,12 +6,12 @@ A module of your own takes part by computing attention in one method, ``attend(q
 refused), with its head count in ``heads``
 (and ``kv_heads`` when fewer key/value heads), and by adding ``token_offset()`` to its positions
 (hvdtrain.examples.textlm does both). Each such module's ``attend`` is wrapped to run on whole
-sequences of 1/S of the heads.
+sequences of 1/S of the heads inside the Trainer's split step, and as it was in any other forward.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, List
+from typing import Any, Dict, List
 
 from torch import nn
 
@@ -25,9 +25,11 @@ def _own_attention(model: nn.Module) -> List[nn.Module]:
     return [m for m in model.modules() if callable(getattr(m, "attend", None)) and isinstance(getattr(m, "heads", None), int)]
 
 
-def _split_attend(attend, module_name: str, group: Any, split: Any):
+def _split_attend(attend, module_name: str, group: Any, split: Any, switch: Dict[str, bool]):
     @functools.wraps(attend)
     def attend_whole_sequences(q, k, v, mask=None):
+        if not switch["on"]:  # a forward outside the Trainer's split step: whole sequences, as one process
+            return attend(q, k, v) if mask is None else attend(q, k, v, mask)
         if mask is not None:  # a packed row's document mask: this rank holds part of its positions
             raise LayoutError(f"train.sequence_parallel does not take packed rows (an attention mask) yet in "
                               f"{module_name!r}: train them without sequence parallelism")
@@ -55,8 +57,11 @@ def prepare(model: nn.Module, group: Any) -> BatchSplitter:
                           f"a Hugging Face model's, or modules of your own with an attend(q, k, v) method and a "
                           f"heads attribute (see docs/concepts/sequence-parallelism.md)")
     names = {id(m): name for name, m in model.named_modules()}
+    # Read once per forward, at the model's entry: a backward's recomputation keeps its forward's choice.
+    switch = {"on": False}
+    model.register_forward_pre_hook(lambda *_: switch.update(on=splitter.active))
     for module in modules:
         split = head_split(module.heads, getattr(module, "kv_heads", module.heads), group.size,
                            f"{type(module).__name__} {names[id(module)]!r}")
-        module.attend = _split_attend(module.attend, names[id(module)] or "attention", group, split)
+        module.attend = _split_attend(module.attend, names[id(module)] or "attention", group, split, switch)
     return splitter

@@ -61,12 +61,8 @@ def prove(model: nn.Module, splitter: BatchSplitter, group: Any, forward_only: C
     training = model.training
     model.eval()
     try:
-        with torch.no_grad():
-            state.enabled = False
-            try:
-                whole_loss, whole = forward_only(_forward, batch)
-            finally:
-                state.enabled = True
+        with torch.no_grad():  # outside a split step the model attends whole (hf.py)
+            whole_loss, whole = forward_only(_forward, batch)
             split_loss, split = forward_only(split_step(_forward, splitter), batch)
         kwargs = {} if group.process_set is None else {"process_set": group.process_set}
         mean = hvd.allreduce(split_loss.double().reshape(1), op=hvd.Average, name="sequence.probe.loss", **kwargs)
