@@ -85,7 +85,7 @@ def setup_from(args: argparse.Namespace) -> planner.Setup:
 
 def table_lines(result: planner.Plan) -> List[str]:
     setup, shape = result.setup, result.setup.shape
-    rows = [[e.layout.strategy, e.layout.tensor, e.layout.pipeline, e.layout.data, e.layout.micro_batches,
+    rows = [[e.layout.strategy, e.layout.tensor, e.layout.pipeline, e.layout.sequence, e.layout.data, e.layout.micro_batches,
              e.states / MiB, e.activations / MiB, e.total / MiB, e.step_s * 1e3, e.samples_per_s]
             for e in result.fitting]
     title = (f"{LABEL}: {planner.format_count(shape.total)} parameters ({shape.layers} layers, d_model {shape.d_model}, "
@@ -93,7 +93,7 @@ def table_lines(result: planner.Plan) -> List[str]:
              f"global batch {setup.batch}, {setup.workers} workers x {format_bytes(setup.memory)}, {setup.network}, "
              f"{setup.flops / 1e12:.3g} TFLOP/s and an update at {setup.update_bandwidth / 1e12:.3g} TB/s per device "
              f"(assumed). Layouts that fit, fastest first:")
-    headers = ["strategy", "T", "P", "D", "M", "params+grads+state MiB (modelled)", "activations MiB (modelled)",
+    headers = ["strategy", "T", "P", "S", "D", "M", "params+grads+state MiB (modelled)", "activations MiB (modelled)",
                "total MiB (modelled)", "step ms (modelled)", "samples/s (modelled)"]
     lines = [format_table(headers, rows, title)]
     if result.too_big:
@@ -111,6 +111,8 @@ def _how_to_run(layout: planner.Layout, batch: int) -> str:
         flags.append(f"--train.tensor_parallel={layout.tensor}")
     if layout.pipeline > 1:
         flags += [f"--train.pipeline_parallel={layout.pipeline}", f"--train.micro_batches={layout.micro_batches}"]
+    if layout.sequence > 1:
+        flags.append(f"--train.sequence_parallel={layout.sequence}")
     return "  run with: " + " ".join(flags)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from hvdtrain.common.capabilities import STRATEGY_NAMES
+from hvdtrain.config.train import SEQUENCE_STRATEGIES
 from hvdtrain.common.units import MiB
 from hvdtrain.planner.model_shape import ModelShape
 from hvdtrain.planner.network import CALIBRATION, NETWORKS, Calibration, Network
@@ -61,13 +62,24 @@ class Layout:
     strategy: str
     tensor: int
     pipeline: int
-    data: int
+    data: int                       # data-parallel groups: each its own batch
     micro_batches: int = 1
+    sequence: int = 1               # ranks per data group sharing its batch, each 1/S of every sequence
 
     @property
     def name(self) -> str:
         micro = f" M={self.micro_batches}" if self.pipeline > 1 else ""
-        return f"{self.strategy} T={self.tensor} P={self.pipeline} D={self.data}{micro}"
+        sequence = f" S={self.sequence}" if self.sequence > 1 else ""
+        return f"{self.strategy} T={self.tensor} P={self.pipeline} D={self.data}{sequence}{micro}"
+
+    @property
+    def ranks(self) -> int:
+        return self.data * self.sequence * self.tensor * self.pipeline
+
+    @property
+    def sharing(self) -> int:
+        """Ranks over which the strategy reduces and shards (a sequence group's ranks are data-parallel ranks)."""
+        return self.data * self.sequence
 
 
 def _divisors(n: int) -> List[int]:
@@ -84,7 +96,8 @@ def default_micro_batches(replica_batch: int, pipeline: int) -> int:
 
 def layouts(setup: Setup, workers: Optional[int] = None) -> List[Layout]:
     """Every layout hvdtrain runs on ``workers``: T divides the heads, P at most the layers + 2, the
-    data replicas share the global batch evenly, and the micro-batches divide a replica's batch."""
+    data replicas share the global batch evenly, and the micro-batches divide a replica's batch; and
+    sequence parallelism, S dividing the heads and the sequence, under each strategy that serves it."""
     n, shape = setup.workers if workers is None else workers, setup.shape
     found = []
     for tensor in (t for t in _divisors(n) if shape.heads % t == 0):
@@ -101,6 +114,11 @@ def layouts(setup: Setup, workers: Optional[int] = None) -> List[Layout]:
             else:  # over a mesh: plain replicas, or ZeRO-1 over each data group when there are several
                 strategies = ("ddp", "zero1") if data > 1 else ("ddp",)
             found += [Layout(s, tensor, pipeline, data, micro if pipeline > 1 else 1) for s in strategies]
+    # Sequence parallelism (no tensor or pipeline split yet): S divides the heads and the sequence.
+    for sequence in (s for s in _divisors(n) if s > 1 and shape.heads % s == 0 and shape.seq_len % s == 0):
+        data = n // sequence
+        if setup.batch % data == 0:
+            found += [Layout(s, 1, 1, data, sequence=sequence) for s in SEQUENCE_STRATEGIES]
     return found
 
 

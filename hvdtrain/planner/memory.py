@@ -49,6 +49,11 @@ def _activation_bytes(setup: Setup, layout: Layout, blocks: int, held: int, last
     per_block = s * micro * d * (ACTIVATION_FIXED + ACTIVATION_SPLIT / layout.tensor
                                  + ACTIVATION_ATTENTION * heads * s / (d * layout.tensor)) * width / 2
     logits = 2 * micro * s * setup.shape.vocab * width if last else 0.0  # logits and their gradient
+    # Sequence parallelism: 1/S of every token-wise term, and attention's scores are whole sequences of
+    # 1/S of the heads: all of it / S (plus attention's output per block in the tokens' layout: 2 bytes x d).
+    if layout.sequence > 1:
+        per_block = per_block / layout.sequence + s / layout.sequence * micro * d * width
+        logits /= layout.sequence
     return blocks * held * per_block + logits
 
 
@@ -60,7 +65,7 @@ def memory(setup: Setup, layout: Layout) -> Estimate:
     rows = []
     for index, (stage, elements) in enumerate(zip(stage_layers(shape, layout.pipeline),
                                                   stage_elements(shape, layout.tensor, layout.pipeline))):
-        held = sharded_state_bytes(layout.strategy, elements, width, width, state, layout.data, setup.ps_servers)
+        held = sharded_state_bytes(layout.strategy, elements, width, width, state, layout.sharing, setup.ps_servers)
         blocks = sum(layers[i].block for i in stage)
         in_flight = min(layout.micro_batches, layout.pipeline - index)
         activations = _activation_bytes(setup, layout, blocks, in_flight, index == layout.pipeline - 1)

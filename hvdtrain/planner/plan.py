@@ -62,7 +62,8 @@ def make_plan(setup: Setup) -> Plan:
 def _rank(e: Estimate) -> Tuple[float, int, int]:
     """Fastest first; on a tie in modelled time, the simpler layout (no model split, then ddp before
     the sharding strategies): the model cannot tell them apart, and the simpler one has less to go wrong."""
-    return (round(e.step_s, 12), e.layout.tensor * e.layout.pipeline, STRATEGIES.index(e.layout.strategy))
+    return (round(e.step_s, 12), e.layout.tensor * e.layout.pipeline * e.layout.sequence,
+            STRATEGIES.index(e.layout.strategy))
 
 
 def _smallest(setup: Setup, workers: int) -> Optional[Estimate]:
@@ -92,6 +93,6 @@ def what_would_fit(setup: Setup, estimates: Sequence[Estimate]) -> str:
     more = fewest_workers(setup)
     if more is None:
         return text + f" No worker count up to {1 << 20} fits {format_bytes(setup.memory)} per worker."
-    workers = more.layout.data * more.layout.tensor * more.layout.pipeline
+    workers = more.layout.ranks
     return text + (f" At {format_bytes(setup.memory)} per worker, the fewest workers that fit are {workers} "
                    f"({more.layout.name}: {format_bytes(more.total)} per worker).")

@@ -3,7 +3,8 @@ rate), stretched by the pipeline's bubble (M + P - 1) / M; the optimizer's updat
 bandwidth (28 bytes per element for Adam, 20 for SGD with momentum) and shared by the ranks that
 shard it; and communication by the network model (hvdtrain.planner.network): the data-parallel
 exchange of each strategy (partly hidden behind backward), the tensor group's 4 all-reduces per block
-and micro-batch, and the pipeline's sends between neighbouring stages."""
+and micro-batch, the sequence group's 8 all-to-alls per block, and the pipeline's sends between
+neighbouring stages. Under sequence parallelism each rank computes 1/S of its group's tokens."""
 from __future__ import annotations
 
 import math
@@ -52,10 +53,26 @@ def allreduce_s(setup: Setup, nbytes: float, size: int, stride: int, calls: int 
                     + buffers * ring_latency_s(size, nodes, net_alpha, intra_alpha))
 
 
+def alltoall_s(setup: Setup, nbytes: float, size: int, calls: int = 1) -> float:
+    """Seconds of all-to-alls over a group of neighbouring ranks, each rank holding ``nbytes`` and
+    sending (size - 1) / size of it, one latency per exchange.
+
+    Args:
+        setup: the cluster and run being planned.
+        nbytes: bytes each rank holds before the exchange.
+        size: ranks in the group.
+        calls: all-to-alls.
+    """
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    nodes, bandwidth, net_alpha, intra_alpha = _group_link(setup, size, 1)
+    return calls * (nbytes * (size - 1) / size / bandwidth + (net_alpha if nodes > 1 else intra_alpha))
+
+
 def _gradient_comm_s(setup: Setup, layout: Layout, elements: float) -> Tuple[float, float]:
     """(hideable behind backward, exposed) seconds of the data-parallel exchange."""
     grads = elements * PRECISIONS[setup.precision]
-    ring = allreduce_s(setup, grads, layout.data, layout.tensor * layout.pipeline)
+    ring = allreduce_s(setup, grads, layout.sharing, layout.tensor * layout.pipeline)
     if layout.strategy == "ddp":
         return ring, 0.0
     if layout.strategy == "zero1" and layout.tensor * layout.pipeline > 1:
@@ -64,7 +81,7 @@ def _gradient_comm_s(setup: Setup, layout: Layout, elements: float) -> Tuple[flo
         return ring / 2, ring / 2
     if layout.strategy == "fsdp":  # per unit: all-gather forward, all-gather backward, reduce-scatter
         units = setup.shape.layers + 1
-        per_unit = allreduce_s(setup, grads / units, layout.data, 1)
+        per_unit = allreduce_s(setup, grads / units, layout.sharing, 1)
         return 1.5 * units * per_unit, 0.0
     # ps: the busiest server receives every worker's gradients of its slice and sends the weights back.
     nodes, bandwidth, net_alpha, intra_alpha = _group_link(setup, layout.data, 1)
@@ -81,7 +98,7 @@ def update_bytes_per_element(optimizer: str) -> int:
 def update_s(setup: Setup, layout: Layout, elements: float) -> float:
     """Seconds of the optimizer's update on the busiest rank, which holds ``elements`` of the model."""
     if layout.strategy in ("zero1", "zero2", "fsdp"):
-        updated = elements / layout.data  # each rank updates its slice
+        updated = elements / layout.sharing  # each rank updates its slice
     elif layout.strategy == "ps":
         updated = elements / setup.ps_servers  # a server updates its slice; workers none
     else:
@@ -97,7 +114,7 @@ def estimate(setup: Setup, layout: Layout) -> Estimate:
     blocks = max(sum(shape.pipeline_layers()[i].block for i in stage)
                  for stage in stage_layers(shape, layout.pipeline))
     replica_batch = setup.batch / layout.data
-    ideal = 6 * elements * replica_batch * shape.seq_len / setup.flops
+    ideal = 6 * elements * replica_batch * shape.seq_len / layout.sequence / setup.flops
     m, p = layout.micro_batches, layout.pipeline
     bubble = ideal * (p - 1) / m
     compute = ideal + bubble
@@ -107,11 +124,14 @@ def estimate(setup: Setup, layout: Layout) -> Estimate:
     if p > 1:
         nodes, bandwidth, net_alpha, intra_alpha = _group_link(setup, 2, layout.tensor)  # stage -> next stage
         pipe_s = 2 * m * (activation / bandwidth + (net_alpha if nodes > 1 else intra_alpha))
+    sequence_s = 0.0
+    if layout.sequence > 1:  # 4 all-to-alls per block forward (q, k, v out; the output back), 4 backward
+        sequence_s = alltoall_s(setup, activation / layout.sequence, layout.sequence, calls=8 * blocks)
     hideable, exposed = _gradient_comm_s(setup, layout, elements)
     window = ideal if layout.strategy == "fsdp" else 2 / 3 * ideal  # fsdp prefetches in forward too
     hidden = min(setup.calibration.overlap * hideable, window)
     straggler = compute * setup.calibration.jitter * expected_max_normal(setup.workers)
-    comm = tensor_s + pipe_s + hideable + exposed
+    comm = tensor_s + pipe_s + sequence_s + hideable + exposed
     update = update_s(setup, layout, elements)
     step = compute + update + straggler + comm - hidden
     return replace(held, compute_s=ideal, bubble_s=bubble, update_s=update, comm_s=comm - hidden, step_s=step,

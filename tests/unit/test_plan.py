@@ -172,3 +172,43 @@ def test_zero1_over_a_mesh_shards_the_state_and_pays_the_parameters_broadcast():
     assert (zero1.parameters, zero1.gradients) == (ddp.parameters, ddp.gradients)
     assert zero1.update_s == ddp.update_s / 2
     assert zero1.comm_s > ddp.comm_s  # the same all-reduce, then each parameter from its owner
+
+
+LONG = planner.ModelShape(layers=8, d_model=1024, seq_len=8192, vocab=32000, heads=16)
+
+
+def test_sequence_parallelism_is_a_layout_where_heads_and_sequence_divide():
+    setup = planner.Setup(SMALL, batch=8, memory=2**40, workers=4)
+    found = {layout.name for layout in planner.layouts(setup)}
+    assert {"ddp T=1 P=1 D=2 S=2", "fsdp T=1 P=1 D=1 S=4", "zero2 T=1 P=1 D=2 S=2"} <= found
+    assert not any(" S=" in name and name.startswith("ps ") for name in found)  # ps does not serve it
+    odd = planner.Setup(replace(SMALL, d_model=36, heads=3), batch=8, memory=2**40, workers=4)
+    assert not any(layout.sequence > 1 for layout in planner.layouts(odd))  # 3 heads split over no S > 1
+
+
+def test_sequence_parallelism_holds_a_share_of_the_activations_and_shards_over_every_rank():
+    setup = planner.Setup(LONG, batch=4, memory=2**40, workers=4, precision="bf16")
+    whole = planner.memory(setup, planner.Layout("fsdp", 1, 1, 4))
+    split = planner.memory(setup, planner.Layout("fsdp", 1, 1, 1, sequence=4))
+    assert split.states == pytest.approx(whole.states)  # fsdp shards over all 4 ranks either way
+    # The same sequence per data group (one group of 4 ranks holds what one rank held, split 4 ways):
+    # a quarter, plus attention's output in the tokens' layout per block.
+    one_rank = planner.memory(planner.Setup(LONG, batch=4, memory=2**40, workers=1, precision="bf16"),
+                              planner.Layout("ddp", 1, 1, 1))
+    extra = LONG.layers * LONG.seq_len / 4 * 4 * LONG.d_model * 2  # 4 sequences of the group, bf16
+    assert split.activations == pytest.approx(one_rank.activations / 4 + extra)
+
+
+def test_a_long_context_on_more_workers_than_sequences_is_planned_with_sequence_parallelism():
+    """Two sequences of 8192 tokens per step on 8 workers: data parallelism alone cannot use them all;
+    tensor parallelism can, at four all-reduces of the whole activations per block, where sequence
+    parallelism's all-to-alls move 1/S of them: the plan ranks it first and says how to run it."""
+    setup = planner.Setup(LONG, batch=2, memory=16 * 2**30, workers=8, precision="bf16", network="nvlink",
+                          gpus_per_node=8)
+    plan = planner.make_plan(setup)
+    best = plan.recommended
+    unsplit = [e for e in plan.fitting if e.layout.sequence == 1]
+    assert best.layout.sequence > 1 and unsplit, [e.layout.name for e in plan.fitting[:5]]
+    assert best.step_s < min(e.step_s for e in unsplit)
+    lines = "\n".join(cli.plan.table_lines(plan))
+    assert f"--train.sequence_parallel={best.layout.sequence}" in lines
