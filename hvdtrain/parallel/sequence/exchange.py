@@ -36,26 +36,17 @@ def _heads_in(x: torch.Tensor, size: int, process_set: Any, name: str) -> torch.
     return tokens.transpose(1, 2)
 
 
-class _ToWholeSequence(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One exchange forward, its inverse on the gradient backward (an all-to-all is a permutation)."""
+
     @staticmethod
-    def forward(ctx, x, size, process_set, name):
-        ctx.size, ctx.process_set, ctx.name = size, process_set, name
-        return _heads_out(x, size, process_set, name)
+    def forward(ctx, x, forward, inverse, size, process_set, name):
+        ctx.inverse, ctx.size, ctx.process_set, ctx.name = inverse, size, process_set, name
+        return forward(x, size, process_set, name)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_in(grad, ctx.size, ctx.process_set, ctx.name + ".grad"), None, None, None
-
-
-class _ToOwnTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, size, process_set, name):
-        ctx.size, ctx.process_set, ctx.name = size, process_set, name
-        return _heads_in(x, size, process_set, name)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_out(grad, ctx.size, ctx.process_set, ctx.name + ".grad"), None, None, None
+        return ctx.inverse(grad, ctx.size, ctx.process_set, ctx.name + ".grad"), None, None, None, None, None
 
 
 def to_whole_sequence(x: torch.Tensor, size: int, process_set: Any, name: str) -> torch.Tensor:
@@ -69,7 +60,7 @@ def to_whole_sequence(x: torch.Tensor, size: int, process_set: Any, name: str) -
     """
     if size == 1:
         return x
-    return _ToWholeSequence.apply(x, size, process_set, name)
+    return _Exchange.apply(x, _heads_out, _heads_in, size, process_set, name)
 
 
 def to_own_tokens(x: torch.Tensor, size: int, process_set: Any, name: str) -> torch.Tensor:
@@ -83,4 +74,4 @@ def to_own_tokens(x: torch.Tensor, size: int, process_set: Any, name: str) -> to
     """
     if size == 1:
         return x
-    return _ToOwnTokens.apply(x, size, process_set, name)
+    return _Exchange.apply(x, _heads_in, _heads_out, size, process_set, name)
