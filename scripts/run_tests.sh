@@ -61,7 +61,7 @@ on_gloo() {  # KEY NP LIMIT PYTEST-ARGUMENTS...
 # (834 s one file at a time, 686-695 s two at a time, on 2 AVX-512 cores; 1490 s on 2 AVX2 cores,
 # hence a limit well above it).
 phase single 0 "one process: tests/unit tests/launch" \
-  timeout -k 10 2400 $PYTEST -n "${TEST_FILES_AT_ONCE:-2}" --dist loadfile --durations=20 tests/unit tests/launch \
+  timeout -k 10 2400 $PYTEST -n "${TEST_FILES_AT_ONCE:-2}" --dist loadfile --no-loadscope-reorder --durations=20 tests/unit tests/launch \
   --junitxml="$RESULTS/single.xml"
 on_mpirun mpi "$NP" 900 tests/mpi
 on_gloo gloo "$NP" 900 tests/mpi -m "not skip_gloo"
