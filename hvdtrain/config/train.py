@@ -214,6 +214,8 @@ class TrainConfig:
              "gradient, to be summed, which Adasum's combination is not; use reduction=average"),
             (self.sync_batchnorm, "sync_batchnorm: a sequence model has no batch norm to synchronise; set "
              "sync_batchnorm=false"),
+            (self.compile, "compile: the all-to-alls inside the compiled forward and its switch between split and "
+             "whole forwards are not proved under torch.compile yet; set compile=false"),
         ]
         for refused_here, why in refused:
             if refused_here:

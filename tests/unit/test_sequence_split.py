@@ -120,6 +120,7 @@ def test_the_exchange_gives_each_rank_whole_sequences_of_its_heads_and_back(monk
     (dict(sequence_parallel=2, reduction="adasum"), "reduction=adasum"),
     (dict(sequence_parallel=2, strategy="ps"), "strategy=ps"),
     (dict(sequence_parallel=2, expert_parallel=2), "load-balancing loss"),
+    (dict(sequence_parallel=2, compile=True), "compile"),
     (dict(sequence_parallel=0), "sequence_parallel"),
 ])
 def test_settings_sequence_parallelism_cannot_serve_are_refused(settings, message):
