@@ -158,10 +158,29 @@ def split_experts(module: nn.Module, groups: ExpertGroups, path: str) -> nn.Modu
     return split
 
 
+class _NamedAlltoall(torch.autograd.Function):
+    """Horovod's all-to-all with its gradient's all-to-all named too. Horovod's own autograd names the
+    backward's ``alltoall.noname.<handle>``, a per-process counter: ranks that made different numbers of
+    collectives before (a pipeline's stages, a test suite) then wait for each other under different names."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, process_set, name):
+        output, received = hvd.alltoall(tensor.contiguous(), splits=splits, name=name, process_set=process_set)
+        ctx.received, ctx.process_set, ctx.name = received, process_set, name
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        back, _ = hvd.alltoall(grad.contiguous(), splits=ctx.received, name=f"{ctx.name}.grad",
+                               process_set=ctx.process_set)
+        return back, None, None, None
+
+
 def _alltoall(tensor: torch.Tensor, splits: torch.Tensor, group: Group, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
     if group.process_set is None:  # a group of one rank: everything stays here
         return tensor, splits
-    return hvd.alltoall(tensor.contiguous(), splits=splits, name=name, process_set=group.process_set)
+    return _NamedAlltoall.apply(tensor, splits, group.process_set, name)
 
 
 class _Dispatch:
