@@ -9,8 +9,8 @@ top_k_index, top_k_weights)``, every rank sends each (token, chosen expert) pair
 owner with an all-to-all (uneven splits: Horovod exchanges the counts per destination first), the
 owner runs the module's own forward (its class's, any experts implementation) on its slice of the
 experts and on what it received, the results come back by the reverse all-to-all, and the sender
-adds them per token as the module does (pairs sorted by expert, so in the module's order). Horovod's
-all-to-all has autograd: backward sends the gradients the same ways back.
+adds them per token as the module does (pairs sorted by expert, so in the module's order). Backward
+sends the gradients the same ways back, by all-to-alls named as the forward's (_NamedAlltoall).
 
 Gradients: with the loss the mean of the N ranks' losses, an expert's gradient is 1/N of the sum
 over every token routed to it from every rank. Its owner's local gradient already sums its expert

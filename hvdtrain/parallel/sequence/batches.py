@@ -64,8 +64,9 @@ class BatchSplitter:
                               f"parts, and this batch's {what} has {length} tokens: pad or cut sequences to a "
                               f"multiple of {self.size}")
 
-    def split(self, batch: Any) -> Tuple[Any, float]:
-        """(this rank's part of ``batch``, the factor its mean loss is scaled by)."""
+    def split(self, batch: Any) -> Tuple[Any, Any]:
+        """(this rank's part of ``batch``, the factor its mean loss is scaled by: a number, or a tensor
+        on the batch's device, so that no step waits for the device to count targets)."""
         if isinstance(batch, Mapping) and "input_ids" in batch:
             return self._split_tokenized(batch)
         if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(
@@ -103,16 +104,16 @@ class BatchSplitter:
         local["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum().clamp_min(1)
         return local, float(self.size)
 
-    def _split_pair(self, batch: Any) -> Tuple[tuple, float]:
+    def _split_pair(self, batch: Any) -> Tuple[tuple, Any]:
         inputs, targets = batch
         self._check_length(inputs.shape[1], "inputs")
         self.length, self.padding_mask = inputs.shape[1], None
         local_targets = self._part(targets)
         if targets.is_floating_point():
             return (self._part(inputs), local_targets), 1.0
-        counted = (targets != IGNORE_INDEX).sum().item()
-        mine = (local_targets != IGNORE_INDEX).sum().item()
-        return (self._part(inputs), local_targets), self.size * mine / max(counted, 1)
+        counted = (targets != IGNORE_INDEX).sum().clamp_min(1)
+        mine = (local_targets != IGNORE_INDEX).sum()
+        return (self._part(inputs), local_targets), self.size * mine / counted
 
     @contextlib.contextmanager
     def positioned(self, batch: Any) -> Iterator[None]:
@@ -136,7 +137,7 @@ def split_step(step_fn: Callable[[torch.nn.Module, Any], Tuple[torch.Tensor, dic
                 loss, metrics = step_fn(model, local)
         finally:
             splitter.active = False
-        return (loss * scale if scale != 1.0 else loss), metrics
+        return (loss if isinstance(scale, float) and scale == 1.0 else loss * scale), metrics
 
     step.supervised_loss_fn = getattr(step_fn, "supervised_loss_fn", None)
     step.splits_sequences = True

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hvdtrain.common.errors import LayoutError
-from hvdtrain.parallel.sequence.attention import HeadSplit, head_split, split_attention
+from hvdtrain.parallel.sequence.attention import head_split, split_attention
 from hvdtrain.parallel.sequence.batches import token_offset
 
 NAME = "hvdtrain_sequence"
@@ -34,18 +34,18 @@ _STATES: Dict[int, "SplitAttention"] = {}
 
 
 class SplitAttention:
-    """One model's sequence-parallel attention: its group, head split, the implementation it wraps,
-    and the batch it is computing (for the whole sequence's mask).
+    """One model's sequence-parallel attention: its group, the implementation it wraps, and the batch
+    it is computing (for the whole sequence's mask). The heads' split is taken from each layer's
+    tensors as it runs (a config may not say: multi-query GPT-BigCode).
 
     Args:
         group: the sequence group (``size``, ``index``, ``process_set``).
-        split: how the heads go over it (attention.head_split).
         inner: the attention implementation the model had (``sdpa``, ``eager``, ...).
         batches: the batch splitter (its ``length`` and ``padding_mask``).
     """
 
-    def __init__(self, group: Any, split: HeadSplit, inner: str, batches: Any) -> None:
-        self.group, self.split, self.inner, self.batches = group, split, inner, batches
+    def __init__(self, group: Any, inner: str, batches: Any) -> None:
+        self.group, self.inner, self.batches = group, inner, batches
         self.enabled = False  # set by the model's pre-forward hook: on inside a split step only
 
     def attention_function(self, module: nn.Module):
@@ -180,10 +180,10 @@ def install(model: nn.Module, group: Any, batches: Any) -> SplitAttention:
     if not isinstance(heads, int):
         raise LayoutError(f"train.sequence_parallel needs {family}'s config.num_attention_heads to split its heads")
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    split = head_split(heads, kv_heads, group.size, family)
+    head_split(heads, kv_heads, group.size, family)  # refused by name before any forward when they cannot split
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, _mask)
-    state = SplitAttention(group, split, inner, batches)
+    state = SplitAttention(group, inner, batches)
     _STATES[id(config)] = state
     model.set_attn_implementation(NAME)
     model.register_forward_pre_hook(functools.partial(_positions, state), with_kwargs=True)
