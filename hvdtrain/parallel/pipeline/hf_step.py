@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from hvdtrain.common.errors import HvdtrainError
+from hvdtrain.data.packing import IGNORE_INDEX  # transformers' ignore_index of labels (padding, prompts)
 from hvdtrain.parallel.pipeline.schedule import Measure
 
-IGNORE_INDEX = -100  # transformers' ignore_index of labels (padding, prompts)
 # What the stages give the model: the first stage's ids, every stage's mask, the last stage's labels.
 READ_KEYS = ("input_ids", "attention_mask", "labels")
 

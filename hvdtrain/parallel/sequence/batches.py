@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from hvdtrain.common.errors import LayoutError
+from hvdtrain.data.packing import IGNORE_INDEX
 
-IGNORE_INDEX = -100  # transformers' and torch's cross-entropy default
 _OFFSET: contextvars.ContextVar[int] = contextvars.ContextVar("hvdtrain_sequence_offset", default=0)
 
 
