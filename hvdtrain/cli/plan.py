@@ -4,14 +4,19 @@ rank and step time (MODELLED, not measured: hvdtrain.planner says how), and the 
     hvdtrain plan --example textlm --workers 4 --memory 2GiB
     hvdtrain plan --layers 48 --d-model 1600 --seq-len 1024 --vocab 50257 --heads 25 \\
         --batch 512 --workers 64 --memory 40GB --network ib-hdr --gpus-per-node 8 --intra nvlink --precision bf16
+    hvdtrain plan --hf qwen2_moe --seq-len 4096 --batch 64 --workers 16 --memory 80GB --precision bf16
 
-A memory that fits nothing is an error that says the memory per worker and the worker count that would fit.
+A Hugging Face model (``--hf``: a model type of the installed transformers, at its default sizes, or a
+directory with a config.json) is built on the meta device and counted: every parameter, and the routed
+experts of a mixture of experts (their fused modules, as expert parallelism finds them), so that the
+plan also ranks expert-parallel layouts (E). A memory that fits nothing is an error that says the memory per worker and the worker count that would fit.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import List
+from pathlib import Path
+from typing import List, Optional
 
 from hvdtrain.common import units
 from hvdtrain.common.tables import format_table
@@ -35,11 +40,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("the model (--example, or its shape)")
     model.add_argument("--example", choices=["textlm"],
                        help="textlm: hvdtrain.examples.textlm's TinyTransformerLM, default config")
+    model.add_argument("--hf", metavar="MODEL",
+                       help="a Hugging Face model type (qwen2_moe, mixtral, ...) at its default sizes, or a directory "
+                            "with a config.json: counted on the meta device, its experts too")
     for name, text in (("layers", "transformer blocks"), ("d-model", "width"), ("seq-len", "context, tokens"),
                        ("vocab", "vocabulary size"), ("heads", "attention heads")):
         model.add_argument(f"--{name}", type=int, help=text)
     model.add_argument("--params", type=float,
                        help="parameter count, if not the shape's own (GPT blocks, tied head); the blocks take the difference")
+    for name, text in (("experts", "a mixture of experts: routed experts per MoE layer"),
+                       ("top-k", "a mixture of experts: experts per token"),
+                       ("moe-layers", "a mixture of experts: layers with routed experts (default: every layer)")):
+        model.add_argument(f"--{name}", type=int, help=text)
+    model.add_argument("--expert-params", type=float,
+                       help="a mixture of experts: elements of every layer's routed experts together (part of --params)")
     parser.add_argument("--batch", type=int, default=64, help="global batch, samples per step (default 64)")
     parser.add_argument("--workers", type=int, required=True, help="worker (device) count")
     parser.add_argument("--memory", type=parse_bytes, required=True, help="device memory per worker: 2GiB, 40GB...")
@@ -63,18 +77,90 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fusion-mb", type=float, default=128.0, help="Horovod fusion threshold, MiB (default 128)")
 
 
+MOE_FLAGS = ("experts", "top_k", "moe_layers", "expert_params")
+
+
 def _shape(args: argparse.Namespace) -> planner.ModelShape:
     given = {name: getattr(args, name) for name in ("layers", "d_model", "seq_len", "vocab", "heads")}
-    if args.example:
-        if any(value is not None for value in given.values()) or args.params is not None:
-            raise ValueError("give --example or the model's shape, not both")
+    moe = {name: getattr(args, name, None) for name in MOE_FLAGS}
+    if args.example and args.hf:
+        raise ValueError("give --example or --hf, not both")
+    if args.example or args.hf:
+        allowed = {"seq_len"} if args.hf else set()
+        extra = [f"--{name.replace('_', '-')}" for name, value in {**given, **moe, "params": args.params}.items()
+                 if value is not None and name not in allowed]
+        if extra:
+            raise ValueError(f"give --{'hf' if args.hf else 'example'} or the model's shape, not both "
+                             f"({', '.join(extra)} given)")
+        if args.hf:
+            return hf_shape(args.hf, given["seq_len"])
         from hvdtrain.examples.textlm import planner_shape  # torch: only for --example
 
         return planner_shape()
     missing = [f"--{name.replace('_', '-')}" for name, value in given.items() if value is None]
     if missing:
-        raise ValueError(f"give --example textlm, or the model's shape: missing {', '.join(missing)}")
+        raise ValueError(f"give --example textlm, --hf MODEL, or the model's shape: missing {', '.join(missing)}")
+    if any(value is not None for value in moe.values()):
+        absent = [f"--{name.replace('_', '-')}" for name, value in moe.items() if value is None and name != "moe_layers"]
+        if absent or args.params is None:
+            raise ValueError(f"a mixture of experts needs --experts, --top-k, --expert-params and --params (the whole "
+                             f"count): missing {', '.join(absent + ([] if args.params is not None else ['--params']))}")
+        moe["moe_layers"] = given["layers"] if moe["moe_layers"] is None else moe["moe_layers"]
+        return planner.ModelShape(**given, params=args.params, **moe)
     return planner.ModelShape(**given, params=args.params)
+
+
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
+
+
+def hf_shape(model: str, seq_len: Optional[int] = None) -> planner.ModelShape:
+    """A Hugging Face model's shape as the planner models it, counted on the meta device: every
+    parameter once, and the routed experts of every fused experts module (hvdtrain.parallel.experts
+    finds them as expert parallelism splits them; a shared expert and the router are the rest).
+
+    Args:
+        model: a model type of the installed transformers (its default sizes) or a directory with a config.json.
+        seq_len: the context trained on (default: the config's max_position_embeddings).
+    """
+    import torch  # torch and transformers: only for --hf
+    try:
+        import transformers
+    except ImportError as error:
+        raise ValueError("--hf needs transformers: pip install -e '.[hf]'") from error
+    from hvdtrain.parallel.experts import fused_experts
+
+    if Path(model).is_dir():
+        if not (Path(model) / "config.json").is_file():
+            raise ValueError(f"--hf {model}: the directory has no config.json (give a Hugging Face model directory)")
+        config = transformers.AutoConfig.from_pretrained(model)
+    else:
+        try:
+            config = transformers.AutoConfig.for_model(model)
+        except ValueError as error:
+            raise ValueError(f"--hf {model}: neither a directory nor a model type of transformers "
+                             f"{transformers.__version__} ({error})") from None
+    config = getattr(config, "text_config", None) or config
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in built.parameters())  # parameters() yields a tied matrix once
+    experts = fused_experts(built)
+    sizes = {module.num_experts for module in experts.values()}
+    if len(sizes) > 1:
+        raise ValueError(f"--hf {model}: MoE layers with different expert counts ({sorted(sizes)}): the planner "
+                         f"models one count per layer")
+    context = seq_len or getattr(config, "max_position_embeddings", None)
+    if not context:
+        raise ValueError(f"--hf {model}: its config has no max_position_embeddings: give --seq-len")
+    moe = {}
+    if experts:
+        top_k = next((getattr(config, key) for key in TOP_K_KEYS if isinstance(getattr(config, key, None), int)), None)
+        if top_k is None:
+            raise ValueError(f"--hf {model}: its config names no experts per token ({', '.join(TOP_K_KEYS)})")
+        moe = dict(experts=sizes.pop(), top_k=top_k, moe_layers=len(experts),
+                   expert_params=float(sum(p.numel() for module in experts.values()
+                                           for p in module.parameters(recurse=False))))
+    return planner.ModelShape(config.num_hidden_layers, config.hidden_size, context, config.vocab_size,
+                              config.num_attention_heads, params=float(total), **moe)
 
 
 def setup_from(args: argparse.Namespace) -> planner.Setup:
@@ -85,15 +171,17 @@ def setup_from(args: argparse.Namespace) -> planner.Setup:
 
 def table_lines(result: planner.Plan) -> List[str]:
     setup, shape = result.setup, result.setup.shape
-    rows = [[e.layout.strategy, e.layout.tensor, e.layout.pipeline, e.layout.sequence, e.layout.data, e.layout.micro_batches,
+    rows = [[e.layout.strategy, e.layout.tensor, e.layout.pipeline, e.layout.sequence, e.layout.experts, e.layout.data,
+             e.layout.micro_batches,
              e.states / MiB, e.activations / MiB, e.total / MiB, e.step_s * 1e3, e.samples_per_s]
             for e in result.fitting]
     title = (f"{LABEL}: {planner.format_count(shape.total)} parameters ({shape.layers} layers, d_model {shape.d_model}, "
-             f"seq {shape.seq_len}, vocab {shape.vocab}, heads {shape.heads}), {setup.optimizer}, {setup.precision}, "
+             f"seq {shape.seq_len}, vocab {shape.vocab}, heads {shape.heads}{_experts_text(shape)}), {setup.optimizer}, "
+             f"{setup.precision}, "
              f"global batch {setup.batch}, {setup.workers} workers x {format_bytes(setup.memory)}, {setup.network}, "
              f"{setup.flops / 1e12:.3g} TFLOP/s and an update at {setup.update_bandwidth / 1e12:.3g} TB/s per device "
              f"(assumed). Layouts that fit, fastest first:")
-    headers = ["strategy", "T", "P", "S", "D", "M", "params+grads+state MiB (modelled)", "activations MiB (modelled)",
+    headers = ["strategy", "T", "P", "S", "E", "D", "M", "params+grads+state MiB (modelled)", "activations MiB (modelled)",
                "total MiB (modelled)", "step ms (modelled)", "samples/s (modelled)"]
     lines = [format_table(headers, rows, title)]
     if result.too_big:
@@ -105,6 +193,13 @@ def table_lines(result: planner.Plan) -> List[str]:
     return lines
 
 
+def _experts_text(shape: planner.ModelShape) -> str:
+    if not shape.experts:
+        return ""
+    return (f"; {shape.experts} experts, top-{shape.top_k}, in {shape.moe_layers} layers: "
+            f"{planner.format_count(shape.expert_params)} parameters")
+
+
 def _how_to_run(layout: planner.Layout, batch: int) -> str:
     flags = [f"--train.strategy={layout.strategy}", f"--train.batch_size={batch // layout.data}"]
     if layout.tensor > 1:
@@ -113,6 +208,8 @@ def _how_to_run(layout: planner.Layout, batch: int) -> str:
         flags += [f"--train.pipeline_parallel={layout.pipeline}", f"--train.micro_batches={layout.micro_batches}"]
     if layout.sequence > 1:
         flags.append(f"--train.sequence_parallel={layout.sequence}")
+    if layout.experts > 1:
+        flags.append(f"--train.expert_parallel={layout.experts}")
     return "  run with: " + " ".join(flags)
 
 

@@ -1,6 +1,7 @@
 """What the planner chooses among: the setup it plans for (model, batch, memory, workers, network),
 the layouts that run on it (a strategy over D data groups of a model split T x P), and the estimate
-of one layout (every figure MODELLED)."""
+of one layout (every figure MODELLED). Expert parallelism (E) splits a mixture-of-experts model's
+routed experts over E of the data-parallel ranks: unlike S, it adds no rank."""
 from __future__ import annotations
 
 import math
@@ -16,6 +17,8 @@ from hvdtrain.planner.network import CALIBRATION, NETWORKS, Calibration, Network
 STRATEGIES = STRATEGY_NAMES
 PRECISIONS = {"fp32": 4, "bf16": 2}          # bytes of a parameter, a gradient and an activation
 OPTIMIZERS = {"adam": 2, "sgd": 1}           # fp32 state tensors per parameter (sgd: with momentum)
+# The strategies that hold the rest of the model under expert parallelism (TrainConfig refuses the others).
+EXPERT_STRATEGIES = ("ddp",)
 # Assumed, not measured: what one device achieves on a transformer's matrix products (set --flops).
 DEFAULT_FLOPS = 50e12
 # Assumed, not measured: bytes per second a device's optimizer update streams (set --update-bandwidth;
@@ -65,12 +68,14 @@ class Layout:
     data: int                       # data-parallel groups: each its own batch
     micro_batches: int = 1
     sequence: int = 1               # ranks per data group sharing its batch, each 1/S of every sequence
+    experts: int = 1                # data-parallel ranks sharing every MoE layer's routed experts, 1/E each
 
     @property
     def name(self) -> str:
         micro = f" M={self.micro_batches}" if self.pipeline > 1 else ""
         sequence = f" S={self.sequence}" if self.sequence > 1 else ""
-        return f"{self.strategy} T={self.tensor} P={self.pipeline} D={self.data}{sequence}{micro}"
+        experts = f" E={self.experts}" if self.experts > 1 else ""
+        return f"{self.strategy} T={self.tensor} P={self.pipeline} D={self.data}{sequence}{experts}{micro}"
 
     @property
     def ranks(self) -> int:
@@ -97,7 +102,8 @@ def default_micro_batches(replica_batch: int, pipeline: int) -> int:
 def layouts(setup: Setup, workers: Optional[int] = None) -> List[Layout]:
     """Every layout hvdtrain runs on ``workers``: T divides the heads, P at most the layers + 2, the
     data replicas share the global batch evenly, and the micro-batches divide a replica's batch; and
-    sequence parallelism, S dividing the heads and the sequence, under each strategy that serves it."""
+    sequence parallelism, S dividing the heads and the sequence, under each strategy that serves it;
+    and for a mixture of experts, expert parallelism, E dividing the experts and the data ranks."""
     n, shape = setup.workers if workers is None else workers, setup.shape
     found = []
     for tensor in (t for t in _divisors(n) if shape.heads % t == 0):
@@ -119,6 +125,10 @@ def layouts(setup: Setup, workers: Optional[int] = None) -> List[Layout]:
         data = n // sequence
         if setup.batch % data == 0:
             found += [Layout(s, 1, 1, data, sequence=sequence) for s in SEQUENCE_STRATEGIES]
+    # Expert parallelism (no tensor, pipeline or sequence split with it): E of the n data ranks.
+    if shape.experts and setup.batch % n == 0:
+        for experts in (e for e in _divisors(n) if e > 1 and shape.experts % e == 0):
+            found += [Layout(s, 1, 1, n, experts=experts) for s in EXPERT_STRATEGIES]
     return found
 
 

@@ -1,7 +1,10 @@
 """Memory per rank, MODELLED: the ZeRO arithmetic over the data ranks of what each stage's rank holds
 (parameters, gradients, optimizer state: what the strategies count, tests/mpi/test_plan_memory.py
 checks it against their counts), activations (Korthikanti et al. 2022, no recomputation), and under
-fsdp the largest unit gathered while it computes."""
+fsdp the largest unit gathered while it computes. Under expert parallelism a rank holds 1/E of the
+routed experts, sharded by the strategy over the N/E ranks holding the same experts, and the rest of
+the model as the strategy holds it over all N (tests/unit/test_plan_experts.py checks the split
+against hvdtrain's own)."""
 from __future__ import annotations
 
 from typing import Dict
@@ -42,6 +45,20 @@ def state_bytes_per_parameter(optimizer: str, precision: str) -> int:
     return 4 * OPTIMIZERS[optimizer] + (4 if PRECISIONS[precision] < 4 else 0)
 
 
+def _held_bytes(setup: Setup, layout: Layout, elements: float, width: int, state: int) -> Dict[str, float]:
+    """What one rank of a stage holding ``elements`` keeps in parameters, gradients and optimizer state."""
+    if layout.experts == 1:
+        return sharded_state_bytes(layout.strategy, elements, width, width, state, layout.sharing, setup.ps_servers)
+    if layout.tensor * layout.pipeline * layout.sequence > 1:
+        raise ValueError(f"{layout.name}: expert parallelism is planned without a tensor, pipeline or sequence split")
+    experts = setup.shape.expert_params
+    rest = sharded_state_bytes(layout.strategy, elements - experts, width, width, state, layout.sharing,
+                               setup.ps_servers)
+    own = sharded_state_bytes(layout.strategy, experts / layout.experts, width, width, state,
+                              layout.sharing // layout.experts, setup.ps_servers)
+    return {key: rest[key] + own[key] for key in rest}
+
+
 def _activation_bytes(setup: Setup, layout: Layout, blocks: int, held: int, last: bool) -> float:
     s, d, heads = setup.shape.seq_len, setup.shape.d_model, setup.shape.heads
     width = PRECISIONS[setup.precision]
@@ -65,7 +82,7 @@ def memory(setup: Setup, layout: Layout) -> Estimate:
     rows = []
     for index, (stage, elements) in enumerate(zip(stage_layers(shape, layout.pipeline),
                                                   stage_elements(shape, layout.tensor, layout.pipeline))):
-        held = sharded_state_bytes(layout.strategy, elements, width, width, state, layout.sharing, setup.ps_servers)
+        held = _held_bytes(setup, layout, elements, width, state)
         blocks = sum(layers[i].block for i in stage)
         in_flight = min(layout.micro_batches, layout.pipeline - index)
         activations = _activation_bytes(setup, layout, blocks, in_flight, index == layout.pipeline - 1)

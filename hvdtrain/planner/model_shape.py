@@ -30,7 +30,12 @@ class ModelShape:
     """A GPT-style decoder as hvdtrain.examples.textlm builds it: token and position embeddings,
     pre-norm blocks (qkv, proj, 4x MLP, biases, two LayerNorms), a final LayerNorm, the output layer
     tied to the token embedding. ``params``, when given, replaces the count this shape gives; the
-    blocks take up the difference."""
+    blocks take up the difference.
+
+    A mixture-of-experts model also gives its routed experts: ``experts`` per MoE layer (0: a dense
+    model), ``top_k`` of them per token, ``moe_layers`` layers with them, and ``expert_params``, the
+    elements of every layer's routed experts together (part of ``params``; routers and shared experts
+    are the rest, replicated as a dense model's)."""
 
     layers: int
     d_model: int
@@ -38,6 +43,10 @@ class ModelShape:
     vocab: int
     heads: int
     params: Optional[float] = None
+    experts: int = 0
+    top_k: int = 0
+    moe_layers: int = 0
+    expert_params: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("layers", "d_model", "seq_len", "vocab", "heads"):
@@ -49,6 +58,25 @@ class ModelShape:
         if self.params is not None and self.params <= self._outside_blocks():
             raise ValueError(f"--params {self.params:.4g} leaves nothing for the blocks: the embeddings and "
                              f"final norm of this shape already hold {self._outside_blocks():.4g}")
+        if self.experts:
+            self._check_experts()
+
+    def _check_experts(self) -> None:
+        if self.experts < 2 or not 1 <= self.top_k <= self.experts or not 1 <= self.moe_layers <= self.layers:
+            raise ValueError(f"a mixture of experts needs experts >= 2 (got {self.experts}), a top-k between 1 and "
+                             f"the experts (got {self.top_k}) and MoE layers between 1 and the {self.layers} layers "
+                             f"(got {self.moe_layers})")
+        blocks = self.total - self._outside_blocks()
+        if not 0 < self.expert_params < blocks:
+            raise ValueError(f"expert parameters {self.expert_params:.4g} must be > 0 and fewer than the blocks' "
+                             f"{blocks:.4g} (give --params, the whole model's count, experts included)")
+
+    @property
+    def active_fraction(self) -> float:
+        """Share of the parameters one token computes with: top-k of the routed experts, all the rest."""
+        if not self.experts:
+            return 1.0
+        return 1 - self.expert_params / self.total * (1 - self.top_k / self.experts)
 
     def _outside_blocks(self) -> int:
         return (self.vocab + self.seq_len) * self.d_model + 2 * self.d_model

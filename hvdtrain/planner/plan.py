@@ -62,7 +62,7 @@ def make_plan(setup: Setup) -> Plan:
 def _rank(e: Estimate) -> Tuple[float, int, int]:
     """Fastest first; on a tie in modelled time, the simpler layout (no model split, then ddp before
     the sharding strategies): the model cannot tell them apart, and the simpler one has less to go wrong."""
-    return (round(e.step_s, 12), e.layout.tensor * e.layout.pipeline * e.layout.sequence,
+    return (round(e.step_s, 12), e.layout.tensor * e.layout.pipeline * e.layout.sequence * e.layout.experts,
             STRATEGIES.index(e.layout.strategy))
 
 

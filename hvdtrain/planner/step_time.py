@@ -4,7 +4,15 @@ bandwidth (28 bytes per element for Adam, 20 for SGD with momentum) and shared b
 shard it; and communication by the network model (hvdtrain.planner.network): the data-parallel
 exchange of each strategy (partly hidden behind backward), the tensor group's 4 all-reduces per block
 and micro-batch, the sequence group's 8 all-to-alls per block, and the pipeline's sends between
-neighbouring stages. Under sequence parallelism each rank computes 1/S of its group's tokens."""
+neighbouring stages. Under sequence parallelism each rank computes 1/S of its group's tokens.
+
+A mixture of experts computes with the parameters a token uses (top-k of the routed experts, all the
+rest). Under expert parallelism (E) a rank all-reduces the rest of the model's gradients over the N
+data ranks and its 1/E of the experts' over the N/E ranks holding the same experts (stride E), and
+every MoE layer exchanges its tokens within the expert group of E neighbouring ranks: forward an
+all-to-all of each (token, chosen expert) pair's hidden state out and one of the results back (and
+two small ones of the routing weights and the experts' indices), backward the same three gradients;
+(E-1)/E of each leaves the rank."""
 from __future__ import annotations
 
 import math
@@ -89,6 +97,27 @@ def _gradient_comm_s(setup: Setup, layout: Layout, elements: float) -> Tuple[flo
     return 0.0, 2 * layout.data * slice_bytes / bandwidth + ring_latency_s(layout.data, nodes, net_alpha, intra_alpha)
 
 
+def _expert_split(setup: Setup, layout: Layout, elements: float) -> Tuple[float, float]:
+    """(elements of the rest of the model, elements of the routed experts) one rank holds."""
+    if layout.experts == 1:
+        return elements, 0.0
+    experts = setup.shape.expert_params
+    return elements - experts, experts / layout.experts
+
+
+def dispatch_s(setup: Setup, layout: Layout) -> float:
+    """Seconds of one step's expert dispatch: per MoE layer, the pairs' hidden states out and the results
+    back, forward and backward (4 all-to-alls of pairs x d_model), and the routing weights (forward and
+    backward) and the experts' indices (forward, int64): 3 small ones."""
+    if layout.experts == 1:
+        return 0.0
+    shape, width = setup.shape, PRECISIONS[setup.precision]
+    pairs = setup.batch / layout.data * shape.seq_len * shape.top_k
+    hidden = alltoall_s(setup, pairs * shape.d_model * width, layout.experts, calls=4 * shape.moe_layers)
+    small = alltoall_s(setup, pairs * (2 * width + 8) / 3, layout.experts, calls=3 * shape.moe_layers)
+    return hidden + small
+
+
 def update_bytes_per_element(optimizer: str) -> int:
     """Bytes an elementwise update reads and writes per parameter element, fp32: the parameter (read
     and written), its gradient (read) and each state tensor (read and written)."""
@@ -114,7 +143,7 @@ def estimate(setup: Setup, layout: Layout) -> Estimate:
     blocks = max(sum(shape.pipeline_layers()[i].block for i in stage)
                  for stage in stage_layers(shape, layout.pipeline))
     replica_batch = setup.batch / layout.data
-    ideal = 6 * elements * replica_batch * shape.seq_len / layout.sequence / setup.flops
+    ideal = 6 * elements * shape.active_fraction * replica_batch * shape.seq_len / layout.sequence / setup.flops
     m, p = layout.micro_batches, layout.pipeline
     bubble = ideal * (p - 1) / m
     compute = ideal + bubble
@@ -127,12 +156,16 @@ def estimate(setup: Setup, layout: Layout) -> Estimate:
     sequence_s = 0.0
     if layout.sequence > 1:  # 4 all-to-alls per block forward (q, k, v out; the output back), 4 backward
         sequence_s = alltoall_s(setup, activation / layout.sequence, layout.sequence, calls=8 * blocks)
-    hideable, exposed = _gradient_comm_s(setup, layout, elements)
+    rest, own_experts = _expert_split(setup, layout, elements)
+    hideable, exposed = _gradient_comm_s(setup, layout, rest)
+    # The experts' share: averaged over the N/E ranks holding the same experts, E apart, as ddp's are.
+    hideable += allreduce_s(setup, own_experts * width, layout.sharing // layout.experts, layout.experts)
+    expert_s = dispatch_s(setup, layout)
     window = ideal if layout.strategy == "fsdp" else 2 / 3 * ideal  # fsdp prefetches in forward too
     hidden = min(setup.calibration.overlap * hideable, window)
     straggler = compute * setup.calibration.jitter * expected_max_normal(setup.workers)
-    comm = tensor_s + pipe_s + sequence_s + hideable + exposed
-    update = update_s(setup, layout, elements)
+    comm = tensor_s + pipe_s + sequence_s + expert_s + hideable + exposed
+    update = update_s(setup, layout, rest + own_experts)
     step = compute + update + straggler + comm - hidden
     return replace(held, compute_s=ideal, bubble_s=bubble, update_s=update, comm_s=comm - hidden, step_s=step,
                    samples_per_s=setup.batch / step)
