@@ -242,6 +242,28 @@ def test_a_model_that_mixes_tokens_outside_attention_is_refused_before_a_step(wo
     assert "mixes tokens outside its attention" in error
 
 
+@pytest.mark.timeout(120)
+def test_a_split_that_differs_on_one_rank_is_refused_alike_on_every_rank(world):
+    """The last rank's split logits moved by a constant (softmax's loss unchanged: only that rank sees
+    it, as only the later ranks see a causal convolution's missing context): every rank raises the
+    same error, naming that rank and its figures, where the others said only that another rank differs."""
+    from hvdtrain.parallel.sequence.probe import TOKENS_PER_RANK
+
+    if world.size == 1:
+        pytest.skip("one rank has no sequence group")
+    model = hf_model("llama", 0)
+    head, last = model.lm_head, world.size - 1
+    own = head.forward
+    # Only the split probe's forward has TOKENS_PER_RANK positions on a rank (the whole probe has S x that).
+    head.forward = lambda x: own(x) + (1.0 if world.rank == last and x.shape[1] == TOKENS_PER_RANK else 0.0)
+    with float64_throughout():
+        error = refusal(world, model)
+    every = collectives.allgather_object(error, name="sp.one_rank_refusal")
+    assert error is not None and len(set(every)) == 1, every
+    assert f"rank {last} of {world.size}: on a probe of {TOKENS_PER_RANK * world.size} tokens" in error, error
+    assert "the logits are" in error and "another rank's split model differs" not in error
+
+
 @pytest.mark.timeout(240)
 def test_activation_bytes_per_rank_are_the_sequences_share(world):
     """What autograd keeps for backward in one step, counted per rank (each storage once, parameters

@@ -6,18 +6,21 @@ itself) would train another model with no error. So once the strategy holds the 
 runs a probe batch (a few sequences of the same random ids everywhere, in eval mode, no gradient)
 whole, with the split switched off, and then split: the sequence group's mean loss must be the
 whole model's and each rank's logits the whole model's at its positions, up to a different order
-of additions. The verdict is agreed over the world before anyone raises. Two forwards of a few
-tokens, once.
+of additions. Every rank's verdict is gathered over the world before anyone raises, and every rank
+raises the same error, naming the first rank that differs and its figures (a token mixer outside
+attention may move only the ranks after the first: a causal convolution changes nothing on rank 0's
+part). Two forwards of a few tokens, once.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import horovod.torch as hvd
 import torch
 from torch import nn
 
 from hvdtrain.common.errors import LayoutError
+from hvdtrain.distributed import collectives
 from hvdtrain.parallel.sequence import hf
 from hvdtrain.parallel.sequence.batches import BatchSplitter, split_step
 
@@ -40,6 +43,19 @@ def _probe_batch(model: nn.Module, size: int, device: torch.device) -> Optional[
 def _forward(model: nn.Module, batch: dict):
     output = model(**batch)
     return output.loss.detach(), {"logits": output.logits.detach()}
+
+
+def agreed_problem(problems: List[str]) -> str:
+    """One verdict from every rank's (in rank order; '' where the split model is the whole one): the
+    first rank that differs, in its own words, and the others that differ too ('' when none does)."""
+    failing = [rank for rank, problem in enumerate(problems) if problem]
+    if not failing:
+        return ""
+    first, others = failing[0], failing[1:]
+    text = f"rank {first} of {len(problems)}: {problems[first]}"
+    if others:
+        text += f" (and {'rank' if len(others) == 1 else 'ranks'} {', '.join(map(str, others))} likewise)"
+    return text
 
 
 def prove(model: nn.Module, splitter: BatchSplitter, group: Any, forward_only: Callable[[Any, Any], Any],
@@ -82,8 +98,7 @@ def prove(model: nn.Module, splitter: BatchSplitter, group: Any, forward_only: C
         problem = f"its forward failed on a probe when split: {type(error).__name__}: {error}"
     finally:
         model.train(training)
-    failed = torch.tensor([1.0 if problem else 0.0], dtype=torch.float64, device=device)
-    if hvd.allreduce(failed, op=hvd.Max, name="sequence.probe.verdict").item() == 0:
-        return
-    raise LayoutError(f"train.sequence_parallel={group.size} would train another model than one process (found at "
-                      f"set-up): " + (problem or "another rank's split model differs from the whole one (its ranks say how)"))
+    agreed = agreed_problem(collectives.allgather_object(problem, name="sequence.probe.verdict"))
+    if agreed:
+        raise LayoutError(f"train.sequence_parallel={group.size} would train another model than one process (found "
+                          f"at set-up): {agreed}")
