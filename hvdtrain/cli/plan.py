@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--hf", metavar="MODEL",
                        help="a Hugging Face model type (qwen2_moe, mixtral, ...) at its default sizes, or a directory "
                             "with a config.json: counted on the meta device, its experts too")
-    for name, text in (("layers", "transformer blocks"), ("d-model", "width"), ("seq-len", "context, tokens"),
+    for name, text in (("layers", "transformer blocks"), ("d-model", "width"),
+                       ("seq-len", "context, tokens (with --hf: default its config's max_position_embeddings)"),
                        ("vocab", "vocabulary size"), ("heads", "attention heads")):
         model.add_argument(f"--{name}", type=int, help=text)
     model.add_argument("--params", type=float,

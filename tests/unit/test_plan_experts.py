@@ -151,3 +151,17 @@ def test_a_dense_hugging_face_model_has_no_expert_layouts(tmp_path):
     assert shape.experts == 0 and shape.seq_len == 8
     with pytest.raises(ValueError, match="neither a directory nor a model type"):
         plan_cli.hf_shape(str(tmp_path / "missing"))
+
+
+def test_hvdtrain_plan_hf_lists_the_expert_layouts(tiny, capsys):
+    directory, _ = tiny
+    parser = argparse.ArgumentParser()
+    plan_cli.add_arguments(parser)
+    given = parser.parse_args(["--hf", str(directory), "--workers", "4", "--memory", "1GiB", "--batch", "4"])
+    assert plan_cli.run(given) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("ddp ")]
+    # strategy T P S E D M ...: ddp at E=2 and E=4 over the 4 data ranks, and without experts split.
+    assert {tuple(row[1:7]) for row in rows} >= {("1", "1", "1", "2", "4", "1"), ("1", "1", "1", "4", "4", "1"),
+                                                ("1", "1", "1", "1", "4", "1")}, out
+    assert "4 experts, top-2, in 2 layers" in out and "seq 8," in out  # the config's 8 positions
