@@ -2,8 +2,8 @@
 setup admits (layout.py: data, tensor, pipeline, sequence and expert parallelism), memory per rank
 (memory.py), step time (step_time.py), the plan that ranks them (plan.py); the model's shape and how
 hvdtrain cuts it (model_shape.py); the network and time terms shared with the data-parallel
-projection calibrated on published figures (network.py,
-projection.py). This module re-exports the planner's API.
+projection calibrated on published figures (network.py, projection.py). This module re-exports the
+planner's API.
 
 Pure arithmetic, no torch at import (login nodes run it); imports common/ (and, inside functions,
 hvdtrain's own stage split and the example's shape).
