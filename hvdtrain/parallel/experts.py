@@ -255,9 +255,15 @@ def cut_state(state: Dict[str, Any], share: torch.Tensor) -> Dict[str, Any]:
 
 
 def gather_state(state: Dict[str, Any], share: torch.Tensor, group: Group, name: str) -> Dict[str, Any]:
-    """An optimizer's state of this rank's ``share`` with its per-element entries gathered whole over
-    the expert ``group`` (a collective over it; ``name`` prefixes each entry's): a new dict, so that
-    torch's live state is left alone."""
+    """An optimizer's state of this rank's ``share`` with its per-element entries gathered whole (a
+    collective over the expert group): a new dict, so that torch's live state is left alone.
+
+    Args:
+        state: the optimizer's state of the share.
+        share: this rank's expert parameter.
+        group: its expert group.
+        name: prefixes each entry's collective.
+    """
     return {key: gather_whole(value, group, f"{name}.{key}") if _whole_sized(value, share.shape) else value
             for key, value in sorted(state.items())}
 
