@@ -8,7 +8,7 @@ The reference is test_hf_moe.py's one process, each step one micro-batch per dat
 one), gradients averaged. Float64 with transformers' eager experts, 3 AdamW steps, bound 1e-10: the
 layouts differ from one process only in the order of float64 additions (fsdp's reduce-scatter of the
 rest, the experts' tokens summed on their owner, the replica average), a few hundred roundings of
-1e-16 per step, while a expert averaged with another rank's experts, an expert gradient reduced by
+1e-16 per step, while an expert averaged with another rank's experts, an expert gradient reduced by
 fsdp over every rank (not divided by E), a token sent to the wrong owner or a lost step of the expert
 shares moves the weights by more than 1e-4 (checked: how far training moved every expert).
 """
@@ -112,7 +112,7 @@ def test_a_checkpoint_holds_the_experts_whole_and_resumes_under_ddp_at_any_exper
     """Mixtral at fsdp x E=2 writes a full checkpoint (every expert once, gathered whole, and its AdamW
     moments, under one process's names and indices), which resumes bitwise under fsdp x E=2, under ddp
     at E=1 and at E=2; the gathered state loads into a fresh fsdp x E=2 model bitwise, and the exported
-    directory loads in plain transformers to the same tensors."""
+    directory loads in plain transformers and as pretrained weights at fsdp x E=2 to the same tensors."""
     from pathlib import Path
 
     from tests.mpi.test_hf_moe import make_model, make_trainer, token_data
@@ -140,6 +140,11 @@ def test_a_checkpoint_holds_the_experts_whole_and_resumes_under_ddp_at_any_exper
     fresh.strategy.load_state_dict(saved)
     resumed["loaded whole"] = differences(fresh.strategy.state_dict(), saved)
     fresh.close_mesh()
+    pretrained = make_trainer(world, make_model("mixtral", 400), data, strategy="fsdp", expert_parallel=2)
+    pretrained.load_pretrained(Path(directory) / "hf")  # weights only: each rank takes its experts, fsdp its shards
+    weights = pretrained.strategy.state_dict()["model"]
+    resumed["pretrained"] = [name for name in saved["model"] if not torch.equal(weights[name], saved["model"][name])]
+    pretrained.close_mesh()
     written.close_mesh()
     exported = None
     if world.is_root:
@@ -152,7 +157,7 @@ def test_a_checkpoint_holds_the_experts_whole_and_resumes_under_ddp_at_any_exper
     assert tuple(saved["model"][name].shape) == (4, 2 * 48, 32), "gathered whole: every expert"
     assert saved["optimizer"]["state"][index]["exp_avg"].shape == saved["model"][name].shape, \
         "the experts' AdamW moments gathered whole, at one process's index"
-    assert resumed == {"fsdp E2": [], "ddp E1": [], "ddp E2": [], "loaded whole": []}
+    assert resumed == {"fsdp E2": [], "ddp E1": [], "ddp E2": [], "loaded whole": [], "pretrained": []}
     assert exported == []
 
 
