@@ -142,6 +142,8 @@ class ExpertParallelFSDPStrategy(FSDPStrategy):
         self._experts_owed = False
         handles = []
         for name, share in ep.expert_parameters(self.model):
+            if not share.requires_grad:  # frozen: no gradient, as Horovod leaves it under ddp
+                continue
             if share.grad is None:  # as Horovod does: another rank of the replica group may have one
                 share.grad = torch.zeros_like(share)
             handle = ep.average_over_replicas_async(share.grad, self.groups, f"ep.fsdp.grad.{name}")
