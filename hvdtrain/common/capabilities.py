@@ -24,6 +24,9 @@ MODEL_PARALLEL = "model_parallel"
 # Expert parallelism (train.expert_parallel > 1): ddp with each fused experts module split over
 # expert groups, chosen by that setting over train.strategy=ddp.
 EXPERT_PARALLEL = "expert_parallel"
+# The same over train.strategy=fsdp (hvdtrain.strategies.fsdp.experts): the experts split alike, the
+# rest sharded by fsdp.
+EXPERT_PARALLEL_FSDP = "expert_parallel_fsdp"
 
 # What a strategy keeps of the state, which decides how a sharded checkpoint written at its own
 # layout comes back: every rank the full state, each rank its own shard of flat buckets (its own
@@ -119,8 +122,16 @@ DECLARED: Dict[str, Capabilities] = {
             MESH: "expert parallelism does not combine with tensor or pipeline parallelism yet"},
         collective_forward=True, shards_gradients=True),
 }
+# What the ddp variant refuses, and sharded checkpoints whatever that one does: its loads are the full
+# state's though its class is fsdp's.
+DECLARED[EXPERT_PARALLEL_FSDP] = Capabilities(
+    refuses={**DECLARED[EXPERT_PARALLEL].refuses,
+             SHARDED_CHECKPOINTS: "fsdp x expert parallelism writes the full format, the experts gathered whole: "
+                                  "they lie outside fsdp's flat units, which the sharded format describes"},
+    collective_forward=True, shards_gradients=True)
 # The values of train.strategy (the model-parallel and expert-parallel layouts are chosen by their settings).
-STRATEGY_NAMES = tuple(name for name in DECLARED if name not in (MODEL_PARALLEL, EXPERT_PARALLEL))
+STRATEGY_NAMES = tuple(name for name in DECLARED
+                       if name not in (MODEL_PARALLEL, EXPERT_PARALLEL, EXPERT_PARALLEL_FSDP))
 
 
 def supporting(capability: str) -> list:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 
-from hvdtrain.common.capabilities import DECLARED, EXPERT_PARALLEL
+from hvdtrain.common.capabilities import DECLARED, EXPERT_PARALLEL, EXPERT_PARALLEL_FSDP
 from hvdtrain.common.capabilities import STRATEGY_NAMES as STRATEGIES
 from hvdtrain.config.checks import check_choices, check_only_with, check_whole_numbers
 from hvdtrain.config.strategy_checks import check_strategy_settings
@@ -62,7 +62,7 @@ class TrainConfig:
     tensor_parallel: int = field(default=1, metadata={"help": "ranks that split each layer of one model replica (Megatron-style), one host's ranks; needs a tensor plan", "details": "Attention is split by heads, the MLP by columns then rows: two all-reduces per block forward, two backward. Innermost in the mesh, so one host's ranks. train_lm.py has the example transformer's tensor plan. See docs/concepts/model-parallelism.md."})
     pipeline_parallel: int = field(default=1, metadata={"help": "pipeline stages per model replica, each holding a contiguous run of layers", "details": "Activations move forward and their gradients backward between neighbouring stages; data-parallel width = workers / (tensor_parallel x pipeline_parallel). See docs/concepts/model-parallelism.md."})
     sequence_parallel: int = field(default=1, metadata={"help": "ranks that share each batch and hold 1/S of every sequence (Ulysses): longer sequences per rank; heads split around attention", "details": "The ranks of a sequence group read the same batch, each keeps its part of every sequence, and an all-to-all turns tokens into heads around attention and back (any head-local attention: SDPA, eager, causal, sliding-window, grouped-query with key/value heads replicated when fewer than S). Data-parallel width for the data = workers / sequence_parallel; gradients are reduced over all workers by train.strategy (ddp, zero1, zero2, fsdp). A Hugging Face model is split through transformers' attention interface and proved at set-up against the whole model on a probe. See docs/concepts/sequence-parallelism.md."})
-    expert_parallel: int = field(default=1, metadata={"help": "ranks over which each mixture-of-experts layer's experts are split (E consecutive data-parallel ranks); tokens reach them by all-to-all", "details": "Each rank of an expert group holds experts / E of every fused experts module (transformers 5's MoE families) and keeps its own data; the router, its top-k and its load-balancing loss stay the model's. The experts' gradients are averaged over the ranks holding the same experts. strategy=ddp only, not with tensor or pipeline parallelism. See docs/concepts/model-parallelism.md."})
+    expert_parallel: int = field(default=1, metadata={"help": "ranks over which each mixture-of-experts layer's experts are split (E consecutive data-parallel ranks); tokens reach them by all-to-all", "details": "Each rank of an expert group holds experts / E of every fused experts module (transformers 5's MoE families) and keeps its own data; the router, its top-k and its load-balancing loss stay the model's. The experts' gradients are averaged over the ranks holding the same experts; the rest of the model as train.strategy says: ddp, or fsdp (the experts outside its units, 1/E per rank). Not with zero1, zero2, ps, tensor or pipeline parallelism. See docs/concepts/model-parallelism.md."})
     micro_batches: int = field(default=1, metadata={"help": "micro-batches each worker's batch is cut into for the pipeline (pipeline_parallel > 1); must divide batch_size", "details": "More micro-batches, a smaller idle bubble: (stages - 1) / (micro_batches + stages - 1)."})
     pipeline_schedule: str = field(default="1f1b", metadata={"help": "gpipe: every micro-batch forward, then every one backward; 1f1b: one forward, one backward in turn after a warm-up", "details": "gpipe holds all micro-batches' activations, 1f1b at most pipeline_parallel micro-batches'; the same bubble, the same result.", "choices": PIPELINE_SCHEDULES})
     seed: int = field(default=42, metadata={"help": "one seed for the job; ranks derive theirs from it"})
@@ -224,10 +224,13 @@ class TrainConfig:
     def _check_expert_parallel(self) -> None:
         """What expert parallelism does not combine with (yet), each with the reason and the way out."""
         layout = f"expert_parallel={self.expert_parallel}"
-        refuses = DECLARED[EXPERT_PARALLEL].refuses
+        refuses = DECLARED[EXPERT_PARALLEL_FSDP if self.strategy == "fsdp" else EXPERT_PARALLEL].refuses
         refused = [
-            (self.strategy != "ddp", f"strategy={self.strategy}: only ddp holds the rest of the model under expert "
-             f"parallelism so far (zero1, zero2, fsdp and ps are not built for it); use strategy=ddp"),
+            (self.strategy in ("zero1", "zero2"), f"strategy={self.strategy}: its flat buckets would cut the "
+             f"expert shares across ranks that hold other experts (fsdp leaves them out of its units; zero1 and "
+             f"zero2 are not built so); use strategy=ddp or fsdp"),
+            (self.strategy == "ps", "strategy=ps: its servers step every parameter for the whole world, and a "
+             "rank's experts are its own; use strategy=ddp or fsdp"),
             (self.model_parallel, f"tensor_parallel={self.tensor_parallel} x pipeline_parallel="
              f"{self.pipeline_parallel}: {refuses['mesh']}; set both to 1"),
             (self.reduction == "adasum", f"reduction=adasum: {refuses['adasum']}; use reduction=average"),

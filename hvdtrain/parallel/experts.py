@@ -230,6 +230,44 @@ def whole_shape(tensor: torch.Tensor) -> torch.Size:
     return torch.Size((tensor.shape[0] * shard.parts,) + tuple(tensor.shape[1:]))
 
 
+def average_over_replicas_async(gradient: torch.Tensor, groups: ExpertGroups, name: str) -> Optional[int]:
+    """Start making an expert parameter's ``gradient`` one process's, in place: averaged over its
+    replica group, divided by E (see the module's docstring). The Horovod handle to wait on, or None
+    when the replica group is this rank alone (only the division, done here)."""
+    if groups.replica.process_set is None:
+        gradient.div_(groups.size)
+        return None
+    return hvd.allreduce_async_(gradient, name=name, op=hvd.Average, postscale_factor=1.0 / groups.size,
+                                process_set=groups.replica.process_set)
+
+
+def _whole_sized(value: Any, shape: torch.Size) -> bool:
+    """Per-element optimizer state of a whole expert parameter (Adam's moments), not a scalar (its step)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shape
+
+
+def cut_state(state: Dict[str, Any], share: torch.Tensor) -> Dict[str, Any]:
+    """An optimizer's state of a whole expert parameter with its per-element entries cut to this
+    rank's ``share`` (entries of another shape, scalars included, as they are)."""
+    whole = whole_shape(share)
+    return {key: share.expert_shard.take(value) if _whole_sized(value, whole) else value
+            for key, value in state.items()}
+
+
+def gather_state(state: Dict[str, Any], share: torch.Tensor, group: Group, name: str) -> Dict[str, Any]:
+    """An optimizer's state of this rank's ``share`` with its per-element entries gathered whole (a
+    collective over the expert group): a new dict, so that torch's live state is left alone.
+
+    Args:
+        state: the optimizer's state of the share.
+        share: this rank's expert parameter.
+        group: its expert group.
+        name: prefixes each entry's collective.
+    """
+    return {key: gather_whole(value, group, f"{name}.{key}") if _whole_sized(value, share.shape) else value
+            for key, value in sorted(state.items())}
+
+
 def gather_whole(local: torch.Tensor, group: Group, name: str) -> torch.Tensor:
     """The whole tensor of an expert group's slices along dim 0 (a collective over the group)."""
     if group.process_set is None:

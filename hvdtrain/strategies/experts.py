@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterator, List, Tuple
 
-import horovod.torch as hvd
 import torch
 
 from hvdtrain.distributed import collectives
@@ -56,26 +55,7 @@ class ExpertParallelStrategy(DDPStrategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool, experts: int = 2) -> None:
-        # Refused before any collective, on every rank alike.
-        ep.check_world(world.size, experts)
-        found = ep.fused_experts(model)
-        if not found:
-            raise ValueError(f"train.expert_parallel={experts}: {type(model).__name__} has no fused experts module "
-                             f"(a module with num_experts and 3-D parameters, experts first, as transformers 5's "
-                             f"mixture-of-experts families hold them): nothing to split; use expert_parallel=1")
-        for path, module in found.items():
-            ep.check_experts(path, module, experts)
-        # While every rank holds the whole model: rank 0's state everywhere.
-        collectives.broadcast_model_and_optimizer(model, optimizer, root_rank=0)
-        self.groups = ep.ExpertGroups.build(world.size, world.rank, experts)
-        replaced: Dict[int, torch.nn.Parameter] = {}
-        for path, module in found.items():
-            split = ep.split_experts(module, self.groups, path)
-            parent, _, child = path.rpartition(".")
-            setattr(model.get_submodule(parent), child, split)
-            for attribute, whole in module.named_parameters(recurse=False):
-                replaced[id(whole)] = split._parameters[attribute]
-        _take_shares(optimizer, replaced)
+        self.groups = split_model_experts(model, optimizer, world, experts)
         super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
         self.experts = experts
         self._expert_names = {name for name, _ in ep.expert_parameters(model)}
@@ -112,10 +92,7 @@ class ExpertParallelStrategy(DDPStrategy):
             if state is None or not hasattr(param, "expert_shard"):
                 continue
             # A copy: torch's state_dict() holds the live state's own dicts.
-            optimizer["state"][index] = {
-                key: ep.gather_whole(value, self.groups.expert, f"ep.optimizer.{index}.{key}")
-                if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() else value
-                for key, value in sorted(state.items())}
+            optimizer["state"][index] = ep.gather_state(state, param, self.groups.expert, f"ep.optimizer.{index}")
         return {"model": model, "optimizer": optimizer}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -129,10 +106,7 @@ class ExpertParallelStrategy(DDPStrategy):
             saved = optimizer["state"].get(index)
             if saved is None or not hasattr(param, "expert_shard"):
                 continue
-            whole = ep.whole_shape(param)
-            optimizer["state"][index] = {key: param.expert_shard.take(value)
-                                         if isinstance(value, torch.Tensor) and value.shape == whole and value.dim()
-                                         else value for key, value in saved.items()}
+            optimizer["state"][index] = ep.cut_state(saved, param)
         self.optimizer.load_state_dict(optimizer)
 
     def read_part(self, source: Any) -> Any:
@@ -165,7 +139,41 @@ class ExpertParallelStrategy(DDPStrategy):
         self.groups.close()
 
 
-def _take_shares(optimizer: torch.optim.Optimizer, replaced: Dict[int, torch.nn.Parameter]) -> None:
+def split_model_experts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
+                        experts: int) -> ep.ExpertGroups:
+    """The set-up every expert-parallel strategy starts with, on every rank alike: refused before any
+    collective; rank 0's model and optimizer state broadcast while every rank holds the whole model;
+    then each fused experts module replaced by this rank's share, which the optimizer steps in the
+    whole parameter's place. Returns this rank's expert groups.
+
+    Args:
+        model: the whole model; its experts modules are split here.
+        optimizer: the user's optimizer over it.
+        world: this rank's World.
+        experts: E, ranks per expert group.
+    """
+    ep.check_world(world.size, experts)
+    found = ep.fused_experts(model)
+    if not found:
+        raise ValueError(f"train.expert_parallel={experts}: {type(model).__name__} has no fused experts module "
+                         f"(a module with num_experts and 3-D parameters, experts first, as transformers 5's "
+                         f"mixture-of-experts families hold them): nothing to split; use expert_parallel=1")
+    for path, module in found.items():
+        ep.check_experts(path, module, experts)
+    collectives.broadcast_model_and_optimizer(model, optimizer, root_rank=0)
+    groups = ep.ExpertGroups.build(world.size, world.rank, experts)
+    replaced: Dict[int, torch.nn.Parameter] = {}
+    for path, module in found.items():
+        split = ep.split_experts(module, groups, path)
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent), child, split)
+        for attribute, whole in module.named_parameters(recurse=False):
+            replaced[id(whole)] = split._parameters[attribute]
+    take_shares(optimizer, replaced)
+    return groups
+
+
+def take_shares(optimizer: torch.optim.Optimizer, replaced: Dict[int, torch.nn.Parameter]) -> None:
     """The optimizer steps this rank's shares in place of the whole expert parameters; state it
     already holds for them (a resumed optimizer of the user's) is cut alike."""
     for group in optimizer.param_groups:
@@ -176,16 +184,13 @@ def _take_shares(optimizer: torch.optim.Optimizer, replaced: Dict[int, torch.nn.
             group["params"][position] = share
             state = optimizer.state.pop(param, None)
             if state:
-                optimizer.state[share] = {key: share.expert_shard.take(value)
-                                          if isinstance(value, torch.Tensor) and value.shape == param.shape
-                                          and value.dim() else value for key, value in state.items()}
+                optimizer.state[share] = ep.cut_state(state, share)
 
 
 def _reduce_experts_over_replicas(optimizer: Any, experts: set, groups: ep.ExpertGroups) -> None:
     """Horovod's DistributedOptimizer starts each gradient's all-reduce from its hooks and its
     synchronize(): for an expert parameter, the average over its replica group, divided by E."""
     plain = optimizer._allreduce_grad_async
-    replica, size = groups.replica, groups.size
 
     def reduce(param: torch.nn.Parameter) -> Tuple[Any, Any]:
         if param not in experts:
@@ -193,11 +198,7 @@ def _reduce_experts_over_replicas(optimizer: Any, experts: set, groups: ep.Exper
         if param.grad is None:  # as Horovod does: another rank of the group may have one
             param.grad = torch.zeros_like(param)
         compressed, context = optimizer._compression.compress(param.grad)
-        if replica.process_set is None:  # every rank holds other experts: only the division
-            return (lambda: compressed.div_(size)), context
-        name = f"ep.grad.{optimizer._parameter_names.get(param)}"
-        handle = hvd.allreduce_async_(compressed, name=name, op=hvd.Average, postscale_factor=1.0 / size,
-                                      process_set=replica.process_set)
-        return handle, context
+        handle = ep.average_over_replicas_async(compressed, groups, f"ep.grad.{optimizer._parameter_names.get(param)}")
+        return (handle if handle is not None else lambda: compressed), context
 
     optimizer._allreduce_grad_async = reduce

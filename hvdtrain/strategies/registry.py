@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Callable, Dict, Optional
 
-from hvdtrain.common.capabilities import (DECLARED, ELASTIC, EXPERT_PARALLEL, MODEL_PARALLEL, STRATEGY_NAMES,
-                                          supporting)
+from hvdtrain.common.capabilities import (DECLARED, ELASTIC, EXPERT_PARALLEL, EXPERT_PARALLEL_FSDP, MODEL_PARALLEL,
+                                          STRATEGY_NAMES, supporting)
 from hvdtrain.config.strategy_checks import either
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ STRATEGIES: Dict[str, str] = {
     "ps": "hvdtrain.strategies.ps:PSStrategy",
     MODEL_PARALLEL: "hvdtrain.strategies.model_parallel.strategy:ModelParallelStrategy",
     EXPERT_PARALLEL: "hvdtrain.strategies.experts:ExpertParallelStrategy",
+    EXPERT_PARALLEL_FSDP: "hvdtrain.strategies.fsdp.experts:ExpertParallelFSDPStrategy",
 }
 
 
@@ -50,10 +51,12 @@ def strategy_class(name: str) -> type:
 
 def chosen_name(config: "TrainConfig") -> str:
     """The registered name of the strategy ``config`` runs: the model-parallel layout over a mesh,
-    expert parallelism when train.expert_parallel > 1."""
+    expert parallelism (over ddp or fsdp) when train.expert_parallel > 1."""
     if config.model_parallel:
         return MODEL_PARALLEL
-    return EXPERT_PARALLEL if config.expert_parallel > 1 else config.strategy
+    if config.expert_parallel > 1:
+        return EXPERT_PARALLEL_FSDP if config.strategy == "fsdp" else EXPERT_PARALLEL
+    return config.strategy
 
 
 def launch_refusal(config: "TrainConfig", world: "World", elastic: bool) -> Optional[str]:

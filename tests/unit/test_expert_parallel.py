@@ -4,7 +4,7 @@ token) in a group of one rank, where it must give the module's own output and gr
 import pytest
 import torch
 
-from hvdtrain.common.capabilities import EXPERT_PARALLEL, STRATEGY_NAMES
+from hvdtrain.common.capabilities import EXPERT_PARALLEL, EXPERT_PARALLEL_FSDP, STRATEGY_NAMES
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.parallel import experts as ep
 from hvdtrain.parallel.mesh import Group
@@ -47,7 +47,12 @@ def test_the_fused_experts_are_found_and_nothing_else():
 
 
 @pytest.mark.parametrize("settings, refused", [
-    (dict(strategy="fsdp"), "strategy=fsdp: only ddp"),
+    (dict(strategy="zero1"), "strategy=zero1: its flat buckets would cut the expert shares across ranks"),
+    (dict(strategy="zero2"), "strategy=zero2: its flat buckets would cut the expert shares across ranks"),
+    (dict(strategy="ps"), "strategy=ps: its servers step every parameter for the whole world"),
+    (dict(strategy="fsdp", checkpoint_format="sharded"), "checkpoint_format=sharded: fsdp x expert parallelism "
+                                                         "writes the full format"),
+    (dict(strategy="fsdp", compile=True), "compile: the experts' all-to-all"),
     (dict(tensor_parallel=2), "tensor_parallel=2 x pipeline_parallel=1: expert parallelism does not combine"),
     (dict(compile=True), "compile: the experts' all-to-all"),
     (dict(checkpoint_format="sharded"), "checkpoint_format=sharded: expert parallelism writes the full format"),
@@ -62,6 +67,9 @@ def test_settings_it_does_not_combine_with_are_refused_by_name(settings, refused
 
 def test_the_setting_chooses_the_expert_parallel_strategy_which_users_cannot_name():
     assert chosen_name(TrainConfig(expert_parallel=2)) == EXPERT_PARALLEL
+    assert chosen_name(TrainConfig(expert_parallel=2, strategy="fsdp")) == EXPERT_PARALLEL_FSDP
+    assert chosen_name(TrainConfig(strategy="fsdp")) == "fsdp"
+    assert EXPERT_PARALLEL_FSDP not in STRATEGY_NAMES
     assert chosen_name(TrainConfig()) == "ddp"
     assert EXPERT_PARALLEL not in STRATEGY_NAMES
     with pytest.raises(ValueError):
@@ -116,6 +124,8 @@ def test_the_dispatch_in_a_group_of_one_gives_the_modules_own_output_and_gradien
 def test_an_elastic_launch_is_refused_by_name():
     from hvdtrain.strategies.registry import launch_refusal
 
-    refusal = launch_refusal(TrainConfig(expert_parallel=2), world=None, elastic=True)
-    assert refusal.startswith("train.expert_parallel=2 does not support Horovod elastic (the expert groups are fixed")
+    for strategy in ("ddp", "fsdp"):
+        refusal = launch_refusal(TrainConfig(expert_parallel=2, strategy=strategy), world=None, elastic=True)
+        assert refusal.startswith("train.expert_parallel=2 does not support Horovod elastic (the expert groups are "
+                                  "fixed"), strategy
     assert launch_refusal(TrainConfig(expert_parallel=2), world=None, elastic=False) is None

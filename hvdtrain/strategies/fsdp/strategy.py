@@ -15,7 +15,7 @@ checkpointing around a unit. Parameters outside the optimizer, or frozen, stay w
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -67,7 +67,8 @@ class FSDPStrategy(ShardedStrategy):
         # computed alike on every rank: nothing to spread.
         self.root, self.units, self._initial_params = fu.build_units(
             model, optimizer, self._wrap_policy, world.rank, world.size,
-            keep_initial=world.rank == 0 and deferred is None, with_values=deferred is None)
+            keep_initial=world.rank == 0 and deferred is None, with_values=deferred is None,
+            whole=self._kept_whole(optimizer))
         self._initial_pending = deferred is None
         if deferred is not None:
             initialize_by_unit(deferred, self.root, self.units)
@@ -89,6 +90,11 @@ class FSDPStrategy(ShardedStrategy):
         """
         return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce,
                    deferred=context.get("deferred"))
+
+    def _kept_whole(self, optimizer: torch.optim.Optimizer) -> Set[int]:
+        """ids of the optimizer's parameters left out of the units, whole on this rank: none here (a
+        subclass that reduces and steps some itself names them)."""
+        return set()
 
     def _adopt_units(self) -> None:
         self.buckets = [bucket for unit in self.all_units for bucket in unit.buckets]
@@ -117,7 +123,8 @@ class FSDPStrategy(ShardedStrategy):
         for param in self.model.parameters():
             param.grad = None
         self.root, self.units, _ = fu.build_units(self.model, self._user_optimizer, self._wrap_policy, world.rank,
-                                                  world.size, keep_initial=False, with_values=False)
+                                                  world.size, keep_initial=False, with_values=False,
+                                                  whole=self._kept_whole(self._user_optimizer))
         self._initial_params, self._initial_pending = [], False
         self._adopt_units()
         repoint_optimizer(self.optimizer, [[b.shard for b in self.buckets if b.group == group]

@@ -14,7 +14,7 @@ gathers the unit again they read the re-gathered values (PyTorch FSDP1's techniq
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -103,7 +103,7 @@ def parameter_owners(model: nn.Module, unit_paths: Sequence[str]) -> Dict[int, O
 # Packing a unit into sharded buckets.
 
 def build_units(model: nn.Module, optimizer: torch.optim.Optimizer, policy: WrapPolicy, rank: int,
-                world_size: int, keep_initial: bool, with_values: bool = True,
+                world_size: int, keep_initial: bool, with_values: bool = True, whole: Collection[int] = (),
                 ) -> Tuple[FSDPUnit, List[FSDPUnit], List[torch.Tensor]]:
     """(root, the units with parameters in registration order, and when kept, the full buffers of the
     parameters' values as given, bucket by bucket). Every trainable optimizer parameter goes to one
@@ -118,6 +118,8 @@ def build_units(model: nn.Module, optimizer: torch.optim.Optimizer, policy: Wrap
         keep_initial: also return the full buffers of the parameters' values as given.
         with_values: False: the shards start at zero (the parameters hold no values: a re-cut for a new world, filled
             from a checkpoint next).
+        whole: ids of optimizer parameters left out of the buckets, held whole by this rank (a subclass
+            reduces and steps them: expert parallelism's shares).
     """
     found = find_units(model, policy)
     owners = parameter_owners(model, [path for path, _ in found])
@@ -125,7 +127,7 @@ def build_units(model: nn.Module, optimizer: torch.optim.Optimizer, policy: Wrap
     members: Dict[Optional[str], List[Tuple[int, int, nn.Parameter]]] = {}
     for group, indices in enumerate(fb.indices_by_group(optimizer)):
         for index, param in zip(indices, optimizer.param_groups[group]["params"]):
-            if param.requires_grad:
+            if param.requires_grad and id(param) not in whole:
                 members.setdefault(owners.get(id(param)), []).append((group, index, param))
     units, initial, count = [], [], 0
     for path, module in [("", model)] + found:
