@@ -115,9 +115,8 @@ DECLARED: Dict[str, Capabilities] = {
                     "replica groups",
             COMPILE: "the experts' all-to-all inside the forward does not compile (Dynamo cannot trace Horovod's "
                      "collectives)",
-            SHARDED_CHECKPOINTS: "expert parallelism writes the full format, the experts gathered whole",
             MESH: "expert parallelism does not combine with tensor or pipeline parallelism yet"},
-        collective_forward=True, shards_gradients=True),
+        collective_forward=True, shards_gradients=True, loads=EVERY_PART),
 }
 # The values of train.strategy (the model-parallel and expert-parallel layouts are chosen by their settings).
 STRATEGY_NAMES = tuple(name for name in DECLARED if name not in (MODEL_PARALLEL, EXPERT_PARALLEL))
