@@ -4,8 +4,8 @@ rank 0; nothing gathered), and the checkpoint
 
 - holds each expert once (the files' expert elements add up to the whole experts once),
 - continues bitwise at its own E (each rank's RNG from its own file),
-- is resumed at E=1 (plain ddp, full format), at E=2 and, at 4 ranks, at E=4, to exactly the state
-  written; a zero1 sharded checkpoint at E=1 is resumed at E=2 alike,
+- is resumed at E=1 (plain ddp, full format; zero1, sharded), at E=2 and, at 4 ranks, at E=4, to
+  exactly the state written; a zero1 sharded checkpoint at E=1 is resumed at E=2 alike,
 - consolidates (``hvdtrain checkpoint consolidate``) and exports (``hvdtrain export --format hf``) to
   what transformers' from_pretrained loads, with the written model's logits bit for bit.
 
@@ -57,8 +57,8 @@ def resumed_from(world, checkpoint, directory, **settings):
 
 
 def layouts(world):
-    """E of every layout that fits this world: settings of the run resuming at it."""
-    found = {"E1": {"checkpoint_format": "full"}}
+    """Every layout that fits this world (E=1 under ddp and zero1, E=2, E=4): the resuming run's settings."""
+    found = {"E1": {"checkpoint_format": "full"}, "E1-zero1": {"strategy": "zero1", "checkpoint_format": "sharded"}}
     for experts in (2, 4):
         if world.size % experts == 0:
             found[f"E{experts}"] = {"expert_parallel": experts, "checkpoint_format": "sharded"}
