@@ -14,7 +14,7 @@ from typing import Any, Callable, ContextManager, Dict, Mapping, Optional
 from hvdtrain.checkpoint import FORMAT_VERSION
 from hvdtrain.checkpoint.formats import kept as kept_state
 from hvdtrain.checkpoint.coordination import Checkpointing
-from hvdtrain.checkpoint.formats.run_state import RunState
+from hvdtrain.checkpoint.formats.run_state import RunState, expert_parallel_of
 from hvdtrain.checkpoint.formats.sharded import is_sharded, resumes_as_written
 from hvdtrain.checkpoint.sources.full import FullStateSource
 from hvdtrain.common.capabilities import EVERY_PART
@@ -89,7 +89,7 @@ class CheckpointManager:
         saved = RunState.from_checkpoint(state)
         own_rng, own_callbacks = None, None
         as_written = is_sharded(state) and resumes_as_written(state, self.config.strategy, self.topology.world.size,
-                                                              self.topology.mesh_shape)
+                                                              self.topology.mesh_shape, self.config.expert_parallel)
         if as_written:
             # A mesh's rank keeps parts of every rank's file (read through a source, as at another
             # layout); its own file still holds its RNG states. A flat strategy's rank reads its own file.
@@ -101,7 +101,8 @@ class CheckpointManager:
             self.protocol.load_resharded(state, self.strategy)
         else:
             self.strategy.load_from(FullStateSource(state))  # every rank holds it all: nothing to agree on
-            if saved.world_size == self.topology.world.size and saved.mesh == self.topology.mesh_shape:
+            if (saved.world_size == self.topology.world.size and saved.mesh == self.topology.mesh_shape
+                    and expert_parallel_of(state) == self.config.expert_parallel):  # else: other experts per rank
                 own_rng = state["rng"][self.topology.world.rank]
                 if saved.strategy == self.config.strategy:  # a zero2 rank's averages are its slices, not ddp's model
                     own_callbacks = state.get("callbacks", [{}] * len(state["rng"]))[self.topology.world.rank]

@@ -118,9 +118,8 @@ DECLARED: Dict[str, Capabilities] = {
                     "replica groups",
             COMPILE: "the experts' all-to-all inside the forward does not compile (Dynamo cannot trace Horovod's "
                      "collectives)",
-            SHARDED_CHECKPOINTS: "expert parallelism writes the full format, the experts gathered whole",
             MESH: "expert parallelism does not combine with tensor or pipeline parallelism yet"},
-        collective_forward=True, shards_gradients=True),
+        collective_forward=True, shards_gradients=True, loads=EVERY_PART),
 }
 # What the ddp variant refuses, and sharded checkpoints whatever that one does: its loads are the full
 # state's though its class is fsdp's.

@@ -62,8 +62,10 @@ def check_strategy_settings(config: "TrainConfig") -> None:
             if ASKED[capability](config) and not layered.supports(capability):
                 raise ValueError(f"TrainConfig.{layout} does not work with {setting}: {layered.refuses[capability]}; "
                                  f"{way_out}")
-    # Over a mesh the layout writes the sharded checkpoints (its slices and stages), whatever the data groups run.
-    own = (COMPILE, ADASUM) if config.model_parallel else (COMPILE, ADASUM, SHARDED_CHECKPOINTS)
+    # Over a mesh the layout writes the sharded checkpoints (its slices and stages), whatever the data groups
+    # run; under expert parallelism its strategy does (each expert once), which its own checks judge.
+    layered = config.model_parallel or config.expert_parallel > 1
+    own = (COMPILE, ADASUM) if layered else (COMPILE, ADASUM, SHARDED_CHECKPOINTS)
     for capability in own:
         if ASKED[capability](config) and not chosen.supports(capability):
             raise ValueError(_refusal(capability, config.strategy, chosen.refuses[capability]))

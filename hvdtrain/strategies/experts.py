@@ -9,8 +9,10 @@ experts': theirs are averaged over the replica group (the ranks holding the same
 divided by E, which gives one process's gradient (see the module's docstring of
 hvdtrain.parallel.experts). Clipping counts every element once over the world.
 
-Checkpoints are in the full format: the experts gathered whole over the expert group (so a run
-resumes at any E, E=1 included, and exports), each rank taking its share back on load.
+Full checkpoints hold the experts gathered whole over the expert group (so a run resumes at any E,
+E=1 included, and exports), each rank taking its share back on load. Sharded ones gather nothing:
+each expert is written once, by its rank in the first expert group, the rest by rank 0, in a mesh's
+layout (hvdtrain.strategies.expert_shards), read back at any E through the checkpoint's sources.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 from hvdtrain.distributed import collectives
 from hvdtrain.distributed.world import World
 from hvdtrain.parallel import experts as ep
-from hvdtrain.strategies import clipping
+from hvdtrain.strategies import clipping, expert_shards
 from hvdtrain.strategies.base import distinct_state, tensor_names
 from hvdtrain.strategies.ddp import DDPStrategy
 
@@ -122,6 +124,11 @@ class ExpertParallelStrategy(DDPStrategy):
                 model.update((alias, tensor) for alias in names)
             return {"model": model, "optimizer": None}
         return source.full_state()
+
+    def shard_state_dict(self) -> Dict[str, Any]:
+        """This rank's part of a sharded checkpoint: its experts if it is in the first expert group, the
+        replicated rest on rank 0 (local: nothing gathered). Read back through a source at any E."""
+        return expert_shards.shard_part(self.model, self.optimizer, self.world.rank, self.world.size, self.experts)
 
     def full_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
         for name, value in distinct_state(self.model):

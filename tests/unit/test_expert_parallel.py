@@ -55,7 +55,6 @@ def test_the_fused_experts_are_found_and_nothing_else():
     (dict(strategy="fsdp", compile=True), "compile: the experts' all-to-all"),
     (dict(tensor_parallel=2), "tensor_parallel=2 x pipeline_parallel=1: expert parallelism does not combine"),
     (dict(compile=True), "compile: the experts' all-to-all"),
-    (dict(checkpoint_format="sharded"), "checkpoint_format=sharded: expert parallelism writes the full format"),
     (dict(precision="fp16"), "precision=fp16"),
     (dict(reduction="adasum"), "reduction=adasum"),
     (dict(expert_parallel=0), "expert_parallel must be a whole number >= 1"),

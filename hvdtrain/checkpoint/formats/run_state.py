@@ -55,5 +55,12 @@ class RunState:
         return cls(**{name: state[name] for name in known})
 
 
+def expert_parallel_of(checkpoint: Mapping[str, Any]) -> int:
+    """train.expert_parallel of the run that wrote ``checkpoint`` (a full one, or a sharded one's
+    manifest), from the settings it records; 1 when it records none (written before them)."""
+    train = (checkpoint.get("config") or {}).get("train") or {}
+    return int(train.get("expert_parallel", 1) or 1)
+
+
 def missing_keys(state: Any, required: Sequence[str]) -> List[str]:
     return [key for key in required if key not in state] if isinstance(state, dict) else list(required)

@@ -28,7 +28,7 @@ import torch
 
 from hvdtrain.checkpoint import CheckpointError, CorruptCheckpoint
 from hvdtrain.checkpoint.formats import checksums
-from hvdtrain.checkpoint.formats.run_state import RunState, missing_keys
+from hvdtrain.checkpoint.formats.run_state import RunState, expert_parallel_of, missing_keys
 from hvdtrain.common import io_watch
 from hvdtrain.common.atomic import fsync_directory, write_atomically
 
@@ -255,10 +255,10 @@ def check_manifest(manifest: Any, path: Path) -> None:
 
 
 def resumes_as_written(state: Dict[str, Any], strategy: str, world_size: int,
-                       mesh: Sequence[int] = ()) -> bool:
+                       mesh: Sequence[int] = (), experts: int = 1) -> bool:
     """Whether each rank of this run takes back its own file of a sharded checkpoint (the same worker
-    count, strategy and mesh), rather than a part read at another layout through a tensor source
-    (hvdtrain.checkpoint.sources).
+    count, strategy, mesh and expert parallelism), rather than a part read at another layout through
+    a tensor source (hvdtrain.checkpoint.sources).
 
     Args:
         state: the checkpoint's manifest.
@@ -266,10 +266,13 @@ def resumes_as_written(state: Dict[str, Any], strategy: str, world_size: int,
         world_size: this run's worker count.
         mesh: this run's (data, pipeline, tensor) shape; empty: a flat one. A manifest written before
             meshes had sharded checkpoints names none: a flat one.
+        experts: this run's train.expert_parallel. At another E a rank holds other experts (and a
+            callback's per-rank copy of them has another shape), though strategy and mesh are the same.
     """
     flat = [world_size, 1, 1]
     same_mesh = list(state.get("mesh") or flat) == (list(mesh) if mesh else flat)
-    return state["world_size"] == world_size and state["strategy"] == strategy and same_mesh
+    return (state["world_size"] == world_size and state["strategy"] == strategy and same_mesh
+            and expert_parallel_of(state) == experts)
 
 
 def check_file(path: Path, manifest: Dict[str, Any], rank: int) -> Path:
