@@ -18,7 +18,7 @@ STRATEGIES = STRATEGY_NAMES
 PRECISIONS = {"fp32": 4, "bf16": 2}          # bytes of a parameter, a gradient and an activation
 OPTIMIZERS = {"adam": 2, "sgd": 1}           # fp32 state tensors per parameter (sgd: with momentum)
 # The strategies that hold the rest of the model under expert parallelism (TrainConfig refuses the others).
-EXPERT_STRATEGIES = ("ddp",)
+EXPERT_STRATEGIES = ("ddp", "fsdp")
 # Assumed, not measured: what one device achieves on a transformer's matrix products (set --flops).
 DEFAULT_FLOPS = 50e12
 # Assumed, not measured: bytes per second a device's optimizer update streams (set --update-bandwidth;

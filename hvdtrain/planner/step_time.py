@@ -165,7 +165,8 @@ def estimate(setup: Setup, layout: Layout) -> Estimate:
     hidden = min(setup.calibration.overlap * hideable, window)
     straggler = compute * setup.calibration.jitter * expected_max_normal(setup.workers)
     comm = tensor_s + pipe_s + sequence_s + expert_s + hideable + exposed
-    update = update_s(setup, layout, rest + own_experts)
+    # The expert shares are stepped whole on their rank under ddp and fsdp alike.
+    update = update_s(setup, layout, rest) + own_experts * update_bytes_per_element(setup.optimizer) / setup.update_bandwidth
     step = compute + update + straggler + comm - hidden
     return replace(held, compute_s=ideal, bubble_s=bubble, update_s=update, comm_s=comm - hidden, step_s=step,
                    samples_per_s=setup.batch / step)

@@ -34,7 +34,7 @@ def trained_whole():
 
 def rank_of(whole, whole_optimizer, rank, world_size, experts):
     """Rank ``rank``'s model and optimizer at E=``experts``, split as ExpertParallelStrategy splits them."""
-    from hvdtrain.strategies.experts import _take_shares
+    from hvdtrain.strategies.experts import take_shares
 
     model = copy.deepcopy(whole)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -48,7 +48,7 @@ def rank_of(whole, whole_optimizer, rank, world_size, experts):
         setattr(model.get_submodule(parent), child, split)
         for attribute, parameter in module.named_parameters(recurse=False):
             replaced[id(parameter)] = split._parameters[attribute]
-    _take_shares(optimizer, replaced)
+    take_shares(optimizer, replaced)
     return model, optimizer
 
 

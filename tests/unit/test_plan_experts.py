@@ -74,11 +74,24 @@ def test_the_planners_bytes_per_rank_are_hvdtrains_expert_split(tiny, size):
 def test_expert_layouts_where_E_divides_the_experts_and_the_data_ranks():
     setup = planner.Setup(replace(MOE, experts=6), batch=8, memory=2**40, workers=8)
     expert_layouts = [layout.name for layout in planner.layouts(setup) if layout.experts > 1]
-    assert expert_layouts == ["ddp T=1 P=1 D=8 E=2"]  # E=4 and E=8 do not divide 6 experts
+    # E=4 and E=8 do not divide 6 experts
+    assert expert_layouts == ["ddp T=1 P=1 D=8 E=2", "fsdp T=1 P=1 D=8 E=2"]
     assert [layout.experts for layout in planner.layouts(replace(setup, shape=MOE))
-            if layout.experts > 1] == [2, 4, 8]
+            if layout.experts > 1] == [2, 2, 4, 4, 8, 8]
     dense = replace(setup, shape=planner.ModelShape(layers=4, d_model=256, seq_len=128, vocab=1000, heads=4))
     assert all(layout.experts == 1 for layout in planner.layouts(dense))
+
+
+def test_fsdp_shards_the_rest_and_holds_each_ranks_experts_whole():
+    """fsdp x E (hvdtrain.strategies.fsdp.experts): the expert shares stay out of fsdp's units, so a
+    rank holds its 1/E of the experts whole (as under ddp) and 1/N of everything else."""
+    setup = planner.Setup(MOE, batch=8, memory=2**40, workers=8)
+    ddp = planner.memory(setup, planner.Layout("ddp", 1, 1, 8, experts=4))
+    fsdp = planner.memory(setup, planner.Layout("fsdp", 1, 1, 8, experts=4))
+    rest, own = 10e6, 50e6 / 4  # MOE: 60M parameters, 50M of them routed experts
+    assert ddp.parameters == pytest.approx(4 * (rest + own))
+    assert fsdp.parameters == pytest.approx(4 * (rest / 8 + own))
+    assert fsdp.optimizer_state == pytest.approx(8 * (rest / 8 + own))
 
 
 def test_memory_holds_a_share_of_the_experts_and_the_rest_whole():
