@@ -249,8 +249,12 @@ class PartsHolder:
             protocol, resumed, batching = read_checkpoint_and_batch(
                 cfg, topology, faults, job_config, elastic_launch, train_dataset, val_dataset, collate_fn,
                 loader_factory)
-            splitter = prepare_sequences(topology, model)
+            # A data-parallel strategy wraps a model whose attention is already split; a tensor-parallel
+            # one replaces the attention modules, so theirs are split once it has (prepare_sequences).
+            splitter = prepare_sequences(topology, model) if topology.mesh is None else None
             strategy = shard(cfg, topology, model, optimizer, model_plan, loss_fn, initialization, elastic_launch)
+            if topology.mesh is not None:
+                splitter = prepare_sequences(topology, model)
             if splitter is not None:
                 prove_split(model, splitter, topology.sequence, strategy.forward_only, world.device)
             position = Position()
@@ -457,9 +461,10 @@ def read_checkpoint_and_batch(cfg: TrainConfig, topology: Topology, faults: Faul
 
 
 def prepare_sequences(topology: Topology, model: torch.nn.Module) -> Optional[BatchSplitter]:
-    """Under sequence parallelism, the model's attention split by heads around an all-to-all (before
-    the strategy wraps it) and the splitter of its batches; None otherwise. Refused by name on every
-    rank alike (the same model everywhere) before any collective of the step."""
+    """Under sequence parallelism, the model's attention split by heads around an all-to-all and the
+    splitter of its batches; None otherwise. Refused by name on every rank alike (the same model
+    everywhere) before any collective of the step. Under tensor parallelism the heads split are this
+    rank's share of the tensor group's."""
     if topology.sequence is None:
         return None
     return sequence_modules.prepare(model, topology.sequence)

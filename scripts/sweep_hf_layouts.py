@@ -135,7 +135,7 @@ def _header(run: dict, every: int) -> dict:
         "refused": "hvdtrain raised its own error at set-up or before the first step (the reason, classified "
                    "from the message: hvdtrain.verify.outcome.REASONS)",
         "layouts": "T2 and P2 at 2 ranks, T2xP2 at 4, fsdp-meta (fsdp, the model built on the meta device) at 2, S2 "
-                   "(sequence parallelism, S=2) at 2",
+                   "(sequence parallelism, S=2) at 2, T2xS2 (S=2 inside T=2) at 4",
         "run time": f"{run['minutes']:.0f} min on 2 cores shared with other work, one launch per world size",
         **({"re-run since": "; ".join(f"{', '.join(u['families'])} ({', '.join(u.get('layouts', []))}) at `{u['branch']}` {u['commit']} ({u['date']})"
                                       for u in run["updates"])} if run.get("updates") else {}),

@@ -203,9 +203,19 @@ class ParallelSelfAttention(nn.Module):
         batch, length, _ = x.shape
         width = self.qkv.out_features // 3  # the local width: heads / T heads
         q, k, v = self.qkv(x).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = self.attend(q, k, v)
         return self.residual_dropout(self.proj(y.transpose(1, 2).reshape(batch, length, width)))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's heads, (B, heads / T, T, C / heads) tensors: sequence
+        parallelism runs it on whole sequences of part of them (hvdtrain.parallel.sequence.modules).
+
+        Args:
+            q: queries.
+            k: keys, alike.
+            v: values, alike.
+        """
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
 
 
 # --- The styles of Hugging Face's tensor-parallel plans (transformers' ParallelInterface) ---------

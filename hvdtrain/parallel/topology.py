@@ -44,7 +44,7 @@ class Topology:
         if tensor_parallel * pipeline_parallel > 1:
             mesh = Mesh.build(world.size, world.rank, tensor_parallel, pipeline_parallel)
         if sequence_parallel > 1:
-            sequence = SequenceGroup.build(world.size, world.rank, sequence_parallel)
+            sequence = SequenceGroup.build(world.size, world.rank, sequence_parallel, tensor_parallel)
         return cls(world, mesh, sequence)
 
     @property
@@ -61,7 +61,7 @@ class Topology:
         """What the data sees: one worker per model replica (the data-parallel group's width), one per
         sequence group."""
         if self.sequence is not None:
-            return replace(self.world, rank=self.sequence.data_index, size=self.world.size // self.sequence.size)
+            return replace(self.world, rank=self.sequence.data_index, size=self.sequence.data_workers)
         if self.mesh is None:
             return self.world
         return replace(self.world, rank=self.mesh.coordinates.data, size=self.mesh.shape.data)

@@ -40,8 +40,9 @@ LAYOUTS: Dict[str, Layout] = {layout.name: layout for layout in (
     Layout("fsdp-meta", data=2, strategy="fsdp", meta=True),
     Layout("ddp", data=2),
     Layout("S2", sequence=2),
+    Layout("T2xS2", tensor=2, sequence=2),
 )}
-SWEEP = ("T2", "P2", "T2xP2", "fsdp-meta", "S2")
+SWEEP = ("T2", "P2", "T2xP2", "fsdp-meta", "S2", "T2xS2")
 
 
 def named(names: str) -> list:

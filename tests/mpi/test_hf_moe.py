@@ -189,9 +189,12 @@ def test_every_layout_takes_one_process_steps(world, family, layout):
 
 
 @pytest.mark.timeout(240)
-def test_the_default_grouped_mm_kernel_splits_in_float32(world):
+@pytest.mark.parametrize("layout", ["tensor_parallel", "expert_parallel"])
+def test_the_default_grouped_mm_kernel_splits_in_float32(world, layout):
     """grouped_mm (transformers' default experts implementation) has no float64 kernel: Qwen3-MoE in
-    float32 under T=2 against one process running the same kernel, under SGD (its step is linear in
+    float32 under T=2 (each expert's intermediate rows split) and under E=2 (each rank a half of the
+    experts, so the kernel's groups are the tokens the other rank's router sent) against one process
+    running the same kernel, under SGD (its step is linear in
     the gradient; Adam's near-sign step turns a rounding difference in a gradient near its eps into
     a difference of a whole step). Bound 1e-6 with every expert weight moved by more than 5e-5 in
     training: the layouts differ only in the order of float32 additions (relative 6e-8 each; measured
@@ -200,19 +203,22 @@ def test_the_default_grouped_mm_kernel_splits_in_float32(world):
     gradients by a fraction of themselves, so their weights by a fraction of 5e-5 (1.1e-4 and more here,
     at 2 and 4 ranks)."""
     if world.size % 2:
-        pytest.skip("tensor_parallel=2 needs an even world")
+        pytest.skip(f"{layout}=2 needs an even world")
     options = dict(dtype=torch.float32, experts="grouped_mm")
     trainer, data, initial, final, step_losses = train(world, "qwen3_moe", torch.optim.SGD, 0.1, options,
-                                                       tensor_parallel=2)
+                                                       **{layout: 2})
     implementation = trainer.model.config._experts_implementation
+    split = sorted(name for name, p in trainer.model.named_parameters() if hasattr(p, "expert_shard"))
     trainer.close_mesh()
+    data_ranks = world.size // 2 if layout == "tensor_parallel" else world.size  # expert groups keep their data
     worst, loss_error, _, experts_moved = differences_from_one_process(
-        "qwen3_moe", data, initial, final, step_losses.double(), world.size // 2, optimizer_class=torch.optim.SGD,
+        "qwen3_moe", data, initial, final, step_losses.double(), data_ranks, optimizer_class=torch.optim.SGD,
         lr=0.1, **options)
-    print(f"\nqwen3_moe grouped_mm float32 T2 SGD: max |param - one process| {worst:.2e}, loss {loss_error:.2e}, "
-          f"experts moved >= {experts_moved:.2e}")
+    print(f"\nqwen3_moe grouped_mm float32 {layout}=2 SGD: max |param - one process| {worst:.2e}, "
+          f"loss {loss_error:.2e}, experts moved >= {experts_moved:.2e}")
 
     assert implementation == "grouped_mm"
+    assert bool(split) == (layout == "expert_parallel")  # the experts dealt out, under E only
     assert experts_moved > 5e-5, "training did not move every expert's weights: the test proves nothing"
     # The loss is near 4, where float32's spacing is 4.8e-7: 5e-6 is ten of those steps.
     assert worst < 1e-6 and loss_error < 5e-6, (worst, loss_error)

@@ -28,6 +28,8 @@ from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.distributed import collectives
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
+from hvdtrain.examples.textlm_parallel import tensor_plan
+from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.trainer import Trainer
 from hvdtrain.verify.exact import float64_throughout
 from tests.mpi import helpers
@@ -80,19 +82,22 @@ def groups_of(world, sequence):
     return world.size // sequence
 
 
-def train(world, make, step_fn, data, sequence, strategy, collate_fn=None):
-    """(initial gathered model, final gathered model, each step's loss averaged over the world)."""
+def train(world, make, step_fn, data, sequence, strategy, collate_fn=None, tensor=1):
+    """(initial gathered model, final gathered model, each step's loss averaged over the world). Under
+    tensor parallelism a Hugging Face model's own tp_plan splits it; the example's is textlm_parallel's."""
     model = make(100 + world.rank)  # different on every rank: set-up must broadcast rank 0's
     config = TrainConfig(epochs=1, batch_size=BATCH, lr=0.01, scale_lr=False, warmup_epochs=0, max_steps=STEPS,
-                         seed=SEED, log_every=1000, tensorboard=False, strategy=strategy, sequence_parallel=sequence)
+                         seed=SEED, log_every=1000, tensorboard=False, strategy=strategy, sequence_parallel=sequence,
+                         tensor_parallel=tensor)
+    plan = ModelPlan(tensor_plan=tensor_plan(model)) if tensor > 1 and isinstance(model, TinyTransformerLM) else None
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), data, None, config, world=world,
-                      step_fn=step_fn, collate_fn=collate_fn)
+                      step_fn=step_fn, collate_fn=collate_fn, model_plan=plan)
     initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
     losses = record_step_losses(trainer)
     trainer.fit()
     final = trainer.strategy.state_dict()["model"]
     trainer.close_mesh()
-    step_losses = collectives.allreduce_sum(torch.stack(losses), name=f"sp.{sequence}.{strategy}.losses") / world.size
+    step_losses = collectives.allreduce_sum(torch.stack(losses), name=f"sp.{sequence}.{strategy}.{tensor}.losses") / world.size
     return initial, final, step_losses
 
 
@@ -161,6 +166,27 @@ def test_the_example_transformer_takes_one_process_steps(world, sequence):
         loss_of = lambda model, indices: torch.stack([  # noqa: E731
             pair_loss(example_step, data)(model, part) for part in torch.tensor(indices).chunk(groups)]).mean()
         expected, expected_losses = one_process(example_model, initial, step_batches(len(data), groups), loss_of)
+    check(expected, expected_losses, initial, final, step_losses)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("model", ["llama", "qwen3", "example"])
+def test_sequence_groups_inside_tensor_parallelism_take_one_process_steps(world, model):
+    """T=2 x S=2: each tensor group's two ranks hold the same tokens and half the heads (Llama: 4 of 8
+    query heads, 1 of 2 key/value heads, replicated onto the sequence group's two ranks), and the
+    sequence group's two ranks split those heads again around attention; the mesh's data group
+    (both sequence ranks of a tensor index) sums their partial gradients."""
+    if world.size % 4:
+        pytest.skip("tensor_parallel=2 x sequence_parallel=2 needs a multiple of 4 ranks")
+    groups = world.size // 4
+    data = helpers.token_data(VOCAB, SEQ)
+    make = example_model if model == "example" else (lambda seed: hf_model(model, seed))  # noqa: E731
+    step_fn = example_step if model == "example" else causal_lm_step
+    with float64_throughout():
+        initial, final, step_losses = train(world, make, step_fn, data, 2, "ddp", tensor=2)
+        loss_of = lambda model, indices: torch.stack([  # noqa: E731
+            pair_loss(step_fn, data)(model, part) for part in torch.tensor(indices).chunk(groups)]).mean()
+        expected, expected_losses = one_process(make, initial, step_batches(len(data), groups), loss_of)
     check(expected, expected_losses, initial, final, step_losses)
 
 

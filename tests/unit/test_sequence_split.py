@@ -116,7 +116,7 @@ def test_the_exchange_gives_each_rank_whole_sequences_of_its_heads_and_back(monk
 
 
 @pytest.mark.parametrize("settings,message", [
-    (dict(sequence_parallel=2, tensor_parallel=2), "tensor_parallel or pipeline_parallel"),
+    (dict(sequence_parallel=2, pipeline_parallel=2), "pipeline_parallel=2"),
     (dict(sequence_parallel=2, reduction="adasum"), "reduction=adasum"),
     (dict(sequence_parallel=2, strategy="ps"), "strategy=ps"),
     (dict(sequence_parallel=2, expert_parallel=2), "load-balancing loss"),
@@ -132,3 +132,22 @@ def test_groups_must_divide_the_world():
     check_divides(4, 2)
     with pytest.raises(LayoutError, match="run a multiple of 4 workers"):
         check_divides(6, 4)
+
+
+def test_sequence_groups_inside_tensor_groups_hold_one_tensor_index_and_neighbouring_data():
+    """rank = d·T + t: a sequence group is S consecutive data coordinates of one tensor index, so a
+    tensor group's ranks hold the same tokens, and the mesh's data group (every d of one t) contains
+    whole sequence groups."""
+    from hvdtrain.parallel.mesh import MeshShape
+    from hvdtrain.parallel.sequence.groups import group_ranks
+
+    assert group_ranks(4, 2) == [(0, 1), (2, 3)]  # no tensor parallelism: consecutive ranks
+    groups = group_ranks(8, 2, tensor=2)
+    assert groups == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    shape = MeshShape.for_world(8, tensor=2)
+    for ranks in groups:
+        assert len({shape.coordinates(r).tensor for r in ranks}) == 1
+        assert set(ranks) <= set(shape.data_group(ranks[0]))
+    assert sorted(r for ranks in groups for r in ranks) == list(range(8))
+    with pytest.raises(LayoutError, match="tensor_parallel=2 = 4 ranks"):
+        group_ranks(6, 2, tensor=2)

@@ -180,7 +180,11 @@ def install(model: nn.Module, group: Any, batches: Any) -> SplitAttention:
     if not isinstance(heads, int):
         raise LayoutError(f"train.sequence_parallel needs {family}'s config.num_attention_heads to split its heads")
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_split(heads, kv_heads, group.size, family)  # refused by name before any forward when they cannot split
+    # Refused by name before any forward when they cannot split; under tensor parallelism this rank
+    # holds 1/T of them (the tensor plan refused heads that do not divide by T).
+    tensor = getattr(group, "tensor", 1)
+    head_split(heads // tensor, kv_heads // tensor, group.size,
+               family if tensor == 1 else f"{family}'s share of a tensor group of {tensor} ranks")
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, _mask)
     state = SplitAttention(group, inner, batches)
