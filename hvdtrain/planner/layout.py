@@ -102,7 +102,8 @@ def default_micro_batches(replica_batch: int, pipeline: int) -> int:
 def layouts(setup: Setup, workers: Optional[int] = None) -> List[Layout]:
     """Every layout hvdtrain runs on ``workers``: T divides the heads, P at most the layers + 2, the
     data replicas share the global batch evenly, and the micro-batches divide a replica's batch; and
-    sequence parallelism, S dividing the heads and the sequence, under each strategy that serves it;
+    sequence parallelism, S dividing the sequence and the heads (each tensor rank's, inside T), under
+    each strategy that serves it;
     and for a mixture of experts, expert parallelism, E dividing the experts and the data ranks."""
     n, shape = setup.workers if workers is None else workers, setup.shape
     found = []
@@ -120,11 +121,15 @@ def layouts(setup: Setup, workers: Optional[int] = None) -> List[Layout]:
             else:  # over a mesh: plain replicas, or ZeRO-1 over each data group when there are several
                 strategies = ("ddp", "zero1") if data > 1 else ("ddp",)
             found += [Layout(s, tensor, pipeline, data, micro if pipeline > 1 else 1) for s in strategies]
-    # Sequence parallelism (no tensor or pipeline split yet): S divides the heads and the sequence.
-    for sequence in (s for s in _divisors(n) if s > 1 and shape.heads % s == 0 and shape.seq_len % s == 0):
-        data = n // sequence
-        if setup.batch % data == 0:
-            found += [Layout(s, 1, 1, data, sequence=sequence) for s in SEQUENCE_STRATEGIES]
+    # Sequence parallelism, alone or inside tensor groups (no pipeline split): S divides the sequence
+    # and each tensor rank's heads. Over a mesh the data group (D x S ranks) is ddp's or ZeRO-1's.
+    for tensor in (t for t in _divisors(n) if shape.heads % t == 0):
+        for sequence in (s for s in _divisors(n // tensor)
+                         if s > 1 and (shape.heads // tensor) % s == 0 and shape.seq_len % s == 0):
+            data = n // (tensor * sequence)
+            if setup.batch % data == 0:
+                strategies = SEQUENCE_STRATEGIES if tensor == 1 else ("ddp", "zero1")
+                found += [Layout(s, tensor, 1, data, sequence=sequence) for s in strategies]
     # Expert parallelism (no tensor, pipeline or sequence split with it): E of the n data ranks.
     if shape.experts and setup.batch % n == 0:
         for experts in (e for e in _divisors(n) if e > 1 and shape.experts % e == 0):

@@ -69,8 +69,8 @@ def _activation_bytes(setup: Setup, layout: Layout, blocks: int, held: int, last
     logits = 2 * micro * s * setup.shape.vocab * width if last else 0.0  # logits and their gradient
     # Sequence parallelism: 1/S of every token-wise term, and attention's scores are whole sequences of
     # 1/S of the heads: all of it / S (plus attention's output per block in the tokens' layout: 2 bytes x d).
-    if layout.sequence > 1:
-        per_block = per_block / layout.sequence + s / layout.sequence * micro * d * width
+    if layout.sequence > 1:  # (under tensor parallelism attention's output is this rank's d / T)
+        per_block = per_block / layout.sequence + s / layout.sequence * micro * d / layout.tensor * width
         logits /= layout.sequence
     return blocks * held * per_block + logits
 

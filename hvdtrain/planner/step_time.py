@@ -61,8 +61,8 @@ def allreduce_s(setup: Setup, nbytes: float, size: int, stride: int, calls: int 
                     + buffers * ring_latency_s(size, nodes, net_alpha, intra_alpha))
 
 
-def alltoall_s(setup: Setup, nbytes: float, size: int, calls: int = 1) -> float:
-    """Seconds of all-to-alls over a group of neighbouring ranks, each rank holding ``nbytes`` and
+def alltoall_s(setup: Setup, nbytes: float, size: int, calls: int = 1, stride: int = 1) -> float:
+    """Seconds of all-to-alls over a group of ranks ``stride`` apart, each rank holding ``nbytes`` and
     sending (size - 1) / size of it, one latency per exchange.
 
     Args:
@@ -70,10 +70,11 @@ def alltoall_s(setup: Setup, nbytes: float, size: int, calls: int = 1) -> float:
         nbytes: bytes each rank holds before the exchange.
         size: ranks in the group.
         calls: all-to-alls.
+        stride: rank distance between the group's members (a sequence group inside tensor groups: T).
     """
     if size <= 1 or nbytes <= 0:
         return 0.0
-    nodes, bandwidth, net_alpha, intra_alpha = _group_link(setup, size, 1)
+    nodes, bandwidth, net_alpha, intra_alpha = _group_link(setup, size, stride)
     return calls * (nbytes * (size - 1) / size / bandwidth + (net_alpha if nodes > 1 else intra_alpha))
 
 
@@ -148,14 +149,17 @@ def estimate(setup: Setup, layout: Layout) -> Estimate:
     bubble = ideal * (p - 1) / m
     compute = ideal + bubble
     activation = replica_batch / m * shape.seq_len * shape.d_model * width
-    tensor_s = allreduce_s(setup, activation, layout.tensor, 1, calls=4 * blocks * m)
+    # A sequence group's rank holds 1/S of the tokens: the tensor group all-reduces that share.
+    tensor_s = allreduce_s(setup, activation / layout.sequence, layout.tensor, 1, calls=4 * blocks * m)
     pipe_s = 0.0
     if p > 1:
         nodes, bandwidth, net_alpha, intra_alpha = _group_link(setup, 2, layout.tensor)  # stage -> next stage
         pipe_s = 2 * m * (activation / bandwidth + (net_alpha if nodes > 1 else intra_alpha))
     sequence_s = 0.0
     if layout.sequence > 1:  # 4 all-to-alls per block forward (q, k, v out; the output back), 4 backward
-        sequence_s = alltoall_s(setup, activation / layout.sequence, layout.sequence, calls=8 * blocks)
+        # Its tokens of this rank's 1/T of the heads, between ranks T apart (tensor groups are innermost).
+        sequence_s = alltoall_s(setup, activation / layout.sequence / layout.tensor, layout.sequence,
+                                calls=8 * blocks, stride=layout.tensor)
     rest, own_experts = _expert_split(setup, layout, elements)
     hideable, exposed = _gradient_comm_s(setup, layout, rest)
     # The experts' share: averaged over the N/E ranks holding the same experts, E apart, as ddp's are.

@@ -186,6 +186,22 @@ def test_sequence_parallelism_is_a_layout_where_heads_and_sequence_divide():
     assert not any(layout.sequence > 1 for layout in planner.layouts(odd))  # 3 heads split over no S > 1
 
 
+def test_sequence_groups_inside_tensor_groups_are_layouts_where_each_ranks_heads_divide():
+    """T x S (hvdtrain.parallel.sequence.groups): S divides each tensor rank's heads, the data group
+    of D x S ranks is ddp's or ZeRO-1's; a tensor rank's all-to-alls carry its 1/T of the heads."""
+    setup = planner.Setup(LONG, batch=2, memory=2**40, workers=8, precision="bf16")
+    found = {layout.name: layout for layout in planner.layouts(setup)}
+    assert {"ddp T=2 P=1 D=1 S=4", "zero1 T=2 P=1 D=2 S=2", "ddp T=4 P=1 D=1 S=2"} <= set(found)
+    assert not any(layout.tensor > 1 and layout.sequence > 1 and layout.strategy in ("zero2", "fsdp")
+                   for layout in found.values())
+    # 16 heads: T=8 leaves 2 per rank, which S=4 cannot split.
+    assert "ddp T=8 P=1 D=1 S=4" not in found and "ddp T=4 P=1 D=1 S=2" in found
+    # The same sequences per group (D=1, S=4), with and without T=2: the tensor split's share on top.
+    alone = planner.memory(setup, planner.Layout("ddp", 1, 1, 1, sequence=4))
+    inside = planner.memory(setup, planner.Layout("ddp", 2, 1, 1, sequence=4))
+    assert inside.activations < alone.activations and inside.parameters < alone.parameters
+
+
 def test_sequence_parallelism_holds_a_share_of_the_activations_and_shards_over_every_rank():
     setup = planner.Setup(LONG, batch=4, memory=2**40, workers=4, precision="bf16")
     whole = planner.memory(setup, planner.Layout("fsdp", 1, 1, 4))
