@@ -19,6 +19,7 @@ from hvdtrain.observability.metric_sinks import open_sinks
 from hvdtrain.observability.run_directory import RunDirectory, default_run_name
 from hvdtrain.observability.timeline import TimelineWindow
 from hvdtrain.parallel.mesh import layout_lines
+from hvdtrain.parallel.sequence.groups import group_ranks
 from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies.base import Strategy
 
@@ -127,6 +128,11 @@ class Reporter:
                          f"(tensor innermost, then stages, then data replicas)")
                 for line in layout_lines(shape, hosts):
                     log.info(line)
+            sequence = self.topology.sequence
+            if sequence is not None:  # which ranks share a batch, each its part of every sequence
+                groups = group_ranks(world.size, sequence.size, sequence.tensor)
+                log.info(f"sequence groups of {sequence.size} ranks (each its 1/{sequence.size} of every sequence, "
+                         f"one data worker's batch per group): " + "; ".join(",".join(map(str, g)) for g in groups))
         log.info(setup_line)
         if world.hierarchical_allreduce:
             log.info(startup.hierarchical_effect(True, collectives.nccl_built(), world.device.type, world.cross_size))
