@@ -270,7 +270,17 @@ def _check_rank_order(group: Any) -> None:
 
 class GatheredColumnParallelLinear(ColumnParallelLinear):
     """Hugging Face's ``colwise_gather_output`` (a causal LM's head): column-parallel, then the
-    output columns all-gathered, so that what follows sees the whole output on every rank."""
+    output columns all-gathered, so that what follows sees the whole output on every rank.
+    ``out_features`` is that whole width: a model may read it (Apertus 1.5's loss views its logits
+    by ``lm_head.out_features``)."""
+
+    def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter], group: Any, name: str) -> None:
+        super().__init__(weight, bias, group, name)
+        self.out_features = weight.shape[0] * group.size
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (gathered; "
+                f"{self.weight.shape[0]} local), group={self.group}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = super().forward(x)
@@ -282,7 +292,16 @@ class GatheredColumnParallelLinear(ColumnParallelLinear):
 
 class SplitInputRowParallelLinear(RowParallelLinear):
     """Hugging Face's ``rowwise_split_input``: row-parallel over an input every rank holds whole
-    (after a ``colwise_gather_output`` layer): each rank takes its part of the input first."""
+    (after a ``colwise_gather_output`` layer): each rank takes its part of the input first.
+    ``in_features`` is the whole width it takes."""
+
+    def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter], group: Any, name: str) -> None:
+        super().__init__(weight, bias, group, name)
+        self.in_features = weight.shape[1] * group.size
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (split here; {self.weight.shape[1]} local), "
+                f"out_features={self.out_features}, group={self.group}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _communicates(self.group):

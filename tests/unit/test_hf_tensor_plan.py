@@ -275,3 +275,14 @@ def test_an_entry_of_the_familys_own_plan_naming_nothing_here_is_skipped_whateve
     monkeypatch.undo()  # the model's own plan without the entry: the user's plan names it
     with pytest.raises(ValueError, match="embedding_colwise"):
         check_plan(model, {"model.layers.*.ple.embedding": "embedding_colwise"}, 2)
+
+
+def test_a_gathered_layer_says_the_whole_width_it_outputs_and_a_split_input_one_the_whole_it_takes():
+    """A model may read a split layer's widths: Apertus 1.5's loss views its logits by
+    ``lm_head.out_features``, and under T=2 the local width cut every row of logits in two (a
+    cross-entropy over twice the rows, refused by transformers as a batch mismatch)."""
+    head, down = nn.Linear(8, 6), nn.Linear(6, 4)
+    gathered = GatheredColumnParallelLinear.from_linear(head, Group((0, 1), 1, None), name="head")
+    split_input = SplitInputRowParallelLinear.from_linear(down, Group((0, 1), 1, None), name="down")
+    assert tuple(gathered.weight.shape) == (3, 8) and gathered.out_features == 6 and gathered.in_features == 8
+    assert tuple(split_input.weight.shape) == (4, 3) and split_input.in_features == 6 and split_input.out_features == 4
