@@ -272,7 +272,14 @@ class GatheredColumnParallelLinear(ColumnParallelLinear):
     """Hugging Face's ``colwise_gather_output`` (a causal LM's head): column-parallel, then the
     output columns all-gathered, so that what follows sees the whole output on every rank.
     ``out_features`` is that whole width: a model may read it (Apertus 1.5's loss views its logits
-    by ``lm_head.out_features``)."""
+    by ``lm_head.out_features``).
+
+    Args:
+        weight: this rank's rows of the weight.
+        bias: this rank's part of the bias, or None.
+        group: the tensor group.
+        name: names its collectives.
+    """
 
     def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter], group: Any, name: str) -> None:
         super().__init__(weight, bias, group, name)
@@ -293,7 +300,14 @@ class GatheredColumnParallelLinear(ColumnParallelLinear):
 class SplitInputRowParallelLinear(RowParallelLinear):
     """Hugging Face's ``rowwise_split_input``: row-parallel over an input every rank holds whole
     (after a ``colwise_gather_output`` layer): each rank takes its part of the input first.
-    ``in_features`` is the whole width it takes."""
+    ``in_features`` is the whole width it takes.
+
+    Args:
+        weight: this rank's columns of the weight.
+        bias: the whole bias, or None.
+        group: the tensor group.
+        name: names its collectives.
+    """
 
     def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter], group: Any, name: str) -> None:
         super().__init__(weight, bias, group, name)

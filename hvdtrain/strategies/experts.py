@@ -169,15 +169,21 @@ def split_model_experts(model: torch.nn.Module, optimizer: torch.optim.Optimizer
         ep.check_experts(path, module, experts)
     collectives.broadcast_model_and_optimizer(model, optimizer, root_rank=0)
     groups = ep.ExpertGroups.build(world.size, world.rank, experts)
+    replace_experts(model, optimizer, groups)
+    return groups
+
+
+def replace_experts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: ep.ExpertGroups) -> None:
+    """Each fused experts module of ``model`` replaced by this rank's share (state_dict names
+    unchanged), which ``optimizer`` steps in the whole parameter's place (no collective)."""
     replaced: Dict[int, torch.nn.Parameter] = {}
-    for path, module in found.items():
+    for path, module in ep.fused_experts(model).items():
         split = ep.split_experts(module, groups, path)
         parent, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent), child, split)
         for attribute, whole in module.named_parameters(recurse=False):
             replaced[id(whole)] = split._parameters[attribute]
     take_shares(optimizer, replaced)
-    return groups
 
 
 def take_shares(optimizer: torch.optim.Optimizer, replaced: Dict[int, torch.nn.Parameter]) -> None:

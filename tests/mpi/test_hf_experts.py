@@ -143,11 +143,13 @@ def test_a_checkpoint_holds_the_experts_whole_and_resumes_at_any_expert_parallel
 
 
 @pytest.mark.timeout(240)
-def test_clipping_counts_every_expert_once(world):
-    """Mixtral at E=2 with train.max_grad_norm below the gradients' norm: the global norm counts each
-    expert once (its replicas hold the same averaged gradient) and every replicated gradient once, so
-    the steps are one process's clipped ones (a norm counting a rank's own experts only, or
-    counting the replicated gradients once per rank, scales the steps otherwise: by 1e-4 and more)."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_clipping_counts_every_expert_once(world, strategy):
+    """Mixtral at E=2 (under ddp, and under fsdp: its shards of the rest each counted by their rank)
+    with train.max_grad_norm below the gradients' norm: the global norm counts each expert once (its
+    replicas hold the same averaged gradient) and every replicated gradient once, so the steps are
+    one process's clipped ones (a norm counting a rank's own experts only, or counting the
+    replicated gradients once per rank, scales the steps otherwise: by 1e-4 and more)."""
     from tests.mpi.test_hf_moe import STEPS, BATCH, data_ranks_orders, make_model, moe_step
 
     if world.size % 2:
@@ -156,7 +158,7 @@ def test_clipping_counts_every_expert_once(world):
     with float64_throughout():
         # SGD: its step is proportional to the clipped gradient (Adam's would all but ignore the scale)
         trainer, data, initial, final, _ = train(world, "mixtral", torch.optim.SGD, 0.1, expert_parallel=2,
-                                                 max_grad_norm=max_norm)
+                                                 max_grad_norm=max_norm, strategy=strategy)
         trainer.close_mesh()
         model = make_model("mixtral", 0)
         model.load_state_dict(initial)
@@ -171,7 +173,7 @@ def test_clipping_counts_every_expert_once(world):
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
             optimizer.step()
     worst = max((final[name] - t).abs().max().item() for name, t in model.state_dict().items())
-    print(f"\nmixtral E=2 clipped to {max_norm}: norms {norms}, max |param - one process| {worst:.2e}")
+    print(f"\nmixtral {strategy} x E=2 clipped to {max_norm}: norms {norms}, max |param - one process| {worst:.2e}")
 
     assert min(norms) > 2 * max_norm, "the gradients were not clipped: the test proves nothing"
     assert worst < 1e-10, worst

@@ -34,21 +34,14 @@ def trained_whole():
 
 def rank_of(whole, whole_optimizer, rank, world_size, experts):
     """Rank ``rank``'s model and optimizer at E=``experts``, split as ExpertParallelStrategy splits them."""
-    from hvdtrain.strategies.experts import take_shares
+    from hvdtrain.strategies.experts import replace_experts
 
     model = copy.deepcopy(whole)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     optimizer.load_state_dict(whole_optimizer.state_dict())
     groups = ep.ExpertGroups(experts, Group(ep.expert_group_ranks(world_size, rank, experts), rank, None),
                              Group(ep.replica_group_ranks(world_size, rank, experts), rank, None), [])
-    replaced = {}
-    for path, module in ep.fused_experts(model).items():
-        split = ep.split_experts(module, groups, path)
-        parent, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent), child, split)
-        for attribute, parameter in module.named_parameters(recurse=False):
-            replaced[id(parameter)] = split._parameters[attribute]
-    take_shares(optimizer, replaced)
+    replace_experts(model, optimizer, groups)
     return model, optimizer
 
 
