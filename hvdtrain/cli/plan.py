@@ -160,8 +160,9 @@ def hf_shape(model: str, seq_len: Optional[int] = None) -> planner.ModelShape:
         moe = dict(experts=sizes.pop(), top_k=top_k, moe_layers=len(experts),
                    expert_params=float(sum(p.numel() for module in experts.values()
                                            for p in module.parameters(recurse=False))))
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return planner.ModelShape(config.num_hidden_layers, config.hidden_size, context, config.vocab_size,
-                              config.num_attention_heads, params=float(total), **moe)
+                              config.num_attention_heads, params=float(total), kv_heads=kv_heads, **moe)
 
 
 def setup_from(args: argparse.Namespace) -> planner.Setup:

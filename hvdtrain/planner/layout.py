@@ -106,8 +106,10 @@ def layouts(setup: Setup, workers: Optional[int] = None) -> List[Layout]:
     each strategy that serves it;
     and for a mixture of experts, expert parallelism, E dividing the experts and the data ranks."""
     n, shape = setup.workers if workers is None else workers, setup.shape
+    kv_heads = shape.kv_heads or shape.heads
     found = []
-    for tensor in (t for t in _divisors(n) if shape.heads % t == 0):
+    # The tensor plan splits query and key/value heads alike: T divides both.
+    for tensor in (t for t in _divisors(n) if shape.heads % t == 0 and kv_heads % t == 0):
         for pipeline in (p for p in _divisors(n // tensor) if p <= shape.layers + 2):
             data = n // (tensor * pipeline)
             if setup.batch % data:
@@ -123,9 +125,11 @@ def layouts(setup: Setup, workers: Optional[int] = None) -> List[Layout]:
             found += [Layout(s, tensor, pipeline, data, micro if pipeline > 1 else 1) for s in strategies]
     # Sequence parallelism, alone or inside tensor groups (no pipeline split): S divides the sequence
     # and each tensor rank's heads. Over a mesh the data group (D x S ranks) is ddp's or ZeRO-1's.
-    for tensor in (t for t in _divisors(n) if shape.heads % t == 0):
+    for tensor in (t for t in _divisors(n) if shape.heads % t == 0 and kv_heads % t == 0):
+        own_kv = kv_heads // tensor  # split over S, or replicated onto it (hvdtrain.parallel.sequence.attention)
         for sequence in (s for s in _divisors(n // tensor)
-                         if s > 1 and (shape.heads // tensor) % s == 0 and shape.seq_len % s == 0):
+                         if s > 1 and (shape.heads // tensor) % s == 0 and shape.seq_len % s == 0
+                         and (own_kv % s == 0 or s % own_kv == 0)):
             data = n // (tensor * sequence)
             if setup.batch % data == 0:
                 strategies = SEQUENCE_STRATEGIES if tensor == 1 else ("ddp", "zero1")

@@ -35,7 +35,10 @@ class ModelShape:
     A mixture-of-experts model also gives its routed experts: ``experts`` per MoE layer (0: a dense
     model), ``top_k`` of them per token, ``moe_layers`` layers with them, and ``expert_params``, the
     elements of every layer's routed experts together (part of ``params``; routers and shared experts
-    are the rest, replicated as a dense model's)."""
+    are the rest, replicated as a dense model's).
+
+    ``kv_heads``: key/value heads, fewer than ``heads`` under grouped-query attention (None: as many);
+    a tensor split must divide them too."""
 
     layers: int
     d_model: int
@@ -47,6 +50,7 @@ class ModelShape:
     top_k: int = 0
     moe_layers: int = 0
     expert_params: float = 0.0
+    kv_heads: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "d_model", "seq_len", "vocab", "heads"):
@@ -55,6 +59,10 @@ class ModelShape:
                 raise ValueError(f"model {name} must be a whole number >= 1, got {value!r}")
         if self.d_model % self.heads:
             raise ValueError(f"d_model {self.d_model} must be a multiple of heads {self.heads}")
+        if self.kv_heads is not None and (isinstance(self.kv_heads, bool) or not isinstance(self.kv_heads, int)
+                                          or self.kv_heads < 1 or self.heads % self.kv_heads):
+            raise ValueError(f"key/value heads must be a whole number dividing the {self.heads} heads, got "
+                             f"{self.kv_heads!r}")
         if self.params is not None and self.params <= self._outside_blocks():
             raise ValueError(f"--params {self.params:.4g} leaves nothing for the blocks: the embeddings and "
                              f"final norm of this shape already hold {self._outside_blocks():.4g}")

@@ -202,6 +202,23 @@ def test_sequence_groups_inside_tensor_groups_are_layouts_where_each_ranks_heads
     assert inside.activations < alone.activations and inside.parameters < alone.parameters
 
 
+def test_tensor_and_sequence_splits_respect_the_key_value_heads():
+    """Grouped-query attention, 16 query and 4 key/value heads: the tensor plan splits both alike, so
+    T=8 is no layout (hvdtrain's plan refuses it). Inside T=2 each rank's 2 key/value heads are
+    replicated onto S=4; with 3 key/value heads S=2 neither divides them nor is a multiple of them."""
+    shape = replace(LONG, kv_heads=4)
+    found = {layout.name for layout in planner.layouts(planner.Setup(shape, batch=2, memory=2**40, workers=8))}
+    assert not any(name.startswith("ddp T=8 ") for name in found)
+    assert "ddp T=8 P=1 D=1" in {layout.name for layout in planner.layouts(planner.Setup(LONG, batch=2, memory=2**40,
+                                                                                            workers=8))}
+    assert "ddp T=2 P=1 D=1 S=4" in found and "ddp T=4 P=1 D=1 S=2" in found
+    three = replace(LONG, heads=12, d_model=1536, kv_heads=3)  # 3 key/value heads: S=2 neither divides nor replicates
+    assert not any(layout.sequence == 2 for layout in planner.layouts(planner.Setup(three, batch=2, memory=2**40,
+                                                                                    workers=8)))
+    with pytest.raises(ValueError, match="key/value heads"):
+        replace(LONG, kv_heads=5)
+
+
 def test_sequence_parallelism_holds_a_share_of_the_activations_and_shards_over_every_rank():
     setup = planner.Setup(LONG, batch=4, memory=2**40, workers=4, precision="bf16")
     whole = planner.memory(setup, planner.Layout("fsdp", 1, 1, 4))
