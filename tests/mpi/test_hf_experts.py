@@ -91,6 +91,24 @@ def test_each_rank_holds_one_eth_of_the_experts_state(world):
                         "optimizer_state": 2 * (whole // 2 + rest) + steps}
 
 
+def pretrained_differences(trainer, directory, saved):
+    """The names whose weights ``trainer`` holds, after loading ``directory`` as pretrained weights,
+    other than the ``saved`` state's."""
+    trainer.load_pretrained(directory)
+    weights = trainer.strategy.state_dict()["model"]
+    return [name for name in saved["model"] if not torch.equal(weights[name], saved["model"][name])]
+
+
+def exported_differences(world, directory, saved, name):
+    """The names plain transformers loads from the exported ``directory`` other than the ``saved``
+    state's (rank 0 loads; every rank gets its answer by the broadcast ``name``)."""
+    exported = None
+    if world.is_root:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64)
+        exported = [key for key, t in loaded.state_dict().items() if not torch.equal(t, saved["model"][key])]
+    return collectives.broadcast_object(exported, root_rank=0, name=name)
+
+
 @pytest.mark.timeout(300)
 def test_a_checkpoint_holds_the_experts_whole_and_resumes_at_any_expert_parallel(world, shared_tmp_path):
     """Qwen2-MoE at E=2 writes a full checkpoint (every expert once, gathered whole, under the
@@ -125,16 +143,11 @@ def test_a_checkpoint_holds_the_experts_whole_and_resumes_at_any_expert_parallel
     resumed["loaded whole at E2"] = differences(fresh.strategy.state_dict(), saved)
     fresh.close_mesh()
     pretrained = make_trainer(world, make_model("qwen2_moe", 400), data, expert_parallel=2)
-    pretrained.load_pretrained(Path(directory) / "hf")  # weights only: each rank takes its experts
-    weights = pretrained.strategy.state_dict()["model"]
-    resumed["pretrained at E2"] = [name for name in saved["model"] if not torch.equal(weights[name], saved["model"][name])]
+    # weights only: each rank takes its experts
+    resumed["pretrained at E2"] = pretrained_differences(pretrained, Path(directory) / "hf", saved)
     pretrained.close_mesh()
     written.close_mesh()
-    exported = None
-    if world.is_root:
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(Path(directory) / "hf", dtype=torch.float64)
-        exported = [name for name, t in loaded.state_dict().items() if not torch.equal(t, saved["model"][name])]
-    exported = collectives.broadcast_object(exported, root_rank=0, name="ep.exported")
+    exported = exported_differences(world, Path(directory) / "hf", saved, name="ep.exported")
 
     shape = saved["model"]["model.layers.0.mlp.experts.gate_up_proj"].shape
     assert tuple(shape) == (4, 2 * 16, 32), "gathered whole: every expert, [gate; up] of 2 x 16 rows"

@@ -19,6 +19,7 @@ import torch
 
 from hvdtrain.distributed import collectives
 from hvdtrain.verify.exact import float64_throughout
+from tests.mpi.test_hf_experts import exported_differences, pretrained_differences
 from tests.mpi.test_hf_moe import differences_from_one_process, expert_names, train
 
 transformers = pytest.importorskip("transformers")
@@ -141,16 +142,11 @@ def test_a_checkpoint_holds_the_experts_whole_and_resumes_under_ddp_at_any_exper
     resumed["loaded whole"] = differences(fresh.strategy.state_dict(), saved)
     fresh.close_mesh()
     pretrained = make_trainer(world, make_model("mixtral", 400), data, strategy="fsdp", expert_parallel=2)
-    pretrained.load_pretrained(Path(directory) / "hf")  # weights only: each rank takes its experts, fsdp its shards
-    weights = pretrained.strategy.state_dict()["model"]
-    resumed["pretrained"] = [name for name in saved["model"] if not torch.equal(weights[name], saved["model"][name])]
+    # weights only: each rank takes its experts, fsdp its shards
+    resumed["pretrained"] = pretrained_differences(pretrained, Path(directory) / "hf", saved)
     pretrained.close_mesh()
     written.close_mesh()
-    exported = None
-    if world.is_root:
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(Path(directory) / "hf", dtype=torch.float64)
-        exported = [name for name, t in loaded.state_dict().items() if not torch.equal(t, saved["model"][name])]
-    exported = collectives.broadcast_object(exported, root_rank=0, name="ep.fsdp.exported")
+    exported = exported_differences(world, Path(directory) / "hf", saved, name="ep.fsdp.exported")
 
     name = "model.layers.0.mlp.experts.gate_up_proj"
     index = [n for n, _ in make_model("mixtral", 0).named_parameters()].index(name)  # the optimizer's numbering
