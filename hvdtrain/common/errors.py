@@ -8,11 +8,19 @@ that hits one can end on every rank at once, with one message: install_refusal_h
 hvdtrain.init) makes an uncaught refusal print ``hvdtrain: <message>`` on rank 0's stderr, and
 every rank exit with status 2 (the status of a settings error), without a traceback on each rank.
 Any other exception keeps Python's traceback. HVDTRAIN_TRACEBACK=1 shows refusals' tracebacks too.
+
+The other ranks do not exit at once: a launcher (mpirun, horovodrun, srun --kill-on-bad-exit) ends
+the whole job at the first non-zero exit, so a rank that reached the refusal a moment before rank 0
+would take rank 0's line down with it. They wait for rank 0's exit to end the job; a rank still
+alive after the grace period (rank 0 did not refuse, or no launcher ends the job) prints the line
+itself, naming its rank, so the reason is never lost.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from types import TracebackType
 from typing import Mapping, Optional, Type
 
@@ -21,6 +29,9 @@ from typing import Mapping, Optional, Type
 RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "HOROVOD_RANK", "SLURM_PROCID")
 REFUSED_EXIT_CODE = 2  # as argparse's usage errors, and a settings error (hvdtrain.config.loader.parse_job)
 SHOW_TRACEBACK = "HVDTRAIN_TRACEBACK"
+# How long a rank other than 0 waits for rank 0's exit to end the job before it speaks itself: far
+# longer than rank 0 takes to print one line after the collective the ranks agreed on, under load.
+REFUSAL_GRACE_SECONDS = 30.0
 
 
 class HvdtrainError(Exception):
@@ -50,9 +61,11 @@ def launcher_rank(environ: Optional[Mapping[str, str]] = None) -> int:
     return 0
 
 
-def install_refusal_hook(is_root: bool) -> None:
+def install_refusal_hook(is_root: bool, grace_seconds: float = REFUSAL_GRACE_SECONDS) -> None:
     """Make an uncaught HvdtrainError end this process with one line on ``is_root``'s stderr and
-    exit status 2 (every other exception: the previous hook's traceback). Idempotent.
+    exit status 2 (every other exception: the previous hook's traceback). Idempotent. A rank other
+    than the root waits up to ``grace_seconds`` for the root's exit to end the job first (see the
+    module's docstring), then prints the line with its rank and exits.
 
     The hook ends the process by raising SystemExit, which Python honours from an excepthook: the
     interpreter then shuts down as after any exit (atexit: Horovod's shutdown, MPI's finalize), so
@@ -70,9 +83,20 @@ def install_refusal_hook(is_root: bool) -> None:
             previous(kind, error, trace)
         elif is_root:
             print(one_line(error), file=sys.stderr)
+        else:
+            wait_for_the_root_to_end_the_job(grace_seconds)
+            print(one_line(error).replace("hvdtrain: ", f"hvdtrain: (rank {launcher_rank()}; rank 0 did not end "
+                                          "the job) ", 1), file=sys.stderr)
         sys.stderr.flush()
         raise SystemExit(REFUSED_EXIT_CODE)
 
     hook.hvdtrain_refusals = True  # type: ignore[attr-defined]
     hook.previous = previous  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def wait_for_the_root_to_end_the_job(grace_seconds: float) -> None:
+    """Sleep up to ``grace_seconds``; a launcher's SIGTERM (rank 0 exited) ends this process at once,
+    not a preemption handler that would only note it."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(grace_seconds)

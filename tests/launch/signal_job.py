@@ -8,10 +8,12 @@ CASE is one of:
     resume_false          writes a checkpoint, then starts a run with train.resume=false over it
     missing_pretrained    starts from DIRECTORY/absent's pretrained weights (there are none)
     bad_layout            pipeline_parallel=3 at 2 ranks: no mesh fits
+    bad_layout_late_root  the same, rank 0 reaching the refusal 3 s after rank 1 (as under load)
 
 Refusals are not caught here: the script ends as any user's script would.
 """
 import sys
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -60,7 +62,9 @@ def main() -> int:
         trainer_for(replace(config, max_steps=4, resume="false"), world)
     elif case == "missing_pretrained":
         trainer_for(config, world).load_pretrained(directory / "absent")
-    elif case == "bad_layout":
+    elif case in ("bad_layout", "bad_layout_late_root"):
+        if case == "bad_layout_late_root" and world.is_root:
+            time.sleep(3)
         trainer_for(replace(config, checkpoint_dir=None, pipeline_parallel=3), world)
     else:
         raise SystemExit(f"unknown case {case!r}")

@@ -10,6 +10,8 @@ EXPECTED = {
     "resume_false": "holds checkpoints already",
     "missing_pretrained": "the pretrained weights in",
     "bad_layout": "train.tensor_parallel=1 x train.pipeline_parallel=3",
+    # Rank 1 refuses first: it must not end the job before rank 0 has said why.
+    "bad_layout_late_root": "train.tensor_parallel=1 x train.pipeline_parallel=3",
 }
 
 

@@ -30,19 +30,50 @@ def ends(code, env=None):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
 
 
-RAISES = ("from hvdtrain.common.errors import install_refusal_hook\n"
+RAISES = ("import signal\n"
+          "from hvdtrain.common.errors import install_refusal_hook\n"
           "from hvdtrain.checkpoint import CheckpointError\n"
-          "install_refusal_hook(is_root={root})\n"
+          "signal.signal(signal.SIGTERM, lambda *_: print('noted', flush=True))  # as a preemption handler\n"
+          "install_refusal_hook(is_root={root}, grace_seconds={grace})\n"
           "print('before', flush=True)\n"
           "raise CheckpointError('checkpoint_dir x holds checkpoints already\\nand resume=false')\n")
 
 
 def test_a_refusal_is_one_line_on_rank_zero_and_exit_status_two():
-    root = ends(RAISES.format(root=True))
+    root = ends(RAISES.format(root=True, grace=60))
     assert (root.returncode, root.stderr, root.stdout) == (
         2, "hvdtrain: checkpoint_dir x holds checkpoints already and resume=false\n", "before\n")
-    other = ends(RAISES.format(root=False))
-    assert (other.returncode, other.stderr) == (2, "")
+
+
+def test_another_rank_waits_for_rank_zero_to_end_the_job_then_speaks_for_itself():
+    # A launcher ends the job at the first non-zero exit: had rank 1 exited at once, rank 0's line
+    # could be lost (CI saw mpirun abort rank 0 before it printed). Rank 1 waits; only if rank 0 does
+    # not end the job does it print the line itself, so the reason is never lost.
+    import os
+    other = ends(RAISES.format(root=False, grace=0.5), env=dict(os.environ, OMPI_COMM_WORLD_RANK="1"))
+    assert (other.returncode, other.stderr) == (2, "hvdtrain: (rank 1; rank 0 did not end the job) checkpoint_dir "
+                                                   "x holds checkpoints already and resume=false\n")
+
+
+def test_a_waiting_rank_ends_at_the_launchers_sigterm_whatever_handler_it_had():
+    import signal
+    waiting = subprocess.Popen([sys.executable, "-c", RAISES.format(root=False, grace=600)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert waiting.stdout.readline() == "before\n"
+        # The hook runs just after 'before'; a SIGTERM sent earlier would meet the script's own handler.
+        deadline = 100
+        while deadline and waiting.poll() is None:
+            waiting.send_signal(signal.SIGTERM)
+            try:
+                waiting.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                deadline -= 1
+        assert waiting.returncode == -signal.SIGTERM, waiting.returncode  # not after the 600 s grace
+        assert waiting.stderr.read() == ""
+    finally:
+        waiting.kill()
+        waiting.wait()
 
 
 def test_any_other_error_keeps_its_traceback():
@@ -53,7 +84,7 @@ def test_any_other_error_keeps_its_traceback():
 
 def test_hvdtrain_traceback_shows_a_refusals_traceback(monkeypatch):
     import os
-    done = ends(RAISES.format(root=True), env=dict(os.environ, HVDTRAIN_TRACEBACK="1"))
+    done = ends(RAISES.format(root=True, grace=60), env=dict(os.environ, HVDTRAIN_TRACEBACK="1"))
     assert done.returncode == 2 and "Traceback" in done.stderr and "CheckpointError" in done.stderr
 
 
