@@ -27,6 +27,7 @@ from hvdtrain.observability.reporting import Reporter
 from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies.base import Strategy
 from hvdtrain.components.callbacks import Callbacks
+from hvdtrain.components.compile_cache import CompileCache
 from hvdtrain.components.evaluation import evaluate
 from hvdtrain.components.lr import LearningRate
 from hvdtrain.components.metrics import RunningMeans, Throughput, Totals
@@ -55,6 +56,7 @@ class TrainingLoop:
     checkpoints: Optional[CheckpointManager]  # None: the run keeps no checkpoints
     faults: FaultHandling
     callbacks: Callbacks
+    compile_cache: Optional[CompileCache] = None  # train.compile: saved once the first step compiled
     phase: str = "set-up"  # what the loop is doing, for an out-of-memory message
     grad_norm: float = float("nan")  # before clipping, at the last step (train.max_grad_norm)
     preempted: bool = False
@@ -217,6 +219,8 @@ class TrainingLoop:
         self.update()
         RECORDER.end_phase(flight)
         self.reporter.after_first_step(self.position.step + 1)
+        if self.compile_cache is not None:
+            self.compile_cache.after_first_step()
         self.strategy.zero_grad()
         self.lr.step()
 

@@ -30,6 +30,7 @@ from hvdtrain.checkpoint.coordination import Checkpointing, attempt, problems_on
 from hvdtrain.checkpoint.manager import CheckpointManager
 from hvdtrain.components.activation_checkpointing import checkpoint_activations
 from hvdtrain.components.callbacks import Callback, Callbacks
+from hvdtrain.components.compile_cache import CompileCache
 from hvdtrain.components.compiling import compile_forward
 from hvdtrain.components.lr import LearningRate, SchedulerFactory
 from hvdtrain.components.position import Position
@@ -114,6 +115,8 @@ class Parts:
     def end_training(self) -> None:
         """What every fit() and every epochs() ends with, however it ends."""
         self.reporter.finish(self.position.step)
+        if self.loop.compile_cache is not None:  # the evaluation's graph too, once compiled
+            self.loop.compile_cache.save()
         self.faults.stop_watchdog()
         self.batching.release_workers()
 
@@ -252,7 +255,9 @@ class PartsHolder:
             # A data-parallel strategy wraps a model whose attention is already split; a tensor-parallel
             # one replaces the attention modules, so theirs are split once it has (prepare_sequences).
             splitter = prepare_sequences(topology, model) if topology.mesh is None else None
-            strategy = shard(cfg, topology, model, optimizer, model_plan, loss_fn, initialization, elastic_launch)
+            compile_cache = CompileCache(cfg.checkpoint_dir, world.is_root, topology.log) if cfg.compile else None
+            strategy = shard(cfg, topology, model, optimizer, model_plan, loss_fn, initialization, elastic_launch,
+                             compile_cache)
             if topology.mesh is not None:
                 splitter = prepare_sequences(topology, model)
             if splitter is not None:
@@ -276,7 +281,8 @@ class PartsHolder:
             if splitter is not None:  # each rank computes its part of every sequence
                 step_fn = split_step(step_fn, splitter)
             loop = TrainingLoop(cfg, topology, model, strategy, step_fn, precision, batching, lr, position, reporter,
-                                checkpoints if protocol is not None else None, faults, hooks)
+                                checkpoints if protocol is not None else None, faults, hooks,
+                                compile_cache=compile_cache)
         self.parts = Parts(config=cfg, job_config=job_config, elastic_launch=elastic_launch, callbacks=hooks,
                            kept=kept, given_optimizer=optimizer, step_fn=step_fn, initialization=initialization, model=model,
                            recomputed_blocks=recomputed_blocks, precision=precision, topology=topology, faults=faults,
@@ -472,7 +478,7 @@ def prepare_sequences(topology: Topology, model: torch.nn.Module) -> Optional[Ba
 
 def shard(cfg: TrainConfig, topology: Topology, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
           model_plan: Optional[ModelPlan], loss_fn: LossFn, deferred: Optional[DeferredInit],
-          elastic_launch: bool) -> Strategy:
+          elastic_launch: bool, compile_cache: Optional[CompileCache] = None) -> Strategy:
     """The strategy (train.strategy) over the model and optimizer, rank 0's state everywhere.
 
     Args:
@@ -484,6 +490,7 @@ def shard(cfg: TrainConfig, topology: Topology, model: torch.nn.Module, optimize
         loss_fn: a pipeline's last stage computes it.
         deferred: a meta-device model's initialization, which the strategy runs.
         elastic_launch: under Horovod elastic the elastic sync broadcasts instead.
+        compile_cache: under train.compile, loaded before the first compile (components.compile_cache).
     """
     world = topology.world
     # The strategy wraps the optimizer: for ddp, Horovod's hooks start each gradient's all-reduce
@@ -494,6 +501,7 @@ def shard(cfg: TrainConfig, topology: Topology, model: torch.nn.Module, optimize
                                   loss_fn=loss_fn, deferred=deferred)
     if cfg.compile:  # the forward only, in place: hooks, state_dict keys, checkpoints unchanged
         compile_forward(model, world.device)
+        compile_cache.load()
     # Rank 0's parameters and optimizer state, everywhere, before the first step. Before the rates
     # are scaled: a sharded strategy's broadcast loads the user's optimizer state, and with it the
     # groups' unscaled rates.

@@ -26,11 +26,13 @@ BENCHMARKS = {
                  "the longest sequence that trains under a memory cap per rank: ddp against sequence_parallel"),
     "packing": ("hvdtrain.bench.packing.driver",
                 "real tokens/s of documents packed into rows (hvdtrain.data.packing) against padded batches, on a Llama"),
+    "startup": ("hvdtrain.bench.startup.driver",
+                "seconds from launch to the first step's end, per phase (imports, Horovod init, set-up, first step), eager and compiled"),
 }
 
 
 HELP = ("benchmarks: collectives, throughput, strategies, scaling, projection, model-parallel, ps, plan, "
-        "checkpoint, activations, sequence, packing")
+        "checkpoint, activations, sequence, packing, startup")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ import torch
 import horovod.torch as hvd
 
 from hvdtrain.common.errors import install_refusal_hook
+from hvdtrain.common.startup_clock import CLOCK as STARTUP_CLOCK
 from hvdtrain.distributed import devices
 from hvdtrain.distributed import environments as launcher_env
 from hvdtrain.distributed import rng
@@ -147,6 +148,7 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
         dynamic_process_sets: set HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init(), so that process sets can be added
             later (hvdtrain.parallel.mesh); refused when Horovod already started without it.
     """
+    STARTUP_CLOCK.mark("imports")
     if hierarchical_allreduce and not hierarchical_requested():
         if hvd.is_initialized():
             raise ValueError(hierarchical_conflict())
@@ -181,6 +183,7 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
         )
     torch.set_num_threads(threads)
     rng.seed_everything(rng.rank_seed(seed, hvd.rank()))
+    STARTUP_CLOCK.mark("horovod init")
 
     return World(
         **_horovod_ranks(),

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import yaml
 
+from hvdtrain.common.startup_clock import CLOCK as STARTUP_CLOCK
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed import collectives
 from hvdtrain.distributed import startup
@@ -148,6 +149,7 @@ class Reporter:
         """fit() begins: rank 0's progress display, from ``step`` of ``total_steps``."""
         mode = resolve_mode(self.config.progress, self.topology.is_root)
         self.progress = Progress(mode, total_steps, step, self.topology.log)
+        STARTUP_CLOCK.mark("set-up")
 
     def after_step(self, step: int) -> None:
         self.progress.advance()
@@ -157,6 +159,11 @@ class Reporter:
     def after_first_step(self, step: int) -> None:
         """What each rank holds, once, before the first step's gradients are cleared (a collective)."""
         self.memory.after_first_step(self.run_dir, step)
+        STARTUP_CLOCK.mark("first step")
+        startup = STARTUP_CLOCK.take_report()
+        if startup is not None:  # rank 0's clock: the first step ends in the same collective on every rank
+            self.topology.log.info(STARTUP_CLOCK.line())
+            self.record("startup", {"step": step, **startup})
 
     def window(self, epoch: float, step: int, means: Dict[str, float], lr: float, samples_per_sec: float,
                comm_fraction: float, extra: Mapping[str, Any]) -> None:

@@ -83,6 +83,14 @@ def test_a_two_worker_run_leaves_config_metrics_events_logs_timeline_and_plots(l
     assert steps and all(r["loss"] > 0 and 0 <= r["comm_fraction"] <= 1 and r["lr"] > 0 for r in steps)
     assert [r["step"] for r in steps] == sorted(r["step"] for r in steps)
 
+    # Where the start-up went, once, on rank 0: phases from the process's start to the first step's end.
+    startup = [r for r in records if r["kind"] == "startup"]
+    assert len(startup) == 1 and startup[0]["step"] == 1, startup
+    phases = [startup[0][f"{phase}_s"] for phase in ("imports", "horovod_init", "set_up", "first_step")]
+    assert min(phases) >= 0 and abs(sum(phases) - startup[0]["total_s"]) < 1e-6, startup
+    assert phases[0] > 0.1, startup  # the process imported torch before hvdtrain.init()
+    assert out.count("start-up: ") == 1
+
     events = EventAccumulator(str(next((run_dir / "tensorboard").iterdir()).parent)).Reload()
     assert {"step/loss", "epoch/val_accuracy"} <= set(events.Tags()["scalars"])
     assert len(events.Scalars("epoch/val_accuracy")) == epochs
