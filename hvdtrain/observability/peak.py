@@ -1,0 +1,104 @@
+"""What one rank's device can compute at most, the denominator of MFU, and where that figure came from.
+
+A GPU's is its vendor's dense tensor-core figure for the training dtype (no 2:4 sparsity), from a
+small table by the device's name. A CPU's has no such table (cores, vector units and clocks vary):
+it is measured once at set-up, a fraction of a second of ``torch.matmul`` in the training dtype on
+the rank's own threads, every rank at once (so it is what each rank gets beside the others). A GPU
+missing from the table, or a dtype missing from its row, is measured the same way. No collective:
+every rank measures its own (set-up under Horovod elastic runs none), and rank 0 reports.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+# Dense TFLOP/s by device name, from the vendors' data sheets. fp32 is plain fp32 (torch's default
+# for matmul); tf32 when torch.backends.cuda.matmul.allow_tf32 is set. Rows are matched in order:
+# a more specific name first.
+DEVICE_PEAK_TFLOPS: Tuple[Tuple[Tuple[str, ...], Dict[str, float]], ...] = (
+    (("H100", "PCIE"), {"bfloat16": 756.0, "float16": 756.0, "tf32": 378.0, "float32": 51.0}),
+    (("H100", "NVL"), {"bfloat16": 835.0, "float16": 835.0, "tf32": 418.0, "float32": 60.0}),
+    (("H100",), {"bfloat16": 989.0, "float16": 989.0, "tf32": 494.0, "float32": 67.0}),  # SXM
+    (("H200",), {"bfloat16": 989.0, "float16": 989.0, "tf32": 494.0, "float32": 67.0}),
+    (("B200",), {"bfloat16": 2250.0, "float16": 2250.0}),
+    (("A100",), {"bfloat16": 312.0, "float16": 312.0, "tf32": 156.0, "float32": 19.5}),
+    (("L40S",), {"bfloat16": 362.0, "float16": 362.0, "tf32": 183.0, "float32": 91.6}),
+    (("L4",), {"bfloat16": 121.0, "float16": 121.0, "tf32": 60.0, "float32": 30.3}),
+    (("V100",), {"float16": 125.0, "float32": 15.7}),  # no bfloat16 tensor cores
+)
+
+MEASURE_SECONDS = 0.1  # the CPU (or unlisted GPU) measurement, once per rank at set-up
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A rank's peak FLOP/s and where it came from ("A100 table, bfloat16")."""
+
+    flops_per_sec: float
+    source: str
+
+    def describe(self) -> str:
+        return f"peak {self.flops_per_sec / 1e12:.3g} TFLOPs/s per rank, {self.source}"
+
+
+def table_peak(device_name: str, dtype: str) -> Optional[float]:
+    """The table's dense TFLOP/s for ``device_name`` (torch.cuda.get_device_name) in ``dtype``, or None."""
+    name = device_name.upper()
+    for keys, row in DEVICE_PEAK_TFLOPS:
+        if all(key in name for key in keys):
+            return row.get(dtype)
+    return None
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype, seconds: float = MEASURE_SECONDS,
+                   size: Optional[int] = None, clock: Callable[[], float] = time.perf_counter) -> float:
+    """FLOP/s of square ``torch.matmul`` in ``dtype`` on ``device``: the best of repeats within
+    ``seconds`` (after one warm-up product).
+
+    Args:
+        device: where to multiply.
+        dtype: the training dtype.
+        seconds: how long to repeat.
+        size: the matrices' side (default 512 on a CPU, 4096 on a GPU).
+        clock: the timer.
+    """
+    size = size or (4096 if device.type == "cuda" else 512)
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.matmul(a, b)
+    sync()
+    best, started = float("inf"), clock()
+    while True:
+        before = clock()
+        torch.matmul(a, b)
+        sync()
+        after = clock()
+        best = min(best, after - before)
+        if after - started >= seconds:
+            break
+    return 2.0 * size ** 3 / max(best, 1e-12)
+
+
+def training_dtype(precision: str, device: torch.device) -> Tuple[torch.dtype, str]:
+    """The dtype matrix products run in under train.precision, and its name in the table (tf32 when
+    a GPU's fp32 products are allowed to use it)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    if dtype is torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return dtype, "tf32"
+    return dtype, str(dtype).replace("torch.", "")
+
+
+def device_peak(device: torch.device, precision: str) -> Peak:
+    """This rank's peak for train.precision: the table's for a listed GPU, else a measured matmul."""
+    dtype, name = training_dtype(precision, device)
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+        listed = table_peak(device_name, name)
+        if listed is not None:
+            return Peak(listed * 1e12, f"{device_name} dense {name} (data sheet)")
+        return Peak(measure_matmul(device, dtype), f"measured {name} matmul on {device_name} (not in the table)")
+    return Peak(measure_matmul(device, dtype), f"measured {name} matmul")
