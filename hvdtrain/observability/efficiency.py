@@ -56,7 +56,14 @@ class Efficiency:
     @classmethod
     def at_setup(cls, model: torch.nn.Module, step_fn: Callable[[torch.nn.Module, Any], Any], precision: str,
                  device: torch.device) -> "Efficiency":
-        """Every rank at set-up: the model's meta copy and this rank's peak (measured on a CPU)."""
+        """Every rank at set-up: the model's meta copy and this rank's peak (measured on a CPU).
+
+        Args:
+            model: the whole model as the user built it.
+            step_fn: the run's step, on whole sequences.
+            precision: train.precision (the peak's dtype).
+            device: this rank's device.
+        """
         return cls(model, step_fn, device_peak(device, precision))
 
     @property
