@@ -5,7 +5,8 @@ small table by the device's name. A CPU's has no such table (cores, vector units
 it is measured once at set-up, a fraction of a second of ``torch.matmul`` in the training dtype on
 the rank's own threads, every rank at once (so it is what each rank gets beside the others). A GPU
 missing from the table, or a dtype missing from its row, is measured the same way. No collective:
-every rank measures its own (set-up under Horovod elastic runs none), and rank 0 reports.
+every rank measures its own (set-up under Horovod elastic runs none), and rank 0 reports. A process
+measures once per device, dtype and thread count: a second Trainer (a sweep, a test suite) reuses it.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ DEVICE_PEAK_TFLOPS: Tuple[Tuple[Tuple[str, ...], Dict[str, float]], ...] = (
 )
 
 MEASURE_SECONDS = 0.1  # the CPU (or unlisted GPU) measurement, once per rank at set-up
+_MEASURED: Dict[Tuple[str, torch.dtype, int], float] = {}  # this process's measurements
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,14 @@ def training_dtype(precision: str, device: torch.device) -> Tuple[torch.dtype, s
     return dtype, str(dtype).replace("torch.", "")
 
 
+def measured_once(device: torch.device, dtype: torch.dtype) -> float:
+    """measure_matmul's FLOP/s, measured once per device, dtype and thread count in this process."""
+    key = (str(device), dtype, torch.get_num_threads())
+    if key not in _MEASURED:
+        _MEASURED[key] = measure_matmul(device, dtype)
+    return _MEASURED[key]
+
+
 def device_peak(device: torch.device, precision: str) -> Peak:
     """This rank's peak for train.precision: the table's for a listed GPU, else a measured matmul."""
     dtype, name = training_dtype(precision, device)
@@ -100,5 +110,5 @@ def device_peak(device: torch.device, precision: str) -> Peak:
         listed = table_peak(device_name, name)
         if listed is not None:
             return Peak(listed * 1e12, f"{device_name} dense {name} (data sheet)")
-        return Peak(measure_matmul(device, dtype), f"measured {name} matmul on {device_name} (not in the table)")
-    return Peak(measure_matmul(device, dtype), f"measured {name} matmul")
+        return Peak(measured_once(device, dtype), f"measured {name} matmul on {device_name} (not in the table)")
+    return Peak(measured_once(device, dtype), f"measured {name} matmul")

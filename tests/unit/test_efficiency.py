@@ -101,6 +101,8 @@ def test_the_measured_matmul_is_its_flops_over_the_fastest_repeat():
     assert rate == 2 * 8 ** 3 / 0.25
     peak = device_peak(torch.device("cpu"), "fp32")
     assert peak.flops_per_sec > 0 and peak.source == "measured float32 matmul"
+    assert device_peak(torch.device("cpu"), "fp32") == peak, "measured once per process"
+    assert device_peak(torch.device("cpu"), "bf16").source == "measured bfloat16 matmul"
     assert peak.describe().endswith("TFLOPs/s per rank, measured float32 matmul")
 
 
