@@ -2,8 +2,9 @@
 
 A GPU's is its vendor's dense tensor-core figure for the training dtype (no 2:4 sparsity), from a
 small table by the device's name. A CPU's has no such table (cores, vector units and clocks vary):
-it is measured once at set-up, a fraction of a second of ``torch.matmul`` in the training dtype on
-the rank's own threads, every rank at once (so it is what each rank gets beside the others). A GPU
+it is measured once at set-up, ten products of ``torch.matmul`` in the training dtype on the rank's
+own threads (about a tenth of a second), timed in CPU time (the cores' rate, however many other
+processes share them). A GPU
 missing from the table, or a dtype missing from its row, is measured the same way. No collective:
 every rank measures its own (set-up under Horovod elastic runs none), and rank 0 reports. A process
 measures once per device, dtype and thread count: a second Trainer (a sweep, a test suite) reuses it.
@@ -31,7 +32,7 @@ DEVICE_PEAK_TFLOPS: Tuple[Tuple[Tuple[str, ...], Dict[str, float]], ...] = (
     (("V100",), {"float16": 125.0, "float32": 15.7}),  # no bfloat16 tensor cores
 )
 
-MEASURE_SECONDS = 0.1  # the CPU (or unlisted GPU) measurement, once per rank at set-up
+MEASURE_REPEATS = 10  # the CPU (or unlisted GPU) measurement, once per rank at set-up: about 0.1 s
 _MEASURED: Dict[Tuple[str, torch.dtype, int], float] = {}  # this process's measurements
 
 
@@ -55,33 +56,40 @@ def table_peak(device_name: str, dtype: str) -> Optional[float]:
     return None
 
 
-def measure_matmul(device: torch.device, dtype: torch.dtype, seconds: float = MEASURE_SECONDS,
-                   size: Optional[int] = None, clock: Callable[[], float] = time.perf_counter) -> float:
-    """FLOP/s of square ``torch.matmul`` in ``dtype`` on ``device``: the best of repeats within
-    ``seconds`` (after one warm-up product).
+def cpu_seconds() -> float:
+    """This process's CPU time over its intra-op threads: the wall time its products would take with
+    those threads to themselves."""
+    return time.process_time() / torch.get_num_threads()
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype, repeats: int = MEASURE_REPEATS,
+                   size: Optional[int] = None, clock: Optional[Callable[[], float]] = None) -> float:
+    """FLOP/s of square ``torch.matmul`` in ``dtype`` on ``device``: the fastest of ``repeats``
+    (after one warm-up product). A CPU's products are timed in this process's CPU time: on cores
+    shared with other processes (other ranks, other jobs) wall time would measure its share of
+    them, not their rate; the contention then shows in the MFU, as it should.
 
     Args:
         device: where to multiply.
         dtype: the training dtype.
-        seconds: how long to repeat.
+        repeats: products timed.
         size: the matrices' side (default 512 on a CPU, 4096 on a GPU).
-        clock: the timer.
+        clock: the timer (default: cpu_seconds on a CPU, wall time on a GPU).
     """
-    size = size or (4096 if device.type == "cuda" else 512)
+    gpu = device.type == "cuda"
+    size = size or (4096 if gpu else 512)
+    clock = clock or (time.perf_counter if gpu else cpu_seconds)
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     torch.matmul(a, b)
     sync()
-    best, started = float("inf"), clock()
-    while True:
+    best = float("inf")
+    for _ in range(repeats):
         before = clock()
         torch.matmul(a, b)
         sync()
-        after = clock()
-        best = min(best, after - before)
-        if after - started >= seconds:
-            break
+        best = min(best, clock() - before)
     return 2.0 * size ** 3 / max(best, 1e-12)
 
 
