@@ -127,6 +127,7 @@ class TrainingLoop:
                 "step": position.step,
                 **{f"train_{name}": value for name, value in train.items()},
                 "samples_per_sec": samples / elapsed,
+                **self.reporter.efficiency_figures(samples / elapsed),
                 "lr": self.lr.current,
                 **self.evaluate(),
             }
@@ -167,6 +168,7 @@ class TrainingLoop:
             if self.finished(self.until_step):
                 break
             self.samples = batch_size(batch)
+            self.reporter.first_batch(batch, self.samples)  # the model FLOPs, counted once per start
             yield to_device(batch, device)
             if self.interrupted:
                 break

@@ -48,6 +48,7 @@ from hvdtrain.distributed.world import World
 from hvdtrain.fault_tolerance import out_of_memory as oom
 from hvdtrain.fault_tolerance.handling import FaultHandling
 from hvdtrain.loop import TrainingLoop
+from hvdtrain.observability.efficiency import Efficiency
 from hvdtrain.observability.reporting import Reporter
 from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.parallel.topology import Topology
@@ -243,6 +244,10 @@ class PartsHolder:
                              f"step (each rank its part of every sequence); your own loop's forward would see whole "
                              f"sequences: use hvdtrain.Trainer (a step_fn of your own is cut the same way), or "
                              f"train.sequence_parallel=1")
+        step_fn = step_fn or supervised_step(loss_fn)
+        # Before hvdtrain changes the model (checkpointing, sequence, tensor and pipeline splits): the
+        # whole model's FLOPs are counted on a meta copy of it; and this rank's peak (a CPU's measured).
+        efficiency = Efficiency.at_setup(model, step_fn, cfg.precision, world.device)
         initialization, model, recomputed_blocks = prepare_model(cfg, model, optimizer, world, init_fn)
         precision = Precision(cfg.precision, world.device)
         topology = build_topology(cfg, world)
@@ -267,7 +272,7 @@ class PartsHolder:
             start_schedule(lr, batching, topology, position)
             topology.follow(lambda followed: strategy.follow_world(followed.world))
             reporter = build_reporter(cfg, topology, job_config, strategy, batching, lr, recomputed_blocks,
-                                      initialization, elastic_launch)
+                                      initialization, elastic_launch, efficiency)
             faults.flight.open(reporter.path)  # flight records into the run directory (set-up's stalls too)
             kept: Dict[str, Any] = {}
             checkpoints = CheckpointManager(cfg, topology, protocol, strategy, position, lr, precision, batching,
@@ -277,7 +282,6 @@ class PartsHolder:
                 with faults.checkpoint_io():
                     checkpoints.load(resumed)
             reporter.open_timeline(position.step)
-            step_fn = step_fn or supervised_step(loss_fn)
             if splitter is not None:  # each rank computes its part of every sequence
                 step_fn = split_step(step_fn, splitter)
             loop = TrainingLoop(cfg, topology, model, strategy, step_fn, precision, batching, lr, position, reporter,
@@ -525,7 +529,8 @@ def start_schedule(lr: LearningRate, batching: Batching, topology: Topology, pos
 
 def build_reporter(cfg: TrainConfig, topology: Topology, job_config: Dict[str, Any], strategy: Strategy,
                    batching: Batching, lr: LearningRate, recomputed_blocks: List[torch.nn.Module],
-                   deferred: Optional[DeferredInit], elastic_launch: bool) -> Reporter:
+                   deferred: Optional[DeferredInit], elastic_launch: bool,
+                   efficiency: Optional[Efficiency] = None) -> Reporter:
     """The reporter (run directory, progress, memory, timeline), and the start line it prints.
 
     Args:
@@ -538,14 +543,16 @@ def build_reporter(cfg: TrainConfig, topology: Topology, job_config: Dict[str, A
         recomputed_blocks: activation checkpointing, for the start line.
         deferred: a meta-device model's initialization, for the start line.
         elastic_launch: under Horovod elastic the run directory is agreed at each sync.
+        efficiency: the model FLOPs and this rank's peak (named in the start line).
     """
-    reporter = Reporter(cfg, topology, job_config, strategy, elastic_launch)
+    reporter = Reporter(cfg, topology, job_config, strategy, elastic_launch, efficiency)
     recomputed = (f"; activation checkpointing: {len(recomputed_blocks)} blocks ({cfg.activation_checkpointing})"
                   if recomputed_blocks else "")
     plan_note = getattr(strategy, "plan_note", "")
     reporter.announce(f"{batching.describe()}; {lr.describe()}; strategy {cfg.strategy}; "
                       f"reduction {cfg.reduction}{recomputed}{_initialized(deferred)}"
-                      f"{'; ' + plan_note if plan_note else ''}")
+                      f"{'; ' + plan_note if plan_note else ''}"
+                      f"{'; ' + efficiency.peak.describe() if efficiency is not None else ''}")
     return reporter
 
 

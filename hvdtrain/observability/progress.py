@@ -8,7 +8,9 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Optional
+from typing import Mapping, Optional
+
+from hvdtrain.observability.efficiency import describe
 
 
 def resolve_mode(mode: str, is_root: bool, stream=None) -> str:
@@ -63,7 +65,7 @@ class Progress:
         return (time.perf_counter() - self._started) / done * max(0, self.total - step)
 
     def report(self, epoch: int, step: int, loss: float, lr: float, samples_per_sec: float,
-               comm_fraction: float) -> None:
+               comm_fraction: float, efficiency: Optional[Mapping[str, float]] = None) -> None:
         """The latest figures: the bar's postfix, or a log line with the ETA.
 
         Args:
@@ -73,15 +75,20 @@ class Progress:
             lr: the current learning rate.
             samples_per_sec: global samples per second.
             comm_fraction: the share of the time spent waiting for gradients.
+            efficiency: tokens_per_sec, tflops_per_rank and mfu (hvdtrain.observability.efficiency).
         """
+        efficiency = efficiency or {}
         if self._bar is not None:
+            more = {"mfu": f"{efficiency['mfu']:.1%}"} if "mfu" in efficiency else {}
             self._bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", samples_s=f"{samples_per_sec:.0f}",
-                                  comm=f"{comm_fraction:.0%}", refresh=False)
+                                  comm=f"{comm_fraction:.0%}", **more, refresh=False)
         elif self.mode == "log":
             eta = self.eta(step)
+            figures = describe(efficiency)
             self._logger.info(
                 f"epoch {epoch} step {step}/{self.total} loss {loss:.4f} lr {lr:.4g} "
-                f"{samples_per_sec:.0f} samples/s, {comm_fraction:.0%} waiting for gradients"
+                f"{samples_per_sec:.0f} samples/s, {figures + ', ' if figures else ''}"
+                f"{comm_fraction:.0%} waiting for gradients"
                 + (f", ETA {format_eta(eta)}" if eta is not None else "")
             )
 

@@ -14,6 +14,7 @@ from hvdtrain.common.startup_clock import CLOCK as STARTUP_CLOCK
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed import collectives
 from hvdtrain.distributed import startup
+from hvdtrain.observability.efficiency import Efficiency, describe
 from hvdtrain.observability.memory import MemoryReport
 from hvdtrain.observability.progress import Progress, resolve_mode
 from hvdtrain.observability.metric_sinks import open_sinks
@@ -35,7 +36,8 @@ def epoch_line(record: Mapping[str, Any], epochs: int) -> str:
         line += f" train_loss {record['train_loss']:.4f}"
     if "val_accuracy" in record:
         line += f" val_loss {record['val_loss']:.4f} val_accuracy {record['val_accuracy']:.4f}"
-    return line + f" {record['samples_per_sec']:.0f} samples/s"
+    figures = describe(record)
+    return line + f" {record['samples_per_sec']:.0f} samples/s" + (f", {figures}" if figures else "")
 
 
 class Reporter:
@@ -47,11 +49,13 @@ class Reporter:
         job_config: the job's settings, every section: written to the run directory and logged.
         strategy: the strategy, for the start line and the memory report.
         elastic: Horovod elastic runs the job (set-up then runs no collective).
+        efficiency: the model FLOPs and the peak, for tokens/s, TFLOPs/s and MFU (None: not reported).
     """
 
     def __init__(self, config: TrainConfig, topology: Topology, job_config: Mapping[str, Any],
-                 strategy: Strategy, elastic: bool) -> None:
+                 strategy: Strategy, elastic: bool, efficiency: Optional[Efficiency] = None) -> None:
         self.config, self.topology, self.job_config, self.elastic = config, topology, job_config, elastic
+        self.efficiency = efficiency
         self.started = time.time()
         self.run_dir: Optional[RunDirectory] = None
         self.run_name = self._agreed_name() if config.run_dir else None
@@ -151,6 +155,17 @@ class Reporter:
         self.progress = Progress(mode, total_steps, step, self.topology.log)
         STARTUP_CLOCK.mark("set-up")
 
+    def first_batch(self, batch: Any, samples: int) -> None:
+        """Every rank, at each start's first batch: the model FLOPs counted, once (no collective)."""
+        if self.efficiency is not None and not self.efficiency.counted:
+            self.progress.message(self.efficiency.count(batch, samples))
+
+    def efficiency_figures(self, samples_per_sec: float) -> Dict[str, float]:
+        """tokens_per_sec (token models), tflops_per_rank and mfu at a global ``samples_per_sec``."""
+        if self.efficiency is None:
+            return {}
+        return self.efficiency.figures(samples_per_sec, self.topology.world.size)
+
     def after_step(self, step: int) -> None:
         self.progress.advance()
         if self.timeline is not None:
@@ -179,9 +194,10 @@ class Reporter:
             comm_fraction: the share of the window spent waiting for gradients.
             extra: more fields of the step record.
         """
-        self.progress.report(int(epoch) + 1, step, means["loss"], lr, samples_per_sec, comm_fraction)
+        figures = self.efficiency_figures(samples_per_sec)
+        self.progress.report(int(epoch) + 1, step, means["loss"], lr, samples_per_sec, comm_fraction, figures)
         self.record("step", {"step": step, "epoch": epoch, **means, "lr": lr, "samples_per_sec": samples_per_sec,
-                             "comm_fraction": comm_fraction, **extra})
+                             **figures, "comm_fraction": comm_fraction, **extra})
 
     def epoch(self, record: Mapping[str, Any]) -> None:
         self.record("epoch", record)
