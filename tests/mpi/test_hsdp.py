@@ -178,3 +178,69 @@ def test_one_rank_per_shard_group_is_refused_with_ddp_as_the_way_out(world):
     with pytest.raises(ValueError, match=r"train.hsdp_shard_size=1\) holds the whole model on every rank, as ddp "
                                          r"does: use train.strategy=ddp"):
         HSDPStrategy(model, make_optimizer(model), world, 1, False, shard_size=1)
+
+
+def hsdp_trainer(world, strategy, directory, max_steps, checkpoint_format="full"):
+    """test_sharded_checkpoint's Trainer (two AdamW groups, a buffer and a frozen parameter kept whole), at
+    hsdp_shard_size=2 under hsdp."""
+    from hvdtrain.config.train import TrainConfig
+    from hvdtrain.trainer import Trainer
+    from tests.mpi.test_sharded_checkpoint import WithExtras
+    from tests.mpi.test_zero import two_groups
+
+    model = WithExtras(99)
+    config = TrainConfig(epochs=5, batch_size=MICRO_BATCH, accumulation=2, lr=0.01, warmup_epochs=0.5, seed=9,
+                         strategy=strategy, max_steps=max_steps, checkpoint_dir=directory, log_every=1000,
+                         checkpoint_format=checkpoint_format, progress="off",
+                         hsdp_shard_size=2 if strategy == "hsdp" else 0)
+    return Trainer(model, torch.optim.AdamW(two_groups(model)),
+                   synthetic_classification(samples=192, features=FEATURES, classes=5), None, config, world=world)
+
+
+@pytest.mark.timeout(300)
+def test_the_trainer_reshards_fsdps_sharded_checkpoint_into_hsdp_and_writes_a_full_one(world, tmp_path):
+    """fsdp's sharded checkpoint at step 3 resumed under hsdp (K=2) holds bitwise the state its consolidation
+    holds; hsdp's own full checkpoint at step 6 is one file, written once, that fsdp resumes from."""
+    import shutil
+    from pathlib import Path
+
+    from hvdtrain.checkpoint.consolidate import consolidate
+    from hvdtrain.checkpoint.formats import full, sharded
+    from hvdtrain.distributed import rng
+    from tests.mpi.test_sharded_checkpoint import flat_state, on_root, shared_directory
+
+    if world.size % 2:
+        pytest.skip("hsdp at K=2 needs an even world")
+    base = shared_directory(world, tmp_path, "hsdp.resharded")
+    writer = hsdp_trainer(world, "fsdp", f"{base}/direct", 3, checkpoint_format="sharded")
+    writer.fit()
+    newest = sharded.directory_name(3)
+    on_root(world, lambda: shutil.copytree(f"{base}/direct", f"{base}/consolidated"))
+    on_root(world, lambda: torch.save(consolidate(Path(f"{base}/consolidated/{newest}")),
+                                      f"{base}/consolidated/{newest}.pt"))  # the full file wins at the same step
+    loaded, started, ended = [], [], []
+    for directory in ("direct", "consolidated"):
+        rng.seed_everything(rng.rank_seed(1, world.rank))
+        run = hsdp_trainer(world, "hsdp", f"{base}/{directory}", 6)
+        started.append(run.global_step)
+        loaded.append(flat_state(run.strategy))
+        run.fit()
+        ended.append(flat_state(run.strategy))
+        label = run.strategy.label
+        run.close_mesh()
+    rng.seed_everything(rng.rank_seed(1, world.rank))
+    after = hsdp_trainer(world, "fsdp", f"{base}/direct", 6)  # resumes hsdp's full checkpoint at step 6
+    resumed = flat_state(after.strategy)
+    written = sorted(path.name for path in Path(f"{base}/direct").iterdir()) if world.rank == 0 else []
+    rows = collectives.allgather_rows(torch.stack([(loaded[0] - loaded[1]).abs().max(),
+                                                   (ended[0] - ended[1]).abs().max(),
+                                                   (resumed - ended[0]).abs().max(),
+                                                   (ended[0] - loaded[0]).abs().max()]), name="hsdp.test.resharded")
+
+    assert label == f"hsdp 2 x {world.size // 2}" and started == [3, 3] and after.global_step == 6
+    assert (rows[:, 3] > 1e-4).all(), "hsdp's steps did not move the state: the test proves nothing"
+    assert (rows[:, 0] == 0).all(), f"max |resharded - consolidated| at load per rank: {rows[:, 0].tolist()}"
+    assert (rows[:, 1] == 0).all(), f"max |resharded - consolidated| after hsdp's steps: {rows[:, 1].tolist()}"
+    assert (rows[:, 2] == 0).all(), f"max |fsdp resumed from hsdp's checkpoint - hsdp's|: {rows[:, 2].tolist()}"
+    if world.rank == 0:  # hsdp's step-6 checkpoint: the full format's one file beside fsdp's sharded step 3
+        assert newest in written and full.checkpoint_name(6) in written, written
