@@ -244,3 +244,15 @@ def test_the_trainer_reshards_fsdps_sharded_checkpoint_into_hsdp_and_writes_a_fu
     assert (rows[:, 2] == 0).all(), f"max |fsdp resumed from hsdp's checkpoint - hsdp's|: {rows[:, 2].tolist()}"
     if world.rank == 0:  # hsdp's step-6 checkpoint: the full format's one file beside fsdp's sharded step 3
         assert newest in written and full.checkpoint_name(6) in written, written
+
+
+def test_by_default_a_shard_group_is_the_ranks_of_one_host(world):
+    """One machine is one host: K = Horovod's local size, every rank in one shard group (fsdp's layout)."""
+    if world.local_size < 2:
+        pytest.skip("one rank per host is ddp's layout, refused")
+    model = Blocks(seed=0)
+    strategy = HSDPStrategy(model, make_optimizer(model), world, 1, False)
+    label, shard, replica = strategy.label, strategy.groups.shard.ranks, strategy.groups.replica.ranks
+    strategy.close()
+    strategy.close_groups()
+    assert label == f"hsdp {world.local_size} x 1" and shard == tuple(range(world.size)) and replica == (world.rank,)

@@ -7,7 +7,7 @@ from hvdtrain.common.capabilities import DECLARED, ELASTIC, SHARDED_CHECKPOINTS,
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed.world import World
 from hvdtrain.strategies import registry
-from hvdtrain.strategies.fsdp.hybrid import refusal, replica_group_ranks, shard_group_ranks
+from hvdtrain.strategies.fsdp.hybrid import hosts_refusal, refusal, replica_group_ranks, shard_group_ranks
 
 
 def world(size, local_size):
@@ -38,6 +38,11 @@ def test_a_shard_group_that_does_not_fit_the_world_is_refused(setting, size, loc
 def test_uneven_hosts_are_refused_unless_the_size_is_given():
     assert "the hosts run different numbers of ranks" in refusal(0, 6, 2, homogeneous=False)
     assert refusal(2, 6, 2, homogeneous=False) is None and refusal(0, 8, 4, homogeneous=True) is None
+
+
+def test_host_sized_groups_must_be_hosts():
+    assert hosts_refusal(["a", "a", "b", "b"], 2) is None
+    assert "ranks 0..1 run on a, b: place ranks host by host" in hosts_refusal(["a", "b", "a", "b"], 2)
 
 
 def test_the_launch_refuses_it_on_every_rank_alike():

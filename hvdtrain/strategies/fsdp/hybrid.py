@@ -70,6 +70,23 @@ def refusal(setting: int, world_size: int, local_size: int, homogeneous: bool) -
     return None
 
 
+def hosts_refusal(hostnames: List[str], size: int) -> Optional[str]:
+    """Why the host-sized shard groups (train.hsdp_shard_size=0) would not be hosts, or None: K consecutive
+    ranks must share a host, as launchers that fill hosts in order place them.
+
+    Args:
+        hostnames: every rank's host, by rank.
+        size: K, ranks per shard group (a host's).
+    """
+    for start in range(0, len(hostnames), size):
+        hosts = sorted(set(hostnames[start:start + size]))
+        if len(hosts) > 1:
+            return (f"train.strategy=hsdp shards over each host's ranks, but ranks {start}..{start + size - 1} run on "
+                    f"{', '.join(hosts)}: place ranks host by host (mpirun --map-by slot, horovodrun's default), "
+                    f"or set train.hsdp_shard_size")
+    return None
+
+
 def shard_group_ranks(world_size: int, rank: int, size: int) -> Ranks:
     """The K consecutive ranks whose slices make every unit whole, ``rank`` among them."""
     start = rank - rank % size
@@ -146,6 +163,8 @@ class HSDPStrategy(FSDPStrategy):
         from hvdtrain.distributed import collectives
 
         why = refusal(shard_size, world.size, world.local_size, shard_size != 0 or collectives.homogeneous())
+        if why is None and not shard_size:  # every rank judges the same gathered list: no rank waits alone
+            why = hosts_refusal(collectives.allgather_object(world.hostname, name="hsdp.hosts"), world.local_size)
         if why is not None:
             raise ValueError(why)
         self.groups = HybridGroups.build(world.size, world.rank, shard_group_size(shard_size, world))
