@@ -173,7 +173,7 @@ def setup_from(args: argparse.Namespace) -> planner.Setup:
 
 def table_lines(result: planner.Plan) -> List[str]:
     setup, shape = result.setup, result.setup.shape
-    rows = [[e.layout.strategy, e.layout.tensor, e.layout.pipeline, e.layout.sequence, e.layout.experts, e.layout.data,
+    rows = [[e.layout.strategy + (f" K={e.layout.shard}" if e.layout.shard else ""), e.layout.tensor, e.layout.pipeline, e.layout.sequence, e.layout.experts, e.layout.data,
              e.layout.micro_batches,
              e.states / MiB, e.activations / MiB, e.total / MiB, e.step_s * 1e3, e.samples_per_s]
             for e in result.fitting]

@@ -94,6 +94,18 @@ DECLARED: Dict[str, Capabilities] = {
                      "shapes, torch 2.13)"},
         collective_forward=True, elastic_from_checkpoint=True, initializes_by_shard=True, shards_gradients=True,
         loads=OWN_SHARD),
+    # fsdp within each shard group (a host's ranks), ddp across them (hvdtrain.strategies.fsdp.hybrid).
+    "hsdp": Capabilities(
+        refuses={
+            ADASUM: _SHARDED_ADASUM, MESH: _SHARDED_MESH,
+            COMPILE: "hsdp gathers each unit's parameters in hooks inside the forward, as fsdp does, which "
+                     "torch.compile cannot compile",
+            ELASTIC: "its shard and replica groups are Horovod process sets fixed at start, and a lost worker takes "
+                     "its host's shard along",
+            SHARDED_CHECKPOINTS: "every shard is held by one rank of each replica group, which the per-rank sharded "
+                                 "format (every rank owns 1/N) does not describe; hsdp writes the full format, "
+                                 "which resumes under any strategy"},
+        collective_forward=True, initializes_by_shard=True, shards_gradients=True),
     "ps": Capabilities(shards_gradients=True, refuses={
         ELASTIC: "the servers (ranks 0..ps_servers-1) hold the only copy of the optimizer state, and a lost server "
                  "takes its part along; continuing from the newest checkpoint, as zero1, zero2 and fsdp do, is not "

@@ -48,8 +48,9 @@ class TrainConfig:
     min_lr_ratio: float = field(default=0.0, metadata={"help": "where linear, cosine and wsd end, as a fraction of each parameter group's peak rate"})
     decay_fraction: float = field(default=0.2, metadata={"help": "wsd: the share of the run's steps spent decaying, at its end"})
     accumulation: int = field(default=1, metadata={"help": "micro-batches per optimizer step (backward_passes_per_step)"})
-    strategy: str = field(default="ddp", metadata={"help": "how model state is spread over the ranks: ddp replicates it; zero1, zero2 and fsdp shard ever more of it; ps: a parameter server", "details": "ddp replicates the state (all-reduce); zero1 shards the optimizer state, zero2 also the gradients (reduce-scatter + all-gather), fsdp also the parameters (each block gathered while it computes); ps: a parameter server, every rank sends its gradients to the servers, which step and send the weights back (a baseline). See docs/concepts/strategies.md.", "choices": STRATEGIES})
+    strategy: str = field(default="ddp", metadata={"help": "how model state is spread over the ranks: ddp replicates it; zero1, zero2 and fsdp shard ever more of it; hsdp: fsdp per host; ps: a parameter server", "details": "ddp replicates the state (all-reduce); zero1 shards the optimizer state, zero2 also the gradients (reduce-scatter + all-gather), fsdp also the parameters (each block gathered while it computes); hsdp shards as fsdp within each host (train.hsdp_shard_size) and averages the shards across hosts; ps: a parameter server, every rank sends its gradients to the servers, which step and send the weights back (a baseline). See docs/concepts/strategies.md.", "choices": STRATEGIES})
     ps_servers: int = field(default=1, metadata={"help": "strategy=ps: ranks 0..ps_servers-1 also serve, each holding the optimizer state of one contiguous slice of the parameters (at most the world size)"})
+    hsdp_shard_size: int = field(default=0, metadata={"help": "strategy=hsdp: ranks per shard group, fsdp within it and ddp across groups; 0: the ranks of one host", "details": "The shard groups are K consecutive ranks (one host's, as launchers place them), each holding 1/K of the parameters, gradients and optimizer state; once per step the slices' gradients are averaged across the groups. A smaller K than a host's ranks, or a host split simulated on one machine, set it here; it must divide the world. See docs/concepts/strategies.md."})
     fp16_allreduce: bool = field(default=False, metadata={"help": "compress gradients to fp16 for the all-reduce"})
     reduction: str = field(default="average", metadata={"help": "how ddp combines the ranks' gradients: average (Horovod's all-reduce) or adasum (Horovod's Adasum; ddp only, over MPI)", "details": "average: the LR is scaled by workers x accumulation. adasum: each rank steps with its own gradient and the updates are combined pairwise, summed where orthogonal, averaged where parallel; the LR is not scaled by the workers; ddp only, over MPI, on a power-of-two number of workers. See docs/concepts/data-parallelism.md.", "choices": REDUCTIONS})
     hierarchical_allreduce: bool = field(default=False, metadata={"help": "set HOROVOD_HIERARCHICAL_ALLREDUCE=1 before hvd.init(): all-reduce within each host, then across hosts", "details": "Horovod applies it only with NCCL on GPUs across several hosts. false: Horovod's default, off unless the launch sets it. See docs/concepts/data-parallelism.md."})
@@ -153,6 +154,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps!r}")
         check_whole_numbers(self, ("ps_servers",))
         check_only_with(self, "ps_servers", 1, "strategy", "ps")
+        check_whole_numbers(self, ("hsdp_shard_size",), minimum=0)
+        check_only_with(self, "hsdp_shard_size", 0, "strategy", "hsdp")
         if self.reduction == "adasum":
             self._check_adasum()
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
@@ -177,7 +180,7 @@ class TrainConfig:
     @property
     def needs_process_sets(self) -> bool:
         """Whether Horovod must start with dynamic process sets (a mesh, or sequence groups)."""
-        return self.model_parallel or self.sequence_parallel > 1 or self.expert_parallel > 1
+        return self.model_parallel or self.sequence_parallel > 1 or self.expert_parallel > 1 or self.strategy == "hsdp"
 
     @property
     def model_parallel(self) -> bool:
@@ -230,6 +233,8 @@ class TrainConfig:
             (self.strategy in ("zero1", "zero2"), f"strategy={self.strategy}: its flat buckets would cut the "
              f"expert shares across ranks that hold other experts (fsdp leaves them out of its units; zero1 and "
              f"zero2 are not built so); use strategy=ddp or fsdp"),
+            (self.strategy == "hsdp", "strategy=hsdp: its shard and replica groups are not built around expert "
+             "groups yet; use strategy=ddp or fsdp"),
             (self.strategy == "ps", "strategy=ps: its servers step every parameter for the whole world, and a "
              "rank's experts are its own; use strategy=ddp or fsdp"),
             (self.model_parallel, f"tensor_parallel={self.tensor_parallel} x pipeline_parallel="

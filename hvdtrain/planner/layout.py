@@ -69,13 +69,20 @@ class Layout:
     micro_batches: int = 1
     sequence: int = 1               # ranks per data group sharing its batch, each 1/S of every sequence
     experts: int = 1                # data-parallel ranks sharing every MoE layer's routed experts, 1/E each
+    shard: int = 0                  # hsdp: K, ranks per shard group (one node's); the others 0
+
+    def __post_init__(self) -> None:
+        if (self.strategy == "hsdp") != (self.shard > 1) or (self.shard > 1 and self.sharing % self.shard):
+            raise ValueError(f"{self.name}: hsdp, and only hsdp, has shard groups: K > 1 ranks dividing the "
+                             f"{self.sharing} data ranks")
 
     @property
     def name(self) -> str:
         micro = f" M={self.micro_batches}" if self.pipeline > 1 else ""
         sequence = f" S={self.sequence}" if self.sequence > 1 else ""
         experts = f" E={self.experts}" if self.experts > 1 else ""
-        return f"{self.strategy} T={self.tensor} P={self.pipeline} D={self.data}{sequence}{experts}{micro}"
+        shard = f" K={self.shard}" if self.shard else ""
+        return f"{self.strategy} T={self.tensor} P={self.pipeline} D={self.data}{sequence}{experts}{shard}{micro}"
 
     @property
     def ranks(self) -> int:
@@ -119,10 +126,13 @@ def layouts(setup: Setup, workers: Optional[int] = None) -> List[Layout]:
             if pipeline > 1 and replica % micro:
                 continue
             if tensor * pipeline == 1:
-                strategies = STRATEGIES if n > 1 else ("ddp",)
+                strategies = [s for s in STRATEGIES if s != "hsdp"] if n > 1 else ["ddp"]
             else:  # over a mesh: plain replicas, or ZeRO-1 over each data group when there are several
-                strategies = ("ddp", "zero1") if data > 1 else ("ddp",)
+                strategies = ["ddp", "zero1"] if data > 1 else ["ddp"]
             found += [Layout(s, tensor, pipeline, data, micro if pipeline > 1 else 1) for s in strategies]
+            # hsdp: fsdp within each node, ddp across; between fsdp over every rank (K = n) and ddp (K = 1).
+            if tensor * pipeline == 1 and 1 < setup.gpus_per_node < n and n % setup.gpus_per_node == 0:
+                found.append(Layout("hsdp", 1, 1, data, shard=setup.gpus_per_node))
     # Sequence parallelism, alone or inside tensor groups (no pipeline split): S divides the sequence
     # and each tensor rank's heads. Over a mesh the data group (D x S ranks) is ddp's or ZeRO-1's.
     for tensor in (t for t in _divisors(n) if shape.heads % t == 0 and kv_heads % t == 0):

@@ -1,7 +1,7 @@
 """Memory per rank, MODELLED: the ZeRO arithmetic over the data ranks of what each stage's rank holds
 (parameters, gradients, optimizer state: what the strategies count, tests/mpi/test_plan_memory.py
 checks it against their counts), activations (Korthikanti et al. 2022, no recomputation), and under
-fsdp the largest unit gathered while it computes. Under expert parallelism a rank holds 1/E of the
+fsdp the largest unit gathered while it computes (hsdp: fsdp's over its shard group of K). Under expert parallelism a rank holds 1/E of the
 routed experts, sharded by the strategy over the N/E ranks holding the same experts, and the rest of
 the model as the strategy holds it over all N (tests/unit/test_plan_experts.py checks the split
 against hvdtrain's own)."""
@@ -18,13 +18,14 @@ ACTIVATION_FIXED, ACTIVATION_SPLIT, ACTIVATION_ATTENTION = 10, 24, 5
 
 
 def sharded_state_bytes(strategy: str, parameters: float, param_bytes: float, grad_bytes: float,
-                        state_bytes: float, data_ranks: int, ps_servers: int = 1) -> Dict[str, float]:
+                        state_bytes: float, data_ranks: int, ps_servers: int = 1, shard_ranks: int = 0,
+                        ) -> Dict[str, float]:
     """What the busiest rank holds in parameters, gradients and optimizer state (Rajbhandari et al.
     2020). A parameter server also receives the summed gradients of its
     slice, and holds the optimizer state of its slice (1/servers of the parameters).
 
     Args:
-        strategy: ddp, zero1, zero2, fsdp or ps.
+        strategy: ddp, zero1, zero2, fsdp, hsdp or ps.
         parameters: the model's parameter count.
         param_bytes: bytes per parameter.
         grad_bytes: bytes per gradient element.
@@ -32,7 +33,12 @@ def sharded_state_bytes(strategy: str, parameters: float, param_bytes: float, gr
             included).
         data_ranks: data-parallel ranks sharing the shards.
         ps_servers: strategy ps: the ranks that also serve.
+        shard_ranks: strategy hsdp: K, the ranks of a shard group (fsdp's over K: 16 Psi / K for fp32 Adam).
     """
+    if strategy == "hsdp":
+        if shard_ranks < 1:
+            raise ValueError("hsdp's memory needs its shard groups' size (shard_ranks >= 1)")
+        strategy, data_ranks = "fsdp", shard_ranks
     p, g, k = parameters * param_bytes, parameters * grad_bytes, parameters * state_bytes
     n, servers = data_ranks, ps_servers
     shares = {"ddp": (p, g, k), "zero1": (p, g, k / n), "zero2": (p, g / n, k / n),
@@ -48,7 +54,8 @@ def state_bytes_per_parameter(optimizer: str, precision: str) -> int:
 def _held_bytes(setup: Setup, layout: Layout, elements: float, width: int, state: int) -> Dict[str, float]:
     """What one rank of a stage holding ``elements`` keeps in parameters, gradients and optimizer state."""
     if layout.experts == 1:
-        return sharded_state_bytes(layout.strategy, elements, width, width, state, layout.sharing, setup.ps_servers)
+        return sharded_state_bytes(layout.strategy, elements, width, width, state, layout.sharing, setup.ps_servers,
+                                   layout.shard)
     if layout.tensor * layout.pipeline * layout.sequence > 1:
         raise ValueError(f"{layout.name}: expert parallelism is planned without a tensor, pipeline or sequence split")
     experts = setup.shape.expert_params
@@ -89,7 +96,7 @@ def memory(setup: Setup, layout: Layout) -> Estimate:
         activations = _activation_bytes(setup, layout, blocks, in_flight, index == layout.pipeline - 1)
         rows.append((held, activations))
     gathered = 0.0
-    if layout.strategy == "fsdp":  # the largest unit whole while it computes: a block, or the root
+    if layout.strategy in ("fsdp", "hsdp"):  # the largest unit whole while it computes: a block, or the root
         gathered = width * max(layers[1].split + layers[1].replicated, layers[0].replicated + 2 * shape.d_model)
     held, _ = max(rows, key=lambda row: sum(row[0].values()))
     total = max(sum(h.values()) + a for h, a in rows) + gathered

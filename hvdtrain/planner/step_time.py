@@ -12,7 +12,11 @@ data ranks and its 1/E of the experts' over the N/E ranks holding the same exper
 every MoE layer exchanges its tokens within the expert group of E neighbouring ranks: forward an
 all-to-all of each (token, chosen expert) pair's hidden state out and one of the results back (and
 two small ones of the routing weights and the experts' indices), backward the same three gradients;
-(E-1)/E of each leaves the rank."""
+(E-1)/E of each leaves the rank.
+
+hsdp (K ranks per shard group, one node's) is fsdp's exchange over the shard group, then, once per
+step after backward (exposed), an all-reduce of each rank's 1/K of the gradients over the N/K ranks
+holding the same slice (stride K, one per node): what crosses nodes."""
 from __future__ import annotations
 
 import math
@@ -88,10 +92,12 @@ def _gradient_comm_s(setup: Setup, layout: Layout, elements: float) -> Tuple[flo
         return ring, ring / 2  # the gradients all-reduced whole, then each parameter from its owner
     if layout.strategy in ("zero1", "zero2"):  # reduce-scatter in backward, all-gather after the step
         return ring / 2, ring / 2
-    if layout.strategy == "fsdp":  # per unit: all-gather forward, all-gather backward, reduce-scatter
+    if layout.strategy in ("fsdp", "hsdp"):  # per unit: all-gather forward, all-gather backward, reduce-scatter
         units = setup.shape.layers + 1
-        per_unit = allreduce_s(setup, grads / units, layout.sharing, 1)
-        return 1.5 * units * per_unit, 0.0
+        group = layout.shard if layout.strategy == "hsdp" else layout.sharing
+        per_unit = allreduce_s(setup, grads / units, group, 1)
+        across = allreduce_s(setup, grads / group, layout.sharing // group, group) if group < layout.sharing else 0.0
+        return 1.5 * units * per_unit, across
     # ps: the busiest server receives every worker's gradients of its slice and sends the weights back.
     nodes, bandwidth, net_alpha, intra_alpha = _group_link(setup, layout.data, 1)
     slice_bytes = grads / setup.ps_servers
@@ -129,6 +135,8 @@ def update_s(setup: Setup, layout: Layout, elements: float) -> float:
     """Seconds of the optimizer's update on the busiest rank, which holds ``elements`` of the model."""
     if layout.strategy in ("zero1", "zero2", "fsdp"):
         updated = elements / layout.sharing  # each rank updates its slice
+    elif layout.strategy == "hsdp":
+        updated = elements / layout.shard  # its slice, as every rank holding the same slice does
     elif layout.strategy == "ps":
         updated = elements / setup.ps_servers  # a server updates its slice; workers none
     else:
@@ -165,7 +173,7 @@ def estimate(setup: Setup, layout: Layout) -> Estimate:
     # The experts' share: averaged over the N/E ranks holding the same experts, E apart, as ddp's are.
     hideable += allreduce_s(setup, own_experts * width, layout.sharing // layout.experts, layout.experts)
     expert_s = dispatch_s(setup, layout)
-    window = ideal if layout.strategy == "fsdp" else 2 / 3 * ideal  # fsdp prefetches in forward too
+    window = ideal if layout.strategy in ("fsdp", "hsdp") else 2 / 3 * ideal  # fsdp prefetches in forward too
     hidden = min(setup.calibration.overlap * hideable, window)
     straggler = compute * setup.calibration.jitter * expected_max_normal(setup.workers)
     comm = tensor_s + pipe_s + sequence_s + expert_s + hideable + exposed

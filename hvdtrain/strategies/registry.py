@@ -31,6 +31,7 @@ STRATEGIES: Dict[str, str] = {
     "zero1": "hvdtrain.strategies.zero:Zero1Strategy",
     "zero2": "hvdtrain.strategies.zero:Zero2Strategy",
     "fsdp": "hvdtrain.strategies.fsdp.strategy:FSDPStrategy",
+    "hsdp": "hvdtrain.strategies.fsdp.hybrid:HSDPStrategy",
     "ps": "hvdtrain.strategies.ps:PSStrategy",
     MODEL_PARALLEL: "hvdtrain.strategies.model_parallel.strategy:ModelParallelStrategy",
     EXPERT_PARALLEL: "hvdtrain.strategies.experts:ExpertParallelStrategy",
@@ -76,6 +77,12 @@ def launch_refusal(config: "TrainConfig", world: "World", elastic: bool) -> Opti
             return (f"train.strategy={config.strategy} under Horovod elastic continues from the newest checkpoint "
                     "after a world change (a lost worker takes its shard of the optimizer state along): set "
                     "train.checkpoint_dir, on storage every host reads")
+    if chosen_name(config) == "hsdp":
+        from hvdtrain.distributed import collectives
+        from hvdtrain.strategies.fsdp.hybrid import refusal
+
+        homogeneous = bool(config.hsdp_shard_size) or collectives.homogeneous()
+        return refusal(config.hsdp_shard_size, world.size, world.local_size, homogeneous)
     if config.reduction == "adasum":
         from hvdtrain.distributed import collectives
         from hvdtrain.strategies.reduction import adasum_refusal

@@ -11,7 +11,7 @@ the reduce-scatter in fp16; the gathered parameters stay full precision.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List
+from typing import Any, ClassVar, Dict, List, Optional, Sequence
 
 import torch
 
@@ -261,7 +261,8 @@ class ZeroStrategy(ShardedStrategy):
             bucket.flat_param.copy_(hvd.synchronize(handle))
 
 
-def gather_in_place(bucket: fb.FlatBucket, flat: torch.Tensor) -> Dict[str, Any]:
+def gather_in_place(bucket: fb.FlatBucket, flat: torch.Tensor, process_set: Any = None,
+                    ranks: Optional[Sequence[int]] = None) -> Dict[str, Any]:
     """Start an all-gather of ``flat``'s slices into ``flat`` itself: one in-place broadcast per
     slice, from the rank that owns it (which must already hold its slice there). Returns the
     handles by collective name (``bucket.param_name`` + "." + the owner's rank).
@@ -269,11 +270,20 @@ def gather_in_place(bucket: fb.FlatBucket, flat: torch.Tensor) -> Dict[str, Any]
     Horovod's allgather has no output argument: it returns a new full-size tensor, first-touched
     page by page, then copied into the buffer, every step (glibc maps blocks this large afresh each
     time). The broadcasts move the same bytes (each rank receives the N - 1 other slices) with
-    neither: `hvdtrain bench strategies` measured the difference (docs/benchmarks.md, Strategies)."""
+    neither: `hvdtrain bench strategies` measured the difference (docs/benchmarks.md, Strategies).
+
+    Args:
+        bucket: the bucket whose slices are gathered.
+        flat: its full-size buffer, holding this rank's slice already.
+        process_set: the ranks that share the bucket (None: every rank).
+        ranks: their global ranks, in slice order (None: slice i is rank i's).
+    """
     handles = {}
+    where = {} if process_set is None else {"process_set": process_set}
     for owner in range(bucket.world_size):
         name = f"{bucket.param_name}.{owner}"
-        handles[name] = hvd.broadcast_async_(bucket.slice_of(flat, owner), root_rank=owner, name=name)
+        root = owner if ranks is None else ranks[owner]
+        handles[name] = hvd.broadcast_async_(bucket.slice_of(flat, owner), root_rank=root, name=name, **where)
     return handles
 
 

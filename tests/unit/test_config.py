@@ -85,7 +85,7 @@ def test_a_bad_file_names_the_key_and_what_is_accepted(tmp_path, text, message):
     (["--train.lr"], r"--train\.lr: needs a value \(a number or null\)"),
     (["stray"], r"unexpected argument 'stray': settings are --section\.key=value"),
     (["--model.progress=bar"], r"unknown key model\.progress"),
-    (["--train.strategy=zero"], r"section train: TrainConfig\.strategy must be one of ddp, zero1, zero2, fsdp, ps, got 'zero'"),
+    (["--train.strategy=zero"], r"section train: TrainConfig\.strategy must be one of ddp, zero1, zero2, fsdp, hsdp, ps, got 'zero'"),
 ])
 def test_a_bad_override_names_it(argv, message):
     with pytest.raises(ConfigError, match=message):

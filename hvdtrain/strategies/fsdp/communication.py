@@ -7,7 +7,7 @@ since a buffer has at most one gather and one reduce-scatter started.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -20,8 +20,14 @@ from hvdtrain.strategies.zero import gather_in_place
 
 
 class UnitCommunication:
-    def __init__(self, buckets: Sequence[fu.ShardedBucket]) -> None:
+    """The collectives of ``buckets``, over every rank, or over ``process_set`` (hsdp's shard group),
+    whose members' global ranks are ``ranks``, in slice order."""
+
+    def __init__(self, buckets: Sequence[fu.ShardedBucket], process_set: Any = None,
+                 ranks: Optional[Sequence[int]] = None) -> None:
         self.buckets = list(buckets)
+        self.process_set, self.ranks = process_set, ranks
+        self._where = {} if process_set is None else {"process_set": process_set}
         self.in_flight: Dict[str, Any] = {}  # collective name -> Horovod handle
 
     # A unit's full parameters: FREE -> GATHERING (gathers started) -> GATHERED -> FREE.
@@ -35,7 +41,7 @@ class UnitCommunication:
             for bucket in unit.buckets:
                 storage.allocate_storage(bucket.flat_param)
                 bucket.own_slice(bucket.flat_param).copy_(bucket.shard)
-                for name, handle in gather_in_place(bucket, bucket.flat_param).items():
+                for name, handle in gather_in_place(bucket, bucket.flat_param, self.process_set, self.ranks).items():
                     self.start(name, handle)
         unit.state = fu.GATHERING
 
@@ -84,7 +90,8 @@ class UnitCommunication:
         grad = bucket.flat_grad if bucket.flat_grad is not None else bucket.shard.new_zeros(bucket.padded_numel)
         bucket.reducing = grad.half() if bucket.fp16_wire else grad  # alive until reduced
         fb.release_gradients(bucket)
-        self.start(bucket.grad_name, hvd.reducescatter_async(bucket.reducing, name=bucket.grad_name, op=hvd.Average))
+        self.start(bucket.grad_name, hvd.reducescatter_async(bucket.reducing, name=bucket.grad_name, op=hvd.Average,
+                                                            **self._where))
         bucket.started = True
 
     def finish_reduction(self, bucket: fu.ShardedBucket) -> None:
@@ -111,7 +118,7 @@ class UnitCommunication:
         for bucket, state in zip(self.buckets, per_bucket):
             for key, value in state.items():  # all started before any is waited on
                 name = bucket.name(f"state.{key}")
-                self.start(name, hvd.allgather_async(value.detach(), name=name))
+                self.start(name, hvd.allgather_async(value.detach(), name=name, **self._where))
         return [{key: self.wait(bucket.name(f"state.{key}")) for key in state}
                 for bucket, state in zip(self.buckets, per_bucket)]
 

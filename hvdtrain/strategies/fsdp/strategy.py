@@ -66,7 +66,7 @@ class FSDPStrategy(ShardedStrategy):
         # step or a load makes them stale (only rank 0 keeps them). A deferred model's values are
         # computed alike on every rank: nothing to spread.
         self.root, self.units, self._initial_params = fu.build_units(
-            model, optimizer, self._wrap_policy, world.rank, world.size,
+            model, optimizer, self._wrap_policy, *self._shard_place(world),
             keep_initial=world.rank == 0 and deferred is None, with_values=deferred is None,
             whole=self._kept_whole(optimizer))
         self._initial_pending = deferred is None
@@ -96,11 +96,19 @@ class FSDPStrategy(ShardedStrategy):
         subclass that reduces and steps some itself names them)."""
         return set()
 
+    def _shard_place(self, world: World) -> Tuple[int, int]:
+        """(this rank's slice, slices per buffer): every rank's of the world here (hsdp: its shard group's)."""
+        return world.rank, world.size
+
+    def _communication(self) -> UnitCommunication:
+        """The buffers' collectives: over every rank here (hsdp: over the shard group)."""
+        return UnitCommunication(self.buckets)
+
     def _adopt_units(self) -> None:
         self.buckets = [bucket for unit in self.all_units for bucket in unit.buckets]
         self._managed = {id(p) for bucket in self.buckets for p in bucket.params}
         self._set_gradient_wire(self.fp16_allreduce)
-        self.comm = UnitCommunication(self.buckets)
+        self.comm = self._communication()
 
     def _begin_step_bookkeeping(self) -> None:
         """No unit order known yet, nothing open, and the hooks on the current units."""
@@ -122,8 +130,8 @@ class FSDPStrategy(ShardedStrategy):
         self.close()
         for param in self.model.parameters():
             param.grad = None
-        self.root, self.units, _ = fu.build_units(self.model, self._user_optimizer, self._wrap_policy, world.rank,
-                                                  world.size, keep_initial=False, with_values=False,
+        self.root, self.units, _ = fu.build_units(self.model, self._user_optimizer, self._wrap_policy,
+                                                  *self._shard_place(world), keep_initial=False, with_values=False,
                                                   whole=self._kept_whole(self._user_optimizer))
         self._initial_params, self._initial_pending = [], False
         self._adopt_units()
