@@ -116,3 +116,35 @@ def test_interleaving_refuses_micro_batches_not_a_multiple_of_p(world):
             run_schedule("1f1b", stage, mesh, split_micro_batches((inputs, targets), 3), lm_loss)
     finally:
         mesh.close()
+
+
+# ---- through the Trainer: a Hugging Face Llama cut by its own plan ----------------------------
+
+# (schedule, virtual stages, micro-batches) at P=2: Llama's 4 pipeline layers (the embedding, 2
+# decoder layers, the norm with the tied head) make 4 chunks of one layer under v=2.
+HF_LAYOUTS = [("1f1b", 2, 2), ("zb-h1", 1, 2)]
+
+
+@pytest.mark.parametrize("schedule,virtual,micro_batches", HF_LAYOUTS)
+def test_a_hugging_face_llama_takes_one_process_steps(world, schedule, virtual, micro_batches):
+    """train.pipeline_schedule / train.pipeline_virtual_stages through the Trainer: each step's loss,
+    every gathered parameter after the steps and the evaluation's loss and accuracy, one process's."""
+    pytest.importorskip("transformers")
+    from hvdtrain.components.steps import supervised_step
+    from tests.mpi.test_hf_equivalence import BATCH, check_against_one_process, logits_loss, make_model, train
+
+    if world.size % 2:
+        pytest.skip("2 stages do not fit")
+    trainer, data, initial, final, step_losses = train(
+        world, "llama", step={"loss_fn": logits_loss}, pipeline_parallel=2, pipeline_schedule=schedule,
+        micro_batches=micro_batches, pipeline_virtual_stages=virtual)
+    held = agreed([len(trainer.strategy.pipeline.module.chunks)], f"hf.sched.{schedule}.{virtual}.chunks")
+    evaluated = trainer.strategy.forward_only(trainer.parts.step_fn, (data.tensors[0][:BATCH], data.tensors[1][:BATCH]))
+    trainer.close_mesh()
+    assert held.flatten().tolist() == [virtual] * world.size
+    reference = make_model("llama", 0)
+    reference.load_state_dict(final)
+    unsplit = supervised_step(logits_loss)(reference, (data.tensors[0][:BATCH], data.tensors[1][:BATCH]))
+    assert abs(evaluated[0].item() - unsplit[0].item()) < TOLERANCE
+    assert evaluated[1]["accuracy"].item() == unsplit[1]["accuracy"].item()
+    check_against_one_process("llama", data, initial, final, step_losses, BATCH * world.size // 2)
