@@ -17,7 +17,7 @@ PROGRESS_MODES = ("auto", "bar", "log", "off")
 CHECKPOINT_FORMATS = ("full", "sharded")
 PRECISIONS = ("fp32", "bf16", "fp16")
 REDUCTIONS = ("average", "adasum")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 # The data-parallel strategies whose reduction serves a sequence group's ranks (the sum of their partial gradients).
 SEQUENCE_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 RESUME_MODES = ("true", "false", "force")
@@ -65,7 +65,8 @@ class TrainConfig:
     sequence_parallel: int = field(default=1, metadata={"help": "ranks that share each batch and hold 1/S of every sequence (Ulysses): longer sequences per rank; heads split around attention", "details": "The ranks of a sequence group read the same batch, each keeps its part of every sequence, and an all-to-all turns tokens into heads around attention and back (any head-local attention: SDPA, eager, causal, sliding-window, grouped-query with key/value heads replicated when fewer than S). Data-parallel width for the data = workers / (sequence_parallel x tensor_parallel); gradients are reduced over all workers by train.strategy (ddp, zero1, zero2, fsdp; ddp or zero1 with tensor_parallel, whose tensor groups sit inside the sequence groups' ranks); not with pipeline_parallel. A Hugging Face model is split through transformers' attention interface and proved at set-up against the whole model on a probe. See docs/concepts/sequence-parallelism.md."})
     expert_parallel: int = field(default=1, metadata={"help": "ranks over which each mixture-of-experts layer's experts are split (E consecutive data-parallel ranks); tokens reach them by all-to-all", "details": "Each rank of an expert group holds experts / E of every fused experts module (transformers 5's MoE families) and keeps its own data; the router, its top-k and its load-balancing loss stay the model's. The experts' gradients are averaged over the ranks holding the same experts; the rest of the model as train.strategy says: ddp, or fsdp (the experts outside its units, 1/E per rank). Not with zero1, zero2, ps, tensor or pipeline parallelism. See docs/concepts/model-parallelism.md."})
     micro_batches: int = field(default=1, metadata={"help": "micro-batches each worker's batch is cut into for the pipeline (pipeline_parallel > 1); must divide batch_size", "details": "More micro-batches, a smaller idle bubble: (stages - 1) / (micro_batches + stages - 1)."})
-    pipeline_schedule: str = field(default="1f1b", metadata={"help": "gpipe: every micro-batch forward, then every one backward; 1f1b: one forward, one backward in turn after a warm-up", "details": "gpipe holds all micro-batches' activations, 1f1b at most pipeline_parallel micro-batches'; the same bubble, the same result.", "choices": PIPELINE_SCHEDULES})
+    pipeline_schedule: str = field(default="1f1b", metadata={"help": "gpipe: all forwards, then all backwards; 1f1b: one forward, one backward in turn; zb-h1: 1f1b with weight gradients deferred into the bubble", "details": "gpipe holds all micro-batches' activations, 1f1b and zb-h1 at most pipeline_parallel micro-batches'; gpipe and 1f1b idle (P - 1) / (M + P - 1) of a step (1f1b interleaved: (P - 1) / (v·M + P - 1), see pipeline_virtual_stages), zb-h1 about a third of 1f1b's idle time (its backward split into the input's gradient and the weights', done later). The same result.", "choices": PIPELINE_SCHEDULES})
+    pipeline_virtual_stages: int = field(default=1, metadata={"help": "model chunks per pipeline stage (v): the layers cut into pipeline_parallel x v chunks, chunk c on stage c mod P; v > 1 interleaves 1f1b", "details": "The interleaved 1F1B schedule (Narayanan et al. 2021): each micro-batch visits every stage v times, so the idle bubble shrinks to (P - 1) / (v·M + P - 1) at the price of v times the point-to-point exchanges. Needs pipeline_schedule=1f1b and micro_batches a multiple of pipeline_parallel; a stage plan (ModelPlan.stage_layers) then lists the P x v chunks."})
     seed: int = field(default=42, metadata={"help": "one seed for the job; ranks derive theirs from it"})
     eval_every: int = field(default=0, metadata={"help": "steps between evaluations on the validation set, besides the one at each epoch's end (0: at epoch ends only)"})
     log_every: int = field(default=20, metadata={"help": "steps between log lines (rank 0)"})
@@ -161,7 +162,9 @@ class TrainConfig:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ValueError(f"TrainConfig.max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm!r}")
         check_whole_numbers(self, ("tensor_parallel", "pipeline_parallel", "sequence_parallel", "expert_parallel",
-                                   "micro_batches"))
+                                   "micro_batches", "pipeline_virtual_stages"))
+        if self.pipeline_virtual_stages > 1:
+            self._check_virtual_stages()
         if self.sequence_parallel > 1:
             self._check_sequence_parallel()
         if self.expert_parallel > 1:
@@ -203,6 +206,23 @@ class TrainConfig:
         for refused_here, why in refused:
             if refused_here:
                 raise ValueError(f"TrainConfig.{layout} does not work with {why}")
+
+    def _check_virtual_stages(self) -> None:
+        """The interleaved schedule's needs: a pipeline, 1f1b, micro-batches in groups of pipeline_parallel."""
+        v = self.pipeline_virtual_stages
+        if self.pipeline_parallel < 2:
+            raise ValueError(f"TrainConfig.pipeline_virtual_stages={v} cuts each pipeline stage into chunks, but "
+                             f"pipeline_parallel={self.pipeline_parallel}: set pipeline_parallel > 1, or "
+                             f"pipeline_virtual_stages=1")
+        if self.pipeline_schedule != "1f1b":
+            raise ValueError(f"TrainConfig.pipeline_virtual_stages={v} interleaves the 1f1b schedule; "
+                             f"pipeline_schedule={self.pipeline_schedule} runs one chunk per stage: set "
+                             f"pipeline_schedule=1f1b, or pipeline_virtual_stages=1")
+        if self.micro_batches % self.pipeline_parallel:
+            raise ValueError(f"TrainConfig.pipeline_virtual_stages={v}: the interleaved schedule sends micro-batches "
+                             f"round the stages in groups of pipeline_parallel={self.pipeline_parallel}, and "
+                             f"micro_batches={self.micro_batches} is not a multiple of it; choose micro_batches a "
+                             f"multiple of {self.pipeline_parallel}")
 
     def _check_sequence_parallel(self) -> None:
         """What sequence parallelism does not combine with (yet), each with the reason."""

@@ -132,7 +132,7 @@ def test_the_driver_accounts_for_every_ranks_parameter_bytes():
 def test_a_small_pipeline_job_measures_sane_figures(tmp_path):
     """One 2-rank job, a tiny model: every configuration measured, idle shares in (0, 1), and the
     micro-batches held at once exactly the schedules' (GPipe M, 1F1B min(M, P - stage))."""
-    args = ["--stages", "2", "--micro-batches", "1,4", "--tensor", "0", "--memory-workers", "0",
+    args = ["--stages", "2", "--micro-batches", "1,4", "--tensor", "0", "--memory-workers", "0", "--variants", "",
             "--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--vocab", "32", "--batch", "8",
             "--rounds", "1", "--steps", "2", "--warmup", "1", "--timeout", "50", "--out", str(tmp_path)]
     done = subprocess.run([sys.executable, "-m", "hvdtrain.bench.model_parallel.driver", *args], capture_output=True,
@@ -149,3 +149,37 @@ def test_a_small_pipeline_job_measures_sane_figures(tmp_path):
             assert got["max_in_flight"] == got["in_flight_theory"] == expected
     assert (tmp_path / "bubble.png").stat().st_size > 0
     assert "Pipeline bubble, P=2" in done.stdout
+
+
+def test_the_driver_reads_the_schedules_workers_steps():
+    """Idle = wait / wall per stage beside (P-1)/(v*M+P-1), and zb-h1's wait over 1f1b's at the same M."""
+    def steps(wait):
+        return [[1.0, 0.5, wait, 2], [1.0, 0.5, wait, 2]]
+    result = {"pipeline": 2, "cpus": 2, "per_rank": [
+        {"rank": r, "stage": r, "steps": {"1f1b/4": steps(0.3), "1f1b:v2/4": steps(0.2), "zb-h1/4": steps(0.1)}}
+        for r in (0, 1)]}
+    rows = {(r["variant"], r["stage"]): r for r in mp.schedule_rows(result)}
+    assert rows[("1f1b", 0)]["formula"] == pytest.approx(1 / 5)
+    assert rows[("1f1b:v2", 1)]["formula"] == pytest.approx(1 / 9)
+    assert rows[("zb-h1", 0)]["formula"] == pytest.approx(1 / 13)
+    assert rows[("1f1b:v2", 1)]["idle"] == pytest.approx(0.2)
+    assert rows[("1f1b:v2", 1)]["ratio"] == pytest.approx(0.2 * 9)
+    assert rows[("zb-h1", 1)]["versus_1f1b"] == pytest.approx(1 / 3)
+    assert rows[("1f1b", 1)]["versus_1f1b"] is None
+    assert "zb-h1" in "\n".join(mp.schedule_table(list(rows.values())))
+
+
+def test_a_small_schedules_job_measures_every_variant(tmp_path):
+    """One 2-rank job: every schedule variant measured at M = 2 on both stages, idle fractions in [0, 1)."""
+    args = ["--stages", "2", "--micro-batches", "2", "--tensor", "0", "--memory-workers", "0",
+            "--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--vocab", "32", "--batch", "8",
+            "--rounds", "1", "--steps", "2", "--warmup", "1", "--timeout", "100", "--out", str(tmp_path)]
+    done = subprocess.run([sys.executable, "-m", "hvdtrain.bench.model_parallel.driver", *args], capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["schedules"][0]
+    assert sorted((r["variant"], r["stage"]) for r in rows) == [
+        ("1f1b", 0), ("1f1b", 1), ("1f1b:v2", 0), ("1f1b:v2", 1), ("zb-h1", 0), ("zb-h1", 1)]
+    for row in rows:
+        assert row["steps"] == 2 and 0 <= row["idle"] < 1 and row["step_ms"] > 0 and row["formula"] > 0
+    assert "Pipeline schedules, P=2" in done.stdout

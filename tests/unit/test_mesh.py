@@ -58,7 +58,13 @@ def test_the_start_lines_say_where_every_rank_is():
     (dict(pipeline_parallel=2, precision="fp16"), "does not work with precision=fp16"),
     (dict(tensor_parallel=2, compile=True), "does not work with compile"),
     (dict(tensor_parallel=2, sync_batchnorm=True), "does not work with sync_batchnorm"),
-    (dict(pipeline_parallel=2, pipeline_schedule="interleaved"), "pipeline_schedule must be one of gpipe, 1f1b"),
+    (dict(pipeline_parallel=2, pipeline_schedule="interleaved"), "pipeline_schedule must be one of gpipe, 1f1b, zb-h1"),
+    (dict(pipeline_parallel=2, pipeline_virtual_stages=0), "pipeline_virtual_stages must be a whole number >= 1"),
+    (dict(pipeline_virtual_stages=2), "set pipeline_parallel > 1, or pipeline_virtual_stages=1"),
+    (dict(pipeline_parallel=2, micro_batches=2, pipeline_virtual_stages=2, pipeline_schedule="zb-h1"),
+     "interleaves the 1f1b schedule; pipeline_schedule=zb-h1 runs one chunk per stage"),
+    (dict(pipeline_parallel=2, micro_batches=3, batch_size=6, pipeline_virtual_stages=2),
+     "micro_batches=3 is not a multiple of it; choose micro_batches a multiple of 2"),
     (dict(tensor_parallel=0), "tensor_parallel must be a whole number >= 1"),
 ])
 def test_model_parallel_settings_refused_with_the_reason(settings, message):
@@ -69,6 +75,8 @@ def test_model_parallel_settings_refused_with_the_reason(settings, message):
 def test_a_valid_layout_is_model_parallel():
     assert TrainConfig(tensor_parallel=2, pipeline_parallel=2, micro_batches=4, precision="bf16").model_parallel
     assert TrainConfig(pipeline_parallel=2, strategy="zero1").model_parallel
+    assert TrainConfig(pipeline_parallel=2, micro_batches=4, pipeline_virtual_stages=2).pipeline_virtual_stages == 2
+    assert TrainConfig(pipeline_parallel=4, micro_batches=2, pipeline_schedule="zb-h1").pipeline_schedule == "zb-h1"
     # A mesh writes its own slices and stages: sharded checkpoints under ddp or zero1 data groups.
     assert TrainConfig(tensor_parallel=2, strategy="zero1", checkpoint_format="sharded").model_parallel
     assert TrainConfig(pipeline_parallel=2, checkpoint_format="sharded").model_parallel

@@ -15,6 +15,11 @@ Trainer's ModelParallelStrategy, one mpirun job per part (hvdtrain.bench.model_p
    Also the most micro-batches a stage held at once: GPipe M, 1F1B min(M, P - stage).
    More ranks than cores (P = 4 on a 2-core host) is OVERSUBSCRIBED: an idle stage's core goes to
    another stage, so idle is not free there and the bubble is distorted.
+   Then the schedules with less bubble (``--variants``), each on its own stages in the same job:
+   1F1B, the interleaved 1F1B with v chunks per stage (``1f1b:v2``) and ZB-H1. Per stage: the idle
+   fraction = the time the stage waited in receives (ScheduleStats.wait_s) / the step's wall time,
+   beside its formula, (P - 1) / (v·M + P - 1) (ZB-H1 at F = B = W: (P - 1) / (3M + P - 1)), and
+   their ratio; for ZB-H1 also its waiting time over 1F1B's at the same M (about 1/3 in theory).
 2. Tensor-parallel communication share, T ranks: the time of a forward + backward spent in the
    tensor group's all-reduces (Megatron's f and g, timed around each hvd.allreduce: a direct
    measurement; waiting for the peer included), and the bytes they move, counted, beside the
@@ -41,6 +46,7 @@ from hvdtrain.bench.common import jobs, lm_workload, report, stats
 from hvdtrain.launch.hostfile import Host
 from hvdtrain.common.tables import format_table
 from hvdtrain.observability.figures import new_figure, save_figure
+from hvdtrain.parallel.pipeline.actions import bubble_formula
 
 WORKER = "hvdtrain.bench.model_parallel.worker"
 SCHEDULES = ("gpipe", "1f1b")
@@ -52,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated pipeline sizes P, one job of P ranks each; 4 oversubscribes 2 cores "
                              "and is labelled so (default: 2)")
     parser.add_argument("--micro-batches", default="1,2,4,8", help="M of the bubble table (default: 1,2,4,8)")
+    parser.add_argument("--variants", default="1f1b,1f1b:v2,zb-h1",
+                        help="schedules of the idle-fraction table: schedule[:vN] (N chunks per stage), comma-separated; "
+                             "empty skips (default: 1f1b,1f1b:v2,zb-h1)")
     parser.add_argument("--tensor", type=int, default=2, help="T of the communication share (default: 2; 0 skips)")
     parser.add_argument("--memory-workers", type=int, default=4,
                         help="ranks of the parameter-bytes job (default: 4; 0 skips)")
@@ -182,6 +191,53 @@ def pipeline_rows(result: Dict[str, Any]) -> List[Dict[str, Any]]:
                 }
             rows.append(row)
     return rows
+
+
+def parse_variant(text: str) -> tuple:
+    """``1f1b:v2`` -> ("1f1b", 2); ``zb-h1`` -> ("zb-h1", 1)."""
+    schedule, _, virtual = text.strip().partition(":v")
+    return schedule, int(virtual) if virtual else 1
+
+
+def schedule_rows(result: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One row per (variant, M, stage): the idle fraction measured (median over steps of the time in
+    receives / the step's wall time), its formula and their ratio; ZB-H1's waiting time over 1F1B's."""
+    stages = result["pipeline"]
+    by_rank = sorted(result["per_rank"], key=lambda r: r["stage"])
+    rows = []
+    for key in by_rank[0]["steps"]:
+        variant, m = key.split("/")
+        schedule, virtual = parse_variant(variant)
+        for rank in by_rank:
+            steps = rank["steps"][key]
+            idle = stats.median([wait / wall for wall, _, wait, _ in steps if wall > 0])
+            formula = bubble_formula(schedule, stages, virtual, int(m))
+            wait_ms = stats.median([wait * 1e3 for _, _, wait, _ in steps])
+            base = rank["steps"].get(f"1f1b/{m}")
+            versus = (wait_ms / stats.median([wait * 1e3 for _, _, wait, _ in base])
+                      if schedule == "zb-h1" and base else None)
+            rows.append({"stages": stages, "variant": variant, "micro_batches": int(m), "stage": rank["stage"],
+                         "idle": idle, "formula": formula, "ratio": idle / formula if formula else float("nan"),
+                         "wait_ms": wait_ms, "step_ms": stats.median([wall * 1e3 for wall, _, _, _ in steps]),
+                         "versus_1f1b": versus, "max_in_flight": max((int(s[3]) for s in steps), default=0),
+                         "steps": len(steps), "oversubscribed": stages > (result.get("cpus") or stages)})
+    return sorted(rows, key=lambda r: (r["micro_batches"], r["variant"], r["stage"]))
+
+
+def schedule_table(rows: List[Dict[str, Any]]) -> List[str]:
+    if not rows:
+        return []
+    stages = rows[0]["stages"]
+    label = f" -- OVERSUBSCRIBED: {stages} ranks" if rows[0]["oversubscribed"] else ""
+    headers = ["M", "schedule", "stage", "idle (wait/step)", "formula", "ratio", "wait ms", "step ms",
+               "wait / 1f1b's", "held"]
+    table = [[r["micro_batches"], r["variant"], r["stage"], round(r["idle"], 3), round(r["formula"], 3),
+              round(r["ratio"], 2), round(r["wait_ms"], 1), round(r["step_ms"], 1),
+              "" if r["versus_1f1b"] is None else round(r["versus_1f1b"], 2), r["max_in_flight"]] for r in rows]
+    title = (f"Pipeline schedules, P={stages}{label}: idle = time waiting in receives / step wall time, median over "
+             f"{rows[0]['steps']} steps; formula (P-1)/(v*M+P-1) (1f1b:vN interleaved, v=N), zb-h1 (P-1)/(3M+P-1) "
+             f"(F=B=W); ratio = idle / formula; wait / 1f1b's: zb-h1's waiting time over 1f1b's (theory 1/3)")
+    return ["", format_table(headers, table, title=title)]
 
 
 def tensor_summary(result: Dict[str, Any]) -> Dict[str, Any]:
@@ -327,7 +383,7 @@ def plot(pipelines: List[List[Dict[str, Any]]], path) -> None:
 def worker_args(args: argparse.Namespace, mode: str) -> List[str]:
     return ["--mode", mode, *lm_workload.model_argv(args), "--batch", str(args.batch),
             "--micro-batches", args.micro_batches, "--layouts", args.layouts, "--rounds", str(args.rounds),
-            "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--variants", args.variants]
 
 
 def launch(args: argparse.Namespace, mode: str, np: int) -> Dict[str, Any]:
@@ -368,6 +424,16 @@ def run(args: argparse.Namespace) -> int:
         lines += pipeline_table(rows, dims, args.batch)
         report.print_lines(pipeline_table(rows, dims, args.batch))
     payload["pipeline"] = pipelines
+    payload["schedules"] = []
+    for stages in stage_counts if args.variants.strip() else []:
+        try:
+            rows = schedule_rows(launch(args, "schedules", stages))
+        except jobs.JobFailed as error:
+            failed.append(f"schedules P={stages}: {error}")
+            continue
+        payload["schedules"].append(rows)
+        lines += schedule_table(rows)
+        report.print_lines(schedule_table(rows))
     if args.tensor > 1:
         try:
             summary = tensor_summary(launch(args, "tensor", args.tensor))

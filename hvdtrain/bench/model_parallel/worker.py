@@ -13,6 +13,11 @@ not by ``fit()``, so that each one can be timed alone: a world barrier, then the
             tied gradients' sum and the loss broadcast), and the stage's ScheduleStats (compute_s,
             wait_s, max_in_flight). Configurations interleave in rounds with a rotating start.
             The optimizer's update is not run: it is no part of the bubble.
+  schedules P stages (world = P). Each schedule variant (``--variants``: 1f1b, 1f1b:v2 the
+            interleaved 1F1B with 2 chunks per stage, zb-h1) on its own stages of a fresh copy of
+            the model, over one mesh, at every M (interleaved: M a multiple of P), interleaved in
+            rounds as above; per step the wall time and the ScheduleStats, whose wait_s is the
+            time the stage waited in receives (and for its sends to be taken).
   tensor    T = world. Per step: wall time of forward + backward, and the time and bytes of the
             tensor group's all-reduces (Megatron's f and g), timed by wrapping the one function
             through which they all go (hvdtrain.parallel.tensor._allreduce_sum; hvd.allreduce
@@ -32,12 +37,12 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hvdtrain.bench.common import jobs, lm_workload
 from hvdtrain.bench.common.lm_workload import build_model, dims, token_batch
 
-MODES = ("pipeline", "tensor", "memory")
+MODES = ("pipeline", "schedules", "tensor", "memory")
 SCHEDULES = ("gpipe", "1f1b")
 # What shapes the timings besides the model: recorded with them (hvdtrain's startup.init sets the first).
 ENVIRONMENT = ("OMPI_MCA_mpi_yield_when_idle", "HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "OMP_NUM_THREADS")
@@ -51,6 +56,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16, help="samples per worker (per model replica) per step")
     parser.add_argument("--micro-batches", default="1,2,4,8")
     parser.add_argument("--layouts", default="1x1,2x1,1x2,2x2,4x1,1x4", help="memory mode: TxP, comma-separated")
+    parser.add_argument("--variants", default="1f1b,1f1b:v2,zb-h1",
+                        help="schedules mode: schedule[:vN] (N chunks per stage), comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="measured steps per configuration per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each configuration's")
@@ -115,6 +122,56 @@ def run_pipeline(args: argparse.Namespace, world) -> Dict[str, Any]:
     mine = {"rank": world.rank, "stage": strategy.mesh.stage, "layers": list(pipeline.module.indices),
             "steps": steps}
     return {"pipeline": world.size, "per_rank": collectives.allgather_object(mine, name="bench.mp.pipeline")}
+
+
+def parse_variant(text: str) -> Tuple[str, int]:
+    """``1f1b:v2`` -> ("1f1b", 2); ``zb-h1`` -> ("zb-h1", 1)."""
+    schedule, _, virtual = text.strip().partition(":v")
+    return schedule, int(virtual) if virtual else 1
+
+
+def schedule_configs(variants: Sequence[str], micro_batches: Sequence[int], stages: int) -> List[Tuple[str, int]]:
+    """(variant, M) pairs to run: an interleaved variant only at M a multiple of P (it refuses others)."""
+    return [(variant, m) for m in micro_batches for variant in variants
+            if parse_variant(variant)[1] == 1 or m % stages == 0]
+
+
+def run_schedules(args: argparse.Namespace, world) -> Dict[str, Any]:
+    from hvdtrain.distributed import collectives
+    from hvdtrain.examples.textlm import lm_loss
+    from hvdtrain.examples.textlm_parallel import pipeline_layers
+    from hvdtrain.parallel.mesh import Mesh
+    from hvdtrain.parallel.pipeline.schedule import PipelineStage
+    from hvdtrain.parallel.pipeline.stage import PipelinedModel
+
+    mesh = Mesh.build(world.size, world.rank, pipeline=world.size)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    pipelines = {}
+    for variant in variants:  # each on its own copy of the model: a stage keeps its layers' parameters
+        schedule, virtual = parse_variant(variant)
+        model = build_model(args)
+        stage = PipelineStage(pipeline_layers(model), mesh, virtual=virtual)
+        pipelines[variant] = PipelinedModel(stage, mesh, lm_loss, 1, schedule, model)
+    batch = token_batch(args, args.batch)
+    configs = schedule_configs(variants, [int(v) for v in args.micro_batches.split(",")], world.size)
+    steps: Dict[str, List[List[float]]] = {f"{v}/{m}": [] for v, m in configs}
+    for round_ in range(args.rounds):
+        for variant, m in rotated(configs, round_):
+            pipeline = pipelines[variant]
+            pipeline.micro_batches = m
+            for i in range(args.warmup + args.steps):
+                pipeline.module.zero_grad(set_to_none=True)
+                collectives.barrier()
+                started = time.perf_counter()
+                pipeline.train_batch(batch, contextlib.nullcontext, 1)
+                wall = time.perf_counter() - started
+                stats = pipeline.module.stats
+                if i >= args.warmup:
+                    steps[f"{variant}/{m}"].append([wall, stats.compute_s, stats.wait_s, stats.max_in_flight])
+    mine = {"rank": world.rank, "stage": mesh.stage, "steps": steps}
+    gathered = collectives.allgather_object(mine, name="bench.mp.schedules")
+    mesh.close()
+    return {"pipeline": world.size, "variants": variants, "per_rank": gathered}
 
 
 class AllreduceTimer:
@@ -220,7 +277,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from hvdtrain.distributed import startup
     args = parse_args(argv)
     world = startup.init(seed=args.seed, threads=1, dynamic_process_sets=True)
-    result = {"pipeline": run_pipeline, "tensor": run_tensor, "memory": run_memory}[args.mode](args, world)
+    result = {"pipeline": run_pipeline, "schedules": run_schedules, "tensor": run_tensor,
+              "memory": run_memory}[args.mode](args, world)
     if world.is_root:
         jobs.write_result(args.out, {"mode": args.mode, "np": world.size, "dims": dims(args), "batch": args.batch,
                                      "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,

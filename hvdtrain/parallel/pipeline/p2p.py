@@ -129,3 +129,63 @@ class StageLinks:
         if self.prev_pair is None:
             return None
         return self._exchange(self.prev_pair, gradient, forward_mb, backward_mb)
+
+
+class ChunkLinks:
+    """Point-to-point between the stages of chunks that follow one another, for schedules given as
+    action lists (actions.py): the interleaved ones, where chunk P·k - 1 on the last stage feeds
+    chunk P·k on the first (over ``mesh.ends``), and the zero-bubble one.
+
+    A send is posted and not waited for (``hvd.alltoall_async``: the receiver's empty row meets it
+    by name whenever the receiver gets there); a receive waits. The action lists are proved free of
+    deadlock under exactly this rule (actions.simulate). ``finish`` waits for the sends still out.
+    """
+
+    def __init__(self, mesh: Mesh, device: torch.device, step: object) -> None:
+        self.stage, self.stages = mesh.stage, mesh.shape.pipeline
+        self.pairs = {self.stage + 1: mesh.next_pair, self.stage - 1: mesh.prev_pair}
+        if self.stages > 2 and self.stage in (0, self.stages - 1):  # the wrap-around of the interleaved order
+            self.pairs[(self.stage + 1) % self.stages if self.stage else self.stages - 1] = mesh.ends
+        self.device, self.step = device, step
+        self.sent: list = []  # (handle, row): the row lives until its send is done
+        self.wait_s = 0.0
+
+    def _pair(self, peer: int) -> Group:
+        pair = self.pairs.get(peer)
+        if pair is None or pair.process_set is None:
+            raise ValueError(f"pipeline stage {self.stage} has no link to stage {peer}")
+        return pair
+
+    def _name(self, pair: Group, what: str) -> str:
+        return f"pp.{self.step}.{pair.ranks[0]}-{pair.ranks[1]}.{what}"
+
+    def send(self, tensor: Optional[torch.Tensor], peer: int, what: str) -> None:
+        """Post ``tensor`` (None: an empty row) to stage ``peer`` under ``what`` (the receiver names it alike)."""
+        pair = self._pair(peer)
+        row = torch.empty(0, dtype=torch.uint8, device=self.device) if tensor is None else pack(tensor)
+        splits = [0, 0]
+        splits[1 - pair.index] = row.numel()
+        handle = hvd.alltoall_async(row, splits=torch.tensor(splits, dtype=torch.int32), name=self._name(pair, what),
+                                    process_set=pair.process_set)
+        self.sent.append((handle, row))
+
+    def recv(self, peer: int, what: str) -> Optional[torch.Tensor]:
+        """What stage ``peer`` sent under ``what``, waited for."""
+        pair = self._pair(peer)
+        start = time.perf_counter()
+        try:
+            row = torch.empty(0, dtype=torch.uint8, device=self.device)
+            handle = hvd.alltoall_async(row, splits=torch.tensor([0, 0], dtype=torch.int32),
+                                        name=self._name(pair, what), process_set=pair.process_set)
+            received, _ = hvd.synchronize(handle)
+            return unpack(received)
+        finally:
+            self.wait_s += time.perf_counter() - start
+
+    def finish(self) -> None:
+        """Wait for every send still out (the receivers have them, or will)."""
+        start = time.perf_counter()
+        for handle, _ in self.sent:
+            hvd.synchronize(handle)
+        self.sent = []
+        self.wait_s += time.perf_counter() - start

@@ -1,8 +1,11 @@
 """Pipeline parallelism: a model's layers cut into contiguous stages, one per rank of a pipeline, run
 over micro-batches by GPipe (every forward, then every backward: M micro-batches held) or 1F1B
 (PipeDream-Flush: at most P held). Both have the bubble (P - 1) / (M + P - 1) and the same gradient,
-that of the mean loss. A parameter in two stages (a tied embedding) is a copy on each end; their
-gradients are summed over ``mesh.ends`` so both step alike.
+that of the mean loss. Two schedules with less bubble run as action lists (actions.py, executor.py):
+the interleaved 1F1B (v chunks per stage: (P - 1) / (v·M + P - 1)) and ZB-H1 (the backward split
+into the input's gradient and the weights', the latter deferred into the bubble: about a third of
+1F1B's). A parameter in two stages (a tied embedding) is a copy on each end; their gradients are
+summed over ``mesh.ends`` so both step alike.
 """
 from __future__ import annotations
 
@@ -16,9 +19,11 @@ from torch import nn
 
 from hvdtrain.common.stage_split import contiguous_stages
 from hvdtrain.parallel.mesh import Mesh
-from hvdtrain.parallel.pipeline.p2p import StageLinks
+from hvdtrain.parallel.pipeline.actions import schedule_actions
+from hvdtrain.parallel.pipeline.executor import ChunkRunner
+from hvdtrain.parallel.pipeline.p2p import ChunkLinks, StageLinks
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 # (inputs, targets) or (inputs, targets, extras): extras (a dict batch's attention mask) go to the
 # layers that take them (``takes_extras``) on every stage.
 MicroBatch = Tuple[Any, ...]
@@ -107,16 +112,39 @@ class ScheduleStats:
 
 
 class PipelineStage(nn.Module):
-    """This rank's contiguous share of ``layers`` (the model's full layer list, the same on every
-    rank of the pipeline), and the parameters it shares with other stages."""
+    """This rank's share of ``layers`` (the model's full layer list, the same on every rank of the
+    pipeline), and the parameters it shares with other stages.
 
-    def __init__(self, layers: Sequence[nn.Module], mesh: Mesh, plan: Optional[Sequence[int]] = None) -> None:
+    With ``virtual`` = v > 1 the layers are cut into P·v contiguous chunks and this stage holds
+    chunks ``stage``, ``stage + P``, ...: the interleaved schedule's layout (``plan``, when given,
+    lists the P·v chunks' layer counts).
+
+    Args:
+        layers: the model's layers, in order.
+        mesh: the mesh; its pipeline axis gives the stages.
+        plan: layers per stage (per chunk when v > 1), or None: balanced by parameter count.
+        virtual: v, chunks per stage.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], mesh: Mesh, plan: Optional[Sequence[int]] = None,
+                 virtual: int = 1) -> None:
         super().__init__()
         stages = mesh.shape.pipeline
-        self.stage, self.stages = mesh.stage, stages
-        self.assignment = split_layers(layers, stages, plan)
-        self.indices = self.assignment[self.stage]
+        if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1:
+            raise ValueError(f"pipeline_virtual_stages must be a whole number >= 1, got {virtual!r}")
+        if plan is not None and virtual > 1 and len(plan) != stages * virtual:
+            raise ValueError(f"with pipeline_virtual_stages={virtual} the stage plan lists the layers of each of the "
+                             f"{stages} x {virtual} = {stages * virtual} chunks, got {len(plan)} entries")
+        if virtual > 1 and len(layers) < stages * virtual:
+            raise ValueError(f"{len(layers)} layers cannot fill {stages} stages x {virtual} virtual stages: every chunk "
+                             f"needs a layer; lower pipeline_virtual_stages")
+        self.stage, self.stages, self.virtual = mesh.stage, stages, virtual
+        self.assignment = split_layers(layers, stages * virtual, plan)  # by chunk; chunk g on stage g % P
+        self.chunks = [c * stages + self.stage for c in range(virtual)]
+        self.indices = [i for g in self.chunks for i in self.assignment[g]]
         self.layers = nn.ModuleList(layers[i] for i in self.indices)
+        # Each chunk's layers (the same modules as self.layers, not registered twice).
+        self.chunk_layers = {g: [layers[i] for i in self.assignment[g]] for g in self.chunks}
         self.tied = self._tied_parameters(layers)
         self.stats = ScheduleStats()
         self.metrics: Dict[str, torch.Tensor] = {}  # the last run's (run_schedule's measure)
@@ -126,7 +154,8 @@ class PipelineStage(nn.Module):
         """This stage's parameters that another stage holds too (by identity, in a fixed order)."""
         owners: Dict[int, List[int]] = {}
         order: Dict[int, nn.Parameter] = {}
-        for stage, indices in enumerate(self.assignment):
+        for chunk, indices in enumerate(self.assignment):
+            stage = chunk % self.stages
             for i in indices:
                 for p in layers[i].parameters():
                     stages = owners.setdefault(id(p), [])
@@ -149,6 +178,23 @@ class PipelineStage(nn.Module):
     def forward(self, x: torch.Tensor, extras: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x, extras) if getattr(layer, "takes_extras", False) else layer(x)
+        return x
+
+    def run_chunk(self, chunk: int, x: torch.Tensor, extras: Optional[Dict[str, torch.Tensor]] = None,
+                  outputs: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+        """Chunk ``chunk``'s layers on ``x``; each layer's output appended to ``outputs`` when given
+        (where the zero-bubble schedule splits the backward).
+
+        Args:
+            chunk: the global chunk's index, one of this stage's ``chunks``.
+            x: its input.
+            extras: what layers that take extras get (an attention mask), or None.
+            outputs: a list each layer's output is appended to, or None.
+        """
+        for layer in self.chunk_layers[chunk]:
+            x = layer(x, extras) if getattr(layer, "takes_extras", False) else layer(x)
+            if outputs is not None:
+                outputs.append(x)
         return x
 
     def reduce_tied_gradients(self, mesh: Mesh, before: List[Optional[torch.Tensor]], name: str) -> None:
@@ -266,7 +312,7 @@ def run_schedule(schedule: str, stage: PipelineStage, mesh: Mesh, micro_batches:
     last their targets, the others only their count.
 
     Args:
-        schedule: gpipe or 1f1b.
+        schedule: gpipe, 1f1b (interleaved when the stage holds several chunks) or zb-h1.
         stage: this rank's stage.
         mesh: the mesh; its pipeline group runs the schedule.
         micro_batches: the batch's micro-batches.
@@ -275,7 +321,7 @@ def run_schedule(schedule: str, stage: PipelineStage, mesh: Mesh, micro_batches:
         measure: what the last stage measures beside the loss, or None.
         shares: ``loss_fn`` gives shares, summed: a token mean over the whole batch, Hugging Face's num_items_in_batch.
     """
-    if schedule not in _SCHEDULES:
+    if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     micro_batches = list(micro_batches)
     if not micro_batches:
@@ -286,8 +332,15 @@ def run_schedule(schedule: str, stage: PipelineStage, mesh: Mesh, micro_batches:
     name = f"pp.{stage.step}"
     stage.step += 1
     before = [None if p.grad is None else p.grad.clone() for p in stage.tied]
-    run = _Runner(stage, mesh, micro_batches, loss_fn, links, measure, shares)
-    _SCHEDULES[schedule](run)
+    if schedule == "zb-h1" or stage.virtual > 1:
+        # Every rank derives every stage's list alike: refusals (micro-batches not a multiple of P) before any exchange.
+        actions = schedule_actions(schedule, mesh.shape.pipeline, stage.virtual, len(micro_batches))[mesh.stage]
+        links = ChunkLinks(mesh, device, stage.step - 1)
+        run = ChunkRunner(stage, mesh, micro_batches, loss_fn, links, measure, shares, split=schedule == "zb-h1")
+        run.run(actions)
+    else:
+        run = _Runner(stage, mesh, micro_batches, loss_fn, links, measure, shares)
+        _SCHEDULES[schedule](run)
     wait_s = links.wait_s
     start = time.perf_counter()
     # Distributed: the tied parameters' gradients summed over the first and last stage.

@@ -21,7 +21,7 @@ from hvdtrain.parallel.model_plan import ModelPlan
 from hvdtrain.parallel.pipeline.hf_layers import hf_pipeline_layers
 from hvdtrain.parallel.pipeline.hf_plan import HFPipelinePlan, hf_pipeline_plan, is_hf_causal_lm
 from hvdtrain.parallel.pipeline.hf_step import ModelLoss, StageStep, dict_micro_batches
-from hvdtrain.parallel.pipeline.p2p import StageLinks
+from hvdtrain.parallel.pipeline.p2p import ChunkLinks, StageLinks
 from hvdtrain.parallel.pipeline.schedule import (Measure, PipelineStage, from_last_stage, run_schedule,
                                                  split_micro_batches)
 from hvdtrain.components.steps import class_accuracy
@@ -78,7 +78,7 @@ class PipelinedModel:
         mesh: the mesh.
         loss_fn: the last stage's loss function.
         micro_batches: micro-batches per batch.
-        schedule: gpipe or 1f1b.
+        schedule: gpipe, 1f1b or zb-h1.
         model: the whole model's object, for its loss_function and config.
     """
 
@@ -134,17 +134,36 @@ class PipelinedModel:
         (inputs, targets, *extras), = micro
         step = self._step_for(batch, micro, step_fn)
         stage, mesh = self.module, self.mesh
-        links = StageLinks(mesh, inputs.device)
-        links.step = f"eval{stage.step}"
+        if stage.virtual > 1:
+            out = self._forward_chunks(inputs, extras[0] if extras else None)
+        else:
+            links = StageLinks(mesh, inputs.device)
+            links.step = f"eval{stage.step}"
+            received = links.recv_forward(0)
+            out = stage(inputs if mesh.is_first_stage else received, extras[0] if extras else None)
+            links.send_forward(out, 0)
+        step_name = f"eval{stage.step}"
         stage.step += 1
-        received = links.recv_forward(0)
-        out = stage(inputs if mesh.is_first_stage else received, extras[0] if extras else None)
-        links.send_forward(out, 0)
         loss = measured = None
         if mesh.is_last_stage:  # the loss first: a step_fn's metrics come with it
             loss = step.loss_fn(out, targets)
             measured = step.measure.fn(out, targets) if step.measure is not None else None
-        return from_last_stage(mesh, f"pp.{links.step}.loss", inputs.device, step.measure, loss, measured)
+        return from_last_stage(mesh, f"pp.{step_name}.loss", inputs.device, step.measure, loss, measured)
+
+    def _forward_chunks(self, inputs: Any, extras: Optional[Dict[str, torch.Tensor]]) -> Optional[torch.Tensor]:
+        """The batch through every chunk in turn (interleaved stages): this stage runs its chunks as
+        their turn comes; the last chunk's output on the last stage, None elsewhere."""
+        stage, mesh = self.module, self.mesh
+        links = ChunkLinks(mesh, inputs.device, f"eval{stage.step}")
+        last = mesh.shape.pipeline * stage.virtual - 1
+        out = None
+        for g in stage.chunks:
+            x = inputs if g == 0 else links.recv((g - 1) % mesh.shape.pipeline, f"F0.{g}")
+            out = stage.run_chunk(g, x, extras)
+            if g < last:
+                links.send(out, (g + 1) % mesh.shape.pipeline, f"F0.{g + 1}")
+        links.finish()
+        return out
 
 
 def probe_model(model: nn.Module, plan: ModelPlan) -> Optional[HFPipelinePlan]:
@@ -156,7 +175,7 @@ def probe_model(model: nn.Module, plan: ModelPlan) -> Optional[HFPipelinePlan]:
 
 
 def build_stage(model: nn.Module, plan: ModelPlan, mesh: Mesh, loss_fn: LossFn, micro_batches: int,
-                schedule: str, hf_plan: Optional[HFPipelinePlan] = None) -> PipelinedModel:
+                schedule: str, hf_plan: Optional[HFPipelinePlan] = None, virtual_stages: int = 1) -> PipelinedModel:
     """Cut the model into the mesh's stages and keep this rank's.
 
     Args:
@@ -166,8 +185,9 @@ def build_stage(model: nn.Module, plan: ModelPlan, mesh: Mesh, loss_fn: LossFn, 
         mesh: the mesh; its pipeline axis gives the stages.
         loss_fn: the last stage's loss function.
         micro_batches: micro-batches per batch.
-        schedule: gpipe or 1f1b.
+        schedule: gpipe, 1f1b or zb-h1.
         hf_plan: a Hugging Face causal LM's layers, probe_model's (None: not one).
+        virtual_stages: model chunks per stage (v > 1: interleaved 1f1b; the layers cut into P x v chunks).
     """
     if plan.pipeline_layers is not None:
         layers = list(plan.pipeline_layers(model))
@@ -182,5 +202,5 @@ def build_stage(model: nn.Module, plan: ModelPlan, mesh: Mesh, loss_fn: LossFn, 
                          f"example transformer's is hvdtrain.examples.textlm_parallel.pipeline_layers)")
     if loss_fn is None:
         raise ValueError("a pipeline computes loss_fn(outputs, targets) on its last stage: pass loss_fn")
-    stage = PipelineStage(layers, mesh, plan.stage_layers)
+    stage = PipelineStage(layers, mesh, plan.stage_layers, virtual=virtual_stages)
     return PipelinedModel(stage, mesh, loss_fn, micro_batches, schedule, model)

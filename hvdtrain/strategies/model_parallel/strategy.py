@@ -77,9 +77,10 @@ class ModelParallelStrategy(Strategy):
         loss_fn: ``loss_fn(outputs, targets)``: the pipeline's last stage's loss, without a step_fn.
         data_parallel: ddp or zero1 over each data-parallel group.
         micro_batches: micro-batches each batch is cut into for the pipeline.
-        schedule: the pipeline's schedule: gpipe or 1f1b.
+        schedule: the pipeline's schedule: gpipe, 1f1b or zb-h1.
         deferred: the model was built on the meta device: each rank gives values only to its slices and
             stage (initialization.py), and nothing is broadcast.
+        virtual_stages: model chunks per pipeline stage (v > 1: the interleaved 1f1b schedule).
     """
 
     name = "model_parallel"
@@ -102,13 +103,13 @@ class ModelParallelStrategy(Strategy):
         return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce, context["mesh"],
                    context.get("plan") or ModelPlan(), context.get("loss_fn"), data_parallel=config.strategy,
                    micro_batches=config.micro_batches, schedule=config.pipeline_schedule,
-                   deferred=context.get("deferred"))
+                   deferred=context.get("deferred"), virtual_stages=config.pipeline_virtual_stages)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool, mesh: Mesh, plan: ModelPlan,
                  loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
                  data_parallel: str = "ddp", micro_batches: int = 1, schedule: str = "1f1b",
-                 deferred: Optional["DeferredInit"] = None) -> None:
+                 deferred: Optional["DeferredInit"] = None, virtual_stages: int = 1) -> None:
         super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"over a model-parallel mesh the data-parallel strategy is one of "
@@ -176,7 +177,7 @@ class ModelParallelStrategy(Strategy):
         self.pipeline = None
         if shape.pipeline > 1:
             from hvdtrain.parallel.pipeline.stage import build_stage
-            self.pipeline = build_stage(model, plan, mesh, loss_fn, micro_batches, schedule, hf_plan)
+            self.pipeline = build_stage(model, plan, mesh, loss_fn, micro_batches, schedule, hf_plan, virtual_stages)
             held = {id(t) for t in self.pipeline.module.parameters()} | {id(b) for b in self.pipeline.module.buffers()}
         else:
             held = {id(t) for t in model.parameters()} | {id(b) for b in model.buffers()}
