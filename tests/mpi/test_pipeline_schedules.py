@@ -9,13 +9,13 @@ relative, grown by three Adam steps to about 1e-14 here); a wrong order, a gradi
 twice would show as differences of 1e-3 and more."""
 import pytest
 import torch
-import horovod.torch as hvd
 
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
 from hvdtrain.examples.textlm_parallel import pipeline_layers
 from hvdtrain.parallel.mesh import Mesh
 from hvdtrain.parallel.pipeline.schedule import PipelineStage, run_schedule, split_micro_batches
 from tests.mpi.helpers import agreed
+from tests.mpi.pipeline_steps import pipeline_beside_one_process
 
 pytestmark = [
     pytest.mark.mpi,
@@ -46,34 +46,8 @@ def steps_beside_one_process(mesh: Mesh, schedule: str, virtual: int, micro_batc
     step] against one process, and the most micro-batch chunks this stage held at once."""
     model, reference = make_model(), make_model()
     stage = PipelineStage(pipeline_layers(model), mesh, virtual=virtual)
-    names = {id(p): n for n, p in model.named_parameters()}
-    theirs = dict(reference.named_parameters())
-    params = list(stage.parameters())
-    optimizer = torch.optim.Adam(params, lr=0.01)
-    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
-    data, groups = mesh.coordinates.data, mesh.shape.data
-    rows = []
-    for step in range(STEPS):
-        inputs, targets = global_batch(step, ROWS * groups)
-        mine = slice(data * ROWS, (data + 1) * ROWS)
-        optimizer.zero_grad()
-        loss = run_schedule(schedule, stage, mesh, split_micro_batches((inputs[mine], targets[mine]), micro_batches),
-                            lm_loss)
-        if mesh.data.process_set is not None:
-            # Distributed: gradients and loss averaged over the data groups, by hand (one allreduce).
-            flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.reshape(1)])
-            flat = hvd.allreduce(flat, op=hvd.Average, name=f"{tag}.{step}.grads", process_set=mesh.data.process_set)
-            for p, part in zip(params, flat[:-1].split([p.numel() for p in params])):
-                p.grad = part.view_as(p).clone()
-            loss = flat[-1]
-        reference_optimizer.zero_grad()
-        reference_loss = lm_loss(reference(inputs), targets)
-        reference_loss.backward()
-        grad_difference = max(float((p.grad - theirs[names[id(p)]].grad).abs().max()) for p in params)
-        optimizer.step()
-        reference_optimizer.step()
-        param_difference = max(float((p.detach() - theirs[names[id(p)]].detach()).abs().max()) for p in params)
-        rows.append([abs(float(loss) - float(reference_loss.detach())), grad_difference, param_difference])
+    rows, _ = pipeline_beside_one_process(stage, model, reference, mesh, schedule, micro_batches, global_batch, ROWS,
+                                          STEPS, tag)
     return rows, stage.stats.max_in_flight
 
 
