@@ -21,6 +21,11 @@ from typing import Dict, Optional
 PHASES = ("imports", "horovod init", "set-up", "first step")
 
 
+def record_key(phase: str) -> str:
+    """A phase's key in the ``startup`` record: ``set-up`` -> ``set_up_s``."""
+    return phase.replace(" ", "_").replace("-", "_") + "_s"
+
+
 def process_start_time() -> float:
     """The wall-clock time this process started (seconds since the epoch), to 10 ms on Linux.
 
@@ -82,8 +87,7 @@ class StartupClock:
         if self.reported or "first step" not in self.marks:
             return None
         self.reported = True
-        return {"total_s": self.total(), **{f"{phase.replace(' ', '_')}_s": seconds
-                                            for phase, seconds in self.durations().items()}}
+        return {"total_s": self.total(), **{record_key(phase): seconds for phase, seconds in self.durations().items()}}
 
 
 CLOCK = StartupClock()

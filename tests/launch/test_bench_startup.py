@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hvdtrain.common.startup_clock import PHASES
+from hvdtrain.common.startup_clock import PHASES, record_key
 from tests.launch.helpers import BIN, run
 
 TIMEOUT = 240  # one 2-rank job of two steps: the start-up it measures is all it does
@@ -22,7 +22,7 @@ def test_the_bench_splits_the_start_up_into_phases_that_add_up(tmp_path):
     result = json.loads((out / "startup.json").read_text())
     row, = result["rows"]
     run_, = result["runs"]["eager/2"]
-    phases = [run_[f"{phase.replace(' ', '_').replace('-', '_')}_s"] for phase in PHASES]
+    phases = [run_[record_key(phase)] for phase in PHASES]
 
     assert row["variant"] == "eager" and row["workers"] == 2
     assert min(phases) >= 0 and abs(sum(phases) - run_["total_s"]) < 1e-6, run_

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
 from hvdtrain.bench.common import jobs, report, stats
-from hvdtrain.common.startup_clock import PHASES
+from hvdtrain.common.startup_clock import PHASES, record_key
 from hvdtrain.common.tables import format_table
 from hvdtrain.launch.hostfile import Host
 
@@ -94,10 +94,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def phase_key(phase: str) -> str:
-    return f"{phase.replace(' ', '_').replace('-', '_')}_s"
-
-
 def summarize(results, plan: Sequence[tuple]) -> List[Dict[str, Any]]:
     """One row per (variant, workers): the medians of rank 0's phases and of the launcher's share."""
     rows = []
@@ -107,14 +103,14 @@ def summarize(results, plan: Sequence[tuple]) -> List[Dict[str, Any]]:
                "launch_to_first_step_s": stats.median([r["launch_to_first_step_s"] for r in runs]),
                "launcher_s": stats.median([r["launcher_s"] for r in runs])}
         for phase in PHASES:
-            row[phase_key(phase)] = stats.median([r.get(phase_key(phase), 0.0) for r in runs])
+            row[record_key(phase)] = stats.median([r.get(record_key(phase), 0.0) for r in runs])
         rows.append(row)
     return rows
 
 
 def table(rows: List[Dict[str, Any]], import_torch: float, rounds: int) -> List[str]:
     body = [[r["variant"], r["workers"], f"{r['launch_to_first_step_s']:.1f}", f"{r['launcher_s']:.1f}",
-             *[f"{r[phase_key(phase)]:.1f}" for phase in PHASES]] for r in rows]
+             *[f"{r[record_key(phase)]:.1f}" for phase in PHASES]] for r in rows]
     headers = ["variant", "N", "launch to first step s", "launcher s", *[f"{phase} s" for phase in PHASES]]
     title = f"Start-up of the main job (digits CNN), rank 0's clock, {rounds} round(s); medians"
     return ["", format_table(headers, body, title=title),
@@ -155,7 +151,7 @@ def worker(argv: Sequence[str]) -> int:
         jobs.write_result(Path(args.out), {
             "np": world.size, "variant": args.variant, "total_s": CLOCK.total(),
             "process_started_at": CLOCK.started_at,
-            **{phase_key(phase): seconds for phase, seconds in durations.items()}})
+            **{record_key(phase): seconds for phase, seconds in durations.items()}})
     return 0
 
 
