@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import socket
+import time
 from dataclasses import replace
 from typing import Dict, Mapping, MutableMapping, Optional
 
@@ -168,7 +169,7 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
     launcher = launcher_env.detect()
     hvd.init()
     # A refusal from here on (every rank raises it alike): one line on rank 0, exit 2 on every rank.
-    install_refusal_hook(is_root=hvd.rank() == 0)
+    install_refusal_hook(is_root=hvd.rank() == 0, meet=meet_after_a_refusal)
     launcher_env.check_world(launcher, hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
 
     hostname = socket.gethostname()
@@ -194,6 +195,25 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
         device=device,
         hierarchical_allreduce=hierarchical_requested(),
     )
+
+
+def meet_after_a_refusal(grace_seconds: float) -> bool:
+    """Every rank, in the refusal hook before it exits (rank 0 once its line is out): one Horovod
+    all-reduce, polled so that a rank that never comes (it did not refuse) costs ``grace_seconds``,
+    not a hang. True once every rank joined."""
+    if not hvd.is_initialized():
+        return False
+    try:
+        handle = hvd.allreduce_async(torch.zeros(1), name="hvdtrain.refusal", op=hvd.Sum)
+        deadline = time.monotonic() + grace_seconds
+        while not hvd.poll(handle):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        hvd.synchronize(handle)
+    except Exception:  # Horovod shut down or failed: nobody to meet
+        return False
+    return True
 
 
 def reformed(world: World) -> World:

@@ -79,8 +79,11 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, repeats: int = MEAS
     gpu = device.type == "cuda"
     size = size or (4096 if gpu else 512)
     clock = clock or (time.perf_counter if gpu else cpu_seconds)
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    # A generator of its own: the training's random streams (dropout, data order, checkpoints' RNG
+    # state) must not depend on whether this process measured its peak already.
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=generator).to(dtype)
+    b = torch.randn(size, size, device=device, generator=generator).to(dtype)
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     torch.matmul(a, b)
     sync()

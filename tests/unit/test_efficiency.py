@@ -140,3 +140,17 @@ def test_the_log_line_and_the_epoch_line_carry_the_figures():
     record = {"epoch": 1, "step": 5, "train_loss": 1.0, "samples_per_sec": 64.0, **figures}
     assert epoch_line(record, 2) == ("epoch 1/2 step 5 train_loss 1.0000 64 samples/s, 4096 tokens/s, "
                                      "0.0123 TFLOPs/s per rank, MFU 15.3%")
+
+
+def test_measuring_the_peak_leaves_the_training_random_streams_alone():
+    # The first Trainer of a process measures, the next reuse it: had the measurement drawn from
+    # torch's global generator, a run's dropout, data order and checkpointed RNG state would depend
+    # on whether another Trainer ran before it (tests/mpi/test_async_checkpoint.py caught it).
+    import torch
+
+    from hvdtrain.observability.peak import measure_matmul
+
+    torch.manual_seed(1)
+    before = torch.get_rng_state()
+    measure_matmul(torch.device("cpu"), torch.float32, repeats=1, size=8)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -34,30 +34,43 @@ RAISES = ("import signal\n"
           "from hvdtrain.common.errors import install_refusal_hook\n"
           "from hvdtrain.checkpoint import CheckpointError\n"
           "signal.signal(signal.SIGTERM, lambda *_: print('noted', flush=True))  # as a preemption handler\n"
-          "install_refusal_hook(is_root={root}, grace_seconds={grace})\n"
+          "{meeting}install_refusal_hook(is_root={root}, grace_seconds={grace}{meet})\n"
           "print('before', flush=True)\n"
           "raise CheckpointError('checkpoint_dir x holds checkpoints already\\nand resume=false')\n")
 
 
 def test_a_refusal_is_one_line_on_rank_zero_and_exit_status_two():
-    root = ends(RAISES.format(root=True, grace=60))
+    root = ends(RAISES.format(root=True, grace=60, meeting="", meet=""))
     assert (root.returncode, root.stderr, root.stdout) == (
         2, "hvdtrain: checkpoint_dir x holds checkpoints already and resume=false\n", "before\n")
 
 
-def test_another_rank_waits_for_rank_zero_to_end_the_job_then_speaks_for_itself():
+MEETING = "def meet(seconds):\n    print(f'met within {{seconds}} s', flush=True)\n    return {met}\n"
+
+
+def test_every_rank_meets_the_others_before_it_exits_rank_zero_once_its_line_is_out():
     # A launcher ends the job at the first non-zero exit: had rank 1 exited at once, rank 0's line
-    # could be lost (CI saw mpirun abort rank 0 before it printed). Rank 1 waits; only if rank 0 does
-    # not end the job does it print the line itself, so the reason is never lost.
+    # could be lost (CI saw mpirun abort rank 0 before it printed). So no rank exits before the meeting.
+    root = ends(RAISES.format(root=True, grace=7, meeting=MEETING.format(met=True), meet=", meet=meet"))
+    assert (root.returncode, root.stdout) == (2, "before\nmet within 7 s\n")
+    assert root.stderr == "hvdtrain: checkpoint_dir x holds checkpoints already and resume=false\n"
+    other = ends(RAISES.format(root=False, grace=7, meeting=MEETING.format(met=True), meet=", meet=meet"))
+    assert (other.returncode, other.stdout, other.stderr) == (2, "before\nmet within 7 s\n", "")
+
+
+def test_a_rank_that_meets_nobody_speaks_for_itself():
+    # Rank 0 did not refuse (or nothing to meet with): the reason is never lost.
     import os
-    other = ends(RAISES.format(root=False, grace=0.5), env=dict(os.environ, OMPI_COMM_WORLD_RANK="1"))
-    assert (other.returncode, other.stderr) == (2, "hvdtrain: (rank 1; rank 0 did not end the job) checkpoint_dir "
-                                                   "x holds checkpoints already and resume=false\n")
+    for meeting, meet in ((MEETING.format(met=False), ", meet=meet"), ("", "")):
+        other = ends(RAISES.format(root=False, grace=0.5, meeting=meeting, meet=meet),
+                     env=dict(os.environ, OMPI_COMM_WORLD_RANK="1"))
+        assert (other.returncode, other.stderr) == (2, "hvdtrain: (rank 1; rank 0 did not say it) checkpoint_dir "
+                                                       "x holds checkpoints already and resume=false\n")
 
 
 def test_a_waiting_rank_ends_at_the_launchers_sigterm_whatever_handler_it_had():
     import signal
-    waiting = subprocess.Popen([sys.executable, "-c", RAISES.format(root=False, grace=600)], stdout=subprocess.PIPE,
+    waiting = subprocess.Popen([sys.executable, "-c", RAISES.format(root=False, grace=600, meeting="", meet="")], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     try:
         assert waiting.stdout.readline() == "before\n"
@@ -84,7 +97,7 @@ def test_any_other_error_keeps_its_traceback():
 
 def test_hvdtrain_traceback_shows_a_refusals_traceback(monkeypatch):
     import os
-    done = ends(RAISES.format(root=True, grace=60), env=dict(os.environ, HVDTRAIN_TRACEBACK="1"))
+    done = ends(RAISES.format(root=True, grace=60, meeting="", meet=""), env=dict(os.environ, HVDTRAIN_TRACEBACK="1"))
     assert done.returncode == 2 and "Traceback" in done.stderr and "CheckpointError" in done.stderr
 
 
