@@ -110,15 +110,7 @@ def run_pipeline(args: argparse.Namespace, world) -> Dict[str, Any]:
     for round_ in range(args.rounds):
         for schedule, m in rotated(configs, round_):
             pipeline.schedule, pipeline.micro_batches = schedule, m
-            for i in range(args.warmup + args.steps):
-                strategy.zero_grad()
-                collectives.barrier()
-                started = time.perf_counter()
-                pipeline.train_batch(batch, contextlib.nullcontext, 1)
-                wall = time.perf_counter() - started
-                stats = pipeline.module.stats
-                if i >= args.warmup:
-                    steps[f"{schedule}/{m}"].append([wall, stats.compute_s, stats.wait_s, stats.max_in_flight])
+            steps[f"{schedule}/{m}"] += timed_steps(pipeline, strategy.zero_grad, batch, args.warmup, args.steps)
     mine = {"rank": world.rank, "stage": strategy.mesh.stage, "layers": list(pipeline.module.indices),
             "steps": steps}
     return {"pipeline": world.size, "per_rank": collectives.allgather_object(mine, name="bench.mp.pipeline")}
@@ -159,15 +151,8 @@ def run_schedules(args: argparse.Namespace, world) -> Dict[str, Any]:
         for variant, m in rotated(configs, round_):
             pipeline = pipelines[variant]
             pipeline.micro_batches = m
-            for i in range(args.warmup + args.steps):
-                pipeline.module.zero_grad(set_to_none=True)
-                collectives.barrier()
-                started = time.perf_counter()
-                pipeline.train_batch(batch, contextlib.nullcontext, 1)
-                wall = time.perf_counter() - started
-                stats = pipeline.module.stats
-                if i >= args.warmup:
-                    steps[f"{variant}/{m}"].append([wall, stats.compute_s, stats.wait_s, stats.max_in_flight])
+            steps[f"{variant}/{m}"] += timed_steps(pipeline, lambda: pipeline.module.zero_grad(set_to_none=True), batch,
+                                                   args.warmup, args.steps)
     mine = {"rank": world.rank, "stage": mesh.stage, "steps": steps}
     gathered = collectives.allgather_object(mine, name="bench.mp.schedules")
     mesh.close()
@@ -285,8 +270,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      "environment": {key: os.environ.get(key) for key in ENVIRONMENT}, **result})
     return 0
 
+def timed_steps(pipeline, zero_grad, batch, warmup: int, steps: int) -> list:
+    """``warmup`` then ``steps`` training steps of ``pipeline``, each started together on every rank
+    (a barrier); per timed step [wall s, compute s, wait s, most micro-batches held].
+
+    Args:
+        pipeline: the pipeline strategy's step (train_batch) and module (its stats).
+        zero_grad: clears the gradients before each step.
+        batch: the step's batch.
+        warmup: untimed steps first.
+        steps: timed steps.
+    """
+    from hvdtrain.distributed import collectives
+
+    rows = []
+    for i in range(warmup + steps):
+        zero_grad()
+        collectives.barrier()
+        started = time.perf_counter()
+        pipeline.train_batch(batch, contextlib.nullcontext, 1)
+        wall = time.perf_counter() - started
+        stats = pipeline.module.stats
+        if i >= warmup:
+            rows.append([wall, stats.compute_s, stats.wait_s, stats.max_in_flight])
+    return rows
+
 
 if __name__ == "__main__":
     import sys
 
     sys.exit(main(sys.argv[1:]))
+
