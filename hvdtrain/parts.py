@@ -505,7 +505,8 @@ def shard(cfg: TrainConfig, topology: Topology, model: torch.nn.Module, optimize
                                   loss_fn=loss_fn, deferred=deferred)
     if cfg.compile:  # the forward only, in place: hooks, state_dict keys, checkpoints unchanged
         compile_forward(model, world.device)
-        compile_cache.load()
+        if compile_cache is not None:
+            compile_cache.load()
     # Rank 0's parameters and optimizer state, everywhere, before the first step. Before the rates
     # are scaled: a sharded strategy's broadcast loads the user's optimizer state, and with it the
     # groups' unscaled rates.

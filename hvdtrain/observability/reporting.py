@@ -172,7 +172,10 @@ class Reporter:
             self.timeline.after_step(step)
 
     def after_first_step(self, step: int) -> None:
-        """What each rank holds, once, before the first step's gradients are cleared (a collective)."""
+        """What each rank holds, once, before the first step's gradients are cleared (a collective);
+        and where start-up went. The loop calls it after every step: the later calls return at once."""
+        if self.memory.per_rank is not None:
+            return
         self.memory.after_first_step(self.run_dir, step)
         STARTUP_CLOCK.mark("first step")
         startup = STARTUP_CLOCK.take_report()
