@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any
 
 
@@ -33,7 +34,19 @@ def check_choices(section: Any) -> None:
             if any(item not in choices for item in value) or len(set(value)) != len(value):
                 raise ValueError(f"{cls}.{spec.name} takes each of {', '.join(choices)} at most once, got {value!r}")
         elif value not in choices:
-            raise ValueError(f"{cls}.{spec.name} must be one of {', '.join(choices)}, got {value!r}")
+            raise ValueError(f"{cls}.{spec.name} must be one of {', '.join(choices)}, got {value!r}"
+                             f"{_choice_hint(value, choices)}")
+
+
+def _choice_hint(value: Any, choices: Any) -> str:
+    """A case slip (FSDP) or a near spelling (zero-2) named, so the fix is one glance."""
+    if not isinstance(value, str):
+        return ""
+    by_case = [choice for choice in choices if choice.lower() == value.lower()]
+    if by_case:
+        return f" (did you mean {by_case[0]}? the choices are lower case)"
+    close = difflib.get_close_matches(value.lower(), list(choices), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def check_only_with(section: Any, name: str, default: Any, setting: str, needed: Any) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from hvdtrain.common.errors import REFUSED_EXIT_CODE, HvdtrainError, launcher_rank
+from hvdtrain.config.other_names import other_name_hint
 
 _NONE_WORDS = {"none", "null", "~", ""}
 _TRUE_WORDS = {"true", "yes", "on", "1"}
@@ -153,6 +154,9 @@ def _section(job_cls: type, section: str, where: str) -> type:
 def _lookup(job_cls: type, section: str, key: str, where: str) -> Any:
     keys = section_keys(_section(job_cls, section, where))
     if key not in keys:
+        other = other_name_hint(key)
+        if other:
+            raise ConfigError(f"{where}: unknown key {section}.{key}: {other}")
         raise ConfigError(f"{where}: unknown key {section}.{key}"
                           f"{_suggest(key, list(keys))} (in section {section})")
     return keys[key]
@@ -198,7 +202,15 @@ def _resolve_name(job_cls: type, name: str, token: str) -> Tuple[str, str]:
     if owners:
         raise ConfigError(f"{token} is in several sections ({', '.join(owners)}): "
                           f"write --{owners[0]}.{name}=...")
+    other = other_name_hint(name)
+    if other:
+        raise ConfigError(f"unknown setting {token}: {other}")
     every = [f"{s}.{k}" for s, cls in sections(job_cls).items() for k in section_keys(cls)]
+    # A bare name is spelled against the bare keys too: "epoch" is too far from "train.epochs" by letters.
+    bare = {k: f"{s}.{k}" for s, cls in sections(job_cls).items() for k in section_keys(cls)}
+    close = difflib.get_close_matches(name, list(bare), n=1)
+    if close:
+        raise ConfigError(f"unknown setting {token} (did you mean --{bare[close[0]]}?); valid: {', '.join(every)}")
     raise ConfigError(f"unknown setting {token}{_suggest(name, every)}")
 
 

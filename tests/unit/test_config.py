@@ -1,4 +1,5 @@
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -90,6 +91,40 @@ def test_a_bad_file_names_the_key_and_what_is_accepted(tmp_path, text, message):
 def test_a_bad_override_names_it(argv, message):
     with pytest.raises(ConfigError, match=message):
         load_job(Job, None, argv)
+
+
+@pytest.mark.parametrize("argv,message", [
+    # Other trainers' names, answered by meaning: by letters num_train_epochs is closest to num_workers.
+    (["--train.learning_rate=3e-5"], r"unknown key train\.learning_rate: hvdtrain's name for it is --train\.lr "
+                                     r"\(learning_rate is Hugging Face's Trainer's name\)"),
+    (["--num_train_epochs", "3"], r"unknown setting --num_train_epochs: hvdtrain's name for it is --train\.epochs"),
+    (["--max_epochs=3"], r"--train\.epochs \(max_epochs is Lightning's name\)"),
+    (["--bf16"], r"hvdtrain's name for it is --train\.precision=bf16"),
+    (["--gradient_accumulation_steps=4"], r"--train\.accumulation"),
+    (["--devices=8"], r"in hvdtrain the launcher sets the workers \(horovodrun -np N"),
+    # A bare key misspelled is matched against the bare keys: "epoch" is far from "train.epochs" by letters.
+    (["--epoch=3"], r"unknown setting --epoch=3 \(did you mean --train\.epochs\?\)"),
+    (["--train.strategy=FSDP"], r"strategy must be one of .*got 'FSDP' \(did you mean fsdp\? the choices are lower case\)"),
+    (["--train.strategy=zero-2"], r"got 'zero-2' \(did you mean zero2\?\)"),
+])
+def test_another_trainers_name_or_a_slip_gets_hvdtrains_name(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        load_job(Job, None, argv)
+
+
+def test_another_trainers_name_in_a_file_gets_hvdtrains_name(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key train\.num_train_epochs: hvdtrain's name for it is --train\.epochs"):
+        load_job(Job, write(tmp_path, "train:\n  num_train_epochs: 3\n"))
+
+
+def test_every_name_offered_for_another_trainers_is_a_real_setting():
+    from hvdtrain.config.other_names import OTHER_NAMES
+
+    keys = {f"--train.{f.name}" for f in dataclasses.fields(TrainConfig)}
+    for name, (setting, _) in OTHER_NAMES.items():
+        for offered in re.findall(r"--train\.[a-z_]+", setting):
+            assert offered in keys, f"{name} points to {offered}, which is not a setting"
+        assert name not in {f.name for f in dataclasses.fields(TrainConfig)}, f"{name} is hvdtrain's own key"
 
 
 def test_a_missing_file_says_so(tmp_path):
