@@ -111,9 +111,6 @@ def _shape(args: argparse.Namespace) -> planner.ModelShape:
     return planner.ModelShape(**given, params=args.params)
 
 
-TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
-
-
 def hf_shape(model: str, seq_len: Optional[int] = None) -> planner.ModelShape:
     """A Hugging Face model's shape as the planner models it, counted on the meta device: every
     parameter once, and the routed experts of every fused experts module (hvdtrain.parallel.experts
@@ -128,7 +125,7 @@ def hf_shape(model: str, seq_len: Optional[int] = None) -> planner.ModelShape:
         import transformers
     except ImportError as error:
         raise ValueError("--hf needs transformers: pip install -e '.[hf]'") from error
-    from hvdtrain.parallel.experts import fused_experts
+    from hvdtrain.parallel.experts import TOP_K_KEYS, experts_per_token, fused_experts
 
     if Path(model).is_dir():
         if not (Path(model) / "config.json").is_file():
@@ -154,7 +151,7 @@ def hf_shape(model: str, seq_len: Optional[int] = None) -> planner.ModelShape:
         raise ValueError(f"--hf {model}: its config has no max_position_embeddings: give --seq-len")
     moe = {}
     if experts:
-        top_k = next((getattr(config, key) for key in TOP_K_KEYS if isinstance(getattr(config, key, None), int)), None)
+        top_k = experts_per_token(config)
         if top_k is None:
             raise ValueError(f"--hf {model}: its config names no experts per token ({', '.join(TOP_K_KEYS)})")
         moe = dict(experts=sizes.pop(), top_k=top_k, moe_layers=len(experts),

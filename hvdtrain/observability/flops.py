@@ -15,15 +15,16 @@ For a transformer, what FlopCounterMode counts is PaLM's model FLOPs per token (
 2022, appendix B): 6·N for the parameters' products, forward and backward, plus 12·L·H·S for
 attention's two products over a sequence of S tokens (L layers of width H, causal masking not
 subtracted), without embedding lookups (no product). A step the meta device cannot run (one that
-reads a value, ``.item()``, or routes by the data) falls back, for a token model, to 6·N per token
-over the parameters other than embedding lookups (attention not counted); other models then go
-without a count, and the start line says why.
+reads a value, ``.item()``, or routes by the data, as every mixture of experts does) falls back, for a
+token model, to 6·N per token over the parameters a token uses: all but embedding lookups, and of a
+fused experts module only the top-k of its experts that the model's config names (attention not
+counted); other models then go without a count, and the start line says why.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -88,14 +89,29 @@ def tokens_per_sample(model: torch.nn.Module, batch: Any) -> Optional[int]:
     return int(ids.shape[1])
 
 
-def matmul_parameters(model: torch.nn.Module) -> int:
-    """N of the 6·N formula: every parameter once (tied ones once), but an embedding table only
-    when another layer multiplies by it too (a tied output layer): a lookup is no product."""
+def matmul_parameters(model: torch.nn.Module) -> float:
+    """N of the 6·N formula, the parameters one token multiplies by: every parameter once (tied ones
+    once), but an embedding table only when another layer multiplies by it too (a tied output layer):
+    a lookup is no product; and of a fused experts module, top-k / experts of it (a token visits its
+    top-k experts only), when the model's config names top-k."""
     lookups = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
     multiplied = {id(parameter) for module in model.modules() if not isinstance(module, torch.nn.Embedding)
                   for parameter in module.parameters(recurse=False)}
-    return sum(parameter.numel() for parameter in model.parameters()
+    share = routed_shares(model)
+    return sum(parameter.numel() * share.get(id(parameter), 1.0) for parameter in model.parameters()
                if id(parameter) not in lookups or id(parameter) in multiplied)
+
+
+def routed_shares(model: torch.nn.Module) -> Dict[int, float]:
+    """id(parameter) -> top-k / experts for every parameter of a fused experts module (what expert
+    parallelism splits), when the model's config names its experts per token; empty otherwise."""
+    from hvdtrain.parallel.experts import experts_per_token, fused_experts
+
+    top_k = experts_per_token(getattr(model, "config", None))
+    if top_k is None:
+        return {}
+    return {id(parameter): min(top_k / module.num_experts, 1.0) for module in fused_experts(model).values()
+            for parameter in module.parameters(recurse=False)}
 
 
 def count_step(shadow: torch.nn.Module, step_fn: Callable[[torch.nn.Module, Any], Any], batch: Any) -> float:
@@ -106,6 +122,14 @@ def count_step(shadow: torch.nn.Module, step_fn: Callable[[torch.nn.Module, Any]
         if loss.requires_grad:
             loss.backward()
     return float(counter.get_total_flops())
+
+
+def first_sentence(text: str, limit: int = 120) -> str:
+    """An error's first sentence, short enough for the start line (torch's meta errors run to a
+    paragraph of advice)."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    sentence = line.split(". ")[0].rstrip(".")
+    return sentence if len(sentence) <= limit else sentence[:limit - 3].rstrip() + "..."
 
 
 def count_model_flops(shadow: torch.nn.Module, step_fn: Callable[[torch.nn.Module, Any], Any], batch: Any,
@@ -126,7 +150,7 @@ def count_model_flops(shadow: torch.nn.Module, step_fn: Callable[[torch.nn.Modul
             raise ValueError("FlopCounterMode counted no matrix product")
         return ModelFlops(flops / samples, tokens, "FlopCounterMode, forward and backward of the whole model")
     except Exception as error:  # any failure of the step on meta tensors: the formula, or no count
-        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        reason = f"{type(error).__name__}: {first_sentence(str(error))}"
         if tokens is None:
             raise ValueError(f"the step could not run on the meta device to count its FLOPs ({reason})") from error
         formula = 6.0 * matmul_parameters(shadow) * tokens

@@ -104,6 +104,15 @@ class ExpertGroups:
         self._added = []
 
 
+# What a Hugging Face config calls the experts each token is routed to, family by family.
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
+
+
+def experts_per_token(config: Any) -> Optional[int]:
+    """The routed experts per token a model's config names (top-k), or None when it names none."""
+    return next((getattr(config, key) for key in TOP_K_KEYS if isinstance(getattr(config, key, None), int)), None)
+
+
 def fused_experts(model: nn.Module) -> Dict[str, nn.Module]:
     """Path -> module of every fused experts module: one declaring ``num_experts`` whose own
     parameters are 3-D with the experts first (transformers 5's ``gate_up_proj`` and ``down_proj``)."""

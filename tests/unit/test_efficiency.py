@@ -75,6 +75,32 @@ def test_a_step_the_meta_device_cannot_run_falls_back_to_6n_for_tokens_and_is_re
                           (torch.randn(2, 8), torch.zeros(2)), samples=2)
 
 
+def test_a_mixture_of_experts_counts_the_top_k_experts_a_token_visits():
+    """A mixture of experts routes by the data, which the meta device cannot run: the fallback's N is
+    what one token multiplies by, top-k of the routed experts and all the rest (MFU of the whole
+    experts would be n/k times too high), and the start line's reason is one short sentence."""
+    transformers = pytest.importorskip("transformers")
+    from hvdtrain.parallel.experts import fused_experts
+
+    def causal_lm_step(model, batch):  # the model's own loss, as a Hugging Face port's step
+        out = model(input_ids=batch[0], labels=batch[1])
+        return out.loss, {}
+
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                         tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, 64, (2, 12))
+    flops = count_model_flops(meta_copy(model), causal_lm_step, (ids, ids), samples=2)
+    experts = sum(p.numel() for m in fused_experts(model).values() for p in m.parameters(recurse=False))
+    assert experts == 2 * 8 * 3 * 32 * 16
+    lookup = model.model.embed_tokens.weight.numel()  # untied: a lookup, no product
+    active = sum(p.numel() for p in model.parameters()) - lookup - experts + experts * 2 // 8
+    assert flops.method.startswith("6N per token") and flops.per_token == 6 * active
+    assert len(flops.method) < 200, flops.method
+
+
 def test_token_models_are_told_by_integer_ids_into_an_embedding():
     lm = TinyTransformerLM(50, seq_len=16, d_model=32, layers=1, heads=4)
     ids = torch.randint(0, 50, (2, 16))
