@@ -33,6 +33,10 @@ def test_the_port_takes_thirteen_lines_out_and_puts_nine_in():
     # setup (two lines), and the loop's four calls.
     assert (len(removed), len(added)) == (13, 9), "\n".join(diff)
     assert any("hvdtrain.setup(" in line for line in added)
+    # Every page that gives the port's count gives this one (one said "8 in" while the port took 9).
+    claims = {(page.name, match) for page in (ROOT / "docs").rglob("*.md")
+              for match in re.findall(r"(\d+) lines out and (\d+) in", page.read_text())}
+    assert claims and all(counts == ("13", "9") for _, counts in claims), sorted(claims)
 
 
 def argv(script, *extra):
