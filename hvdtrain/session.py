@@ -13,13 +13,14 @@ the calls of a loop written over them. The Trainer holds the same parts and runs
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Mapping, Optional
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
 from hvdtrain.config.train import TrainConfig
+from hvdtrain.distributed import user_collectives
 from hvdtrain.distributed.environments import is_elastic_launch
 from hvdtrain.parts import PartsHolder
 
@@ -155,6 +156,62 @@ class Session(PartsHolder):
             raise ValueError("save() writes into train.checkpoint_dir, and none is set: set it (the runs of one "
                              "job share it; a rerun resumes from the newest checkpoint there)")
         self.parts.checkpoints.save_unless_saved()
+
+    # --- what a loop of your own reaches for (Accelerate's and Fabric's helpers, by hvdtrain's names) ---
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this is rank 0, the rank that logs, prints and writes the run's files."""
+        return self.parts.world.is_root
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on rank 0 only (the other ranks print nothing), flushed at once."""
+        if self.is_main_process:
+            print(*args, **{"flush": True, **kwargs})
+
+    def gather(self, values: Any) -> Any:
+        """Every rank's tensors concatenated along the first dimension, in rank order, on every rank
+        (uneven row counts allowed; a number becomes one row per rank; dicts, lists and tuples of
+        tensors alike). A collective: every rank calls it."""
+        return user_collectives.gather(values)
+
+    def reduce(self, values: Any, op: str = "mean") -> Any:
+        """Every rank's tensors combined element by element on every rank: ``mean``, ``sum``, ``max``
+        or ``min`` (dicts, lists and tuples of tensors alike). A collective: every rank calls it."""
+        return user_collectives.reduce(values, op)
+
+    def barrier(self) -> None:
+        """Every rank waits here until all have arrived."""
+        user_collectives.barrier()
+
+    def main_process_first(self) -> contextlib.AbstractContextManager:
+        """``with hv.main_process_first(): ...``: rank 0 runs the block, then the others (a download
+        or a cache filled once, read by all)."""
+        return user_collectives.main_process_first(self.is_main_process)
+
+    def log(self, values: Mapping[str, Any], step: Optional[int] = None) -> None:
+        """Your metrics into the run's records (metrics.jsonl and train.loggers: TensorBoard, CSV,
+        MLflow, W&B) as a ``log`` record at ``step`` (default: the optimizer steps taken so far),
+        written by rank 0; numbers or one-element tensors. Not a collective: reduce() first what
+        every rank holds a part of."""
+        record = {}
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(f"log({key}=...): a tensor of {value.numel()} elements; log numbers "
+                                     f"(reduce() or .mean() it first)")
+                value = value.item()
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise TypeError(f"log({key}=...): a number, got {type(value).__name__}")
+            record[key] = value
+        if not self.is_main_process:
+            return
+        reporter = self.parts.reporter
+        if reporter.path is None and not getattr(self, "_said_no_run_dir", False):
+            self._said_no_run_dir = True
+            self.parts.topology.log.warning("log(): train.run_dir is null, so the run keeps no records and these "
+                                            "values go nowhere: set train.run_dir (e.g. runs)")
+        reporter.record("log", {"step": self.parts.position.step if step is None else step, **record})
 
     def loader(self, dataset: Dataset, batch_size: Optional[int] = None,
                collate_fn: Optional[Callable[[List[Any]], Any]] = None) -> DataLoader:
