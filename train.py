@@ -22,8 +22,7 @@ def main(argv=None) -> int:
     job, args = hvdtrain.parse_job(DigitsJob, parser, argv)
     config = job.train
 
-    world = hvdtrain.init(seed=config.seed, timeline=config.timeline_steps > 0,
-                          hierarchical_allreduce=config.hierarchical_allreduce)
+    world = hvdtrain.init(config)  # the world these settings need (seed, timeline, process sets, ...)
     dtype = job.model.torch_dtype
     train_set, val_set = load_digits_datasets(job.data.val_fraction, job.data.split_seed, dtype)
     model = DigitsCNN(channels=job.model.channels, hidden=job.model.hidden).to(dtype)

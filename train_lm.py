@@ -28,9 +28,7 @@ def main(argv=None) -> int:
     job, args = hvdtrain.parse_job(TextLMJob, parser, argv)
     config = job.train
 
-    world = hvdtrain.init(seed=config.seed, timeline=config.timeline_steps > 0,
-                          hierarchical_allreduce=config.hierarchical_allreduce,
-                          dynamic_process_sets=config.model_parallel)
+    world = hvdtrain.init(config)  # the world these settings need (seed, timeline, process sets, ...)
     train_set, val_set, vocab = load_text_datasets(job.model.seq_len, job.data.train_stride,
                                                    job.data.val_fraction)
     model = TinyTransformerLM(len(vocab), **dataclasses.asdict(job.model))

@@ -1,7 +1,7 @@
 """hvdtrain: data-parallel PyTorch training across many machines, on Horovod and MPI.
 
     job, args = hvdtrain.parse_job(MyJob, hvdtrain.job_argument_parser(MyJob, __doc__))
-    world = hvdtrain.init(seed=job.train.seed)
+    world = hvdtrain.init(job.train)
     trainer = hvdtrain.Trainer(model, optimizer, train_set, val_set, job.train, world=world)
     history = trainer.fit()
 

@@ -230,9 +230,7 @@ class PartsHolder:
         """
         cfg = config or TrainConfig()
         job_config = dict(job_config) if job_config is not None else {"train": cfg.to_dict()}
-        world = world or startup.init(seed=cfg.seed, timeline=cfg.timeline_steps > 0,
-                                      hierarchical_allreduce=cfg.hierarchical_allreduce,
-                                      dynamic_process_sets=cfg.needs_process_sets)
+        world = world or startup.init(cfg)
         # Under Horovod elastic, set-up runs no collective: a worker that joins later runs this while
         # the others wait in the elastic sync, and mismatched collectives deadlock. The elastic sync
         # broadcasts rank 0's state (and its checkpoint, if it read one) instead.

@@ -9,7 +9,7 @@ import re
 import socket
 import time
 from dataclasses import replace
-from typing import Dict, Mapping, MutableMapping, Optional
+from typing import Any, Dict, Mapping, MutableMapping, Optional
 
 import torch
 
@@ -70,7 +70,7 @@ def hierarchical_conflict() -> str:
     """What to do when hierarchical all-reduce is asked for after Horovod started without it."""
     return (f"train.hierarchical_allreduce=true, but Horovod was started without {HIERARCHICAL_ALLREDUCE}=1: "
             f"it reads the setting once, in hvd.init(), which already ran (hvdtrain.init() or hvd.init() "
-            f"before the Trainer). Set it before hvd.init(): hvdtrain.init(..., hierarchical_allreduce=True), "
+            f"before the Trainer). Set it before hvd.init(): hvdtrain.init(config) with the run's TrainConfig, "
             f"or in the launch (horovodrun --hierarchical-allreduce, mpirun -x {HIERARCHICAL_ALLREDUCE}=1)")
 
 
@@ -121,17 +121,23 @@ def dynamic_process_sets_conflict() -> str:
     """What to do when process sets are needed after Horovod started without dynamic process sets."""
     return (f"tensor, pipeline or sequence parallelism makes Horovod process sets after start, which needs "
             f"{DYNAMIC_PROCESS_SETS}=1 when hvd.init() runs, and hvd.init() already ran without it "
-            f"(hvdtrain.init() or hvd.init() before the Trainer). Call hvdtrain.init(..., "
-            f"dynamic_process_sets=True) first, or set {DYNAMIC_PROCESS_SETS}=1 in the launch")
+            f"(hvdtrain.init() or hvd.init() before the Trainer). Start with hvdtrain.init(config), the run's "
+            f"TrainConfig (it starts the world those settings need), or set {DYNAMIC_PROCESS_SETS}=1 in the launch")
 
 
 def dynamic_process_sets_enabled() -> bool:
     return os.environ.get(DYNAMIC_PROCESS_SETS, "0").strip() not in ("", "0")
 
 
-def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
-         hierarchical_allreduce: bool = False, dynamic_process_sets: bool = False) -> World:
+def init(config: Any = None, *, seed: Optional[int] = None, threads: Optional[int] = None,
+         timeline: Optional[bool] = None, hierarchical_allreduce: Optional[bool] = None,
+         dynamic_process_sets: Optional[bool] = None) -> World:
     """Start Horovod, pin this rank to its device and threads, and seed it.
+
+    ``hvdtrain.init(config)`` with the run's TrainConfig starts the world those settings need: its
+    seed, a timeline armed for train.timeline_steps, train.hierarchical_allreduce, and the dynamic
+    process sets of tensor, pipeline, sequence or expert parallelism and hsdp (Horovod reads these
+    once, at its start). A keyword given beside it wins over the setting.
 
     Safe to call more than once: Horovod's init is idempotent. Fails, naming both values and
     the likely fix, when the launcher's variables disagree with the world Horovod formed. The
@@ -139,7 +145,9 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
     rank starts, or every rank raises the same error naming the ranks and hosts at fault.
 
     Args:
-        seed: the job's seed; each rank seeds torch, Python and numpy with its own seed derived from it.
+        config: the run's TrainConfig (or the seed, a whole number, as before); None: the defaults below.
+        seed: the job's seed (default: the config's, else 0); each rank seeds torch, Python and numpy with its
+            own seed derived from it.
         threads: torch's intra-op threads (None: the user's setting, else the host's cores over its ranks).
         timeline: arm Horovod's timeline so that the Trainer can record a few steps of it (train.timeline_steps); it
             slows every step, so it is off unless asked for.
@@ -150,6 +158,18 @@ def init(seed: int = 0, threads: Optional[int] = None, timeline: bool = False,
             later (hvdtrain.parallel.mesh); refused when Horovod already started without it.
     """
     STARTUP_CLOCK.mark("imports")
+    if isinstance(config, int) and not isinstance(config, bool):  # init(5): the seed, as the first argument was
+        config, seed = None, config if seed is None else seed
+    if config is not None and not hasattr(config, "needs_process_sets"):
+        raise TypeError(f"hvdtrain.init(config): give the run's TrainConfig (job.train), got {type(config).__name__}")
+    if seed is None:
+        seed = config.seed if config is not None else 0
+    if timeline is None:
+        timeline = config is not None and config.timeline_steps > 0
+    if hierarchical_allreduce is None:
+        hierarchical_allreduce = config is not None and config.hierarchical_allreduce
+    if dynamic_process_sets is None:
+        dynamic_process_sets = config is not None and config.needs_process_sets
     if hierarchical_allreduce and not hierarchical_requested():
         if hvd.is_initialized():
             raise ValueError(hierarchical_conflict())

@@ -33,7 +33,7 @@ class TimelineWindow:
             return
         if not startup.timeline_armed():
             log.warning(f"train.timeline_steps={steps} ignored: start Horovod with "
-                        f"hvdtrain.init(..., timeline=True) to record a timeline")
+                        f"hvdtrain.init(config) (the run's TrainConfig) or hvdtrain.init(..., timeline=True) to record a timeline")
             return
         first = first_step + 5
         self.window = (first, first + steps)

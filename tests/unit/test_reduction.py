@@ -164,6 +164,38 @@ def test_init_sets_hierarchical_allreduce_before_hvd_init(stand_in):
     assert horovod.seen_at_init is True and world.hierarchical_allreduce
 
 
+@pytest.mark.parametrize("settings,expected", [
+    (dict(tensor_parallel=2), dict(process_sets=True, timeline=False, hierarchical=False)),
+    (dict(strategy="hsdp"), dict(process_sets=True, timeline=False, hierarchical=False)),
+    (dict(sequence_parallel=2), dict(process_sets=True, timeline=False, hierarchical=False)),
+    (dict(timeline_steps=3, hierarchical_allreduce=True), dict(process_sets=False, timeline=True, hierarchical=True)),
+    (dict(), dict(process_sets=False, timeline=False, hierarchical=False)),
+])
+def test_init_with_the_runs_config_starts_the_world_its_settings_need(stand_in, monkeypatch, settings, expected):
+    """hvdtrain.init(config): Horovod reads these once, at hvd.init(); init(seed=...) before a Trainer
+    with tensor parallelism, hsdp or a timeline left them out (the trap of the README's old snippet)."""
+    from hvdtrain.config.train import TrainConfig
+
+    monkeypatch.setenv(dist.DYNAMIC_PROCESS_SETS, "")
+    monkeypatch.delenv(dist.DYNAMIC_PROCESS_SETS)
+    seeds = []
+    monkeypatch.setattr(dist.rng, "seed_everything", seeds.append)
+    horovod = stand_in(StandInHorovod())
+    seen = {}
+    original = horovod.init
+
+    def init():
+        seen.update(process_sets=dist.dynamic_process_sets_enabled(), timeline=dist.timeline_armed(),
+                    hierarchical=dist.hierarchical_requested())
+        original()
+    horovod.init = init
+    config = TrainConfig(seed=7, **settings)
+    dist.init(config, threads=1)
+    assert seen == expected and seeds == [dist.rng.rank_seed(7, 0)]
+    with pytest.raises(TypeError, match=r"give the run's TrainConfig \(job.train\), got dict"):
+        dist.init({"seed": 7})
+
+
 def test_init_leaves_the_launchs_setting_alone_when_not_asked(stand_in, monkeypatch):
     horovod = stand_in(StandInHorovod())
     assert not dist.init(seed=1, threads=torch.get_num_threads()).hierarchical_allreduce
@@ -178,6 +210,6 @@ def test_asked_for_once_horovod_runs_without_it_is_refused_with_what_to_do(stand
         dist.init(seed=1, threads=torch.get_num_threads(), hierarchical_allreduce=True)
     message = str(refused.value)
     assert "Horovod was started without HOROVOD_HIERARCHICAL_ALLREDUCE=1" in message
-    assert "hvdtrain.init(..., hierarchical_allreduce=True)" in message
+    assert "hvdtrain.init(config) with the run's TrainConfig" in message
     assert "horovodrun --hierarchical-allreduce" in message
     assert not dist.hierarchical_requested()  # nothing set that Horovod would never read
