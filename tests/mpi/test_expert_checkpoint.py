@@ -20,10 +20,11 @@ import copy
 import pytest
 import torch
 
+from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint.formats.full import CheckpointStore
 from hvdtrain.cli import main as cli
 from hvdtrain.distributed import collectives
-from tests.mpi.test_hf_moe import VOCAB, expert_names, make_model, make_trainer, token_data
+from tests.mpi.test_hf_moe import SHAPE, VOCAB, expert_names, make_model, make_trainer, token_data
 from tests.mpi.test_mesh_checkpoint import differences
 
 transformers = pytest.importorskip("transformers")
@@ -181,6 +182,38 @@ def test_fsdp_with_experts_writes_its_own_slices_and_each_expert_once_and_reshar
     assert continued_off == [], "the continued run left the uninterrupted one"
     assert set(resumed) == set(fsdp_layouts(world)) and all(wrong == [] for wrong in resumed.values()), resumed
     assert seen["consolidated"] == [] and seen["exported"] == [] and seen["logits_equal"]
+
+
+@pytest.mark.timeout(300)
+def test_an_fsdp_with_experts_checkpoint_resharded_into_other_layer_sizes_is_refused_on_every_rank(world,
+                                                                                                  shared_tmp_path):
+    """Its flat ranges carry their tensor's shape: resumed under plain fsdp by a model whose dense MLP
+    is narrower (the same names), every rank refuses it naming the tensor, both shapes and what to do."""
+    if world.size % 2:
+        pytest.skip("expert_parallel=2 needs an even world")
+    written = trainer_in(world, shared_tmp_path / "ckpt", STEPS, 100 + world.rank, **FSDP_EXPERTS)
+    written.fit()
+    written.close_mesh()
+    if world.is_root:
+        (shared_tmp_path / "resume").mkdir()
+        (shared_tmp_path / "resume" / f"ckpt-{STEPS:09d}").symlink_to(shared_tmp_path / "ckpt" / f"ckpt-{STEPS:09d}")
+    collectives.barrier()
+    torch.manual_seed(5)
+    narrower = transformers.AutoModelForCausalLM.from_config(
+        transformers.Qwen3MoeConfig(**{**SHAPE, "intermediate_size": 40}, head_dim=8, num_experts=4,
+                                    moe_intermediate_size=16, mlp_only_layers=[1]), experts_implementation="eager")
+    try:
+        make_trainer(world, narrower.double(), token_data(), max_steps=STEPS, strategy="fsdp",
+                     checkpoint_format="sharded", checkpoint_dir=str(shared_tmp_path / "resume"))
+        outcome = "no error"
+    except CheckpointError as error:
+        outcome = str(error)
+    outcomes = collectives.allgather_object(outcome, name="ep_checkpoint.other_sizes")
+
+    assert len(set(outcomes)) == 1, f"the ranks did not agree: {outcomes}"
+    assert "mlp.gate_proj.weight" in outcomes[0] and "float64 of shape [48, 32]" in outcomes[0], outcomes[0]
+    assert "this model's float64 of shape [40, 32]" in outcomes[0], outcomes[0]
+    assert "it belongs to another model" in outcomes[0] and "fresh checkpoint_dir" in outcomes[0], outcomes[0]
 
 
 @pytest.mark.timeout(300)
