@@ -133,13 +133,10 @@ DECLARED: Dict[str, Capabilities] = {
             MESH: "expert parallelism does not combine with tensor or pipeline parallelism yet"},
         collective_forward=True, shards_gradients=True, loads=EVERY_PART),
 }
-# What the ddp variant refuses, and sharded checkpoints whatever that one does: its loads are the full
-# state's though its class is fsdp's.
+# What the ddp variant refuses; its sharded checkpoint is a mesh's too (each rank's ranges of the units'
+# buffers, the experts once), read from every rank's file though its class is fsdp's.
 DECLARED[EXPERT_PARALLEL_FSDP] = Capabilities(
-    refuses={**DECLARED[EXPERT_PARALLEL].refuses,
-             SHARDED_CHECKPOINTS: "fsdp x expert parallelism writes the full format, the experts gathered whole: "
-                                  "they lie outside fsdp's flat units, which the sharded format describes"},
-    collective_forward=True, shards_gradients=True)
+    refuses=DECLARED[EXPERT_PARALLEL].refuses, collective_forward=True, shards_gradients=True, loads=EVERY_PART)
 # The values of train.strategy (the model-parallel and expert-parallel layouts are chosen by their settings).
 STRATEGY_NAMES = tuple(name for name in DECLARED
                        if name not in (MODEL_PARALLEL, EXPERT_PARALLEL, EXPERT_PARALLEL_FSDP))

@@ -261,8 +261,6 @@ class TrainConfig:
              f"{self.pipeline_parallel}: {refuses['mesh']}; set both to 1"),
             (self.reduction == "adasum", f"reduction=adasum: {refuses['adasum']}; use reduction=average"),
             (self.compile, f"compile: {refuses['compile']}; set compile=false"),
-            (self.strategy == "fsdp" and self.checkpoint_format == "sharded", f"checkpoint_format=sharded: "
-             f"{refuses.get('sharded_checkpoints')}; use checkpoint_format=full, or strategy=ddp (which writes it)"),
             (self.precision == "fp16", "precision=fp16: the loss scale's inf/nan check covers one rank's gradients, "
              "and a rank's experts are its own; use precision=bf16 (no loss scale)"),
         ]

@@ -1,11 +1,13 @@
-"""Which slice of a whole tensor a tensor-parallel rank holds, and the arithmetic of taking it from
+"""Which slice of a whole tensor a tensor-parallel rank holds (TensorShard), or which range of its
+elements a rank of a flat sharded strategy holds (FlatRange), and the arithmetic of taking it from
 the whole and putting it back. Torch only (no Horovod): checkpoints written under a mesh record
-each slice as ``TensorShard.spec()`` and are read back in one process (export, consolidation).
+each piece as its ``spec()`` and are read back in one process (export, consolidation).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Any, Dict, List, Tuple, Union
 
 import torch
 
@@ -62,3 +64,41 @@ class TensorShard:
     def from_spec(cls, spec) -> "TensorShard":
         dim, parts, index, groups = spec
         return cls(dim=int(dim), parts=int(parts), index=int(index), groups=int(groups))
+
+
+@dataclass(frozen=True)
+class FlatRange:
+    """A local tensor is elements [start, stop) of the whole one (of ``shape``) flattened: what an fsdp
+    rank's slice of a flat bucket holds of a parameter, which the slice's bounds may cut anywhere."""
+
+    start: int
+    stop: int
+    shape: Tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.stop <= math.prod(self.shape):
+            raise ValueError(f"{self}: needs 0 <= start < stop <= {math.prod(self.shape)} elements")
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This range of ``full`` (a contiguous copy)."""
+        return full.reshape(-1)[self.start:self.stop].clone()
+
+    def place(self, full_out: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Write ``local`` into its range of the (contiguous) full-size ``full_out``; returns it."""
+        if tuple(full_out.shape) != self.shape or local.numel() != self.stop - self.start:
+            raise ValueError(f"{self}: {local.numel()} elements are not this range of shape {tuple(full_out.shape)}")
+        full_out.view(-1)[self.start:self.stop].copy_(local.reshape(-1))
+        return full_out
+
+    def spec(self) -> Dict[str, Any]:
+        """What a checkpoint records of it (a dict: a TensorShard's spec is a list)."""
+        return {"start": self.start, "stop": self.stop, "shape": list(self.shape)}
+
+    @classmethod
+    def from_spec(cls, spec: Dict[str, Any]) -> "FlatRange":
+        return cls(start=int(spec["start"]), stop=int(spec["stop"]), shape=tuple(int(n) for n in spec["shape"]))
+
+
+def piece_from_spec(spec: Any) -> Union[TensorShard, FlatRange]:
+    """The piece a checkpoint's spec describes: a FlatRange's is a dict, a TensorShard's a list."""
+    return FlatRange.from_spec(spec) if isinstance(spec, dict) else TensorShard.from_spec(spec)

@@ -115,7 +115,8 @@ def test_a_sharded_checkpoint_resumes_as_written_only_at_its_own_expert_parallel
 
 
 def test_sharded_checkpoints_are_accepted_under_expert_parallelism():
-    config = TrainConfig(expert_parallel=2, checkpoint_format="sharded")
-    assert config.checkpoint_format == "sharded"
+    for strategy in ("ddp", "fsdp"):
+        config = TrainConfig(expert_parallel=2, strategy=strategy, checkpoint_format="sharded")
+        assert config.checkpoint_format == "sharded"
     with pytest.raises(ValueError, match="strategy=ddp does not work with checkpoint_format=sharded"):
         TrainConfig(checkpoint_format="sharded")  # plain ddp still has nothing to shard

@@ -117,3 +117,41 @@ def test_a_corrupt_weights_file_is_a_checkpoint_error_naming_it(tmp_path):
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(tmp_path / 'model.safetensors'))} is not a "
                                               r"readable safetensors file: .*header"):
         source.shape("weight")
+
+
+def flat_range_files(ranges):
+    """Every rank's part of a mesh checkpoint holding a [3, 4] weight and its exp_avg as flat ranges
+    (fsdp x experts' pieces), rank r the elements ``ranges[r]``."""
+    weight, moment = torch.arange(12.0).reshape(3, 4), -torch.arange(12.0).reshape(3, 4)
+    layout = {"kind": "mesh", "mesh": [len(ranges), 1, 1], "model_keys": ["weight"], "tied": [],
+              "optimizer_names": [["weight"]]}
+    files = []
+    for start, stop in ranges:
+        spec = {"start": start, "stop": stop, "shape": [3, 4]}
+        files.append({"strategy": {
+            "layout": layout, "model": {"weight": weight.reshape(-1)[start:stop].clone()},
+            "model_shards": {"weight": spec},
+            "optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": moment.reshape(-1)[start:stop].clone()}},
+                          "shards": {0: {"exp_avg": spec}}, "param_groups": [{"lr": 0.1}]}}})
+    return weight, moment, files
+
+
+def test_a_mesh_checkpoint_of_flat_ranges_is_put_together_and_read_by_range(tmp_path):
+    weight, moment, files = flat_range_files([(5, 12), (0, 5)])
+    source = MeshSource(tmp_path, files)
+    assert source.shape("weight") == (3, 4) and source.dtype("weight") == torch.float32
+    assert torch.equal(source.full_tensor("weight"), weight)
+    assert torch.equal(source.read("weight", 3, 7), weight.reshape(-1)[3:7])  # across both files' ranges
+    assert torch.equal(source.read("weight", 3, 7, "exp_avg"), moment.reshape(-1)[3:7])
+    state = source.full_state()["optimizer"]["state"][0]
+    assert torch.equal(state["exp_avg"], moment) and state["step"] == 3.0
+    # a flat strategy learns the entries from one piece and reads its own range: nothing assembled whole
+    assert source.optimizer_state("weight")["exp_avg"].numel() < 12
+
+
+@pytest.mark.parametrize("ranges, held", [([(0, 5)], r"\[\(0, 5\)\] of 12"),  # a file missing
+                                          ([(0, 5), (4, 12)], r"\[\(0, 5\), \(4, 12\)\] of 12")])  # overlapping
+def test_flat_ranges_that_do_not_tile_the_tensor_are_refused_naming_them(tmp_path, ranges, held):
+    _, _, files = flat_range_files(ranges)
+    with pytest.raises(CheckpointError, match=f"weight: the files hold elements {held}.*a file is missing"):
+        MeshSource(tmp_path, files).full_tensor("weight")

@@ -2,22 +2,29 @@
 
 Each rank's file holds what that rank writes of the state (every element is written by exactly
 one rank: the first data replica's, the first stage holding it, each tensor rank's slice of a split
-tensor and tensor rank 0's copy of a replicated one; zero1's optimizer state by its owner):
+tensor and tensor rank 0's copy of a replicated one; zero1's optimizer state by its owner; under
+expert parallelism each expert by the first expert group, and under fsdp x experts each rank's
+range of every parameter its slices of the flat buckets cut):
 
   layout     {"kind": "mesh", "mesh": [data, pipeline, tensor], "model_keys": the full model's state_dict
              names in order, "tied": the names of each tensor that has several, "optimizer_names": per
              parameter group, the full optimizer's parameters by name}
-  model      {name: this rank's slice or copy}          model_shards     {name: TensorShard.spec()}
-  optimizer  {"state": {index: {key: slice or value}}, "shards": {index: {key: spec}}, "param_groups": [...]}
+  model      {name: this rank's piece or copy}          model_shards     {name: the piece's spec}
+  optimizer  {"state": {index: {key: piece or value}}, "shards": {index: {key: spec}}, "param_groups": [...]}
+
+A piece's spec is a TensorShard's (a slice along a dim) or a FlatRange's (elements [start, stop) of
+the tensor flattened); hvdtrain.parallel.tensor_shard.piece_from_spec tells them apart.
 
 A reader asks for one whole tensor at a time: its pieces come from the files that hold them (the
 files are memory-mapped: only the pages asked for are read) and are put together, so no reader
-holds more than the tensor asked for and its own part. The same source serves a mesh of any other
+holds more than the tensor asked for and its own part; of a tensor written in flat ranges, an
+element range is read from the pieces that hold it alone. The same source serves a mesh of any other
 shape, the flat strategies (zero1/zero2/fsdp read element ranges through ``read``; ddp and ps
 ``full_state()``), consolidation and export.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -25,10 +32,10 @@ import torch
 
 from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint.sources.contract import TensorSource
-from hvdtrain.parallel.tensor_shard import TensorShard
+from hvdtrain.parallel.tensor_shard import FlatRange, TensorShard, piece_from_spec
 
 KIND = "mesh"
-Piece = Tuple[Optional[List[int]], torch.Tensor]  # (the slice's spec, or None for the whole tensor; its values)
+Piece = Tuple[Any, torch.Tensor]  # (the piece's spec, or None for the whole tensor; its values)
 
 
 def is_mesh_part(part: Mapping[str, Any]) -> bool:
@@ -43,6 +50,8 @@ def assemble(pieces: Sequence[Piece], what: str) -> torch.Tensor:
         return whole[0]
     if not pieces:
         raise CheckpointError(f"no rank wrote {what}")
+    if any(isinstance(spec, dict) for spec, _ in pieces):
+        return _assemble_ranges(pieces, what)
     first = TensorShard.from_spec(pieces[0][0])
     shape = list(pieces[0][1].shape)
     shape[first.dim] *= first.parts
@@ -54,6 +63,40 @@ def assemble(pieces: Sequence[Piece], what: str) -> torch.Tensor:
     for spec, tensor in pieces:
         TensorShard.from_spec(spec).place(full, tensor)
     return full
+
+
+def _ranges(pieces: Sequence[Piece], what: str) -> List[Tuple[FlatRange, torch.Tensor]]:
+    """The pieces of a tensor written in flat ranges, by start; CheckpointError unless every one is a
+    range of the same shape."""
+    if not all(isinstance(spec, dict) for spec, _ in pieces):
+        raise CheckpointError(f"{what}: the files hold it both in flat ranges and otherwise: they come from "
+                              f"different checkpoints")
+    ranges = sorted(((FlatRange.from_spec(spec), tensor) for spec, tensor in pieces), key=lambda p: p[0].start)
+    if len({r.shape for r, _ in ranges}) != 1:
+        raise CheckpointError(f"{what}: the files hold ranges of shapes {sorted({r.shape for r, _ in ranges})}")
+    return ranges
+
+
+def _assemble_ranges(pieces: Sequence[Piece], what: str) -> torch.Tensor:
+    """The whole tensor from ranges that tile its elements, each once."""
+    ranges = _ranges(pieces, what)
+    shape = ranges[0][0].shape
+    bounds = [(r.start, r.stop) for r, _ in ranges]
+    if bounds[0][0] != 0 or bounds[-1][1] != math.prod(shape) or any(
+            stop != start for (_, stop), (start, _) in zip(bounds, bounds[1:])):
+        raise CheckpointError(f"{what}: the files hold elements {bounds} of {math.prod(shape)}: a file is missing "
+                              f"or from another checkpoint")
+    return torch.cat([tensor.reshape(-1) for _, tensor in ranges]).reshape(shape)
+
+
+def _read_ranges(pieces: Sequence[Piece], start: int, stop: int, what: str) -> torch.Tensor:
+    """Elements [start, stop) of a tensor written in flat ranges, from the pieces that hold them."""
+    taken = []
+    for piece, tensor in _ranges(pieces, what):
+        low, high = max(start, piece.start), min(stop, piece.stop)
+        if low < high:
+            taken.append(tensor.reshape(-1)[low - piece.start:high - piece.start])
+    return torch.cat(taken) if taken else torch.empty(0, dtype=pieces[0][1].dtype)
 
 
 class MeshSource(TensorSource):
@@ -140,10 +183,12 @@ class MeshSource(TensorSource):
 
     def shape(self, name: str) -> Tuple[int, ...]:
         spec, tensor = self._model[name][0]
+        piece = piece_from_spec(spec) if spec is not None else None
+        if isinstance(piece, FlatRange):
+            return piece.shape
         shape = list(tensor.shape)
-        if spec is not None:
-            shard = TensorShard.from_spec(spec)
-            shape[shard.dim] *= shard.parts
+        if piece is not None:
+            shape[piece.dim] *= piece.parts
         return tuple(shape)
 
     def _trained(self, name: str) -> bool:
@@ -156,7 +201,11 @@ class MeshSource(TensorSource):
     def _read(self, name: str, start: int, stop: int, key: str) -> torch.Tensor:
         """Elements of a parameter flattened, or of its optimizer state (the range is within the
         parameter: TensorSource.read checked it). The whole tensor is kept until another is asked
-        for: a bucket reads a tensor's elements in one or two calls."""
+        for: a bucket reads a tensor's elements in one or two calls. A tensor written in flat ranges
+        is read from the pieces holding the range alone."""
+        pieces = self._model[name] if not key else self._state.get(self.index_of[name], {}).get(key)
+        if pieces and isinstance(pieces[0][0], dict):
+            return _read_ranges(pieces, start, stop, f"the optimizer's {key} of {name}" if key else name).clone()
         if self._cached[0] != (name, key):
             whole = self.full_tensor(name) if not key else self.optimizer_state_of(self.index_of[name], name)[key]
             if whole.numel() != self.numel(name):
@@ -166,7 +215,24 @@ class MeshSource(TensorSource):
         return self._cached[1][start:stop].clone()
 
     def optimizer_state(self, name: str) -> Dict[str, Any]:
-        return self.optimizer_state_of(self.index_of[name], name)
+        """The optimizer's state of ``name``: scalars, per-element entries whole, but an entry written in
+        flat ranges as one of its pieces (its elements are asked by ``read``: a flat strategy's rank
+        reads only its own ranges of it)."""
+        index = self.index_of[name]
+        state: Dict[str, Any] = {}
+        for key, pieces in self._state.get(index, {}).items():
+            ranged = isinstance(pieces[0][0], dict)
+            state[key] = pieces[0][1] if ranged else assemble(pieces, f"the optimizer's {key} of {name}")
+        state.update(self._values.get(index, {}))
+        return state
+
+    def read_slice(self, name: str, shard: Any) -> torch.Tensor:
+        """A rank's slice of tensor ``name``: a file's piece when one holds exactly that slice (the same
+        layout), else cut from the whole tensor."""
+        for spec, tensor in self._model[name]:
+            if isinstance(spec, list) and TensorShard.from_spec(spec) == shard:
+                return tensor.clone()
+        return super().read_slice(name, shard)
 
     def unmanaged(self) -> Dict[str, torch.Tensor]:
         """Buffers and the parameters the optimizer does not train, whole."""

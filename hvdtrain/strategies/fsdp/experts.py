@@ -14,9 +14,12 @@ step in synchronize(): averaged over the replica group (the ranks holding the sa
 divided by E, as the ddp variant does, which gives one process's gradient. Clipping counts every
 element once over the world: each rank its shards, the first expert group the experts.
 
-Checkpoints are in the full format: fsdp's gathered state with the experts gathered whole over the
-expert group (so a run resumes at any E, E=1 ddp included, and exports), each rank cutting its
-share back on load. Sharded checkpoints are refused (the settings' check says why).
+A full checkpoint holds fsdp's gathered state with the experts gathered whole over the expert group
+(so a run resumes at any E, E=1 ddp included, and exports), each rank cutting its share back on
+load. A sharded one gathers nothing: each rank writes the ranges of the parameters its slices of the
+units' buffers hold, and the first expert group the experts, each once (hvdtrain.strategies.expert_shards),
+in a mesh's layout; a rank reads back from every rank's file only its slices and its experts, at this
+layout or any other, and any strategy reads it through the checkpoint's sources.
 """
 from __future__ import annotations
 
@@ -26,14 +29,15 @@ import torch
 
 import horovod.torch as hvd
 
-from hvdtrain.common.capabilities import ELASTIC, SHARDED_CHECKPOINTS
+from hvdtrain.common.capabilities import ELASTIC
 from hvdtrain.distributed.world import World
 from hvdtrain.parallel import experts as ep
-from hvdtrain.strategies import clipping
+from hvdtrain.strategies import clipping, expert_shards
 from hvdtrain.strategies.experts import ExpertParallelStrategy, split_model_experts
 from hvdtrain.strategies.fsdp.strategy import FSDPStrategy
 from hvdtrain.strategies.optimizers import optimizer_like
 from hvdtrain.strategies.sharding import flat_buckets as fb
+from hvdtrain.strategies.sharding import shard_state
 
 
 class ExpertParallelFSDPStrategy(FSDPStrategy):
@@ -101,18 +105,26 @@ class ExpertParallelFSDPStrategy(FSDPStrategy):
 
     def _load_optimizer_state(self, full: Dict[str, Any]) -> None:
         """This rank's slices of a full optimizer state_dict: fsdp's of its buckets, the experts' cut
-        to the shares (labelled past the buckets' indices, in the optimizer's order)."""
+        to the shares."""
         own = fb.shard_state_dict(self.buckets, self._group_indices, full)
         saved_index = {mine: theirs for saved, indices in zip(full["param_groups"], self._group_indices)
                        for mine, theirs in zip(indices, saved["params"])}
-        for group, experts in zip(own["param_groups"], self._group_experts):
-            for index, share in experts:
+        cut = {index: ep.cut_state(saved, share) for experts in self._group_experts for index, share in experts
+               if (saved := full["state"].get(saved_index[index]))}
+        self.optimizer.load_state_dict(self._with_experts_state(own, cut))
+
+    def _with_experts_state(self, own: Dict[str, Any], experts_state: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
+        """The shard optimizer's state_dict: the buckets' (``own``, fsdp's) and the shares' (by the
+        user's index), the shares labelled past the buckets' indices, in the optimizer's order."""
+        groups = [{**group, "params": list(group["params"])} for group in own["param_groups"]]
+        state = dict(own["state"])
+        for group, experts in zip(groups, self._group_experts):
+            for index, _ in experts:
                 label = len(self.buckets) + index
                 group["params"].append(label)
-                saved = full["state"].get(saved_index[index])
-                if saved:
-                    own["state"][label] = ep.cut_state(saved, share)
-        self.optimizer.load_state_dict(own)
+                if experts_state.get(index):
+                    state[label] = experts_state[index]
+        return {"state": state, "param_groups": groups}
 
     def _gather_optimizer_state(self) -> Dict[str, Any]:
         full = super()._gather_optimizer_state()
@@ -190,10 +202,41 @@ class ExpertParallelFSDPStrategy(FSDPStrategy):
         super().load_state_dict({**state, "model": model})
 
     def read_part(self, source: Any) -> Any:
-        """The whole state, every tensor checked against the whole model's shapes (the ddp variant's)."""
-        return ExpertParallelStrategy.read_part(self, source)
+        """What this rank keeps of ``source`` (local: no collective). A sharded checkpoint of any
+        layout (this one's, ddp x E's, plain fsdp's, a mesh's): this rank's slices of the units'
+        buffers, read as fsdp reads them, and its experts with their optimizer state, each whole
+        tensor's shape and dtype checked before any of it is read. A full checkpoint (every rank holds
+        it all) or weights alone: the whole state, checked against the whole model (the ddp variant's)."""
+        if source.held_state() is not None or source.param_groups() is None:
+            return ExpertParallelStrategy.read_part(self, source)
+        experts = ep.expert_parameters(self.model)
+        for name, share in experts:
+            source.check_tensor(source.first_held([name]), ep.whole_shape(share), share.dtype)
+        rest = {name: tensor for name, tensor in shard_state.unmanaged_state(self.model, self.buckets).items()
+                if name not in self._expert_names}
+        flat = shard_state.part_from(source, self.shard_layout(), *self._shard_place(self.world), unmanaged=rest)
+        shares = {name: source.read_slice(source.first_held([name]), share.expert_shard) for name, share in experts}
+        index_of = {id(share): index for group in self._group_experts for index, share in group}
+        states = {}
+        for name, share in experts:
+            if id(share) in index_of:
+                saved = source.optimizer_state_of(index_of[id(share)], source.first_held([name])) or {}
+                _check_whole_state(name, saved, ep.whole_shape(share))
+                states[index_of[id(share)]] = ep.cut_state(saved, share)
+        return {"flat": flat, "experts": shares, "experts_state": states}
 
     def load_part(self, part: Any) -> None:
+        if "flat" in part:  # this rank's slices and experts (read_part from a sharded checkpoint)
+            flat = part["flat"]
+            optimizer = self._with_experts_state(flat["optimizer"], part["experts_state"])
+            shard_state.load_shard_state_dict(self.model, self.buckets, self.optimizer, self._group_indices,
+                                              {**flat, "optimizer": optimizer})
+            with torch.no_grad():
+                for name, share in ep.expert_parameters(self.model):
+                    share.copy_(part["experts"][name])
+            self._carried_state = None
+            self._after_shard_load()
+            return
         if part["optimizer"] is None:  # weights only: the optimizer's own state kept
             part = {"model": part["model"], "optimizer": self._gather_optimizer_state()}
         self.load_state_dict(part)
@@ -206,20 +249,21 @@ class ExpertParallelFSDPStrategy(FSDPStrategy):
                 yield name, value
 
     def shard_state_dict(self) -> Dict[str, Any]:
-        raise NotImplementedError(self._no_own_shards())
-
-    def shard_layout(self) -> Dict[str, Any]:
-        raise NotImplementedError(self._no_own_shards())
+        """This rank's part of a sharded checkpoint: its slices of the units' buffers, its experts if
+        it is in the first expert group, the rest on rank 0 (local: nothing gathered)."""
+        return expert_shards.fsdp_shard_part(self.model, self.buckets, self.optimizer,
+                                             self._user_optimizer.param_groups, self.world.rank, self.world.size,
+                                             self.experts)
 
     def check_shard_state_dict(self, state: Dict[str, Any]) -> None:
-        raise NotImplementedError(self._no_own_shards())
+        raise NotImplementedError(self._read_from_every_file())
 
     def load_shard_state_dict(self, state: Dict[str, Any]) -> None:
-        raise NotImplementedError(self._no_own_shards())
+        raise NotImplementedError(self._read_from_every_file())
 
-    def _no_own_shards(self) -> str:
-        return (f"fsdp x expert_parallel={self.experts} has no sharded checkpoint: "
-                f"{self.capabilities.refuses[SHARDED_CHECKPOINTS]}; use checkpoint_format=full")
+    def _read_from_every_file(self) -> str:
+        return (f"fsdp x expert_parallel={self.experts} reads a sharded checkpoint from every rank's file (its "
+                f"capabilities' loads: every part), through load_from, never one rank's file alone")
 
     def follow_world(self, world: World) -> None:
         raise RuntimeError(f"fsdp x expert_parallel={self.experts} cannot follow a new world: "
@@ -229,3 +273,12 @@ class ExpertParallelFSDPStrategy(FSDPStrategy):
         """Remove the expert groups' process sets (a collective: every rank calls it)."""
         self.groups.close()
 
+
+def _check_whole_state(name: str, state: Dict[str, Any], whole: torch.Size) -> None:
+    """ValueError unless every per-element entry of an expert's saved optimizer state has the whole
+    expert's shape (a checkpoint of another model's experts is refused by name, never cut wrong)."""
+    for key, value in state.items():
+        if fb.is_elementwise(value) and value.shape != whole:
+            raise ValueError(f"the optimizer's {key} of {name} has shape {list(value.shape)}, this model's "
+                             f"{list(whole)}: it belongs to another model (resuming: start from a fresh "
+                             f"checkpoint_dir)")
