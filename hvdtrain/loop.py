@@ -58,7 +58,9 @@ class TrainingLoop:
     callbacks: Callbacks
     compile_cache: Optional[CompileCache] = None  # train.compile: saved once the first step compiled
     phase: str = "set-up"  # what the loop is doing, for an out-of-memory message
-    grad_norm: float = float("nan")  # before clipping, at the last step (train.max_grad_norm)
+    grad_norm: float = float("nan")  # before clipping, at the last step (train.max_grad_norm or clip_to)
+    # Your own loop's clip_grad_norm_(max_norm): the coming step's clip, applied where max_grad_norm's is.
+    clip_to: Optional[float] = None
     preempted: bool = False
     stopped: bool = False  # a callback asked, and every rank agreed
     # Under Horovod elastic, for one run(): when the state survivors roll back to is committed.
@@ -271,9 +273,12 @@ class TrainingLoop:
             say = log.warning if self.topology.is_root else log.info
             say(f"step {self.position.step + 1}: inf/nan in the fp16 gradients, step skipped on every rank; "
                 f"loss scale now {self.precision.scale:g}")
+            self.clip_to = None
             return
-        if self.config.max_grad_norm is not None:
-            self.grad_norm = strategy.clip_grad_norm_(self.config.max_grad_norm)
+        max_norm = self.config.max_grad_norm if self.clip_to is None else self.clip_to
+        self.clip_to = None
+        if max_norm is not None:
+            self.grad_norm = strategy.clip_grad_norm_(max_norm)
         strategy.step()
 
     def report(self, means: Dict[str, float], throughput: Throughput) -> None:

@@ -56,10 +56,11 @@ from hvdtrain.parallel.sequence import modules as sequence_modules
 from hvdtrain.parallel.sequence.batches import BatchSplitter, split_step
 from hvdtrain.parallel.sequence.probe import prove as prove_split
 from hvdtrain.strategies import build_strategy, launch_refusal
-from hvdtrain.strategies.base import Strategy
+from hvdtrain.strategies.base import Strategy, tensor_names
 from hvdtrain.strategies.deferred_init import DeferredInit, InitFn
 from hvdtrain.weights import hf_export
 from hvdtrain.weights import pretrained
+from hvdtrain.weights.export import export_model_streamed
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -356,6 +357,21 @@ class PartsHolder:
         calls it, rank 0 writes (Parts.export_hf). The Trainer's ``run()`` does it at the end, into
         the run directory's ``hf/``."""
         self.parts.export_hf(directory, max_shard_bytes)
+
+    def export(self, directory) -> None:
+        """The model as it is now, whole, as ``directory``/model.safetensors under every state_dict
+        name (tied weights under each of theirs), with the step and strategy in its metadata. Every
+        rank calls it: the strategy's tensors come one at a time (fsdp gathers one unit at a time; no
+        rank holds the whole model); rank 0 writes; a failure is raised on every rank. The Trainer's
+        run() does it at the end, into the run directory."""
+        parts = self.parts
+        aliases = {names[0]: names for names, _ in tensor_names(parts.model)}
+        failure = export_model_streamed(parts.strategy.full_tensors(), aliases, directory, writes=self.world.is_root,
+                                        metadata={"step": parts.position.step, "strategy": parts.config.strategy})
+        failure = collectives.broadcast_object(failure, root_rank=0, name="export.model")
+        if failure:
+            raise CheckpointError(failure)
+        parts.topology.log.info(f"trained model written to {directory}/model.safetensors (safetensors)")
 
     def close(self) -> None:
         """Close the run directory's files and let the checkpoint directory go (a later training

@@ -13,12 +13,17 @@ the calls of a loop written over them. The Trainer holds the same parts and runs
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from pathlib import Path
 from typing import Any, Callable, Iterator, List, Mapping, Optional
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
+from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.checkpoint.coordination import Checkpointing
+from hvdtrain.checkpoint.formats.run_state import RunState
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed import user_collectives
 from hvdtrain.distributed.environments import is_elastic_launch
@@ -57,6 +62,7 @@ class Session(PartsHolder):
     """
 
     own_loop = True
+    _training = False  # inside epochs(): save_state/load_state wait until it ends
 
     # --- what users read --------------------------------------------------------------------------
 
@@ -79,9 +85,11 @@ class Session(PartsHolder):
         batches() inside; end early only through request_stop() or a step limit, on every rank."""
         parts = self.parts
         parts.begin_training(until_step)
+        self._training = True
         try:
             yield from parts.loop.epochs(until_step)
         finally:
+            self._training = False
             parts.end_training()
         parts.callbacks.call("on_train_end", self.history)
 
@@ -113,6 +121,27 @@ class Session(PartsHolder):
         stepped and zeroed, the LR schedule advanced), then what follows a step: train.checkpoint_every,
         train.eval_every, the logs and the preemption and stop votes. Returns whether it stepped."""
         return self.parts.loop.step()
+
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """Clip the coming step's gradients to a whole-model norm of at most ``max_norm``: call it
+        between backward() and step(), as Accelerate's. The clip itself runs inside step(), once the
+        gradients are reduced over every rank (fp16: unscaled and checked), at the last micro-batch of
+        train.accumulation, by the strategy (a sharded gradient counted once): clipping here, before
+        the reduction, would clip each rank's own gradients. The norm measured before clipping is
+        ``grad_norm`` after step(). Refused with train.max_grad_norm, which clips every step already."""
+        if self.parts.config.max_grad_norm is not None:
+            raise ValueError(f"clip_grad_norm_({max_norm}): train.max_grad_norm="
+                             f"{self.parts.config.max_grad_norm} clips every step already, and the gradients "
+                             f"would be clipped twice: set train.max_grad_norm=null to clip in your loop, or "
+                             f"drop this call")
+        if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0):
+            raise ValueError(f"clip_grad_norm_({max_norm!r}): give a positive number")
+        self.parts.loop.clip_to = float(max_norm)
+
+    @property
+    def grad_norm(self) -> float:
+        """The whole model's gradient norm before clipping, at the last step that clipped (nan before)."""
+        return self.parts.loop.grad_norm
 
     def keep(self, **objects: Any) -> None:
         """Your own state, saved in every checkpoint this session writes and given back on resume:
@@ -156,6 +185,54 @@ class Session(PartsHolder):
             raise ValueError("save() writes into train.checkpoint_dir, and none is set: set it (the runs of one "
                              "job share it; a rerun resumes from the newest checkpoint there)")
         self.parts.checkpoints.save_unless_saved()
+
+    def save_state(self, path) -> None:
+        """A checkpoint of this step into the directory ``path`` (Accelerate's name), written as
+        save() writes into train.checkpoint_dir: the same files (atomic, checksummed; a sharded
+        train.checkpoint_format under zero and fsdp too), kept train.keep_checkpoints deep, the
+        directory claimed by this run while it writes. Full format: rank 0 writes, so ``path`` may be
+        on rank 0's own storage; sharded: every rank writes its part, so it must be storage every
+        rank shares. Every rank calls it, with the same path. load_state(path) continues from it."""
+        with self._checkpoints_at(path, "save_state") as checkpoints:
+            checkpoints.save()
+
+    def load_state(self, path) -> None:
+        """Continue from the newest checkpoint in the directory ``path`` (save_state's, or any
+        train.checkpoint_dir's): the model, the optimizer, the position in the data, the LR
+        schedule, fp16's scale, the RNG states, the callbacks' and keep()'s states, checked against
+        their checksums and this run's settings as a resume is. The loop then continues bitwise as
+        the saved run would have. Full format: rank 0 reads and broadcasts; sharded: every rank
+        reads the files (shared storage). Call it outside epochs(), on every rank, with the same
+        path, at the global batch the checkpoint was written with."""
+        with self._checkpoints_at(path, "load_state") as checkpoints:
+            state = checkpoints.protocol.start(broadcast=True)
+            if state is None:
+                raise CheckpointError(f"load_state({str(path)!r}): no checkpoint there; save_state(path) writes one")
+            saved, batch = RunState.from_checkpoint(state), self.parts.batching.global_batch_size
+            if saved.global_batch != batch:
+                raise ValueError(f"load_state({str(path)!r}): the checkpoint was written at a global batch of "
+                                 f"{saved.global_batch}, this run takes {batch}: set train.batch_size so that "
+                                 f"it is {saved.global_batch} (batch_size x accumulation x data-parallel ranks), "
+                                 f"or resume through train.checkpoint_dir, which adapts the batch")
+            checkpoints.load(state)
+
+    @contextlib.contextmanager
+    def _checkpoints_at(self, path, call: str) -> Iterator[Any]:
+        """This session's checkpoints through the directory ``path``, released afterwards."""
+        parts = self.parts
+        if getattr(self, "_training", False):
+            raise RuntimeError(f"{call}(path) belongs outside epochs(): inside, the loop's position would "
+                               f"change under it; call it before or after `for epoch in hv.epochs():`")
+        own = parts.config.checkpoint_dir
+        if own and Path(own).resolve() == Path(path).resolve():
+            raise ValueError(f"{call}({str(path)!r}) is train.checkpoint_dir, which this run owns: use save() "
+                             f"(a rerun resumes from there by itself), or give another directory")
+        config = dataclasses.replace(parts.config, checkpoint_dir=str(path), checkpoint_async=False, resume="true")
+        protocol = Checkpointing(config, parts.topology, parts.job_config)
+        try:
+            yield parts.checkpoints.through(protocol)
+        finally:
+            protocol.close()
 
     # --- what a loop of your own reaches for (Accelerate's and Fabric's helpers, by hvdtrain's names) ---
 
@@ -240,6 +317,7 @@ def setup(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_datase
             lr_scheduler, model_plan, init_fn, loader_factory, loss_fn or step_fn for evaluate()).
     """
     config = config or TrainConfig()
+    refuse_several(model, optimizer)
     if config.pipeline_parallel > 1:
         raise ValueError("train.pipeline_parallel > 1 runs forward and backward together in the pipeline's schedule, "
                          "which your own loop cannot interleave: use hvdtrain.Trainer (loss_fn, or dict batches with "
@@ -248,3 +326,18 @@ def setup(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_datase
         raise ValueError("your own loop under Horovod elastic (--min-np/--max-np) is not supported: a world change "
                          "rolls the loop back to a commit, which hvdtrain.Trainer does; launch with a fixed -np")
     return Session(model, optimizer, train_dataset, config=config, **options)
+
+
+def refuse_several(model: Any, optimizer: Any) -> None:
+    """One model and one optimizer per session: several (a GAN's generator and discriminator, each
+    with its optimizer) would each need their own strategy, gradient reduction, clipping and
+    checkpoint part, which a session does not hold. Refused before any collective."""
+    several = ("several models or optimizers (a GAN's two, a model and its teacher) are not supported by one "
+               "session: give one nn.Module and one optimizer over its parameters (wrap the models in one "
+               "nn.Module whose forward runs them, with one optimizer and per-group learning rates); a frozen "
+               "teacher needs no session: build or load it alike on every rank, .to(hv.device).eval(), and run "
+               "it under torch.no_grad()")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"setup(model=...): a {type(model).__name__}, not an nn.Module: {several}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"setup(optimizer=...): a {type(optimizer).__name__}, not a torch.optim.Optimizer: {several}")

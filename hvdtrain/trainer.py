@@ -12,20 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.weights import hf_export
-from hvdtrain.weights.export import export_model_streamed
 from hvdtrain.components.evaluation import evaluate
 from hvdtrain.components.precision import Precision
 from hvdtrain.components.steps import StepFn, supervised_step
 from hvdtrain.config.train import PRECISIONS
 from hvdtrain.data.sharding import sharded_loader
-from hvdtrain.distributed import collectives
 from hvdtrain.distributed import startup
 from hvdtrain.distributed.world import World
 from hvdtrain.fault_tolerance import elastic
 from hvdtrain.parts import LossFn, PartsHolder
-from hvdtrain.strategies.base import tensor_names
 
 
 class Trainer(PartsHolder):
@@ -77,7 +73,7 @@ class Trainer(PartsHolder):
         if run_dir is not None:
             if hf_export.is_hf_model(self.model):
                 self.export_hf(run_dir / "hf")
-            self._export_model(run_dir)
+            self.export(run_dir)
         return final
 
     # --- Horovod elastic --------------------------------------------------------------------------
@@ -128,18 +124,6 @@ class Trainer(PartsHolder):
             parts.strategy.broadcast_from_root()
             parts.checkpoints.save_unless_saved()
 
-    def _export_model(self, directory) -> None:
-        """model.safetensors under every state_dict name, from the strategy's tensors one at a time
-        (a collective); rank 0 writes; a failure is raised on every rank."""
-        parts = self.parts
-        aliases = {names[0]: names for names, _ in tensor_names(parts.model)}
-        failure = export_model_streamed(parts.strategy.full_tensors(), aliases, directory, writes=self.world.is_root,
-                                        metadata={"step": parts.position.step, "strategy": parts.config.strategy})
-        failure = collectives.broadcast_object(failure, root_rank=0, name="export.model")
-        if failure:
-            raise CheckpointError(failure)
-        parts.topology.log.info(f"trained model written to {directory}/model.safetensors (safetensors, with "
-                                f"config.yaml beside it)")
 
 
 def evaluate_model(model: torch.nn.Module, dataset: Dataset, world: Optional[World] = None, batch_size: int = 32,

@@ -9,6 +9,7 @@ and hvdtrain.checkpoint.sources.
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any, Callable, ContextManager, Dict, Mapping, Optional
 
 from hvdtrain.checkpoint import FORMAT_VERSION
@@ -125,6 +126,13 @@ class CheckpointManager:
             rng.seed_everything(rng.rank_seed(self.config.seed + saved.step, self.topology.rng_rank))
         self.topology.log.info(f"resumed at epoch {saved.epoch + 1}, step {saved.step}, "
                                f"sample {saved.epoch_position} of the epoch")
+
+    def through(self, protocol: Checkpointing) -> "CheckpointManager":
+        """The same run's state saved to and loaded from another directory's ``protocol`` (a session's
+        save_state(path)): every part shared, only the directory (and what it saved last) its own."""
+        other = copy.copy(self)
+        other.protocol, other.saved_at = protocol, None
+        return other
 
     def restore_kept(self, name: str) -> None:
         """keep()'s object ``name`` takes its state from the checkpoint resumed, if that holds one."""
