@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint.coordination import Checkpointing
 from hvdtrain.checkpoint.formats.run_state import RunState
+from hvdtrain.components.frozen import prepare_frozen
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed import user_collectives
 from hvdtrain.distributed.environments import is_elastic_launch
@@ -138,6 +139,18 @@ class Session(PartsHolder):
             raise ValueError(f"clip_grad_norm_({max_norm!r}): give a positive number")
         self.parts.loop.clip_to = float(max_norm)
 
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A second model your loop runs but does not train (a distillation teacher, a frozen
+        reference), returned ready: rank 0's weights on every rank, on this rank's device, eval(),
+        requires_grad off; run it under torch.no_grad(). Build the same model on every rank. It is
+        held whole on each rank under every strategy, and not checkpointed: build or load it again
+        on every start. A model the session trains is refused (several trained models are not
+        supported: see setup). A collective: every rank calls it."""
+        parts = self.parts
+        trained = list(parts.model.parameters()) + [p for group in parts.given_optimizer.param_groups
+                                                    for p in group["params"]]
+        return prepare_frozen(model, parts.world.device, trained, "prepare_model")
+
     @property
     def grad_norm(self) -> float:
         """The whole model's gradient norm before clipping, at the last step that clipped (nan before)."""
@@ -187,8 +200,8 @@ class Session(PartsHolder):
         self.parts.checkpoints.save_unless_saved()
 
     def save_state(self, path) -> None:
-        """A checkpoint of this step into the directory ``path`` (Accelerate's name), written as
-        save() writes into train.checkpoint_dir: the same files (atomic, checksummed; a sharded
+        """A checkpoint of this step into the directory ``path`` (Accelerate's name), written now (not
+        in the background) as save() writes into train.checkpoint_dir: the same files (atomic, checksummed; a sharded
         train.checkpoint_format under zero and fsdp too), kept train.keep_checkpoints deep, the
         directory claimed by this run while it writes. Full format: rank 0 writes, so ``path`` may be
         on rank 0's own storage; sharded: every rank writes its part, so it must be storage every
@@ -227,7 +240,10 @@ class Session(PartsHolder):
         if own and Path(own).resolve() == Path(path).resolve():
             raise ValueError(f"{call}({str(path)!r}) is train.checkpoint_dir, which this run owns: use save() "
                              f"(a rerun resumes from there by itself), or give another directory")
-        config = dataclasses.replace(parts.config, checkpoint_dir=str(path), checkpoint_async=False, resume="true")
+        # Written at once (not in the background), and read whatever train.resume says of the run's own
+        # directory; train.resume=force still lets a checkpoint of other settings load.
+        resume = "force" if parts.config.resume == "force" else "true"
+        config = dataclasses.replace(parts.config, checkpoint_dir=str(path), checkpoint_async=False, resume=resume)
         protocol = Checkpointing(config, parts.topology, parts.job_config)
         try:
             yield parts.checkpoints.through(protocol)
@@ -334,9 +350,8 @@ def refuse_several(model: Any, optimizer: Any) -> None:
     checkpoint part, which a session does not hold. Refused before any collective."""
     several = ("several models or optimizers (a GAN's two, a model and its teacher) are not supported by one "
                "session: give one nn.Module and one optimizer over its parameters (wrap the models in one "
-               "nn.Module whose forward runs them, with one optimizer and per-group learning rates); a frozen "
-               "teacher needs no session: build or load it alike on every rank, .to(hv.device).eval(), and run "
-               "it under torch.no_grad()")
+               "nn.Module whose forward runs them, with one optimizer and per-group learning rates); a model you "
+               "do not train (a teacher) goes through hv.prepare_model(teacher) after setup")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"setup(model=...): a {type(model).__name__}, not an nn.Module: {several}")
     if not isinstance(optimizer, torch.optim.Optimizer):

@@ -127,7 +127,34 @@ def test_several_models_or_optimizers_are_refused_naming_what_to_do(world):
     generator, discriminator = small_mlp(3), small_mlp(4)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (generator, discriminator)]
     data = synthetic_classification(samples=48)
-    with pytest.raises(TypeError, match="a list, not an nn.Module: several models or optimizers .* not supported"):
+    with pytest.raises(TypeError, match="a list, not an nn.Module: several models or optimizers .* not supported.*"
+                                        "hv.prepare_model\\(teacher\\) after setup"):
         hvdtrain.setup([generator, discriminator], optimizers[0], data, TrainConfig(**SETTINGS), world=world)
     with pytest.raises(TypeError, match="a list, not a torch.optim.Optimizer: .*one nn.Module and one optimizer"):
         hvdtrain.setup(generator, optimizers, data, TrainConfig(**SETTINGS), world=world)
+
+
+def test_prepare_model_gives_every_rank_rank_0s_frozen_teacher_which_training_leaves_alone(world):
+    hv = session(world, TrainConfig(strategy="fsdp", **SETTINGS))
+    teacher = hv.prepare_model(small_mlp(10 + world.rank))  # each rank builds other weights: rank 0's win
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+    before = torch.cat([p.detach().reshape(-1) for p in teacher.parameters()])
+    for _ in hv.epochs(until_step=2):
+        for inputs, targets in hv.batches():
+            with torch.no_grad():
+                soft = F.softmax(teacher(inputs), dim=1)
+            outputs = hv.model(inputs)
+            hv.backward(F.cross_entropy(outputs, targets) + F.cross_entropy(outputs, soft))
+            hv.step()
+    after = torch.cat([p.detach().reshape(-1) for p in teacher.parameters()])
+    rank0 = torch.cat([p.detach().reshape(-1) for p in small_mlp(10).parameters()])
+    assert differing(after, rank0, "loop_state.teacher") == [0] * world.size
+    assert torch.equal(before, after) and hv.global_step == 2
+
+    with pytest.raises(ValueError, match="the session's optimizer trains its parameters"):
+        hv.prepare_model(hv.model)
+    if world.size > 1:  # one rank builds another model: refused on every rank, before any broadcast
+        other = small_mlp(10, classes=5 if world.rank == world.size - 1 else 4)
+        with pytest.raises(ValueError, match=f"ranks \\[{world.size - 1}\\] built a model whose state names, "
+                                             f"shapes or dtypes differ"):
+            hv.prepare_model(other)
