@@ -22,7 +22,14 @@ def prepare_frozen(model: torch.nn.Module, device: torch.device, trained: Iterab
     """``model`` on ``device`` with rank 0's parameters and buffers, eval(), requires_grad off; every
     rank calls it. Refused on every rank alike (before the broadcast, which would otherwise pair
     mismatched tensors or wait forever) when a rank's model differs in its layout, when it is on the
-    meta device, or when the session's optimizer trains any of its parameters."""
+    meta device, or when the session's optimizer trains any of its parameters.
+
+    Args:
+        model: the model to run untrained, built alike on every rank (its weights may differ).
+        device: this rank's device.
+        trained: the tensors the session trains (its model's and its optimizer's parameters).
+        name: the user's call, named in the errors.
+    """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{name}(model): an nn.Module, got {type(model).__name__}")
     trained_ids = {id(t) for t in trained}
