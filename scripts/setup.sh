@@ -5,7 +5,8 @@
 #   a virtual environment in .venv                     -> VENV=... to choose another place
 #   torch                                              -> an importable torch is reused; else TORCH_SPEC
 #   Horovod 0.28.1 from its sdist, patched: C++17,     -> wheel cached in .cache/wheels/<key>/
-#     no -g, and with NCCL a libnccl.so link              (NCCL when torch is a CUDA build and nvcc is here)
+#     no -g, and with NCCL a libnccl.so link              (NCCL when torch is a CUDA build and a toolkit
+#                                                         of its CUDA major is here; HVDTRAIN_NCCL=0: never)
 #   mpi4py (loads the system MPI), hvdtrain           -> pip install -e .[test,examples,docs]
 #   horovodrun --check-build                           -> fails unless PyTorch, MPI and Gloo are built
 #                                                         (and NCCL, when it was built with NCCL)
@@ -78,9 +79,39 @@ install_torch() {
   # NCCL support needs a CUDA build of torch and the CUDA toolkit, not a visible GPU: a login
   # node without GPUs builds the same wheel as the compute nodes.
   HAS_CUDA=0
-  if [ "$cuda" != none ] && command -v nvcc >/dev/null; then
-    HAS_CUDA=1
+  if want_nccl "$cuda"; then HAS_CUDA=1; fi
+}
+
+# Whether Horovod gets NCCL, for a torch built for CUDA $1 ("none": a CPU build).
+want_nccl() {
+  local cuda=$1 toolkit toolkit_cuda
+  { [ "$cuda" != none ] && command -v nvcc >/dev/null; } || return 1
+  if [ "${HVDTRAIN_NCCL:-}" = 0 ]; then
+    say "HVDTRAIN_NCCL=0: Horovod without NCCL, although torch is built for CUDA $cuda"
+    return 1
   fi
+  toolkit=$(cuda_toolkit_root) || exit 1
+  toolkit_cuda=$("$toolkit/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p')
+  # Horovod's CUDA code links the toolkit's libcudart.so.<major>; torch's wheels bring only their
+  # own major's, so a node without the toolkit could not import horovod.torch.
+  [ "${toolkit_cuda%%.*}" = "${cuda%%.*}" ] || die "torch ${TORCH_VERSION:-} is built for CUDA $cuda," \
+    "but the CUDA toolkit here ($toolkit) is CUDA $toolkit_cuda: Horovod's NCCL code must be compiled" \
+    "by a CUDA ${cuda%%.*} toolkit. Set CUDA_HOME to one, choose a torch built for CUDA" \
+    "${toolkit_cuda%%.*} (TORCH_SPEC), or build Horovod without NCCL (CPU only): HVDTRAIN_NCCL=0"
+}
+
+# The CUDA toolkit's root: CUDA_HOME when it holds nvcc, else where nvcc itself says it lives
+# (nvcc may be a wrapper script elsewhere on PATH).
+cuda_toolkit_root() {
+  local root=${CUDA_HOME:-}
+  if [ -z "$root" ] || [ ! -x "$root/bin/nvcc" ]; then
+    root=$(nvcc --dryrun -x cu -c /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ _HERE_=//p' | head -n 1)
+    root=${root%/bin}
+  fi
+  [ -n "$root" ] && [ -f "$root/include/cuda_runtime.h" ] \
+    || die "cannot find the CUDA toolkit of $(command -v nvcc) (no include/cuda_runtime.h under '${root}'):" \
+           "set CUDA_HOME to the toolkit's directory (the one holding bin/nvcc and include/)"
+  echo "$root"
 }
 
 # The wheel depends on the exact torch ABI and Python: both are in the cache key.
@@ -91,7 +122,9 @@ horovod_wheel_dir() {
 }
 
 build_horovod_wheel() {
-  local out=$1 work=$CACHE/build/horovod-$HOROVOD_VERSION
+  # A build directory per wheel: set-ups for two torch versions at once must not share one.
+  local out=$1 work
+  work=$CACHE/build/$(basename "$1")
   say "building Horovod $HOROVOD_VERSION against torch $TORCH_VERSION (about 4 minutes on 2 cores; 7 with NCCL's CUDA code)"
   rm -rf "$work" && mkdir -p "$work"
   pip_quiet download --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" -d "$work"
@@ -114,7 +147,12 @@ build_horovod_wheel() {
   done
   local gpu=()
   if [ "$HAS_CUDA" = 1 ]; then
-    gpu=(HOROVOD_GPU_OPERATIONS=NCCL)
+    local toolkit
+    toolkit=$(cuda_toolkit_root) || exit 1
+    # CMake's FindCUDAToolkit looks for cudart beside the nvcc it runs; a wrapper script on PATH
+    # (/usr/local/bin/nvcc exec'ing the real one) hid it: "Could NOT find CUDAToolkit (missing:
+    # CUDAToolkit_INCLUDE_DIR CUDA_CUDART)". Name the toolkit and put its own nvcc first.
+    gpu=(HOROVOD_GPU_OPERATIONS=NCCL CUDA_HOME="$toolkit" CUDAToolkit_ROOT="$toolkit" PATH="$toolkit/bin:$PATH")
     # PyPI's CUDA torch brings NCCL as the nvidia-nccl wheel: point Horovod's build at it
     # (a system NCCL is found without help). Built here against torch 2.13.0+cu130 and
     # nvidia-nccl-cu13 (scripts/build_nccl_check.sh); no GPU here to run it.
