@@ -4,9 +4,10 @@
 #   system packages (Open MPI, cmake, a C++ compiler)  -> apt-get when root, else the exact command
 #   a virtual environment in .venv                     -> VENV=... to choose another place
 #   torch                                              -> an importable torch is reused; else TORCH_SPEC
-#   Horovod 0.28.1 from its sdist, patched: C++17,     -> wheel cached in .cache/wheels/<key>/
-#     no -g, and with NCCL a libnccl.so link              (NCCL when torch is a CUDA build and a toolkit
-#                                                         of its CUDA major is here; HVDTRAIN_NCCL=0: never)
+#   Horovod 0.28.1 from its sdist, patched: C++17      -> wheel cached in .cache/wheels/<key>/
+#     (its torch binding C++20 when torch's headers need it),
+#     no -g, and with NCCL a libnccl.so link              (NCCL when torch is a CUDA build and nvcc is here;
+#                                                         the toolkit must be of torch's CUDA major)
 #   mpi4py (loads the system MPI), hvdtrain           -> pip install -e .[test,examples,docs]
 #   horovodrun --check-build                           -> fails unless PyTorch, MPI and Gloo are built
 #                                                         (and NCCL, when it was built with NCCL)
@@ -86,18 +87,14 @@ install_torch() {
 want_nccl() {
   local cuda=$1 toolkit toolkit_cuda
   { [ "$cuda" != none ] && command -v nvcc >/dev/null; } || return 1
-  if [ "${HVDTRAIN_NCCL:-}" = 0 ]; then
-    say "HVDTRAIN_NCCL=0: Horovod without NCCL, although torch is built for CUDA $cuda"
-    return 1
-  fi
   toolkit=$(cuda_toolkit_root) || exit 1
   toolkit_cuda=$("$toolkit/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p')
-  # Horovod's CUDA code links the toolkit's libcudart.so.<major>; torch's wheels bring only their
-  # own major's, so a node without the toolkit could not import horovod.torch.
+  # Horovod's binding for a CUDA torch links the toolkit's libcudart.so.<major> (with NCCL or not);
+  # torch's wheels bring only their own major's, so a node without the toolkit could not import it.
   [ "${toolkit_cuda%%.*}" = "${cuda%%.*}" ] || die "torch ${TORCH_VERSION:-} is built for CUDA $cuda," \
-    "but the CUDA toolkit here ($toolkit) is CUDA $toolkit_cuda: Horovod's NCCL code must be compiled" \
-    "by a CUDA ${cuda%%.*} toolkit. Set CUDA_HOME to one, choose a torch built for CUDA" \
-    "${toolkit_cuda%%.*} (TORCH_SPEC), or build Horovod without NCCL (CPU only): HVDTRAIN_NCCL=0"
+    "but the CUDA toolkit here ($toolkit) is CUDA $toolkit_cuda: Horovod's torch binding must be built" \
+    "with a CUDA ${cuda%%.*} toolkit. Set CUDA_HOME to one, or choose a torch built for CUDA" \
+    "${toolkit_cuda%%.*} (TORCH_SPEC)"
 }
 
 # The CUDA toolkit's root: CUDA_HOME when it holds nvcc, else where nvcc itself says it lives
@@ -122,9 +119,11 @@ horovod_wheel_dir() {
 }
 
 build_horovod_wheel() {
-  # A build directory per wheel: set-ups for two torch versions at once must not share one.
+  # A build directory per wheel: set-ups for two torch versions at once must not share one. Without
+  # the '+' of a local version (2.14.1+cu130): Horovod's setup.py then packed its library under the
+  # build directory's own path inside the wheel, and horovod.torch imported without it.
   local out=$1 work
-  work=$CACHE/build/$(basename "$1")
+  work=$CACHE/build/$(basename "$1" | tr '+' '_')
   say "building Horovod $HOROVOD_VERSION against torch $TORCH_VERSION (about 4 minutes on 2 cores; 7 with NCCL's CUDA code)"
   rm -rf "$work" && mkdir -p "$work"
   pip_quiet download --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" -d "$work"
@@ -136,6 +135,13 @@ build_horovod_wheel() {
     grep -q 'set(CMAKE_CXX_STANDARD 14)' "$f" || die "C++17 patch does not apply to $f: the sdist changed"
     sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$f"
   done
+  # torch >= 2.14's headers need C++20 ("#error C++20 or later compatible compiler is required to
+  # use ATen"): its binding then compiles as C++20, the rest of Horovod stays at C++17.
+  local aten
+  aten=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "ATen.h"))')
+  if grep -q 'C++20 or later' "$aten"; then
+    sed -i 's/set(CMAKE_CXX_STANDARD 17)/set(CMAKE_CXX_STANDARD 20)/' "$src/horovod/torch/CMakeLists.txt"
+  fi
   # Horovod builds RelWithDebInfo (-O3 -g); nobody here reads its debug symbols, and writing them
   # costs compile time and wheel size: keep its -O3, drop -g (after its own flag edits).
   local lang
@@ -185,8 +191,9 @@ install_horovod() {
   local dir wheel
   dir=$(horovod_wheel_dir)
   wheel=$(ls "$dir"/horovod-*.whl 2>/dev/null | head -n 1 || true)  # none yet on a new machine
-  # Installed from this very wheel already: nothing to do (the fast path of a second run).
-  [ -n "$wheel" ] && [ "$(stamp "$VENV/.horovod-wheel")" = "$wheel" ] && return 0
+  # Installed from this very wheel already: nothing to do (the fast path of a second run). Its
+  # checksum too: a wheel built again at the same path (another build of that torch) is installed.
+  [ -n "$wheel" ] && [ "$(stamp "$VENV/.horovod-wheel")" = "$(wheel_id "$wheel")" ] && return 0
   # Horovod's runtime deps, and what its build needs from the environment (no build isolation).
   "${PIP[@]}" cloudpickle psutil pyyaml packaging cffi wheel setuptools
   if [ -z "$wheel" ]; then
@@ -196,8 +203,10 @@ install_horovod() {
   # pip would keep an installed 0.28.1 built against another torch: reinstall when the wheel differs.
   say "installing $(basename "$wheel")"
   "${PIP[@]}" --force-reinstall --no-deps "$wheel"
-  echo "$wheel" > "$VENV/.horovod-wheel"
+  wheel_id "$wheel" > "$VENV/.horovod-wheel"
 }
+
+wheel_id() { echo "$1 $(sha256sum < "$1" | cut -d' ' -f1)"; }
 
 install_hvdtrain() {
   local stamp_file=$VENV/.hvdtrain-deps key
