@@ -4,8 +4,10 @@
 #   system packages (Open MPI, cmake, a C++ compiler)  -> apt-get when root, else the exact command
 #   a virtual environment in .venv                     -> VENV=... to choose another place
 #   torch                                              -> an importable torch is reused; else TORCH_SPEC
-#   Horovod 0.28.1 from its sdist, patched: C++17,     -> wheel cached in .cache/wheels/<key>/
-#     no -g, and with NCCL a libnccl.so link              (NCCL when torch is a CUDA build and nvcc is here)
+#   Horovod 0.28.1 from its sdist, patched: C++17      -> wheel cached in .cache/wheels/<key>/
+#     (its torch binding C++20 when torch's headers need it),
+#     no -g, and with NCCL a libnccl.so link              (NCCL when torch is a CUDA build and nvcc is here;
+#                                                         the toolkit must be of torch's CUDA major)
 #   mpi4py (loads the system MPI), hvdtrain           -> pip install -e .[test,examples,docs]
 #   horovodrun --check-build                           -> fails unless PyTorch, MPI and Gloo are built
 #                                                         (and NCCL, when it was built with NCCL)
@@ -78,9 +80,35 @@ install_torch() {
   # NCCL support needs a CUDA build of torch and the CUDA toolkit, not a visible GPU: a login
   # node without GPUs builds the same wheel as the compute nodes.
   HAS_CUDA=0
-  if [ "$cuda" != none ] && command -v nvcc >/dev/null; then
-    HAS_CUDA=1
+  if want_nccl "$cuda"; then HAS_CUDA=1; fi
+}
+
+# Whether Horovod gets NCCL, for a torch built for CUDA $1 ("none": a CPU build).
+want_nccl() {
+  local cuda=$1 toolkit toolkit_cuda
+  { [ "$cuda" != none ] && command -v nvcc >/dev/null; } || return 1
+  toolkit=$(cuda_toolkit_root) || exit 1
+  toolkit_cuda=$("$toolkit/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p')
+  # Horovod's binding for a CUDA torch links the toolkit's libcudart.so.<major> (with NCCL or not);
+  # torch's wheels bring only their own major's, so a node without the toolkit could not import it.
+  [ "${toolkit_cuda%%.*}" = "${cuda%%.*}" ] || die "torch ${TORCH_VERSION:-} is built for CUDA $cuda," \
+    "but the CUDA toolkit here ($toolkit) is CUDA $toolkit_cuda: Horovod's torch binding must be built" \
+    "with a CUDA ${cuda%%.*} toolkit. Set CUDA_HOME to one, or choose a torch built for CUDA" \
+    "${toolkit_cuda%%.*} (TORCH_SPEC)"
+}
+
+# The CUDA toolkit's root: CUDA_HOME when it holds nvcc, else where nvcc itself says it lives
+# (nvcc may be a wrapper script elsewhere on PATH).
+cuda_toolkit_root() {
+  local root=${CUDA_HOME:-}
+  if [ -z "$root" ] || [ ! -x "$root/bin/nvcc" ]; then
+    root=$(nvcc --dryrun -x cu -c /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ _HERE_=//p' | head -n 1)
+    root=${root%/bin}
   fi
+  [ -n "$root" ] && [ -f "$root/include/cuda_runtime.h" ] \
+    || die "cannot find the CUDA toolkit of $(command -v nvcc) (no include/cuda_runtime.h under '${root}'):" \
+           "set CUDA_HOME to the toolkit's directory (the one holding bin/nvcc and include/)"
+  echo "$root"
 }
 
 # The wheel depends on the exact torch ABI and Python: both are in the cache key.
@@ -91,7 +119,11 @@ horovod_wheel_dir() {
 }
 
 build_horovod_wheel() {
-  local out=$1 work=$CACHE/build/horovod-$HOROVOD_VERSION
+  # A build directory per wheel: set-ups for two torch versions at once must not share one. Without
+  # the '+' of a local version (2.14.1+cu130): Horovod's setup.py then packed its library under the
+  # build directory's own path inside the wheel, and horovod.torch imported without it.
+  local out=$1 work
+  work=$CACHE/build/$(basename "$1" | tr '+' '_')
   say "building Horovod $HOROVOD_VERSION against torch $TORCH_VERSION (about 4 minutes on 2 cores; 7 with NCCL's CUDA code)"
   rm -rf "$work" && mkdir -p "$work"
   pip_quiet download --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" -d "$work"
@@ -103,6 +135,13 @@ build_horovod_wheel() {
     grep -q 'set(CMAKE_CXX_STANDARD 14)' "$f" || die "C++17 patch does not apply to $f: the sdist changed"
     sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$f"
   done
+  # torch >= 2.14's headers need C++20 ("#error C++20 or later compatible compiler is required to
+  # use ATen"): its binding then compiles as C++20, the rest of Horovod stays at C++17.
+  local aten
+  aten=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "ATen.h"))')
+  if grep -q 'C++20 or later' "$aten"; then
+    sed -i 's/set(CMAKE_CXX_STANDARD 17)/set(CMAKE_CXX_STANDARD 20)/' "$src/horovod/torch/CMakeLists.txt"
+  fi
   # Horovod builds RelWithDebInfo (-O3 -g); nobody here reads its debug symbols, and writing them
   # costs compile time and wheel size: keep its -O3, drop -g (after its own flag edits).
   local lang
@@ -114,7 +153,12 @@ build_horovod_wheel() {
   done
   local gpu=()
   if [ "$HAS_CUDA" = 1 ]; then
-    gpu=(HOROVOD_GPU_OPERATIONS=NCCL)
+    local toolkit
+    toolkit=$(cuda_toolkit_root) || exit 1
+    # CMake's FindCUDAToolkit looks for cudart beside the nvcc it runs; a wrapper script on PATH
+    # (/usr/local/bin/nvcc exec'ing the real one) hid it: "Could NOT find CUDAToolkit (missing:
+    # CUDAToolkit_INCLUDE_DIR CUDA_CUDART)". Name the toolkit and put its own nvcc first.
+    gpu=(HOROVOD_GPU_OPERATIONS=NCCL CUDA_HOME="$toolkit" CUDAToolkit_ROOT="$toolkit" PATH="$toolkit/bin:$PATH")
     # PyPI's CUDA torch brings NCCL as the nvidia-nccl wheel: point Horovod's build at it
     # (a system NCCL is found without help). Built here against torch 2.13.0+cu130 and
     # nvidia-nccl-cu13 (scripts/build_nccl_check.sh); no GPU here to run it.
@@ -147,8 +191,9 @@ install_horovod() {
   local dir wheel
   dir=$(horovod_wheel_dir)
   wheel=$(ls "$dir"/horovod-*.whl 2>/dev/null | head -n 1 || true)  # none yet on a new machine
-  # Installed from this very wheel already: nothing to do (the fast path of a second run).
-  [ -n "$wheel" ] && [ "$(stamp "$VENV/.horovod-wheel")" = "$wheel" ] && return 0
+  # Installed from this very wheel already: nothing to do (the fast path of a second run). Its
+  # checksum too: a wheel built again at the same path (another build of that torch) is installed.
+  [ -n "$wheel" ] && [ "$(stamp "$VENV/.horovod-wheel")" = "$(wheel_id "$wheel")" ] && return 0
   # Horovod's runtime deps, and what its build needs from the environment (no build isolation).
   "${PIP[@]}" cloudpickle psutil pyyaml packaging cffi wheel setuptools
   if [ -z "$wheel" ]; then
@@ -158,8 +203,10 @@ install_horovod() {
   # pip would keep an installed 0.28.1 built against another torch: reinstall when the wheel differs.
   say "installing $(basename "$wheel")"
   "${PIP[@]}" --force-reinstall --no-deps "$wheel"
-  echo "$wheel" > "$VENV/.horovod-wheel"
+  wheel_id "$wheel" > "$VENV/.horovod-wheel"
 }
+
+wheel_id() { echo "$1 $(sha256sum < "$1" | cut -d' ' -f1)"; }
 
 install_hvdtrain() {
   local stamp_file=$VENV/.hvdtrain-deps key
