@@ -10,7 +10,7 @@ owner with an all-to-all (uneven splits: Horovod exchanges the counts per destin
 owner runs the module's own forward (its class's, any experts implementation) on its slice of the
 experts and on what it received, the results come back by the reverse all-to-all, and the sender
 adds them per token as the module does (pairs sorted by expert, so in the module's order). Backward
-sends the gradients the same ways back, by all-to-alls named as the forward's (_NamedAlltoall).
+sends the gradients the same ways back, by all-to-alls named as the forward's (_NamedAlltoalls, one fixed order on every rank).
 
 Gradients: with the loss the mean of the N ranks' losses, an expert's gradient is 1/N of the sum
 over every token routed to it from every rank. Its owner's local gradient already sums its expert
@@ -22,7 +22,7 @@ so checkpoints, exports and the memory count can tell the whole from the slice.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
 import torch
@@ -167,29 +167,44 @@ def split_experts(module: nn.Module, groups: ExpertGroups, path: str) -> nn.Modu
     return split
 
 
-class _NamedAlltoall(torch.autograd.Function):
-    """Horovod's all-to-all with its gradient's all-to-all named too. Horovod's own autograd names the
-    backward's ``alltoall.noname.<handle>``, a per-process counter: ranks that made different numbers of
-    collectives before (a pipeline's stages, a test suite) then wait for each other under different names."""
+class _NamedAlltoalls(torch.autograd.Function):
+    """Horovod's all-to-all of several tensors cut by the same splits, their gradients' all-to-alls named
+    too and sent back in one fixed order. Horovod's own autograd names the backward's
+    ``alltoall.noname.<handle>``, a per-process counter: ranks that had made different numbers of
+    collectives before (a pipeline's stages, a test suite) waited for each other under different names.
+    And one autograd node per tensor let each rank's backward run them in its own order (autograd
+    orders independent branches by the graph the rank built, and a rank on which an expert received
+    no token builds another): rank 0 waited in the hidden states' gradient, rank 1 in the routing
+    weights', forever."""
 
     @staticmethod
-    def forward(ctx, tensor, splits, process_set, name):
-        output, received = hvd.alltoall(tensor.contiguous(), splits=splits, name=name, process_set=process_set)
-        ctx.received, ctx.process_set, ctx.name = received, process_set, name
+    def forward(ctx, splits, process_set, names, *tensors):
+        outputs, received = [], splits
+        for tensor, name in zip(tensors, names):
+            output, received = hvd.alltoall(tensor.contiguous(), splits=splits, name=name, process_set=process_set)
+            outputs.append(output)
+        ctx.received, ctx.process_set, ctx.names = received, process_set, names
         ctx.mark_non_differentiable(received)
-        return output, received
+        return (*outputs, received)
 
     @staticmethod
-    def backward(ctx, grad, _):
-        back, _ = hvd.alltoall(grad.contiguous(), splits=ctx.received, name=f"{ctx.name}.grad",
-                               process_set=ctx.process_set)
-        return back, None, None, None
+    def backward(ctx, *grads):
+        back = []
+        for grad, name in zip(grads[:-1], ctx.names):  # every rank, every tensor, in this order
+            sent, _ = hvd.alltoall(grad.contiguous(), splits=ctx.received, name=f"{name}.grad",
+                                   process_set=ctx.process_set)
+            back.append(sent)
+        return (None, None, None, *back)
 
 
-def _alltoall(tensor: torch.Tensor, splits: torch.Tensor, group: Group, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+def _alltoall(tensors: Sequence[torch.Tensor], splits: torch.Tensor, group: Group,
+              names: Sequence[str]) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """Each of ``tensors`` cut by ``splits`` and exchanged over ``group`` (see _NamedAlltoalls): what
+    this rank received of each, and how many rows from each rank."""
     if group.process_set is None:  # a group of one rank: everything stays here
-        return tensor, splits
-    return _NamedAlltoall.apply(tensor, splits, group.process_set, name)
+        return list(tensors), splits
+    *outputs, received = _NamedAlltoalls.apply(splits, group.process_set, tuple(names), *tensors)
+    return outputs, received
 
 
 class _Dispatch:
@@ -213,15 +228,17 @@ class _Dispatch:
         owner = torch.div(experts, per_rank, rounding_mode="floor")
         splits = torch.bincount(owner, minlength=self.group.size).to(torch.int32).cpu()
         name = f"ep.{self.name}"
-        received, received_splits = _alltoall(hidden_states[token], splits, self.group, f"{name}.hidden")
-        weights, _ = _alltoall(top_k_weights[token, slot], splits, self.group, f"{name}.weights")
-        local, _ = _alltoall(experts - owner * per_rank, splits, self.group, f"{name}.experts")
+        # The hidden states and routing weights in one exchange, whose backward sends both gradients
+        # back in one order on every rank; the experts' indices carry no gradient.
+        (received, weights), received_splits = _alltoall(
+            (hidden_states[token], top_k_weights[token, slot]), splits, self.group, (f"{name}.hidden", f"{name}.weights"))
+        (local,), _ = _alltoall((experts - owner * per_rank,), splits, self.group, (f"{name}.experts",))
         computed = type(self.module).forward(self.module, received, local.unsqueeze(1), weights.unsqueeze(1),
                                              *args, **kwargs)
         if received.requires_grad and not computed.requires_grad:
             # No pair reached this rank's experts: the way back must still carry the others' gradients.
             computed = computed + received.sum() * 0
-        returned, _ = _alltoall(computed, received_splits, self.group, f"{name}.combine")
+        (returned,), _ = _alltoall((computed,), received_splits, self.group, (f"{name}.combine",))
         combined = torch.zeros_like(hidden_states)
         return combined.index_add_(0, token, returned.to(combined.dtype))
 

@@ -15,7 +15,7 @@ import torch
 
 from hvdtrain.distributed import collectives
 from hvdtrain.verify.exact import float64_throughout
-from tests.mpi.test_hf_moe import FAMILIES, differences_from_one_process, expert_names, train
+from tests.mpi.test_hf_moe import EXAMPLE, FAMILIES, differences_from_one_process, expert_names, train
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,12 +25,12 @@ pytestmark = [pytest.mark.mpi, pytest.mark.process_sets,
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("experts", [2, 4])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [*FAMILIES, EXAMPLE])
 def test_split_experts_take_one_process_steps(world, family, experts):
     if world.size % experts:
         pytest.skip(f"expert_parallel={experts} needs a world that divides by it")
-    if world.size > 2 and family != {2: "mixtral", 4: "qwen3_moe"}[experts]:
-        pytest.skip("past 2 ranks one family per E: what the families differ in, 2 ranks check")
+    if world.size > 2 and family not in ({2: "mixtral", 4: "qwen3_moe"}[experts], EXAMPLE):
+        pytest.skip("past 2 ranks one family per E (and hvdtrain's own): what the families differ in, 2 ranks check")
     with float64_throughout():
         trainer, data, initial, final, step_losses = train(world, family, expert_parallel=experts)
         local = {name: p for name, p in trainer.model.named_parameters() if hasattr(p, "expert_shard")}

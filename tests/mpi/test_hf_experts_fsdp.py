@@ -20,7 +20,7 @@ import torch
 from hvdtrain.distributed import collectives
 from hvdtrain.verify.exact import float64_throughout
 from tests.mpi.test_hf_experts import exported_differences, pretrained_differences
-from tests.mpi.test_hf_moe import differences_from_one_process, expert_names, train
+from tests.mpi.test_hf_moe import EXAMPLE, differences_from_one_process, expert_names, train
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,7 +34,7 @@ def even_world(world):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", EXAMPLE])
 def test_fsdp_with_split_experts_takes_one_process_steps(world, family):
     even_world(world)
     with float64_throughout():

@@ -32,6 +32,7 @@ from hvdtrain.checkpoint.consolidate import consolidate
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.sharding import ShardedSampler
 from hvdtrain.distributed import collectives
+from hvdtrain.examples.moe import MoEFeedForward, TinyMoELM, moe_lm_step
 from hvdtrain.trainer import Trainer
 from hvdtrain.verify.exact import float64_throughout
 from tests.mpi.helpers import record_step_losses
@@ -53,18 +54,26 @@ FAMILIES = {
     "mixtral": lambda: transformers.MixtralConfig(**SHAPE, num_local_experts=4, output_router_logits=True,
                                                   router_aux_loss_coef=AUX_COEF),
 }
+# hvdtrain's own mixture of experts (hvdtrain.examples.moe), the expert-parallel tests' fourth model: the
+# same toy sizes, 4 experts of top-2 in both blocks, Switch's load-balancing loss in the loss.
+EXAMPLE = "example"
 LAYOUTS = {"ddp": {"strategy": "ddp"}, "zero1": {"strategy": "zero1"}, "zero2": {"strategy": "zero2"},
            "fsdp": {"strategy": "fsdp"}, "T2": {"tensor_parallel": 2}, "T4": {"tensor_parallel": 4}}
 
 
 def make_model(family, seed, dtype=torch.float64, experts="eager"):
     torch.manual_seed(seed)
+    if family == EXAMPLE:
+        return TinyMoELM(VOCAB, seq_len=SEQ, d_model=32, layers=2, heads=4, num_experts=4, top_k=2,
+                         expert_hidden=16).to(dtype)
     model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family](), experts_implementation=experts)
     return model.to(dtype)
 
 
 def moe_step(model, batch):
     """Cross-entropy of the logits, plus the router's load-balancing loss where the model computes it."""
+    if any(isinstance(module, MoEFeedForward) for module in model.modules()):
+        return moe_lm_step(model, batch, AUX_COEF)
     inputs, targets = batch
     outputs = model(input_ids=inputs)
     loss = torch.nn.functional.cross_entropy(outputs.logits.reshape(-1, VOCAB), targets.reshape(-1))
