@@ -3,8 +3,7 @@
 The optimizer's parameters are packed into flat buckets; rank r owns slice r of every bucket and
 steps only those. Backward: a bucket whose gradients are all there starts its reduce-scatter at once
 (overlapping the rest of backward); stage 1 keeps a full gradient buffer per bucket and reduces once
-per step, stage 2 reduces every micro-batch into a shard-sized buffer (its full-size gradients
-come from a pool, sharding/buffer_pool.py, not from a fresh allocation each time). Step: the own slices are
+per step, stage 2 reduces every micro-batch into a shard-sized buffer. Step: the own slices are
 updated, then every bucket is gathered back in place. Missing gradients count as zeros; a parameter
 no rank used this step is put back after the step with its optimizer state (unused_parameters), as
 torch skips it. fp16_allreduce moves
@@ -19,15 +18,10 @@ import torch
 import horovod.torch as hvd
 
 from hvdtrain.distributed.world import World
-from hvdtrain.strategies.base import storage_bytes
 from hvdtrain.strategies.optimizers import repoint_optimizer
 from hvdtrain.strategies.sharding import flat_buckets as fb
-from hvdtrain.strategies.sharding.buffer_pool import BufferPool
 from hvdtrain.strategies.sharding.sliced import ShardedStrategy
 from hvdtrain.strategies.unused_parameters import GradientUse, start_agreement, step_skipping
-
-
-KEPT_BUCKETS = 2  # stage 2's full-size gradient buffers kept between steps (see _attach_gradient_buffers)
 
 
 class ZeroStrategy(ShardedStrategy):
@@ -91,10 +85,6 @@ class ZeroStrategy(ShardedStrategy):
     # Construction: everything a step needs is laid out once, here.
 
     def _attach_gradient_buffers(self, fp16_allreduce: bool) -> None:
-        # Stage 2's full-size gradients and fp16 wire copies, reused within a step; two buckets'
-        # worth (the one backward fills, the one reducing) kept from step to step. A new world's
-        # buckets have other sizes: the old buffers go.
-        self._pool = BufferPool(keep=KEPT_BUCKETS * (1 + fp16_allreduce))
         for bucket in self.buckets:
             bucket.fp16_wire = fp16_allreduce and bucket.dtype in (torch.float32, torch.float64)
             if bucket.fp16_wire:
@@ -156,10 +146,7 @@ class ZeroStrategy(ShardedStrategy):
     def _on_gradient_arriving(self, bucket: fb.FlatBucket) -> None:
         """Stage 2: the bucket's full-size gradient exists from its first gradient on."""
         if bucket.flat_grad is None:
-            self._attach_pooled_gradients(bucket)
-
-    def _attach_pooled_gradients(self, bucket: fb.FlatBucket) -> None:
-        fb.attach_gradient_views(bucket, self._pool.take(bucket.padded_numel, bucket.dtype, bucket.device))
+            fb.attach_gradient_views(bucket, torch.zeros_like(bucket.flat_param))
 
     def _on_gradient_ready(self, bucket: fb.FlatBucket) -> None:
         bucket.arrived += 1
@@ -170,12 +157,8 @@ class ZeroStrategy(ShardedStrategy):
 
     def _start_reduction(self, bucket: fb.FlatBucket) -> None:
         if bucket.flat_grad is None:  # stage 2, no gradient this micro-batch: zeros
-            self._attach_pooled_gradients(bucket)
-        grad = bucket.flat_grad
-        if bucket.fp16_wire:
-            grad = self._pool.take(bucket.padded_numel, torch.float16, bucket.device).copy_(grad) \
-                if self.stage == 2 else grad.half()
-        bucket.wire = grad  # Horovod reads it until the reduction finishes
+            fb.attach_gradient_views(bucket, torch.zeros_like(bucket.flat_param))
+        grad = bucket.flat_grad.half() if bucket.fp16_wire else bucket.flat_grad
         self._in_flight[bucket.grad_name] = hvd.reducescatter_async(
             grad, name=bucket.grad_name, op=hvd.Average)
         bucket.started = True
@@ -187,11 +170,7 @@ class ZeroStrategy(ShardedStrategy):
             bucket.shard_grad.copy_(mine)
         else:
             bucket.shard_grad.add_(mine)
-            self._pool.give_back(bucket.flat_grad)
-            if bucket.wire is not bucket.flat_grad:
-                self._pool.give_back(bucket.wire)
             fb.release_gradients(bucket)
-        bucket.wire = None
         bucket.shard.grad = bucket.shard_grad  # in case optimizer.zero_grad() set it to None
 
     def _finish_completed_reductions(self) -> None:
@@ -223,7 +202,6 @@ class ZeroStrategy(ShardedStrategy):
         agreement = start_agreement(self._use.used_here(), name=f"zero.used.{len(self._use.params)}",
                                     device=self.world.device)
         self.synchronize()  # nothing left to do when the caller already synchronized
-        self._pool.trim()  # before the update's and the gather's own allocations
         step_skipping(self.optimizer, self.buckets, self._use, agreement)
         self._gather_parameters()
         self._carried_state = None
@@ -260,14 +238,6 @@ class ZeroStrategy(ShardedStrategy):
 
     def pending_communication(self) -> List[str]:
         return [name for name, handle in dict(self._in_flight).items() if not _finished(handle)]
-
-    def memory_bytes(self) -> Dict[str, int]:
-        # Stage 2's pooled gradient buffers, kept between steps for speed, are not its 1/N of
-        # the gradients: counted apart, so that neither figure hides the other.
-        held = super().memory_bytes()
-        if self.stage == 2:
-            held["gradient_buffers"] = storage_bytes(self._pool.held())
-        return held
 
     # The full state (broadcast_from_root, state_dict, load_state_dict): sharding/sliced.py.
 

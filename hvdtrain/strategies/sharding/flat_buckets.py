@@ -31,13 +31,11 @@ class FlatBucket:
     param_name: str = field(init=False)
     flat_param: torch.Tensor = field(init=False)
     shard: torch.nn.Parameter = field(init=False)  # the own slice, as the shard optimizer's leaf
-    # Stage 1: the persistent full gradient buffer. Stage 2: taken from the strategy's pool when
-    # the bucket's first gradient of a micro-batch arrives, given back once its reduce-scatter has
-    # finished.
+    # Stage 1: the persistent full gradient buffer. Stage 2: allocated when the bucket's first
+    # gradient of a micro-batch arrives, released once its reduce-scatter has finished.
     flat_grad: Optional[torch.Tensor] = None
     shard_grad: Optional[torch.Tensor] = None  # the averaged gradient of the own slice
     fp16_wire: bool = False  # its gradients travel as fp16 (fp16_allreduce)
-    wire: Optional[torch.Tensor] = None  # what the reduce-scatter in flight reads
     arrived: int = 0  # parameters whose gradient this micro-batch's backward has produced
     started: bool = False  # this micro-batch's reduce-scatter has been started
 
