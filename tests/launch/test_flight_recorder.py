@@ -9,7 +9,10 @@ HVDTRAIN = str(BIN / "hvdtrain")
 
 
 def test_a_skipped_collective_is_named_from_the_flight_records(tmp_path):
-    code, out, err = run(["mpirun", "-np", "2", PYTHON, "tests/launch/flight_job.py", str(tmp_path), "5"], timeout=180)
+    # The stall must be the one at step 3: a timeout shorter than set-up can last on a loaded machine
+    # (8 s measured in CI with two test files at once: a rank waits in a set-up broadcast while the
+    # other measures its peak and counts the model's FLOPs) fires in set-up, before any flight record.
+    code, out, err = run(["mpirun", "-np", "2", PYTHON, "tests/launch/flight_job.py", str(tmp_path), "20"], timeout=180)
     output = out + err
     assert code != 0, output[-3000:]
     run_dir = tmp_path / "flight"
