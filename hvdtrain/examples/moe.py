@@ -113,12 +113,18 @@ class TinyMoELM(TinyTransformerLM):
         self.reset_parameters()
 
     def aux_loss(self) -> torch.Tensor:
-        return sum(module.aux_loss for module in self.modules() if isinstance(module, MoEFeedForward))
+        return balance_loss(self)
+
+
+def balance_loss(model: nn.Module) -> torch.Tensor:
+    """The load-balancing losses of ``model``'s MoE layers at their last forward, summed (found in the
+    model as given to a step, wrapped by a strategy or not)."""
+    return sum(module.aux_loss for module in model.modules() if isinstance(module, MoEFeedForward))
 
 
 def moe_lm_step(model: nn.Module, batch: Tuple[torch.Tensor, torch.Tensor], aux_coef: float = 0.01):
     """The next-token loss plus ``aux_coef`` x the load-balancing loss (a Trainer's step_fn)."""
     inputs, targets = batch
     loss = lm_loss(model(inputs), targets)
-    balance = sum(module.aux_loss for module in model.modules() if isinstance(module, MoEFeedForward))
+    balance = balance_loss(model)
     return loss + aux_coef * balance, {"balance": balance.detach()}
