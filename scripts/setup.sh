@@ -2,13 +2,20 @@
 # Sets up everything hvdtrain needs, from nothing, and is fast the second time.
 #
 #   system packages (Open MPI, cmake, a C++ compiler)  -> apt-get when root, else the exact command
+#                                                         (without root: the MPI first on PATH, e.g. a
+#                                                         site's `module load openmpi`; compilers only
+#                                                         when Horovod must be built here)
 #   a virtual environment in .venv                     -> VENV=... to choose another place
 #   torch                                              -> an importable torch is reused; else TORCH_SPEC
-#   Horovod 0.28.1 from its sdist, patched: C++17      -> wheel cached in .cache/wheels/<key>/
+#   Horovod 0.28.1 from its sdist, patched: C++17      -> wheel kept in $WHEELHOUSE/<key>/ (default
+#                                                         .cache/wheels; a shared directory lets every
+#                                                         node install the one build; HOROVOD_BUILD=never
+#                                                         refuses to build, e.g. on compute nodes)
 #     (its torch binding C++20 when torch's headers need it),
 #     no -g, and with NCCL a libnccl.so link              (NCCL when torch is a CUDA build and nvcc is here;
 #                                                         the toolkit must be of torch's CUDA major)
 #   mpi4py (loads the system MPI), hvdtrain           -> pip install -e .[test,examples,docs]
+#                                                         (HVDTRAIN_EXTRAS=..., EDITABLE=0: a plain install)
 #   horovodrun --check-build                           -> fails unless PyTorch, MPI and Gloo are built
 #                                                         (and NCCL, when it was built with NCCL)
 set -Eeuo pipefail
@@ -20,6 +27,14 @@ PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 HOROVOD_VERSION=0.28.1
 CACHE=$ROOT/.cache
+# Built Horovod wheels, one subdirectory per Python, torch and CUDA: on a cluster a directory on the
+# storage every node reads, so that one node builds and the others install that wheel.
+WHEELHOUSE=${WHEELHOUSE:-$CACHE/wheels}
+# auto: build when the wheelhouse has no wheel for this Python and torch; never: refuse (compute nodes
+# without compilers, or a job that must not spend minutes compiling).
+HOROVOD_BUILD=${HOROVOD_BUILD:-auto}
+HVDTRAIN_EXTRAS=${HVDTRAIN_EXTRAS:-test,examples,docs}
+EDITABLE=${EDITABLE:-1}
 
 say() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -28,21 +43,35 @@ trap 'die "line $LINENO failed (exit $?): $BASH_COMMAND"' ERR
 # The content of a stamp file, or nothing when there is none yet (without tripping the trap).
 stamp() { if [ -f "$1" ]; then cat "$1"; fi; }
 
+case "$HOROVOD_BUILD" in auto|never) ;; *) die "HOROVOD_BUILD=$HOROVOD_BUILD: use auto (build when the wheelhouse has no wheel) or never";; esac
+case "$EDITABLE" in 0|1) ;; *) die "EDITABLE=$EDITABLE: use 1 (pip install -e, the default) or 0 (a plain install)";; esac
+
+# What Horovod's build needs beyond MPI; without root these may be missing as long as no build runs.
+BUILD_TOOLS_MISSING=()
+
 install_system_packages() {
-  local missing=()
+  local missing=() build_tools=()
   command -v mpirun >/dev/null || missing+=(openmpi-bin)
-  command -v mpicxx >/dev/null || missing+=(libopenmpi-dev)
-  command -v cmake  >/dev/null || missing+=(cmake)
-  command -v g++    >/dev/null || missing+=(g++)
-  command -v make   >/dev/null || missing+=(make)
-  [ ${#missing[@]} -eq 0 ] && return 0
-  local cmd="apt-get install -y --no-install-recommends ${missing[*]}"
-  if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
-    die "missing system packages: ${missing[*]}. Install them, e.g.: sudo apt-get update && sudo $cmd"
+  command -v mpicxx >/dev/null || build_tools+=(libopenmpi-dev)
+  command -v cmake  >/dev/null || build_tools+=(cmake)
+  command -v g++    >/dev/null || build_tools+=(g++)
+  command -v make   >/dev/null || build_tools+=(make)
+  missing+=("${build_tools[@]}")
+  if [ ${#missing[@]} -gt 0 ]; then
+    local cmd="apt-get install -y --no-install-recommends ${missing[*]}"
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+      say "installing system packages: ${missing[*]}"
+      DEBIAN_FRONTEND=noninteractive apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive $cmd -qq >/dev/null
+    elif ! command -v mpirun >/dev/null; then
+      die "no mpirun on PATH. On a cluster, load the site's MPI first (e.g. module load openmpi);" \
+          "on your own machine: sudo apt-get update && sudo $cmd"
+    else
+      BUILD_TOOLS_MISSING=("${build_tools[@]}")
+    fi
   fi
-  say "installing system packages: ${missing[*]}"
-  DEBIAN_FRONTEND=noninteractive apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $cmd -qq >/dev/null
+  # sed, not head: head's early exit would end mpirun with SIGPIPE, which pipefail reports
+  say "MPI: $(command -v mpirun) ($(mpirun --version 2>&1 | sed -n 1p))"
 }
 
 make_venv() {
@@ -115,7 +144,7 @@ cuda_toolkit_root() {
 horovod_wheel_dir() {
   local py_tag
   py_tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-  echo "$CACHE/wheels/horovod-$HOROVOD_VERSION-$py_tag-torch-$TORCH_VERSION-cuda$HAS_CUDA"
+  echo "$WHEELHOUSE/horovod-$HOROVOD_VERSION-$py_tag-torch-$TORCH_VERSION-cuda$HAS_CUDA"
 }
 
 build_horovod_wheel() {
@@ -123,6 +152,11 @@ build_horovod_wheel() {
   # the '+' of a local version (2.14.1+cu130): Horovod's setup.py then packed its library under the
   # build directory's own path inside the wheel, and horovod.torch imported without it.
   local out=$1 work
+  [ "$HOROVOD_BUILD" = never ] && die "no Horovod wheel in $out and HOROVOD_BUILD=never: build it once," \
+    "with this Python and torch, on a node with compilers: WHEELHOUSE=$WHEELHOUSE bash scripts/setup.sh"
+  [ ${#BUILD_TOOLS_MISSING[@]} -eq 0 ] || die "Horovod must be built here (no wheel in $out), which needs" \
+    "${BUILD_TOOLS_MISSING[*]} (mpicxx, cmake, g++, make). Load them (e.g. module load gcc cmake), or build on" \
+    "a node that has them into the same WHEELHOUSE and run this again"
   work=$CACHE/build/$(basename "$1" | tr '+' '_')
   say "building Horovod $HOROVOD_VERSION against torch $TORCH_VERSION (about 4 minutes on 2 cores; 7 with NCCL's CUDA code)"
   rm -rf "$work" && mkdir -p "$work"
@@ -184,6 +218,7 @@ build_horovod_wheel() {
       MAKEFLAGS="-j$(nproc)" "${gpu[@]}" \
       "$PY" -m pip wheel -q --no-build-isolation --no-deps "$src" -w "$out.tmp" \
       > "$work/build.log" 2>&1 || die "Horovod build failed; see $work/build.log"
+  # The wheel appears in the wheelhouse in one rename: a node installing from it never reads half a wheel.
   mv "$out.tmp"/horovod-*.whl "$out"/ && rm -rf "$out.tmp" "$work"
 }
 
@@ -210,14 +245,20 @@ wheel_id() { echo "$1 $(sha256sum < "$1" | cut -d' ' -f1)"; }
 
 install_hvdtrain() {
   local stamp_file=$VENV/.hvdtrain-deps key
-  key=$(cat "$ROOT/setup.cfg" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)
+  # A plain install copies the package: its sources are part of the key (an editable one reads them in place).
+  key=$({ cat "$ROOT/setup.cfg" "$ROOT/scripts/setup.sh"; echo "$HVDTRAIN_EXTRAS $EDITABLE"
+          [ "$EDITABLE" = 1 ] || find "$ROOT/hvdtrain" -name '*.py' -print0 | sort -z | xargs -0 cat
+        } | sha256sum | cut -d' ' -f1)
   [ "$(stamp "$stamp_file")" = "$key" ] && return 0
   say "installing mpi4py and hvdtrain"
   # mpi4py >= 4.1 wheels carry no MPI: they load the system's libmpi (Open MPI or MPICH ABI) at
   # import, so no compile is needed (building it from source took 2-4 minutes of one core).
   # verify_mpi4py checks that the library it loads is the one mpirun belongs to.
   "${PIP[@]}" "mpi4py>=4.1"
-  "${PIP[@]}" -e "$ROOT[test,examples,docs]"
+  local target=$ROOT editable=()
+  [ -n "$HVDTRAIN_EXTRAS" ] && target="$ROOT[$HVDTRAIN_EXTRAS]"
+  [ "$EDITABLE" = 1 ] && editable=(-e)
+  "${PIP[@]}" "${editable[@]}" "$target"
   echo "$key" > "$stamp_file"
 }
 

@@ -239,6 +239,11 @@ class Cluster:
         return self.state / "bin"
 
     @property
+    def homes(self) -> Path:
+        """Home directories of non-root test users (tests/cluster/site.py), on the hosts' shared disk."""
+        return self.state / "home"
+
+    @property
     def hostfile(self) -> Path:
         return self.state / "hostfile"
 
@@ -308,7 +313,9 @@ class Cluster:
                 f"ListenAddress {host.address}:22\nHostKey {ssh / 'host_key'}\n"
                 f"PidFile {ssh / f'sshd-{host.name}.pid'}\nPermitRootLogin prohibit-password\n"
                 "PasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-                f"AuthorizedKeysFile {ssh / 'authorized_keys'}\nStrictModes no\nUsePAM no\n"
+                # the second file: a non-root test user's own key (tests/cluster/site.py)
+                f"AuthorizedKeysFile {ssh / 'authorized_keys'} {self.homes}/%u/.ssh/authorized_keys\n"
+                "StrictModes no\nUsePAM no\n"
                 "PrintMotd no\nUseDNS no\n"
                 # launchers open many connections at once; sshd's default drops some
                 "MaxStartups 100\nMaxSessions 100\n")
