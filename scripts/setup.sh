@@ -43,8 +43,10 @@ trap 'die "line $LINENO failed (exit $?): $BASH_COMMAND"' ERR
 # The content of a stamp file, or nothing when there is none yet (without tripping the trap).
 stamp() { if [ -f "$1" ]; then cat "$1"; fi; }
 
-case "$HOROVOD_BUILD" in auto|never) ;; *) die "HOROVOD_BUILD=$HOROVOD_BUILD: use auto (build when the wheelhouse has no wheel) or never";; esac
-case "$EDITABLE" in 0|1) ;; *) die "EDITABLE=$EDITABLE: use 1 (pip install -e, the default) or 0 (a plain install)";; esac
+check_settings() {
+  case "$HOROVOD_BUILD" in auto|never) ;; *) die "HOROVOD_BUILD=$HOROVOD_BUILD: use auto (build when the wheelhouse has no wheel) or never";; esac
+  case "$EDITABLE" in 0|1) ;; *) die "EDITABLE=$EDITABLE: use 1 (pip install -e, the default) or 0 (a plain install)";; esac
+}
 
 # What Horovod's build needs beyond MPI; without root these may be missing as long as no build runs.
 BUILD_TOOLS_MISSING=()
@@ -306,6 +308,7 @@ step() {
   STEP_TIMES+=("$(printf '%-24s %4ds' "$name" $((SECONDS - start)))")
 }
 
+check_settings
 step "system packages (apt)" install_system_packages
 step "virtual environment" make_venv
 step "torch" install_torch
