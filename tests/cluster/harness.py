@@ -240,7 +240,7 @@ class Cluster:
 
     @property
     def homes(self) -> Path:
-        """Home directories of non-root test users (tests/cluster/site.py), on the hosts' shared disk."""
+        """Home directories of non-root test users (tests/cluster/user_site.py), on the hosts' shared disk."""
         return self.state / "home"
 
     @property
@@ -313,7 +313,7 @@ class Cluster:
                 f"ListenAddress {host.address}:22\nHostKey {ssh / 'host_key'}\n"
                 f"PidFile {ssh / f'sshd-{host.name}.pid'}\nPermitRootLogin prohibit-password\n"
                 "PasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-                # the second file: a non-root test user's own key (tests/cluster/site.py)
+                # the second file: a non-root test user's own key (tests/cluster/user_site.py)
                 f"AuthorizedKeysFile {ssh / 'authorized_keys'} {self.homes}/%u/.ssh/authorized_keys\n"
                 "StrictModes no\nUsePAM no\n"
                 "PrintMotd no\nUseDNS no\n"

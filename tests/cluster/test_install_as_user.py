@@ -1,6 +1,6 @@
 """docs/how-to/cluster-install.md, done by a non-root user on the two test hosts.
 
-The user has what a site gives (tests/cluster/site.py): a module-style Open MPI, a home and shared
+The user has what a site gives (tests/cluster/user_site.py): a module-style Open MPI, a home and shared
 storage both hosts read, no root. As that user, on the login node (the machine: it reaches the
 package index, the test hosts do not), scripts/setup.sh makes a venv on the shared storage and
 installs Horovod from the wheelhouse that the project's own set-up built (HOROVOD_BUILD=never: no
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cluster import site
+from tests.cluster import user_site as site
 from tests.cluster.test_cluster import FINAL_LINE, REQUIRED_ACCURACY, untagged_lines
 
 ROOT = Path(__file__).resolve().parents[2]
