@@ -5,6 +5,12 @@
 set -euo pipefail
 venv=$1 python=${2:-python3}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# docs/requirements.txt pins the newest releases that install on Python 3.10 and later.
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+  echo "docs_env: the docs' environment needs Python 3.10 or later; $python is $("$python" --version 2>&1)." >&2
+  echo "Choose another: make docs PYTHON=/path/to/python3.11" >&2
+  exit 2
+fi
 if ! "$python" -c 'import venv, ensurepip' 2>/dev/null; then
   echo "docs_env: $python cannot create a virtual environment (no venv/ensurepip module)." >&2
   echo "Install it (Debian/Ubuntu: apt-get install python3-venv) or choose another: make docs PYTHON=/path/to/python3" >&2
