@@ -5,7 +5,10 @@
 set -euo pipefail
 version=${1:-}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-mike=${DOCS_VENV:-$root/.venv-docs}/bin/mike
+venv_bin=${DOCS_VENV:-$root/.venv-docs}/bin
+mike=$venv_bin/mike
+# mike runs the mkdocs it finds on PATH: the docs environment's.
+export PATH=$venv_bin:$PATH
 # A version is the release it documents, as the selector shows it: MAJOR.MINOR (a patch release
 # replaces its minor's pages) or "dev" for main.
 if ! [[ $version =~ ^([0-9]+\.[0-9]+|dev)$ ]]; then
@@ -23,7 +26,8 @@ if [ "$version" = dev ]; then
   "$mike" deploy dev
 else
   "$mike" deploy --update-aliases "$version" latest
-  "$mike" set-default latest
+  # The site's root redirects to "latest": set once (mike commits it), then it follows the alias.
+  git cat-file -e gh-pages:index.html 2>/dev/null || "$mike" set-default latest
 fi
 echo "docs-deploy: gh-pages now holds: $("$mike" list | tr '\n' ' ')"
 echo "docs-deploy: look with '$mike serve'; publish with 'git push origin gh-pages'"
