@@ -14,7 +14,7 @@
 #     (its torch binding C++20 when torch's headers need it),
 #     no -g, and with NCCL a libnccl.so link              (NCCL when torch is a CUDA build and nvcc is here;
 #                                                         the toolkit must be of torch's CUDA major)
-#   mpi4py (loads the system MPI), hvdtrain           -> pip install -e .[test,examples,docs]
+#   mpi4py (loads the system MPI), hvdtrain           -> pip install -e .[test,examples]
 #                                                         (HVDTRAIN_EXTRAS=..., EDITABLE=0: a plain install)
 #   horovodrun --check-build                           -> fails unless PyTorch, MPI and Gloo are built
 #                                                         (and NCCL, when it was built with NCCL)
@@ -33,7 +33,7 @@ WHEELHOUSE=${WHEELHOUSE:-$CACHE/wheels}
 # auto: build when the wheelhouse has no wheel for this Python and torch; never: refuse (compute nodes
 # without compilers, or a job that must not spend minutes compiling).
 HOROVOD_BUILD=${HOROVOD_BUILD:-auto}
-HVDTRAIN_EXTRAS=${HVDTRAIN_EXTRAS:-test,examples,docs}
+HVDTRAIN_EXTRAS=${HVDTRAIN_EXTRAS:-test,examples}
 EDITABLE=${EDITABLE:-1}
 
 say() { printf '[setup] %s\n' "$*"; }
