@@ -61,11 +61,16 @@ def final_accuracy(out, pattern, epochs):
     return float(found[-1])
 
 
-# Each original's final accuracy over seeds 42, 1, 2 at 2 processes (docs/porting/from-accelerate.md,
-# from-lightning.md), against the ports' at 2 workers, seed 42, 5 epochs as the scripts' defaults.
+# Final accuracy on the 359 held-out digits after the scripts' default 5 epochs at 2 processes,
+# measured over seeds 42, 1 and 2 (the tables in docs/porting/from-accelerate.md, from-lightning.md):
+# Accelerate's original 95.3-98.1%, its port 95.3-98.6%; Fabric's original 93.6-96.1%, its port
+# 91.4-96.9%. Seeds move a run by up to 5 points (the same first weights, another data order), and
+# another CPU's float32 rounding moves it as another seed would, so each bound sits a few points under
+# the lowest that either the original or the port reached: above it, the port trains as its original
+# does, while one that stopped learning (steps lost, another optimizer stepped) stays near chance (10%).
 PORT_RUNS = {
-    "accelerate": (r"epoch \d+: accuracy ([0-9.]+)%", 0.0),
-    "lightning": (r"Accuracy: ([0-9.]+)%", 0.0),
+    "accelerate": (r"epoch \d+: accuracy ([0-9.]+)%", 92.0),
+    "lightning": (r"Accuracy: ([0-9.]+)%", 88.0),
 }
 
 
