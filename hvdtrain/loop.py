@@ -121,11 +121,13 @@ class TrainingLoop:
             elapsed = time.perf_counter() - started
             if self.preempted:
                 break
+            index = position.epoch  # as epochs() yielded it: every epoch is named from 0, one way
             if not self.batching.has_steps_left(position.epoch_position):
                 position.epoch, position.epoch_position = position.epoch + 1, 0
-            # max_steps can end training inside an epoch: the record says how far it got.
+            # max_steps can end training inside an epoch: epochs_done says how far it got.
             record = {
-                "epoch": self.batching.epoch_progress(position.epoch, position.epoch_position),
+                "epoch": index,
+                "epochs_done": self.batching.epoch_progress(position.epoch, position.epoch_position),
                 "step": position.step,
                 **{f"train_{name}": value for name, value in train.items()},
                 "samples_per_sec": samples / elapsed,

@@ -225,7 +225,7 @@ class PartsHolder:
             model_plan: how one replica is split under tensor or pipeline parallelism.
             collate_fn: how the loaders make a batch of samples.
             callbacks: hvdtrain.Callback instances, given this Session or Trainer.
-            lr_scheduler: ``lr_scheduler(optimizer) -> scheduler``, replacing hvdtrain's schedule.
+            lr_scheduler: ``lr_scheduler(optimizer[, total_steps]) -> scheduler``, replacing hvdtrain's schedule.
             init_fn: ``init_fn(module)``, the values of a model built on the meta device.
             loader_factory: ``loader_factory(dataset, sampler, batch_size) -> DataLoader``.
         """

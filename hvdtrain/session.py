@@ -46,9 +46,10 @@ class Session(PartsHolder):
     Hugging Face DataCollatorWithPadding: each batch padded only to its own longest sample).
     ``callbacks``: hvdtrain.Callback instances called at the loop's usual points, on every rank
     (hvdtrain.components.callbacks; EarlyStopping is one), given this session. ``lr_scheduler(optimizer)
-    -> scheduler``: your own LR schedule, built over the optimizer the strategy steps once its rates are
-    scaled to the global batch, stepped after every optimizer step and kept in checkpoints; it replaces
-    train.warmup_epochs, train.warmup_steps and train.lr_schedule (set them to 0, null and constant).
+    -> scheduler``, or ``lr_scheduler(optimizer, total_steps)`` given the run's optimizer steps: your own
+    LR schedule, built over the optimizer the strategy steps once its rates are scaled to the global
+    batch, stepped after every optimizer step and kept in checkpoints; it replaces train.warmup_epochs,
+    train.warmup_steps and train.lr_schedule (leave them at their defaults: 0, null and constant).
     ``loader_factory(dataset, sampler, batch_size) -> DataLoader``: your own loaders (any DataLoader
     argument: workers, persistent_workers, worker_init_fn, collate_fn...) over hvdtrain's sampler and
     batch size, for training and evaluation; a loader that does not read through them is refused.
@@ -73,9 +74,15 @@ class Session(PartsHolder):
         return self.parts.world.device
 
     @property
-    def steps_per_epoch(self) -> int:
-        """Optimizer steps in an epoch at the global batch (for a schedule of your own)."""
+    def steps_per_epoch(self) -> Optional[int]:
+        """Optimizer steps in an epoch at the global batch (None: a stream without len())."""
         return self.parts.batching.steps_per_epoch
+
+    @property
+    def total_steps(self) -> Optional[int]:
+        """The run's optimizer steps: train.epochs' at the global batch, or train.max_steps if sooner;
+        what a schedule of your own decays over (None: a stream without len() and no max_steps)."""
+        return self.parts.batching.total_steps
 
     # --- your own loop ----------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@
 #     (its torch binding C++20 when torch's headers need it),
 #     no -g, and with NCCL a libnccl.so link              (NCCL when torch is a CUDA build and nvcc is here;
 #                                                         the toolkit must be of torch's CUDA major)
-#   mpi4py (loads the system MPI), hvdtrain           -> pip install -e .[test,examples,docs]
+#   mpi4py (loads the system MPI), hvdtrain           -> pip install -e .[test,examples]
 #   horovodrun --check-build                           -> fails unless PyTorch, MPI and Gloo are built
 #                                                         (and NCCL, when it was built with NCCL)
 set -Eeuo pipefail
@@ -217,7 +217,7 @@ install_hvdtrain() {
   # import, so no compile is needed (building it from source took 2-4 minutes of one core).
   # verify_mpi4py checks that the library it loads is the one mpirun belongs to.
   "${PIP[@]}" "mpi4py>=4.1"
-  "${PIP[@]}" -e "$ROOT[test,examples,docs]"
+  "${PIP[@]}" -e "$ROOT[test,examples]"
   echo "$key" > "$stamp_file"
 }
 

@@ -34,8 +34,8 @@ if __name__ == "__main__":
     model = small_classifier(len(tokenizer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     hv = hvdtrain.setup(model, optimizer, train_set, hvdtrain.TrainConfig(
-        epochs=args.epochs, batch_size=16, scale_lr=False, warmup_epochs=0, max_grad_norm=1.0), collate_fn=collator)
-    total = args.epochs * hv.steps_per_epoch
+        epochs=args.epochs, batch_size=16, scale_lr=False, max_grad_norm=1.0), collate_fn=collator)
+    total = hv.total_steps
     scheduler = get_cosine_schedule_with_warmup(hv.optimizer, total // 10, total)
     hv.keep(scheduler=scheduler)
     for epoch in hv.epochs():

@@ -33,18 +33,16 @@ if __name__ == "__main__":
     collator = DataCollatorWithPadding(tokenizer)
     model = small_classifier(len(tokenizer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-    total = args.epochs * (len(train_set) // (16 * hvdtrain.init().size))
-
     class Evaluation(hvdtrain.Callback):
         def on_epoch_end(self, trainer, record):
             accuracy = evaluate(model, val_set, collator)
             if trainer.world.is_root:
-                print(f"epoch {record['epoch'] - 1:g}: validation accuracy {accuracy:.3f}", flush=True)
+                print(f"epoch {record['epoch']}: validation accuracy {accuracy:.3f}", flush=True)
 
     trainer = hvdtrain.Trainer(model, optimizer, train_set, None, hvdtrain.TrainConfig(
-        epochs=args.epochs, batch_size=16, scale_lr=False, warmup_epochs=0, max_grad_norm=1.0), collate_fn=collator,
+        epochs=args.epochs, batch_size=16, scale_lr=False, max_grad_norm=1.0), collate_fn=collator,
         step_fn=lambda model, batch: (model(**batch).loss, {}), callbacks=[Evaluation()],
-        lr_scheduler=lambda optimizer: get_cosine_schedule_with_warmup(optimizer, total // 10, total))
+        lr_scheduler=lambda optimizer, total: get_cosine_schedule_with_warmup(optimizer, total // 10, total))
     trainer.fit()
     if trainer.world.is_root:
         torch.save(model.state_dict(), args.save)

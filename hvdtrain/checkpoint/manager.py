@@ -124,7 +124,7 @@ class CheckpointManager:
         else:
             # Rank r of the new world is not rank r of the old one: derive fresh per-rank seeds.
             rng.seed_everything(rng.rank_seed(self.config.seed + saved.step, self.topology.rng_rank))
-        self.topology.log.info(f"resumed at epoch {saved.epoch + 1}, step {saved.step}, "
+        self.topology.log.info(f"resumed at epoch {saved.epoch}, step {saved.step}, "
                                f"sample {saved.epoch_position} of the epoch")
 
     def through(self, protocol: Checkpointing) -> "CheckpointManager":

@@ -11,6 +11,7 @@ the GPUs per host with NCCL).
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -131,7 +132,18 @@ def configured_rates(optimizer: torch.optim.Optimizer, lr: Optional[float]) -> L
     return [lr * rate / own[0] for rate in own]
 
 
-SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
+SchedulerFactory = Callable[..., LRScheduler]  # (optimizer) or (optimizer, total_steps)
+
+
+def wants_total_steps(factory: SchedulerFactory) -> bool:
+    """Whether your scheduler factory takes the run's total steps after the optimizer, as most
+    schedules need (transformers' get_cosine_schedule_with_warmup, torch's OneCycleLR)."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: the one-argument form
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
 
 
 class LearningRate:
@@ -150,7 +162,8 @@ class LearningRate:
         self.rate_fixed = False  # start() decides
         self.scheduler: LRScheduler  # hvdtrain's LambdaLR, or the user's own
 
-    def start(self, global_batch: int, warmup_steps: int, world: World, step: int, total_steps: int) -> None:
+    def start(self, global_batch: int, warmup_steps: int, world: World, step: int,
+              total_steps: Optional[int]) -> None:
         """Scale the peak rates to this world's global batch and set the schedule, continuing at ``step``.
 
         Args:
@@ -158,7 +171,8 @@ class LearningRate:
             warmup_steps: optimizer steps of warm-up.
             world: the data-parallel view of the world.
             step: the optimizer step to continue at (0: the start).
-            total_steps: the run's optimizer steps.
+            total_steps: the run's optimizer steps (None: unknown, a stream without len(); the
+                schedule is then constant, Batching refuses a decay).
         """
         config = self.config
         self.world = world
@@ -173,7 +187,13 @@ class LearningRate:
         if self.factory is not None:
             if step:  # the Trainer refuses what would restart it mid-run (Horovod elastic)
                 raise RuntimeError(f"a scheduler of your own starts at step 0, not {step}: its state resumes it")
-            self.scheduler = self.factory(self.optimizer)
+            if wants_total_steps(self.factory):
+                if total_steps is None:
+                    raise ValueError("your lr_scheduler takes the run's total steps, and this stream has no len() to "
+                                     "count them by: set train.max_steps, or give the stream a __len__")
+                self.scheduler = self.factory(self.optimizer, total_steps)
+            else:
+                self.scheduler = self.factory(self.optimizer)
             if not isinstance(self.scheduler, LRScheduler):
                 raise TypeError(f"lr_scheduler must return a torch LR scheduler over the optimizer it is given, "
                                 f"got {type(self.scheduler).__name__}")
@@ -206,7 +226,7 @@ class LearningRate:
         rates = "/".join(f"{rate * self.scale * start:g}" for rate in dict.fromkeys(self.base_lrs))
         origin = "one worker's rate" if self.scale > 1.0 else f"peak / {self.warmup_steps}"
         text = f" after {self.warmup_steps} warm-up steps from {rates} ({origin})"
-        if self.warmup_steps > self.total_steps:
+        if self.total_steps is not None and self.warmup_steps > self.total_steps:
             text += f" (longer than the run's {self.total_steps} steps: the peak is never reached)"
         return text
 
@@ -219,7 +239,10 @@ class LearningRate:
         rates = "/".join(f"{rate:g}" for rate in dict.fromkeys(self.base_lrs))
         peaks = "/".join(f"{rate * self.scale:g}" for rate in dict.fromkeys(self.base_lrs))
         source = "train.lr" if config.lr is not None else "the optimizer's"
-        rates = f"peak lr {peaks} ({source} {rates} x {self.scale:g})"
+        # A port from DDP, Accelerate or Lightning does not expect the rate to move: say why it did.
+        why = (" for the global batch: train.scale_lr, false keeps your rate"
+               if config.scale_lr and self.scale != 1.0 and config.reduction != "adasum" else "")
+        rates = f"peak lr {peaks} ({source} {rates} x {self.scale:g}{why})"
         if self.factory is not None:
             return f"{rates}, then your {type(self.scheduler).__name__}"
         text = f"{rates}{self._describe_warmup()}"

@@ -4,7 +4,8 @@ re-forms the world (the global batch then follows the world, and so do the shard
 
 A training set that is a stream (hvdtrain.data.streaming) ends its epoch when the stream runs
 out (``exhausted``, set by the loop), not at a count; its steps per epoch are known only when it
-has a len(), and without one train.max_steps is required (the run's length and LR schedule)."""
+has a len(). Without one the run lasts train.epochs passes over it (or train.max_steps), and what
+needs its length is refused by name: a warm-up in epochs, a schedule that decays to the run's end."""
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
@@ -56,10 +57,6 @@ class Batching:
         # None: a stream without len() (its epochs end when it runs out; it may never).
         self.dataset_size: Optional[int] = (stream_length(train_dataset) if self.streaming
                                             else len(train_dataset))  # type: ignore[arg-type]
-        if self.dataset_size is None and config.max_steps is None:
-            raise ValueError(f"the training set is a stream without len() ({type(train_dataset).__name__}), maybe "
-                             f"endless: set train.max_steps (the run's length, and where an LR schedule ends), or "
-                             f"give the stream a __len__")
         self.exhausted = False  # a stream ran out in the current epoch (the loop sets it)
         self.rebuild(world, batch_size)
 
@@ -95,8 +92,13 @@ class Batching:
                              f"stream a __len__")
         else:
             self.warmup_steps = round(config.warmup_epochs * (self.steps_per_epoch or 0))
-        # The run's last step, where a decaying LR schedule ends: the epochs', or max_steps if sooner.
+        # The run's last step, where a decaying LR schedule ends: the epochs', or max_steps if sooner;
+        # None for a stream without len() and no max_steps (it ends when its passes do).
         self.total_steps = self.steps_for(config.max_steps)
+        if self.total_steps is None and config.lr_schedule != "constant":
+            raise ValueError(f"train.lr_schedule={config.lr_schedule} decays to the run's last step, and this stream "
+                             f"({type(self.train_dataset).__name__}) has no len() to count it by: set train.max_steps "
+                             f"(where the decay ends), give the stream a __len__, or use lr_schedule=constant")
 
     def _loading(self, collate_fn: Optional[Callable[[List[Any]], Any]] = None) -> dict:
         """How every loader of this run loads: the workers, pinning, prefetch, and the run's collate_fn or
@@ -116,10 +118,10 @@ class Batching:
         return sharded_loader(dataset, size, self.world.rank, self.world.size, self.config.seed,
                               **self._loading(collate_fn))
 
-    def steps_for(self, limit: Optional[int]) -> int:
-        """The run's steps: the epochs' (when known), or ``limit`` if sooner."""
+    def steps_for(self, limit: Optional[int]) -> Optional[int]:
+        """The run's steps: the epochs' (when known), or ``limit`` if sooner; None when neither is
+        known (a stream without len(), no limit)."""
         if self.steps_per_epoch is None:
-            assert limit is not None  # refused at construction
             return limit
         every_epoch = self.config.epochs * self.steps_per_epoch
         return every_epoch if limit is None else min(limit, every_epoch)

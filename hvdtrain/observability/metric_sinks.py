@@ -74,7 +74,7 @@ class TensorBoardSink:
         self.writer = SummaryWriter(log_dir=str(path / "tensorboard"))
 
     def write(self, kind: str, values: Mapping[str, Any]) -> None:
-        for key, value in numbers(values, skip=("step", "epoch")).items():
+        for key, value in numbers(values, skip=("step", "epoch", "epochs_done")).items():
             self.writer.add_scalar(f"{kind}/{key}", value, global_step=int(values["step"]))
         self.writer.flush()
 

@@ -35,12 +35,12 @@ class Progress:
 
     Args:
         mode: bar (tqdm), log (a line every log_every steps) or off.
-        total: the run's optimizer steps.
+        total: the run's optimizer steps (None: unknown, a stream without len(): no ETA).
         initial: the steps already done (a resumed run).
         logger: where log lines go.
     """
 
-    def __init__(self, mode: str, total: int, initial: int, logger: logging.Logger) -> None:
+    def __init__(self, mode: str, total: Optional[int], initial: int, logger: logging.Logger) -> None:
         self.mode = mode
         self.total = total
         self._logger = logger
@@ -60,7 +60,7 @@ class Progress:
 
     def eta(self, step: int) -> Optional[float]:
         done = step - self._first_step
-        if done <= 0:
+        if done <= 0 or self.total is None:
             return None
         return (time.perf_counter() - self._started) / done * max(0, self.total - step)
 
@@ -69,7 +69,7 @@ class Progress:
         """The latest figures: the bar's postfix, or a log line with the ETA.
 
         Args:
-            epoch: the epoch, from 1.
+            epoch: the epoch, from 0 (as epochs() yields it).
             step: optimizer steps done.
             loss: the mean training loss since the last report.
             lr: the current learning rate.
@@ -86,7 +86,7 @@ class Progress:
             eta = self.eta(step)
             figures = describe(efficiency)
             self._logger.info(
-                f"epoch {epoch} step {step}/{self.total} loss {loss:.4f} lr {lr:.4g} "
+                f"epoch {epoch} step {step}{'' if self.total is None else f'/{self.total}'} loss {loss:.4f} lr {lr:.4g} "
                 f"{samples_per_sec:.0f} samples/s, {figures + ', ' if figures else ''}"
                 f"{comm_fraction:.0%} waiting for gradients"
                 + (f", ETA {format_eta(eta)}" if eta is not None else "")

@@ -27,11 +27,14 @@ from hvdtrain.strategies.base import Strategy
 
 
 def epoch_line(record: Mapping[str, Any], epochs: int) -> str:
-    """The line rank 0 prints at the end of an epoch (or where max_steps ended it).
+    """The line rank 0 prints at the end of an epoch (or where max_steps ended it): the epoch by its
+    index from 0, as epochs() yields it, then the run's epochs done out of train.epochs.
 
     Horovod elastic can roll back to a commit at an epoch's last step: the epoch then ends with no
     step of its own, and is recorded without a train loss."""
-    line = f"epoch {record['epoch']:g}/{epochs} step {record['step']}"
+    done = record["epochs_done"]
+    ended = "done" if done >= record["epoch"] + 1 else "stopped"
+    line = f"epoch {record['epoch']} {ended} ({done:.3g}/{epochs} epochs) step {record['step']}"
     if "train_loss" in record:
         line += f" train_loss {record['train_loss']:.4f}"
     if "val_accuracy" in record:
@@ -198,7 +201,7 @@ class Reporter:
             extra: more fields of the step record.
         """
         figures = self.efficiency_figures(samples_per_sec)
-        self.progress.report(int(epoch) + 1, step, means["loss"], lr, samples_per_sec, comm_fraction, figures)
+        self.progress.report(int(epoch), step, means["loss"], lr, samples_per_sec, comm_fraction, figures)
         self.record("step", {"step": step, "epoch": epoch, **means, "lr": lr, "samples_per_sec": samples_per_sec,
                              **figures, "comm_fraction": comm_fraction, **extra})
 

@@ -284,7 +284,7 @@ def test_sbatch_job_preempted_with_usr1_checkpoints_requeues_and_resumes(cluster
     assert len(restarts) == 1, (records, context)
     before, after = records[restarts[0] - 1], records[restarts[0]]
     assert before["step"] <= int(stopped.group(1)) < after["step"], (records, context)
-    assert [r["epoch"] for r in records if r["kind"] == "epoch"][-1] == 12, context
+    assert [r["epochs_done"] for r in records if r["kind"] == "epoch"][-1] == 12, context
 
 
 def test_doctor_inside_a_slurm_allocation_takes_its_hosts_from_slurm(cluster):

@@ -1,4 +1,5 @@
 """Running launches from tests: own session, hard timeout, root-aware environment."""
+import difflib
 import os
 import subprocess
 import sys
@@ -87,3 +88,18 @@ def signal_when(argv, ready: Path, signum, ranks=None, timeout=240.0):
     finally:
         kill_session(process.pid)
     return process.returncode, out, err, left
+
+
+def code_lines(path):
+    """A script's lines after its docstring (which says what the script is, not what it does)."""
+    text = Path(path).read_text()
+    return text[text.index('"""', 3) + 3:].splitlines()
+
+
+def port_diff(original, port):
+    """The lines a port takes out of ``original`` and puts into ``port`` (docstrings aside), and the
+    unified diff itself, to show when a count is off."""
+    diff = list(difflib.unified_diff(code_lines(original), code_lines(port), lineterm="", n=0))
+    removed = [line for line in diff if line.startswith("-") and not line.startswith("---")]
+    added = [line for line in diff if line.startswith("+") and not line.startswith("+++")]
+    return removed, added, "\n".join(diff)

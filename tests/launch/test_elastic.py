@@ -136,6 +136,6 @@ def test_losing_rank_0s_host_keeps_checkpoints_and_metrics_going_and_the_host_re
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in records if r["kind"] == "step"]
     assert steps and max(steps) > killed_after + 10, f"step records {steps}, the last checkpoint before the kill {killed_after}"
-    assert [r for r in records if r["kind"] == "epoch"][-1]["epoch"] == 16.0
+    assert [r for r in records if r["kind"] == "epoch"][-1]["epochs_done"] == 16.0
     logs = sorted(p.name for p in (run_dir / "logs").iterdir())
     assert logs == ["rank-0.log", "rank-1.log", "rank-2.log"], logs

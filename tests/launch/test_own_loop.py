@@ -3,13 +3,12 @@ changes a handful of lines, keeps its loop and its own evaluation, and a run of 
 SIGKILL inside an epoch and started again ends bitwise where the Trainer's uninterrupted run of the
 same job ends (one code path; hvdtrain resumes the model, the optimizer, the RNG and the position in
 the epoch's order; the rank-0 save is the user's own)."""
-import difflib
 import re
 
 import pytest
 import torch
 
-from tests.launch.helpers import PYTHON, ROOT, kill_when, run
+from tests.launch.helpers import PYTHON, ROOT, kill_when, port_diff, run
 
 EXAMPLES = ROOT / "examples" / "own_loop"
 EPOCHS = 3  # 1,438 training digits in global batches of 32 at 2 workers: 44 steps each
@@ -17,26 +16,13 @@ STEPS_PER_EPOCH = 1438 // 32
 MID_EPOCH_STEP = 60  # the port checkpoints every 20 steps (checkpoint_every=20)
 
 
-def code_lines(path):
-    """The script's lines after its docstring (which says what the script is, not what it does)."""
-    text = path.read_text()
-    return text[text.index('"""', 3) + 3:].splitlines()
-
-
 def test_the_port_takes_thirteen_lines_out_and_puts_nine_in():
-    diff = list(difflib.unified_diff(code_lines(EXAMPLES / "horovod_digits.py"),
-                                     code_lines(EXAMPLES / "hvdtrain_digits.py"), lineterm="", n=0))
-    removed = [line for line in diff if line.startswith("-") and not line.startswith("---")]
-    added = [line for line in diff if line.startswith("+") and not line.startswith("+++")]
+    removed, added, diff = port_diff(EXAMPLES / "horovod_digits.py", EXAMPLES / "hvdtrain_digits.py")
     # What goes: the sampler and loader, the broadcasts and the DistributedOptimizer, the lr x size,
     # set_epoch, zero_grad, backward and step. What comes: the import, the --checkpoint-dir argument,
-    # setup (two lines), and the loop's four calls.
-    assert (len(removed), len(added)) == (13, 9), "\n".join(diff)
+    # setup (two lines), and the loop's four calls. (Every page's count of it: test_peer_ports.py.)
+    assert (len(removed), len(added)) == (13, 9), diff
     assert any("hvdtrain.setup(" in line for line in added)
-    # Every page that gives the port's count gives this one (one said "8 in" while the port took 9).
-    claims = {(page.name, match) for page in (ROOT / "docs").rglob("*.md")
-              for match in re.findall(r"(\d+) lines out and (\d+) in", page.read_text())}
-    assert claims and all(counts == ("13", "9") for _, counts in claims), sorted(claims)
 
 
 def argv(script, *extra):
@@ -72,7 +58,9 @@ def test_the_port_resumed_after_sigkill_mid_epoch_ends_bitwise_where_the_trainer
     assert resumed_at % STEPS_PER_EPOCH, f"the kill came at an epoch's end (step {resumed_at}): no mid-epoch resume"
     # The resumed run trains (and evaluates) the rest of the epoch it stopped in, and the epochs after it.
     port = accuracies(out, epochs=EPOCHS - resumed_at // STEPS_PER_EPOCH)
-    # All learn the digits (~88% after 3 epochs here, hvdtrain's first epoch a warm-up; chance is 10%).
+    # All learn the digits: 86.9-95.0% after 3 epochs over seeds 1-5 (the script and the port; the
+    # data orders differ, so the seed moves each by several points: the rates are compared exactly in
+    # tests/unit/test_batching.py); chance is 10%.
     assert min(original, trainer, port) > 80, (original, trainer, port)
 
     expected, weights = torch.load(tmp_path / "trainer.pt"), torch.load(tmp_path / "resumed.pt")

@@ -70,7 +70,7 @@ def test_resharded_on_load_ends_as_the_consolidated_checkpoint_does(case, writte
         assert code == 0, f"exit {code}\n{out[-3000:]}\n{err[-3000:]}"
         if path == "resharded":
             assert f"resharding {directory / sharded.directory_name(STOP)} (" in out + err, (out + err)[-3000:]
-        assert f"resumed at epoch 1, step {STOP}" in out + err, (out + err)[-3000:]
+        assert f"resumed at epoch 0, step {STOP}" in out + err, (out + err)[-3000:]
         models.append(load_file(str(tmp_path / f"runs-{path}" / "run" / "model.safetensors")))
     resharded, consolidated = models
     assert set(resharded) == set(consolidated)

@@ -115,7 +115,7 @@ def test_a_preemption_signal_checkpoints_at_a_step_boundary_and_the_rerun_ends_b
 
     code, out, err = run(train_argv(2, directory))
     assert code == 0, err[-3000:]
-    assert f"resumed at epoch {step // 22 + 1}, step {step}" in out
+    assert f"resumed at epoch {step // 22}, step {step}" in out
     expected, resumed = final_state(whole), final_state(directory)
     for key, tensor in expected["model"].items():
         assert torch.equal(tensor, resumed["model"][key]), f"model {key} differs after preemption"

@@ -82,7 +82,10 @@ def test_rank_zero_runs_the_block_first_and_the_barrier_holds_every_rank(world, 
         time.sleep(0.3)
     session.barrier()
     waited = collectives.allgather_object(time.monotonic() - before, name="loop_helpers.barrier")
-    assert min(waited) >= 0.3, waited  # every rank waited for the last one
+    # Every rank waited for the last one: the ranks left the gather above up to a few ms apart (3 ms
+    # measured under load), so a rank's own wait is the 0.3 s less that skew; without the barrier it
+    # would be about 0.
+    assert min(waited) >= 0.2, waited
 
 
 def test_log_writes_a_record_into_the_runs_metrics(world, session):

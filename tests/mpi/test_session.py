@@ -114,14 +114,15 @@ def test_what_the_own_loop_cannot_do_is_refused(world, tmp_path):
     with pytest.raises(ValueError, match="use hvdtrain.Trainer"):
         hvdtrain.setup(model, optimizer, data, TrainConfig(pipeline_parallel=2), world=world)
 
-    hv = hvdtrain.setup(model, optimizer, data, TrainConfig(epochs=1, batch_size=4, log_every=1000), world=world)
+    hv = hvdtrain.setup(model, optimizer, data, TrainConfig(epochs=1, batch_size=4, log_every=1000, warmup_epochs=1),
+                        world=world)
     with pytest.raises(RuntimeError, match="inside an epoch"):
         hv.batches()
     with pytest.raises(ValueError, match="train.checkpoint_dir"):
         hv.save()
     with pytest.raises(TypeError, match="state_dict"):
         hv.keep(steps=3)
-    # A one-epoch warm-up (the default) sets the rate at every step: a scheduler of your own would be
+    # A one-epoch warm-up sets the rate at every step: a scheduler of your own would be
     # overwritten, silently. Refused, saying how to step it yourself or have hvdtrain step it.
     with pytest.raises(ValueError, match=r"train.warmup_epochs=0, train.warmup_steps=null and train.lr_schedule="
                                          r"constant .* or give it to setup as lr_scheduler="):

@@ -147,3 +147,24 @@ def test_another_set_s_loader_takes_the_run_s_collate_or_the_one_given():
     assert torch.cat(list(batching.evaluation_loader(Sentences(), 16, labels_only))).tolist() == list(range(1, 64, 2))
     own = Batching(TrainConfig(batch_size=4), world(0, 2), 4, Sentences(), None, loader_factory=own_loader)
     assert own.evaluation_loader(Sentences()).num_workers == 2, "the run's own loaders serve other sets too"
+
+
+def test_a_port_with_default_settings_steps_at_its_scripts_rate_from_the_first_step():
+    """Horovod's pytorch_mnist at 2 workers: SGD at lr x hvd.size() from its first step, no warm-up.
+    The port deletes the `* hvd.size()` (train.scale_lr does it) and with the defaults steps at the
+    same rate at every step (with the old default, a one-epoch warm-up from one worker's rate, its
+    first epoch stepped slower than the script's)."""
+    from hvdtrain.components.lr import LearningRate
+
+    config = TrainConfig(batch_size=16, epochs=3)
+    two = world(0, 2)
+    batching = Batching(config, two, 16, Sentences(), None)
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.05, momentum=0.9)
+    rate = LearningRate(config, optimizer)
+    rate.start(batching.global_batch_size, batching.warmup_steps, two, 0, batching.total_steps)
+    seen = []
+    for _ in range(batching.total_steps):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        rate.step()
+    assert seen == [0.05 * 2] * batching.total_steps

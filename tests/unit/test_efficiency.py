@@ -163,8 +163,8 @@ def test_the_log_line_and_the_epoch_line_carry_the_figures():
     progress.close()
     assert stream.getvalue().startswith("epoch 1 step 5/10 loss 1.0000 lr 0.1 64 samples/s, 4096 tokens/s, "
                                         "0.0123 TFLOPs/s per rank, MFU 15.3%, 10% waiting for gradients")
-    record = {"epoch": 1, "step": 5, "train_loss": 1.0, "samples_per_sec": 64.0, **figures}
-    assert epoch_line(record, 2) == ("epoch 1/2 step 5 train_loss 1.0000 64 samples/s, 4096 tokens/s, "
+    record = {"epoch": 1, "epochs_done": 1.5, "step": 5, "train_loss": 1.0, "samples_per_sec": 64.0, **figures}
+    assert epoch_line(record, 2) == ("epoch 1 stopped (1.5/2 epochs) step 5 train_loss 1.0000 64 samples/s, 4096 tokens/s, "
                                      "0.0123 TFLOPs/s per rank, MFU 15.3%")
 
 

@@ -11,6 +11,9 @@ HYDRA = {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRA
 SRUN = {"SLURM_PROCID": "5", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "6",
         "SLURM_LOCALID": "1", "SLURM_NODEID": "2", "SLURM_STEP_TASKS_PER_NODE": "2(x2),1",
         "SLURM_STEP_NODELIST": "gpu[01-02],cpu7", "SLURM_JOB_NODELIST": "gpu[01-02],cpu[7-8]"}
+# What torchrun --nproc_per_node=2 gives its second process (printed from one, the run id shortened).
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "ef717d89", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "46741"}
 BATCH_SHELL = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "17",
                "SLURM_JOB_NODELIST": "gpu[01-04]"}  # the sbatch script itself: no step
 
@@ -21,6 +24,8 @@ BATCH_SHELL = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "17",
     (HYDRA, "MPICH/Intel MPI (Hydra)", (2, 4, 0, 2, None)),
     (SRUN, "SLURM srun", (5, 6, 1, 1, 2)),
     ({"PMIX_RANK": "7"}, "PMIx", (7, None, None, None, None)),
+    (TORCHRUN, "torchrun", (1, 2, 1, 2, 0)),
+    ({**SRUN, **TORCHRUN}, "torchrun", (1, 2, 1, 2, 0)),
     ({}, "single process", (0, 1, 0, 1, None)),
     (BATCH_SHELL, "single process", (0, 1, 0, 1, None)),
 ])
@@ -70,6 +75,20 @@ def test_a_world_that_disagrees_with_the_launcher_is_refused_with_both_values_an
     assert "world size: the launcher says 6, Horovod says 1 (hvd.size())" in message
     assert "rank: the launcher says 5, Horovod says 0 (hvd.rank())" in message
     assert "HINT: srun started each task as its own 1-rank MPI world: use `srun --mpi=pmix`" in message
+
+
+def test_torchrun_of_two_processes_is_refused_naming_the_launchers_to_use():
+    # Each torchrun process's Horovod is a world of one: unrefused, two separate runs would train.
+    with pytest.raises(env.LauncherEnvironmentError) as error:
+        env.check_world(env.detect(TORCHRUN), rank=0, size=1, local_rank=0, local_size=1)
+    message = str(error.value)
+    assert message.startswith("started by torchrun")
+    assert "world size: the launcher says 2, Horovod says 1 (hvd.size())" in message
+    assert "HINT: torchrun starts processes that Horovod does not join" in message
+    assert "horovodrun -np N python SCRIPT" in message
+    # One process under torchrun is a world of one either way: it trains.
+    one = {**TORCHRUN, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    env.check_world(env.detect(one), rank=0, size=1, local_rank=0, local_size=1)
 
 
 def test_an_agreeing_world_passes_and_unknown_values_are_not_checked():

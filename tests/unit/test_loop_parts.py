@@ -80,8 +80,8 @@ def test_the_epoch_line_without_a_train_loss_when_the_epoch_had_no_step_of_its_o
     no step, and no train loss, of its own (it used to raise KeyError on every rank)."""
     from hvdtrain.observability.reporting import epoch_line
 
-    full = {"epoch": 3.0, "step": 30, "train_loss": 0.25, "samples_per_sec": 100.0, "val_loss": 0.5,
+    full = {"epoch": 2, "epochs_done": 3.0, "step": 30, "train_loss": 0.25, "samples_per_sec": 100.0, "val_loss": 0.5,
             "val_accuracy": 0.9}
-    assert epoch_line(full, 5) == "epoch 3/5 step 30 train_loss 0.2500 val_loss 0.5000 val_accuracy 0.9000 100 samples/s"
+    assert epoch_line(full, 5) == "epoch 2 done (3/5 epochs) step 30 train_loss 0.2500 val_loss 0.5000 val_accuracy 0.9000 100 samples/s"
     empty = {key: value for key, value in full.items() if key != "train_loss"}
-    assert epoch_line(empty, 5) == "epoch 3/5 step 30 val_loss 0.5000 val_accuracy 0.9000 100 samples/s"
+    assert epoch_line(empty, 5) == "epoch 2 done (3/5 epochs) step 30 val_loss 0.5000 val_accuracy 0.9000 100 samples/s"

@@ -77,7 +77,8 @@ def test_the_optimizer_steps_at_the_warmed_up_decayed_rate_of_each_group():
     assert seen[4] == pytest.approx([0.4, 0.04])  # the scaled peak
     assert seen[8] == pytest.approx([0.2, 0.02])  # halfway through the decay: cos(pi/2)
     assert seen[12] == pytest.approx([0.0, 0.0], abs=1e-15)
-    assert rate.describe() == ("peak lr 0.4/0.04 (train.lr 0.1/0.01 x 4) after 4 warm-up steps from 0.1/0.01 "
+    assert rate.describe() == ("peak lr 0.4/0.04 (train.lr 0.1/0.01 x 4 for the global batch: train.scale_lr, false keeps "
+                               "your rate) after 4 warm-up steps from 0.1/0.01 "
                                "(one worker's rate), cosine decay to x 0 at step 12")
 
 
@@ -106,7 +107,8 @@ def test_without_train_lr_the_optimizers_own_rates_are_scaled_and_printed_as_the
     rate.start(global_batch=32, warmup_steps=0, world=FOUR_WORKERS, step=0, total_steps=12)
     assert TrainConfig().lr is None
     assert optimizer.param_groups[0]["lr"] == pytest.approx(8e-5, rel=1e-12)  # scale_lr: 32 / 8 = 4 one-worker batches
-    assert rate.describe() == "peak lr 8e-05 (the optimizer's 2e-05 x 4), no warm-up"
+    assert rate.describe() == ("peak lr 8e-05 (the optimizer's 2e-05 x 4 for the global batch: train.scale_lr, "
+                               "false keeps your rate), no warm-up")
 
 
 def test_one_worker_steps_at_the_warmed_up_rate_and_the_start_line_says_from_where():

@@ -45,6 +45,17 @@ def test_log_mode_prints_one_plain_line_per_report_with_the_eta():
     assert "\r" not in line and line.count("\n") == 1
 
 
+def test_a_run_of_unknown_length_logs_its_steps_without_a_total_or_an_eta():
+    """A stream without len() and no max_steps: the line cannot say "of how many" (it used to need
+    max_steps only for this and the schedule)."""
+    logger, stream = capture_logger("test.progress.unknown")
+    progress = Progress("log", total=None, initial=0, logger=logger)
+    progress.advance()
+    progress.report(epoch=0, step=1, loss=1.0, lr=0.1, samples_per_sec=10.0, comm_fraction=0.0)
+    progress.close()
+    assert stream.getvalue() == "epoch 0 step 1 loss 1.0000 lr 0.1 10 samples/s, 0% waiting for gradients\n"
+
+
 def test_bar_mode_draws_on_stderr_and_keeps_messages_whole(capsys):
     logger, stream = capture_logger("test.progress.bar")
     progress = Progress("bar", total=4, initial=1, logger=logger)

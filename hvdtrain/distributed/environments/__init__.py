@@ -14,14 +14,17 @@ from hvdtrain.distributed.environments.openmpi import OpenMPIEnvironment
 from hvdtrain.distributed.environments.pmix import PMIxEnvironment
 from hvdtrain.distributed.environments.single import SingleProcessEnvironment
 from hvdtrain.distributed.environments.slurm import SlurmEnvironment
+from hvdtrain.distributed.environments.torchrun import TorchrunEnvironment
 
 # First match wins. MPI launchers come before SLURM: mpirun inside an sbatch allocation inherits
 # the batch shell's SLURM_* variables but is an mpirun launch. SLURM comes before bare PMIx:
-# srun --mpi=pmix sets both, and SLURM's variables say more.
+# srun --mpi=pmix sets both, and SLURM's variables say more. torchrun comes before SLURM: under
+# `srun torchrun` its variables describe the process, and it is refused either way (check_world).
 ENVIRONMENTS: Sequence[Type[ClusterEnvironment]] = (
     HorovodRunEnvironment,
     OpenMPIEnvironment,
     MPICHEnvironment,
+    TorchrunEnvironment,
     SlurmEnvironment,
     PMIxEnvironment,
     SingleProcessEnvironment,
@@ -88,5 +91,5 @@ def check_world(environment: ClusterEnvironment, rank: int, size: int,
 __all__ = [
     "ENVIRONMENTS", "ClusterEnvironment", "LauncherEnvironmentError", "check_world", "detect", "is_elastic_launch",
     "world_mismatches", "HorovodRunEnvironment", "OpenMPIEnvironment", "MPICHEnvironment",
-    "SlurmEnvironment", "PMIxEnvironment", "SingleProcessEnvironment",
+    "SlurmEnvironment", "PMIxEnvironment", "SingleProcessEnvironment", "TorchrunEnvironment",
 ]
