@@ -57,14 +57,14 @@ def kill_when(argv, ready, what=None, timeout=240.0, poll=0.02):
         process.wait()
 
 
-def signal_when(argv, ready: Path, signum, ranks=None, timeout=240.0):
-    """Start the launch ``argv`` and, once the path ``ready`` exists, send ``signum`` to its first
-    process (or to each process running the command ``ranks``: the ranks, as SLURM signals its tasks);
-    return (exit code, stdout, stderr, the session's processes left at its end). Every process of it
-    is killed if it does not end in time."""
+def signal_when(argv, ready: Path, signum, ranks=None, timeout=240.0, extra_env=None):
+    """Start the launch ``argv`` (with ``extra_env``) and, once the path ``ready`` exists, send
+    ``signum`` to its first process (or to each process running the command ``ranks``: the ranks, as
+    SLURM signals its tasks); return (exit code, stdout, stderr, the session's processes left at its
+    end). Every process of it is killed if it does not end in time."""
     from hvdtrain.launch.sessions import descendants_running, session_members
 
-    process = subprocess.Popen(argv, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
+    process = subprocess.Popen(argv, cwd=ROOT, env=launch_env(extra_env), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + timeout
     try:

@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from tests.launch.helpers import PYTHON, run, signal_when
+from tests.launch.helpers import PYTHON, ROOT, run, signal_when
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("datasets")
@@ -29,6 +29,9 @@ PERPLEXITY = re.compile(r"validation perplexity ([0-9.]+) over \d+ held-out toke
 # the order of float64 sums may differ with the thread count, ~1e-16 relative over ~100 terms of |logit| < 20,
 # while one wrong or stale weight moves the logits by 1e-3 or more.
 LOGITS_BOUND = 1e-10
+# A script in examples/ has its own folder first on sys.path, not the repository's: this tree's hvdtrain,
+# not whichever an editable install points at.
+THIS_TREE = {"PYTHONPATH": str(ROOT)}
 
 
 def recipe(base, name):
@@ -44,14 +47,14 @@ def exported_weights(run_dir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("lm_recipe")
-    code, whole_out, err = run(recipe(base, "whole"), timeout=300)
+    code, whole_out, err = run(recipe(base, "whole"), timeout=300, extra_env=THIS_TREE)
     assert code == 0, f"exit {code}\n{whole_out[-3000:]}\n{err[-3000:]}"
     argv = recipe(base, "preempted")
     # TERM to both ranks, as SLURM's GraceTime preemption sends it, once the run has checkpointed once.
     code, preempted_out, err, _ = signal_when(argv, base / "preempted" / "checkpoints" / "ckpt-000000005",
-                                              signal.SIGTERM, ranks=argv[4:])
+                                              signal.SIGTERM, ranks=argv[4:], extra_env=THIS_TREE)
     assert code == 0, f"a preempted run exits 0 (exit {code})\n{preempted_out[-3000:]}\n{err[-3000:]}"
-    code, resumed_out, err = run(argv, timeout=300)
+    code, resumed_out, err = run(argv, timeout=300, extra_env=THIS_TREE)
     assert code == 0, f"exit {code}\n{resumed_out[-3000:]}\n{err[-3000:]}"
     return base, whole_out, preempted_out, resumed_out
 
@@ -76,9 +79,10 @@ def test_the_model_beats_the_unigram_baseline_and_its_export_loads_and_generates
     found = PERPLEXITY.search(whole_out)
     assert found, whole_out[-3000:]
     model_perplexity, unigram = float(found.group(1)), float(found.group(2))
-    # A model that learnt the tokens' frequencies alone scores the unigram's perplexity; 60 steps of 1k
-    # tokens learn which tokens follow which (0.75-0.8 of it measured), a broken run stays at or above it.
-    assert model_perplexity < 0.9 * unigram, (model_perplexity, unigram)
+    # A model that learnt the tokens' frequencies alone scores the unigram's perplexity (a broken or
+    # unlearnt run: 211-528 measured); 60 steps learn which tokens follow which: 171.3 against 204.0 measured
+    # (0.84). The bound leaves room for another CPU's bf16 rounding to take the run elsewhere.
+    assert model_perplexity < 0.95 * unigram, (model_perplexity, unigram)
 
     exported = base / "whole" / "run" / "hf"
     probe = torch.load(base / "whole" / "run" / "probe_logits.pt", weights_only=True)
