@@ -57,6 +57,39 @@ def kill_when(argv, ready, what=None, timeout=240.0, poll=0.02):
         process.wait()
 
 
+def signal_when(argv, ready: Path, signum, ranks=None, timeout=240.0, extra_env=None):
+    """Start the launch ``argv`` (with ``extra_env``) and, once the path ``ready`` exists, send
+    ``signum`` to its first process (or to each process running the command ``ranks``: the ranks, as
+    SLURM signals its tasks); return (exit code, stdout, stderr, the session's processes left at its
+    end). Every process of it is killed if it does not end in time."""
+    from hvdtrain.launch.sessions import descendants_running, session_members
+
+    process = subprocess.Popen(argv, cwd=ROOT, env=launch_env(extra_env), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready.exists():
+            assert process.poll() is None, f"the launch ended (exit {process.returncode}) before {ready.name}"
+            assert time.monotonic() < deadline, f"no {ready.name} in {timeout:.0f} s"
+            time.sleep(0.05)
+        if ranks is None:
+            process.send_signal(signum)
+        else:
+            pids = descendants_running(process.pid, ranks)
+            assert len(pids) == 2, pids
+            for pid in pids:
+                os.kill(pid, signum)
+        out, err = process.communicate(timeout=max(deadline - time.monotonic(), 30))
+        left = session_members(process.pid)
+    except subprocess.TimeoutExpired:
+        kill_session(process.pid)
+        out, err = process.communicate()
+        pytest.fail(f"the launch did not end after the signal:\n{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        kill_session(process.pid)
+    return process.returncode, out, err, left
+
+
 def code_lines(path):
     """A script's lines after its docstring (which says what the script is, not what it does)."""
     text = Path(path).read_text()

@@ -1,7 +1,6 @@
 """``hvdtrain launch`` passes a scheduler's signals on to the job: SLURM's preemption warning (USR1,
 ``--signal=B:USR1@90`` sends it to the batch shell's processes, the launcher among them) reaches
 every rank once, the job checkpoints and ends as preempted, and the launcher returns its exit code."""
-import os
 import re
 import signal
 import subprocess
@@ -9,8 +8,7 @@ import time
 
 import pytest
 
-from hvdtrain.launch.sessions import descendants_running, session_members
-from tests.launch.helpers import BIN, PYTHON, ROOT, kill_session, launch_env
+from tests.launch.helpers import BIN, PYTHON, ROOT, kill_session, launch_env, signal_when
 
 HVDTRAIN = str(BIN / "hvdtrain")
 JOB_TIMEOUT = 420.0  # a guard against a job that ignores the signal, not a speed bound
@@ -23,31 +21,9 @@ def signal_when_stepped(argv, directory, signum, ranks=None, timeout=JOB_TIMEOUT
     """Start ``argv``, send ``signum`` to its first process (or to the processes running the command
     ``ranks``) once rank 0 has stepped three times, and return (exit code, stdout, stderr); every
     process of it is killed if it does not end in time."""
-    process = subprocess.Popen(argv, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    try:
-        while not (directory / "stepped").exists():
-            assert process.poll() is None, f"the job ended (exit {process.returncode}) before its 3rd step"
-            assert time.monotonic() < deadline, "no 3rd step in time"
-            time.sleep(0.05)
-        if ranks is None:
-            process.send_signal(signum)
-        else:
-            pids = descendants_running(process.pid, ranks)
-            assert len(pids) == 2, pids
-            for pid in pids:
-                os.kill(pid, signum)
-        out, err = process.communicate(timeout=max(deadline - time.monotonic(), 30))
-        left = session_members(process.pid)
-    except subprocess.TimeoutExpired:
-        kill_session(process.pid)
-        out, err = process.communicate()
-        pytest.fail(f"the job did not end after the signal:\n{out[-3000:]}\n{err[-3000:]}")
-    finally:
-        kill_session(process.pid)
+    code, out, err, left = signal_when(argv, directory / "stepped", signum, ranks, timeout)
     assert not left, f"processes {left} of the job outlived the launcher"
-    return process.returncode, out, err
+    return code, out, err
 
 
 def assert_checkpointed_as_preempted(out, checkpoints):
