@@ -7,8 +7,14 @@ ROOT = Path(__file__).resolve().parents[2]
 INDEX = ROOT / "docs" / "examples.md"
 
 
+def is_script(path):
+    """A file run as a script; a module beside it that the script imports (examples/lm_recipe/corpus.py)
+    is documented by the script's row and its page."""
+    return 'if __name__ == "__main__":' in path.read_text()
+
+
 def scripts():
-    found = [*ROOT.glob("train*.py"), *(ROOT / "examples").rglob("*.py"),
+    found = [*(path for path in [*ROOT.glob("train*.py"), *(ROOT / "examples").rglob("*.py")] if is_script(path)),
              *(path for path in (ROOT / "hvdtrain" / "examples").glob("*.py") if path.name != "__init__.py")]
     return {path.relative_to(ROOT).as_posix() for path in found}
 
