@@ -104,14 +104,20 @@ def matmul_parameters(model: torch.nn.Module) -> float:
 
 def routed_shares(model: torch.nn.Module) -> Dict[int, float]:
     """id(parameter) -> top-k / experts for every parameter of a fused experts module (what expert
-    parallelism splits), when the model's config names its experts per token; empty otherwise."""
+    parallelism splits), when its experts per token are named: by the model's config (Hugging Face),
+    else by the experts module or the layer holding it (a model of your own: ``top_k``, as
+    hvdtrain.examples.moe's); nothing for experts whose top-k is named nowhere."""
     from hvdtrain.parallel.experts import experts_per_token, fused_experts
 
-    top_k = experts_per_token(getattr(model, "config", None))
-    if top_k is None:
-        return {}
-    return {id(parameter): min(top_k / module.num_experts, 1.0) for module in fused_experts(model).values()
-            for parameter in module.parameters(recurse=False)}
+    from_config = experts_per_token(getattr(model, "config", None))
+    shares = {}
+    for path, module in fused_experts(model).items():
+        layer = model.get_submodule(path.rpartition(".")[0])
+        top_k = from_config or experts_per_token(module) or experts_per_token(layer)
+        if top_k is not None:
+            shares.update({id(parameter): min(top_k / module.num_experts, 1.0)
+                           for parameter in module.parameters(recurse=False)})
+    return shares
 
 
 def count_step(shadow: torch.nn.Module, step_fn: Callable[[torch.nn.Module, Any], Any], batch: Any) -> float:

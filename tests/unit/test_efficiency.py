@@ -101,6 +101,25 @@ def test_a_mixture_of_experts_counts_the_top_k_experts_a_token_visits():
     assert len(flops.method) < 200, flops.method
 
 
+def test_a_mixture_of_experts_of_your_own_counts_the_top_k_its_layers_name():
+    """hvdtrain's own MoE has no config: the top-k comes from the layer holding the experts (it used to
+    count every expert: 4 experts of top-2 made MFU up to twice too high)."""
+    from hvdtrain.examples.moe import MoEFeedForward, TinyMoELM, moe_lm_step
+    from hvdtrain.parallel.experts import fused_experts
+
+    model = TinyMoELM(40, seq_len=8, d_model=16, layers=2, heads=2, num_experts=4, top_k=2)
+    ids = torch.randint(0, 40, (2, 8))
+    routed = count_model_flops(meta_copy(model), moe_lm_step, (ids, ids), samples=2)
+    assert routed.method.startswith("6N per token")  # the meta device cannot route by the data
+    for layer in model.modules():
+        if isinstance(layer, MoEFeedForward):
+            layer.top_k = None  # named nowhere: every expert counts
+    whole = count_model_flops(meta_copy(model), moe_lm_step, (ids, ids), samples=2)
+    experts = sum(p.numel() for m in fused_experts(model).values() for p in m.parameters(recurse=False))
+    assert experts == 2 * 4 * 3 * 16 * 32
+    assert whole.per_token - routed.per_token == 6 * (experts - experts * 2 // 4)
+
+
 def test_token_models_are_told_by_integer_ids_into_an_embedding():
     lm = TinyTransformerLM(50, seq_len=16, d_model=32, layers=1, heads=4)
     ids = torch.randint(0, 50, (2, 16))
