@@ -290,8 +290,8 @@ class TrainingLoop:
         if self.precision.scaled:
             extra.update(loss_scale=self.precision.scale, skipped_steps=self.precision.skipped_steps)
         position = self.position
-        self.reporter.window(self.batching.epoch_progress(position.epoch, position.epoch_position), position.step,
-                             means, self.lr.current, samples_per_sec, comm_fraction, extra)
+        self.reporter.window(position.epoch, self.batching.epoch_progress(position.epoch, position.epoch_position),
+                             position.step, means, self.lr.current, samples_per_sec, comm_fraction, extra)
         self.callbacks.call("on_log", position.step, dict(means))
 
     def evaluate(self) -> Dict[str, float]:
@@ -321,7 +321,8 @@ class TrainingLoop:
             metrics = self.evaluate()
         self.model.train()
         position = self.position
-        self.reporter.evaluation({"epoch": self.batching.epoch_progress(position.epoch, position.epoch_position),
+        self.reporter.evaluation({"epoch": position.epoch,
+                                  "epochs_done": self.batching.epoch_progress(position.epoch, position.epoch_position),
                                   "step": position.step, **metrics})
         self.callbacks.call("on_evaluation_end", position.step, metrics)
         self.stop_if_agreed("loop.stop.evaluation")

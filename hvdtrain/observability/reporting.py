@@ -186,13 +186,14 @@ class Reporter:
             self.topology.log.info(STARTUP_CLOCK.line())
             self.record("startup", {"step": step, **startup})
 
-    def window(self, epoch: float, step: int, means: Dict[str, float], lr: float, samples_per_sec: float,
-               comm_fraction: float, extra: Mapping[str, Any]) -> None:
+    def window(self, epoch: int, epochs_done: float, step: int, means: Dict[str, float], lr: float,
+               samples_per_sec: float, comm_fraction: float, extra: Mapping[str, Any]) -> None:
         """Every log_every steps: the progress display and a step record (rank 0's clock measures the
         job: every step ends in the same collective on every rank).
 
         Args:
-            epoch: the epoch, fractional (steps done in it).
+            epoch: the epoch's index, from 0 (as epochs() yields it).
+            epochs_done: the run's progress in epochs (fractional: samples done in this one).
             step: optimizer steps done.
             means: the window's mean loss and metrics.
             lr: the current learning rate.
@@ -201,8 +202,8 @@ class Reporter:
             extra: more fields of the step record.
         """
         figures = self.efficiency_figures(samples_per_sec)
-        self.progress.report(int(epoch), step, means["loss"], lr, samples_per_sec, comm_fraction, figures)
-        self.record("step", {"step": step, "epoch": epoch, **means, "lr": lr, "samples_per_sec": samples_per_sec,
+        self.progress.report(epoch, step, means["loss"], lr, samples_per_sec, comm_fraction, figures)
+        self.record("step", {"step": step, "epoch": epoch, "epochs_done": epochs_done, **means, "lr": lr, "samples_per_sec": samples_per_sec,
                              **figures, "comm_fraction": comm_fraction, **extra})
 
     def epoch(self, record: Mapping[str, Any]) -> None:
