@@ -25,9 +25,9 @@ def test_each_script_asks_for_the_warning_and_requeueing(script):
         assert re.search(r"^trap '.*-USR1 .*\$launcher.*' USR1$", text, re.MULTILINE), script
 
 
-def test_the_three_launch_paths_and_the_gpu_script_are_there():
-    assert [path.name for path in SCRIPTS] == ["train-gpu.sbatch", "train-horovodrun.sbatch", "train-mpirun.sbatch",
-                                               "train.sbatch"]
+def test_the_three_launch_paths_the_gpu_script_and_the_lm_recipes_are_there():
+    assert [path.name for path in SCRIPTS] == ["lm_recipe.sbatch", "train-gpu.sbatch", "train-horovodrun.sbatch",
+                                               "train-mpirun.sbatch", "train.sbatch"]
 
 
 def values(text, commented=False):
