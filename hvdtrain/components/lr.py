@@ -136,14 +136,18 @@ SchedulerFactory = Callable[..., LRScheduler]  # (optimizer) or (optimizer, tota
 
 
 def wants_total_steps(factory: SchedulerFactory) -> bool:
-    """Whether your scheduler factory takes the run's total steps after the optimizer, as most
-    schedules need (transformers' get_cosine_schedule_with_warmup, torch's OneCycleLR)."""
+    """Whether your scheduler factory requires the run's total steps after the optimizer, as most
+    schedules need (transformers' get_cosine_schedule_with_warmup, torch's OneCycleLR):
+    ``lambda optimizer, total_steps: ...``. Only a second parameter without a default counts: a
+    scheduler class or a functools.partial given as the factory has defaulted ones (ConstantLR's
+    factor, a partial's keywords), which the total must not fill silently."""
     try:
         parameters = inspect.signature(factory).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: the one-argument form
         return False
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
+    required = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                and p.default is p.empty]
+    return len(required) >= 2
 
 
 class LearningRate:

@@ -132,3 +132,29 @@ def test_train_lr_cannot_scale_an_optimizer_whose_first_group_has_no_rate():
     optimizer = torch.optim.SGD([{"params": [model.weight], "lr": 0.0}, {"params": [model.bias], "lr": 0.1}])
     with pytest.raises(ValueError, match=r"give that group a rate > 0, or leave train.lr unset"):
         LearningRate(TrainConfig(lr=0.05), optimizer)
+
+
+def test_a_scheduler_factory_is_given_the_total_steps_only_when_it_requires_them():
+    """lambda optimizer, total_steps: ... gets the run's steps; a scheduler class or a partial given
+    as the factory keeps the one-argument call (the total would otherwise fill ConstantLR's factor or
+    a partial's keyword, silently or with a TypeError)."""
+    import functools
+
+    from hvdtrain.components.lr import wants_total_steps
+
+    schedulers = torch.optim.lr_scheduler
+    assert wants_total_steps(lambda optimizer, total_steps: None)
+    assert not wants_total_steps(lambda optimizer: None)
+    assert not wants_total_steps(schedulers.ConstantLR)
+    assert not wants_total_steps(functools.partial(schedulers.StepLR, step_size=3))
+    assert not wants_total_steps(lambda optimizer, total_steps=10: None)
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.2)
+    seen = []
+    rate = LearningRate(TrainConfig(batch_size=8, scale_lr=False), optimizer,
+                        factory=lambda optimizer, total: seen.append(total) or schedulers.LinearLR(
+                            optimizer, start_factor=1.0, end_factor=0.5, total_iters=total))
+    rate.start(global_batch=8, warmup_steps=0, world=FOUR_WORKERS, step=0, total_steps=12)
+    assert seen == [12] and rate.scheduler.total_iters == 12
+    rate = LearningRate(TrainConfig(batch_size=8, scale_lr=False), optimizer, factory=schedulers.ConstantLR)
+    rate.start(global_batch=8, warmup_steps=0, world=FOUR_WORKERS, step=0, total_steps=12)
+    assert rate.scheduler.factor == pytest.approx(1 / 3)  # ConstantLR's own default, not the total
