@@ -2,31 +2,22 @@
 schedule with warm-up, clipping, its own evaluation, torch.save), ported both ways: to the library
 API (own_loop.py) and to the Trainer (trainer.py). Both keep the padding and the cosine decay, and
 at 2 workers they train bitwise the same weights: one code path under both."""
-import difflib
 import re
 
 import pytest
 import torch
 
-from tests.launch.helpers import PYTHON, ROOT, run
+from tests.launch.helpers import PYTHON, ROOT, code_lines, port_diff, run
 
 pytest.importorskip("transformers")
 
 EXAMPLES = ROOT / "examples" / "finetune"
 
 
-def code_lines(path):
-    """The script's lines after its docstring."""
-    text = path.read_text()
-    return text[text.index('"""', 3) + 3:].splitlines()
-
-
 @pytest.mark.parametrize("port,removed_added", [("own_loop.py", (11, 15)), ("trainer.py", (13, 14))])
 def test_each_port_changes_this_many_lines(port, removed_added):
-    diff = list(difflib.unified_diff(code_lines(EXAMPLES / "plain.py"), code_lines(EXAMPLES / port), lineterm="", n=0))
-    removed = [line for line in diff if line.startswith("-") and not line.startswith("---")]
-    added = [line for line in diff if line.startswith("+") and not line.startswith("+++")]
-    assert (len(removed), len(added)) == removed_added, "\n".join(diff)
+    removed, added, diff = port_diff(EXAMPLES / "plain.py", EXAMPLES / port)
+    assert (len(removed), len(added)) == removed_added, diff
     # Kept: the collator's dynamic padding and Hugging Face's cosine schedule.
     assert any("DataCollatorWithPadding(tokenizer)" in line for line in code_lines(EXAMPLES / port))
     assert any("get_cosine_schedule_with_warmup(" in line for line in added)
