@@ -188,6 +188,9 @@ def lock_rows(holding: Tuple[Optional[dict], str], trying: Tuple[Optional[dict],
     if "none" in (hold.get("flock"), tried.get("flock")):
         error = hold.get("error") or tried.get("error")
         return [Row("checkpoint lock", where, OK, f"no flock ({error}); {LEASE}")]
+    if tried.get("flock") not in ("refused", "granted"):
+        return [Row("checkpoint lock", b, FAIL, f"the lock probe failed: {b} read {a}'s marker as "
+                                                f"{tried.get('holder')!r}, not 'held'")]
     if a == b:
         if tried["flock"] == "refused":
             return [Row("checkpoint lock", where, OK, f"flock works between processes of {a} (one host: whether "

@@ -137,10 +137,14 @@ def _wait_for(args, what):
 
 
 def _mark(args, what, text):
-    with open(_probe_path(args, what), "w") as handle:
+    """Written aside and renamed into place: the other side lists the directory and reads the
+    marker the moment its name appears, which must not be before its text is there."""
+    final = _probe_path(args, what)
+    with open(final + ".part", "w") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
+    os.replace(final + ".part", final)
 
 
 def lock_hold(args):
@@ -165,7 +169,7 @@ def lock_hold(args):
         result["tried"] = _wait_for(args, "tried") is not None
     finally:
         handle.close()  # lets the flock go
-        for what in ("flock", "excl", "held", "tried"):
+        for what in ("flock", "excl", "held", "tried", "held.part", "tried.part"):
             try:
                 os.remove(_probe_path(args, what))
             except OSError:

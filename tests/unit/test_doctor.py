@@ -160,3 +160,24 @@ def test_the_host_facts_lock_probe_between_two_processes_of_this_host(tmp_path):
     row, = doctor.lock_rows((answers[0], ""), (answers[1], ""))
     assert row.status == "ok" and row.detail.startswith("flock works between processes of ")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_lock_marker_appears_under_its_name_only_with_its_text(tmp_path, monkeypatch):
+    """The other side reads a marker as soon as a listing shows its name: a marker created empty
+    and written after was once read as '' (CI: the doctor crashed on a probe answer with no flock)."""
+    from hvdtrain.launch import host_facts
+
+    args = {"checkpoint_dir": str(tmp_path), "token": "t4"}
+    name = os.path.basename(host_facts._probe_path(args, "held"))
+    listed_while_writing = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(host_facts.os, "fsync",
+                        lambda fd: (listed_while_writing.append(os.listdir(tmp_path)), real_fsync(fd)))
+    host_facts._mark(args, "held", "held")
+    assert listed_while_writing and all(name not in listing for listing in listed_while_writing)
+    assert os.listdir(tmp_path) == [name] and (tmp_path / name).read_text() == "held"
+
+
+def test_a_probe_answer_without_a_flock_verdict_fails_the_row_instead_of_crashing():
+    row, = doctor.lock_rows(holding("hostA"), ({"host": "hostB", "holder": "", "exclusive": True}, ""))
+    assert (row.host, row.status) == ("hostB", "FAIL") and "read hostA's marker as ''" in row.detail
