@@ -17,7 +17,7 @@ import horovod.torch as hvd
 
 from hvdtrain.common.errors import install_refusal_hook
 from hvdtrain.common.startup_clock import CLOCK as STARTUP_CLOCK
-from hvdtrain.distributed import devices
+from hvdtrain.distributed import cpu_allocator, devices
 from hvdtrain.distributed import environments as launcher_env
 from hvdtrain.distributed import rng
 from hvdtrain.distributed.world import World
@@ -203,6 +203,9 @@ def init(config: Any = None, *, seed: Optional[int] = None, threads: Optional[in
             hvd.local_size(), len(os.sched_getaffinity(0)), os.cpu_count() or 1
         )
     torch.set_num_threads(threads)
+    # A GPU rank's large tensors live in CUDA's caching allocator already.
+    allocator = "" if device.type != "cpu" else cpu_allocator.keep_freed_memory(
+        config.cpu_allocator if config is not None else "cache")
     rng.seed_everything(rng.rank_seed(seed, hvd.rank()))
     STARTUP_CLOCK.mark("horovod init")
 
@@ -214,6 +217,7 @@ def init(config: Any = None, *, seed: Optional[int] = None, threads: Optional[in
         threads=threads,
         device=device,
         hierarchical_allreduce=hierarchical_requested(),
+        cpu_allocator=allocator,
     )
 
 

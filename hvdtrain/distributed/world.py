@@ -23,6 +23,8 @@ class World:
     device: torch.device
     # HOROVOD_HIERARCHICAL_ALLREDUCE asked for (> 0) when Horovod started (hierarchical_effect: applied or not).
     hierarchical_allreduce: bool = False
+    # What train.cpu_allocator did to this CPU rank's malloc, in words for the start line ("": a GPU rank).
+    cpu_allocator: str = ""
 
     @property
     def is_root(self) -> bool:

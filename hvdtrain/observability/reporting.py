@@ -122,7 +122,8 @@ class Reporter:
         """Who runs where (the hosts: a collective, so every rank calls it), the set-up, the settings."""
         world, log, mesh = self.topology.world, self.topology.log, self.topology.mesh
         log.info(f"{world.size} workers ({world.cross_size} hosts x {world.local_size}) started by {world.launcher}, "
-                 f"{world.controller.upper()} controller, {world.threads} threads/rank, device {world.device}")
+                 f"{world.controller.upper()} controller, {world.threads} threads/rank, device {world.device}"
+                 + (f", {world.cpu_allocator}" if world.cpu_allocator else ""))
         if not self.elastic:  # no collective in elastic set-up
             hosts = collectives.allgather_object(world.hostname, name="trainer.hosts")
             ranks_by_host: Dict[str, List[int]] = {}

@@ -55,6 +55,8 @@ def test_train_py_reaches_the_stated_accuracy(launch, launched):
     assert len(re.findall(r"epoch 1 done \(2/\d+ epochs\) step", out)) == 1
     if launch == "hvdtrain launch --hostfile":
         assert "started by Open MPI mpirun" in out
+    # A CPU rank's malloc keeps what a step frees (train.cpu_allocator), and the start line says so.
+    assert "device cpu, malloc keeps freed memory (train.cpu_allocator=system returns it)" in out
 
 
 def test_a_two_worker_run_leaves_config_metrics_events_logs_timeline_and_plots(launched):

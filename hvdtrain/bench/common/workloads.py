@@ -5,6 +5,10 @@
   all-reduce is large next to its compute.
 - ``many``: hundreds of tiny parameter tensors (a deep stack of narrow linear layers), for the
   tensor-fusion knob: fusion matters when one step all-reduces many small tensors.
+- ``lm``: the example transformer language model (hvdtrain.examples.textlm), 8 blocks of width 512:
+  25.3M parameters in 8 equal blocks (fsdp's units) and a tied embedding; a sample is a window of
+  64 token ids and its next tokens, so a small batch (2 per worker) already computes as much as
+  the mlp's 64.
 
 Data is synthetic, a fixed number of samples per rank made from the seed, so no variant reads a
 disk or waits for a download, and each variant runs the same DataLoader over the same tensors.
@@ -16,10 +20,12 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
 CLASSES = 10
+LM_VOCAB, LM_CONTEXT = 256, 64
 
 
 def one_thread_per_rank() -> None:
@@ -63,18 +69,45 @@ def many_tensor_mlp(layers: int = 300, width: int = 32) -> nn.Module:
     return nn.Sequential(*blocks, nn.Linear(width, CLASSES))
 
 
+def transformer_lm() -> nn.Module:
+    """The example transformer language model: 8 blocks of width 512, 8 heads, 64 tokens of context."""
+    from hvdtrain.examples.textlm import TinyTransformerLM
+
+    return TinyTransformerLM(LM_VOCAB, seq_len=LM_CONTEXT, d_model=512, layers=8, heads=8, dropout=0.0)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every token: (B, T, V) logits, (B, T) next-token ids."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def classes(samples: int, shape: Tuple[int, ...], generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Random inputs of ``shape`` and random labels."""
+    return torch.randn((samples, *shape), generator=generator), torch.randint(0, CLASSES, (samples,), generator=generator)
+
+
+def token_windows(samples: int, generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Random token windows and the same windows shifted by one (the next tokens)."""
+    ids = torch.randint(0, LM_VOCAB, (samples, LM_CONTEXT + 1), generator=generator)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
     build: Callable[[], nn.Module]
-    input_shape: Tuple[int, ...]
+    data: Callable[[int, torch.Generator], Tuple[torch.Tensor, torch.Tensor]]  # (samples, generator) -> inputs, labels
     description: str
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
+    batch: int = 64  # samples per worker per step, unless a bench is told otherwise
 
 
 WORKLOADS: Dict[str, Workload] = {
-    "cnn": Workload("cnn", SmallCNN, (3, 32, 32), "small CNN, compute-bound"),
-    "mlp": Workload("mlp", wide_mlp, (1024,), "wide MLP, communication-bound"),
-    "many": Workload("many", many_tensor_mlp, (64,), "many small tensors (fusion knob)"),
+    "cnn": Workload("cnn", SmallCNN, lambda n, g: classes(n, (3, 32, 32), g), "small CNN, compute-bound"),
+    "mlp": Workload("mlp", wide_mlp, lambda n, g: classes(n, (1024,), g), "wide MLP, communication-bound"),
+    "many": Workload("many", many_tensor_mlp, lambda n, g: classes(n, (64,), g), "many small tensors (fusion knob)"),
+    "lm": Workload("lm", transformer_lm, token_windows, "transformer language model, 8 equal blocks",
+                   loss=lm_loss, batch=2),
 }
 
 
@@ -93,10 +126,7 @@ def build_model(name: str, seed: int) -> nn.Module:
 
 def synthetic_dataset(name: str, samples: int, seed: int) -> TensorDataset:
     """``samples`` random inputs of the model's shape with random labels, made from ``seed``."""
-    generator = torch.Generator().manual_seed(seed)
-    inputs = torch.randn((samples, *get(name).input_shape), generator=generator)
-    labels = torch.randint(0, CLASSES, (samples,), generator=generator)
-    return TensorDataset(inputs, labels)
+    return TensorDataset(*get(name).data(samples, torch.Generator().manual_seed(seed)))
 
 
 def parameter_count(model: nn.Module) -> Tuple[int, int]:

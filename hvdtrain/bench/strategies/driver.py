@@ -46,14 +46,18 @@ COMPONENTS = ("parameters", "gradients", "optimizer_state")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="mlp (default; >= 25M parameters), or cnn/many with --quick")
+    parser.add_argument("--model", help="mlp (default) or lm, the example transformer language model (both >= 25M "
+                                        "parameters), or cnn/many with --quick")
     parser.add_argument("--workers", type=int, default=2, help="workers of the speed comparison (default: 2)")
     parser.add_argument("--memory-workers", default="2,4",
                         help="comma-separated worker counts of the memory table, one Adam job each (default: 2,4)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved repeats of the speed jobs (default: 5)")
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
                         help="optimizer of the speed jobs (default: adam; the memory jobs always use Adam)")
-    parser.add_argument("--batch", type=int, default=64, help="samples per worker per step (default: 64)")
+    parser.add_argument("--batch", type=int, help="samples per worker per step (default: the model's, 64; lm: 2 "
+                                                  "windows of 64 tokens)")
+    parser.add_argument("--cpu-allocator", choices=("cache", "system"), default="cache",
+                        help="train.cpu_allocator of every job (default: cache)")
     parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps per job (default: 30)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")
     parser.add_argument("--segments", type=int, default=3, help="timed parts per job (default: 3)")
@@ -68,20 +72,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace) -> List[int]:
     """Apply --quick, check the options, return the memory worker counts (ValueError if wrong)."""
     if args.quick:
-        args.rounds, args.steps, args.warmup, args.segments, args.batch, args.samples = 1, 3, 1, 1, 16, 512
+        args.rounds, args.steps, args.warmup, args.segments, args.samples = 1, 3, 1, 1, 512
     args.model = args.model or ("cnn" if args.quick else "mlp")
+    from hvdtrain.bench.common import workloads  # torch, only once the options are read
+
+    default_batch = workloads.get(args.model).batch
+    if args.batch is None:
+        args.batch = min(16, default_batch) if args.quick else default_batch
     counts = [int(n) for n in args.memory_workers.split(",") if n.strip()]
     if not counts:
         raise ValueError("--memory-workers needs at least one worker count")
     if min(args.workers, args.rounds, args.batch, args.steps, args.warmup, args.segments, *counts) < 1:
         raise ValueError("--workers, --memory-workers, --rounds, --batch, --steps, --warmup, --segments must be >= 1")
-    from hvdtrain.bench.common import workloads  # torch, only once the options are read
-
-    workloads.get(args.model)
     params = workloads.parameter_count(workloads.build_model(args.model, 0))[0]
     if not args.quick and params < MIN_PARAMETERS:
         raise ValueError(f"--model {args.model} has {params / 1e6:.1f}M parameters; the real run needs "
-                         f">= {MIN_PARAMETERS / 1e6:.0f}M (mlp), or use --quick")
+                         f">= {MIN_PARAMETERS / 1e6:.0f}M (mlp, lm), or use --quick")
     if args.samples < args.batch * max(args.workers, *counts):
         raise ValueError(f"--samples {args.samples} is less than one global batch")
     args.segments = min(args.segments, args.steps)
@@ -90,7 +96,8 @@ def _settings(args: argparse.Namespace) -> List[int]:
 
 def plan(args: argparse.Namespace, memory_counts: Sequence[int]):
     trainer = throughput.VARIANTS["trainer"]
-    data = ("--variant", "trainer", "--model", args.model, "--batch", str(args.batch), "--samples", str(args.samples))
+    data = ("--variant", "trainer", "--model", args.model, "--batch", str(args.batch), "--samples", str(args.samples),
+            "--cpu-allocator", args.cpu_allocator)
     speed = [Job(f"speed/{s}", s, args.model, trainer, args.workers,
                  (*data, "--strategy", s, "--optimizer", args.optimizer, "--steps", str(args.steps),
                   "--warmup", str(args.warmup), "--segments", str(args.segments)), True) for s in STRATEGIES]
@@ -234,7 +241,8 @@ def text_report(rows, mem, verdict_lines, args, psi: Optional[int]) -> List[str]
     out = ["", format_table(
         ["strategy", "samples/s", "spread", "n", "/ddp (medians)", "/ddp per round", "per-round range",
          "comm share", "helper CPU", "peak RSS MB"], ratio_rows,
-        title=f"{args.model}, {args.optimizer}: global samples/s, batch {args.batch}/worker, {args.workers} workers, "
+        title=f"{args.model}, {args.optimizer}, cpu_allocator {args.cpu_allocator}: global samples/s, batch "
+              f"{args.batch}/worker, {args.workers} workers, "
               f"medians of {args.rounds} rounds (ratios: same run; per round = paired within a round)")]
     out += ["", format_table(
         ["strategy", "step", "gradient wait", "strategy.step", "of it update", "all-gather", "exposed comm",
@@ -340,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
     lines = text_report(rows, mem, verdict_lines, args, psi)
     report.print_lines(lines)
     settings = {k: getattr(args, k) for k in ("model", "workers", "memory_workers", "rounds", "optimizer", "batch",
-                                              "steps", "warmup", "segments", "samples", "quick", "strict")}
+                                              "cpu_allocator", "steps", "warmup", "segments", "samples", "quick", "strict")}
     report.write_json(out_dir / "results.json", report.finite_or_none({
         "benchmark": "strategies", "settings": settings, "parameters": psi, "speed": rows, "memory": mem,
         "verdicts": verdict_lines,

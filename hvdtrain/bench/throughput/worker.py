@@ -51,7 +51,6 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 from hvdtrain.bench.common import jobs, workloads
@@ -86,6 +85,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--hvdtrain-defaults", action="store_true",
                         help="horovod variant: apply hvdtrain's environment defaults first, as startup.init does")
     parser.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="trainer variant: train.strategy")
+    parser.add_argument("--cpu-allocator", choices=("cache", "system"), default="cache",
+                        help="trainer variant: train.cpu_allocator (default: cache)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help=f"trainer variant: SGD with momentum {MOMENTUM} (lr {LR}) or Adam (lr {ADAM_LR})")
     parser.add_argument("--devices", type=int,
@@ -123,7 +124,7 @@ def batches(loader: DataLoader) -> Iterator:
         epoch += 1
 
 
-def local_step(model, optimizer, micro_batches: Iterator, accumulation: int) -> None:
+def local_step(model, optimizer, micro_batches: Iterator, accumulation: int, loss_fn: Callable) -> None:
     """One optimizer step of plain PyTorch: zero_grad, forward/backward per micro-batch, step.
 
     Args:
@@ -131,11 +132,12 @@ def local_step(model, optimizer, micro_batches: Iterator, accumulation: int) -> 
         optimizer: its optimizer.
         micro_batches: (inputs, labels) pairs, ``accumulation`` of them.
         accumulation: micro-batches per step; each loss is divided by it.
+        loss_fn: the workload's loss of (outputs, labels).
     """
     optimizer.zero_grad()
     for _ in range(accumulation):
         inputs, targets = next(micro_batches)
-        loss = F.cross_entropy(model(inputs), targets)
+        loss = loss_fn(model(inputs), targets)
         (loss / accumulation if accumulation > 1 else loss).backward()
     optimizer.step()
 
@@ -298,7 +300,7 @@ def run_single(args) -> None:
 
     def steps(n: int) -> None:
         for _ in range(n):
-            local_step(model, optimizer, micro, args.accumulation)
+            local_step(model, optimizer, micro, args.accumulation, workloads.get(args.model).loss)
 
     measured = timed(lambda: None, steps, args)
     jobs.write_result(args.out, result(args, 1, [rank_record(measured)], model, {}))
@@ -319,7 +321,7 @@ def run_independent(args) -> None:
 
     def steps(n: int) -> None:
         for _ in range(n):
-            local_step(model, optimizer, micro, args.accumulation)
+            local_step(model, optimizer, micro, args.accumulation, workloads.get(args.model).loss)
 
     measured = timed(comm.Barrier, steps, args)
     per_rank = comm.gather(rank_record(measured), root=0)
@@ -358,7 +360,7 @@ def run_horovod(args) -> None:
 
     def steps(n: int) -> None:
         for _ in range(n):
-            local_step(model, optimizer, micro, args.accumulation)  # zero_grad, forward, backward, step
+            local_step(model, optimizer, micro, args.accumulation, workloads.get(args.model).loss)  # zero_grad, forward, backward, step
 
     measured = timed(hvd.barrier, steps, args, sync)
     per_rank = hvd.allgather_object(rank_record(measured), name="bench.result")
@@ -373,19 +375,19 @@ def run_trainer(args) -> None:
     from hvdtrain.config.train import TrainConfig
     from hvdtrain.trainer import Trainer
 
-    world = startup.init(seed=args.seed, threads=1)
+    # No progress lines in the timed steps (a user's choice, not a cost of the Trainer); the
+    # other per-step work (stall watchdog beat, preemption vote, LR schedule) stays on.
+    config = TrainConfig(epochs=10**6, batch_size=args.batch, lr=LR, max_steps=args.warmup,
+                         log_every=10**9, accumulation=args.accumulation, fp16_allreduce=args.fp16,
+                         seed=args.seed, strategy=args.strategy, cpu_allocator=args.cpu_allocator)
+    world = startup.init(config, threads=1)
     model = workloads.build_model(args.model, args.seed)
     dataset = workloads.synthetic_dataset(args.model, args.samples, args.seed)
     if args.optimizer == "adam":
         optimizer = torch.optim.Adam(model.parameters(), lr=ADAM_LR)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    # No progress lines in the timed steps (a user's choice, not a cost of the Trainer); the
-    # other per-step work (stall watchdog beat, preemption vote, LR schedule) stays on.
-    config = TrainConfig(epochs=10**6, batch_size=args.batch, lr=LR, max_steps=args.warmup,
-                         log_every=10**9, accumulation=args.accumulation, fp16_allreduce=args.fp16,
-                         seed=args.seed, strategy=args.strategy)
-    trainer = Trainer(model, optimizer, dataset, config=config, loss_fn=F.cross_entropy, world=world)
+    trainer = Trainer(model, optimizer, dataset, config=config, loss_fn=workloads.get(args.model).loss, world=world)
     # The strategy's synchronize is the step's exposed gradient wait under every strategy (ddp:
     # Horovod's all-reduce; zero: the reduce-scatter); its step is the update and, for zero, the
     # parameters' all-gather after it.
@@ -490,7 +492,7 @@ def run_ddp(args) -> None:
                 inputs, targets = next(micro)
                 last = index == args.accumulation - 1
                 with contextlib.nullcontext() if last else ddp.no_sync():
-                    loss = F.cross_entropy(ddp(inputs), targets)
+                    loss = workloads.get(args.model).loss(ddp(inputs), targets)
                     (loss / args.accumulation if args.accumulation > 1 else loss).backward()
             optimizer.step()
 
@@ -546,7 +548,7 @@ def run_dataparallel(args) -> None:
         for _ in range(n):
             # each step: scatter the batch from GPU 0, replicate the model, parallel forward,
             # gather the outputs on GPU 0, backward reduces the gradients onto GPU 0's model
-            local_step(parallel, optimizer, micro, args.accumulation)
+            local_step(parallel, optimizer, micro, args.accumulation, workloads.get(args.model).loss)
         synchronize()  # the clock stops on finished work, not on queued kernels
 
     measured = timed(synchronize, steps, args)
