@@ -99,12 +99,9 @@ class ZeroStrategy(ShardedStrategy):
     def _register_hooks(self) -> List[Any]:
         hooks = []
         for bucket in self.buckets:
-            for param in bucket.params:
+            for index, param in enumerate(bucket.params):
                 hooks.append(param.register_post_accumulate_grad_hook(
-                    lambda _, bucket=bucket: self._on_gradient_ready(bucket)))
-                if self.stage == 2:
-                    hooks.append(param.register_hook(
-                        lambda grad, bucket=bucket: self._on_gradient_arriving(bucket)))
+                    lambda _, bucket=bucket, index=index: self._on_gradient_ready(bucket, index)))
         return hooks
 
     def close(self) -> None:
@@ -143,12 +140,9 @@ class ZeroStrategy(ShardedStrategy):
                 bucket.flat_grad.zero_()
                 fb.attach_gradient_views(bucket, bucket.flat_grad)
 
-    def _on_gradient_arriving(self, bucket: fb.FlatBucket) -> None:
-        """Stage 2: the bucket's full-size gradient exists from its first gradient on."""
-        if bucket.flat_grad is None:
-            fb.attach_gradient_views(bucket, torch.zeros_like(bucket.flat_param))
-
-    def _on_gradient_ready(self, bucket: fb.FlatBucket) -> None:
+    def _on_gradient_ready(self, bucket: fb.FlatBucket, index: int) -> None:
+        if self.stage == 2:
+            fb.take_gradient(bucket, index)  # stage 1 accumulates into its buffer's views in place
         bucket.arrived += 1
         if self._communicate and bucket.arrived == len(bucket.params) and not bucket.started:
             self._start_reduction(bucket)
@@ -156,9 +150,8 @@ class ZeroStrategy(ShardedStrategy):
                 self._finish_completed_reductions()  # free full-size gradients early
 
     def _start_reduction(self, bucket: fb.FlatBucket) -> None:
-        if bucket.flat_grad is None:  # stage 2, no gradient this micro-batch: zeros
-            fb.attach_gradient_views(bucket, torch.zeros_like(bucket.flat_param))
-        grad = bucket.flat_grad.half() if bucket.fp16_wire else bucket.flat_grad
+        full = bucket.flat_grad if self.stage == 1 else fb.complete_gradients(bucket)  # missing ones count as zeros
+        grad = full.half() if bucket.fp16_wire else full
         self._in_flight[bucket.grad_name] = hvd.reducescatter_async(
             grad, name=bucket.grad_name, op=hvd.Average)
         bucket.started = True

@@ -256,6 +256,39 @@ def test_evaluation_gathers_each_unit_only_while_it_computes(world):
     assert (everywhere[:, 1] == 0).all(), f"max |unsharded model's output - fsdp's| per rank: {everywhere.tolist()}"
 
 
+def test_backward_starts_with_the_forwards_last_unit_still_gathered_and_the_next_on_its_way(world):
+    """Once the first forward has shown the units' order: the last block is not freed after its
+    forward (backward begins with it), so a step gathers it once, the others twice; and the gather
+    of the block before it starts while the root computes its backward, before the last block's
+    gradients are reduce-scattered. The step still ends with nothing full held."""
+    data = synthetic_classification(samples=192, features=FEATURES, classes=CLASSES)
+    model = Blocks(seed=0)
+    strategy = FSDPStrategy(model, OPTIMIZERS["adamw"](model), world, 1, False)
+    events = []
+    unit_of = {id(bucket): unit.path for unit in strategy.all_units for bucket in unit.buckets}
+    start_gather, start_reduction = strategy.comm.start_gather, strategy.comm.start_reduction
+
+    def gathering(unit):
+        if unit.state == "free" and unit.path:  # a gather that really starts, of a block
+            events.append(("gather", unit.path))
+        start_gather(unit)
+
+    def reducing(bucket):
+        events.append(("reduce", unit_of[id(bucket)]))
+        start_reduction(bucket)
+
+    strategy.comm.start_gather, strategy.comm.start_reduction = gathering, reducing
+    fsdp_steps(strategy, data, 1, 1, world)  # the first forward learns the order
+    events.clear()
+    fsdp_steps(strategy, data, 1, 1, world)
+    gathers = [path for kind, path in events if kind == "gather"]
+    freed = all_freed(strategy)
+
+    assert gathers == ["blocks.0", "blocks.1", "blocks.2", "blocks.1", "blocks.0"], events
+    assert events.index(("gather", "blocks.1"), 3) < events.index(("reduce", "blocks.2")), events
+    assert freed, "a full parameter buffer is still allocated after the step"
+
+
 def test_each_rank_holds_its_share_and_one_unit_at_a_time(world):
     torch.manual_seed(0)
     model = Blocks(seed=0, width=300, hidden=301, dtype=torch.float32)

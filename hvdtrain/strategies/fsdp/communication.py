@@ -87,7 +87,7 @@ class UnitCommunication:
         go of the parameters' .grad: the next micro-batch starts a new full gradient."""
         if bucket.grad_name in self.in_flight:
             self.finish_reduction(bucket)  # the previous micro-batch's, under the same name
-        grad = bucket.flat_grad if bucket.flat_grad is not None else bucket.shard.new_zeros(bucket.padded_numel)
+        grad = fb.complete_gradients(bucket)  # missing gradients count as zeros
         bucket.reducing = grad.half() if bucket.fp16_wire else grad  # alive until reduced
         fb.release_gradients(bucket)
         self.start(bucket.grad_name, hvd.reducescatter_async(bucket.reducing, name=bucket.grad_name, op=hvd.Average,

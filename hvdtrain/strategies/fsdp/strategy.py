@@ -115,6 +115,7 @@ class FSDPStrategy(ShardedStrategy):
         self._recording: Optional[List[fu.FSDPUnit]] = None  # the first forward's unit order
         self._next_forward: Dict[fu.FSDPUnit, fu.FSDPUnit] = {}
         self._next_backward: Dict[fu.FSDPUnit, fu.FSDPUnit] = {}
+        self._last_forward: Optional[fu.FSDPUnit] = None  # where backward starts
         self._order_known = False
         self._open = False  # gradients arrived since the last micro-batch was closed
         self._callback_queued = False
@@ -161,10 +162,9 @@ class FSDPStrategy(ShardedStrategy):
                 lambda module, args, output, unit=unit: self._after_unit_forward(unit, output)))
         for unit in self.all_units:
             for bucket in unit.buckets:
-                for param in bucket.params:
-                    hooks.append(param.register_hook(lambda grad, bucket=bucket: self._on_gradient_arriving(bucket)))
+                for index, param in enumerate(bucket.params):
                     hooks.append(param.register_post_accumulate_grad_hook(
-                        lambda param, unit=unit, bucket=bucket: self._on_gradient_ready(unit, bucket)))
+                        lambda param, unit=unit, bucket=bucket, index=index: self._on_gradient_ready(unit, bucket, index)))
         return hooks
 
     def close(self) -> None:
@@ -220,9 +220,10 @@ class FSDPStrategy(ShardedStrategy):
     def _after_model_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._recording is not None:
             self._learn_order(self._recording)
-        for unit in self.units:
-            self.comm.free(unit)  # prefetched but not run this time
         waiting = [t for t in _tensors(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        for unit in self.units:
+            if not (waiting and unit is self._last_forward and unit.state == fu.GATHERED):
+                self.comm.free(unit)  # prefetched but not run this time, or kept for a backward that never comes
         for tensor in waiting:
             tensor.register_hook(self._on_backward_start)
         if not waiting:  # no backward will come through this forward (evaluation)
@@ -232,6 +233,7 @@ class FSDPStrategy(ShardedStrategy):
         """Prefetch follows the first forward's order of units, and backward runs it in reverse."""
         self._next_forward = dict(zip(order, order[1:]))
         self._next_backward = dict(zip(order[1:], order))
+        self._last_forward = order[-1] if order else None
         self._recording, self._order_known = None, True
 
     def _before_unit_forward(self, unit: fu.FSDPUnit) -> None:
@@ -242,7 +244,11 @@ class FSDPStrategy(ShardedStrategy):
             self.comm.start_gather(self._next_forward[unit])
 
     def _after_unit_forward(self, unit: fu.FSDPUnit, output: Any) -> None:
-        self.comm.free(unit)  # autograd's saved views see the storage again once backward re-gathers
+        # The forward's last unit is the backward's first: it stays gathered (as PyTorch FSDP keeps
+        # its root), and backward starts without waiting for a gather. The others are freed;
+        # autograd's saved views see the storage again once backward re-gathers.
+        if not (torch.is_grad_enabled() and unit is self._last_forward):
+            self.comm.free(unit)
         if torch.is_grad_enabled():
             for tensor in _tensors(output):
                 if tensor.requires_grad:
@@ -266,6 +272,10 @@ class FSDPStrategy(ShardedStrategy):
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
             self._callback_queued = True
         self.comm.ensure_gathered(self.root)  # freed meanwhile by an evaluation forward, say
+        # The root's backward (the head, the loss) runs first: time to fetch the unit after the last.
+        following = self._next_backward.get(self._last_forward)
+        if self.prefetch and following is not None and not following.reduction_started:
+            self.comm.start_gather(following)
 
     def _before_unit_backward(self, unit: fu.FSDPUnit) -> None:
         if unit.reduction_started:
@@ -275,13 +285,9 @@ class FSDPStrategy(ShardedStrategy):
         if self.prefetch and previous is not None and not previous.reduction_started:
             self.comm.start_gather(previous)
 
-    def _on_gradient_arriving(self, bucket: fu.ShardedBucket) -> None:
-        """The bucket's full gradient exists from its first gradient on; autograd accumulates into it."""
-        if bucket.flat_grad is None:
-            fb.attach_gradient_views(bucket, bucket.shard.new_zeros(bucket.padded_numel))
+    def _on_gradient_ready(self, unit: fu.FSDPUnit, bucket: fu.ShardedBucket, index: int) -> None:
+        fb.take_gradient(bucket, index)  # into the bucket's full gradient, made at its first one
         self._open = True
-
-    def _on_gradient_ready(self, unit: fu.FSDPUnit, bucket: fu.ShardedBucket) -> None:
         bucket.arrived += 1
         if bucket.arrived == len(bucket.params) and not bucket.started:
             self.comm.start_reduction(bucket)

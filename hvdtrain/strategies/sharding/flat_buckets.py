@@ -31,9 +31,10 @@ class FlatBucket:
     param_name: str = field(init=False)
     flat_param: torch.Tensor = field(init=False)
     shard: torch.nn.Parameter = field(init=False)  # the own slice, as the shard optimizer's leaf
-    # Stage 1: the persistent full gradient buffer. Stage 2: allocated when the bucket's first
+    # Stage 1: the persistent full gradient buffer. Stage 2 and fsdp: allocated when the bucket's first
     # gradient of a micro-batch arrives, released once its reduce-scatter has finished.
     flat_grad: Optional[torch.Tensor] = None
+    written: List[bool] = field(default_factory=list)  # stage 2, fsdp: which parameters' gradients flat_grad holds
     shard_grad: Optional[torch.Tensor] = None  # the averaged gradient of the own slice
     fp16_wire: bool = False  # its gradients travel as fp16 (fp16_allreduce)
     arrived: int = 0  # parameters whose gradient this micro-batch's backward has produced
@@ -162,6 +163,39 @@ def release_gradients(bucket: FlatBucket) -> None:
     bucket.flat_grad = None
     for param in bucket.params:
         param.grad = None
+
+
+# Stage 2 and fsdp: a micro-batch's full gradient buffer, filled by copying each gradient in as it
+# arrives. Autograd hands each parameter a gradient of its own (a tensor backward just made, taken
+# over without a copy); one copy puts it in place. Views attached beforehand would need the buffer
+# zeroed first and every gradient added to it: three passes over the buffer's memory, not one.
+
+def take_gradient(bucket: FlatBucket, index: int) -> None:
+    """Move parameter ``index``'s .grad into its place in the bucket's buffer (made at the first
+    one: its padding zeroed, the rest written by the gradients) and set .grad to None; a second
+    gradient in one micro-batch is added."""
+    if bucket.flat_grad is None:
+        bucket.flat_grad = torch.empty(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
+        last = len(bucket.params) - 1
+        bucket.flat_grad[bucket.offsets[last] + bucket.params[last].numel():].zero_()
+        bucket.written = [False] * len(bucket.params)
+    param, offset = bucket.params[index], bucket.offsets[index]
+    place = bucket.flat_grad[offset:offset + param.numel()].view_as(param)
+    with torch.no_grad():
+        place.add_(param.grad) if bucket.written[index] else place.copy_(param.grad)
+    bucket.written[index] = True
+    param.grad = None
+
+
+def complete_gradients(bucket: FlatBucket) -> torch.Tensor:
+    """The buffer to reduce: zeros where no gradient arrived (all of it when none did)."""
+    if bucket.flat_grad is None:
+        bucket.flat_grad = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
+        bucket.written = [True] * len(bucket.params)
+    for index, param in enumerate(bucket.params):
+        if not bucket.written[index]:
+            bucket.flat_grad[bucket.offsets[index]:bucket.offsets[index] + param.numel()].zero_()
+    return bucket.flat_grad
 
 
 # Optimizer state: torch keeps it per parameter; the shard optimizer per bucket slice.
