@@ -187,6 +187,11 @@ def init(config: Any = None, *, seed: Optional[int] = None, threads: Optional[in
         logging.getLogger(__name__).info("hvdtrain defaults (set them yourself to override): %s",
                                           " ".join(f"{k}={v}" for k, v in applied.items()))
     launcher = launcher_env.detect()
+    # Before hvd.init(), whose background thread allocates the collectives' outputs. A rank without
+    # a GPU computes on the CPU (devices.choose_device); a GPU's tensors live in CUDA's caching
+    # allocator already.
+    allocator = "" if torch.cuda.is_available() else cpu_allocator.keep_freed_memory(
+        config.cpu_allocator if config is not None else "cache")
     hvd.init()
     # A refusal from here on (every rank raises it alike): one line on rank 0, exit 2 on every rank.
     install_refusal_hook(is_root=hvd.rank() == 0, meet=meet_after_a_refusal)
@@ -203,9 +208,6 @@ def init(config: Any = None, *, seed: Optional[int] = None, threads: Optional[in
             hvd.local_size(), len(os.sched_getaffinity(0)), os.cpu_count() or 1
         )
     torch.set_num_threads(threads)
-    # A GPU rank's large tensors live in CUDA's caching allocator already.
-    allocator = "" if device.type != "cpu" else cpu_allocator.keep_freed_memory(
-        config.cpu_allocator if config is not None else "cache")
     rng.seed_everything(rng.rank_seed(seed, hvd.rank()))
     STARTUP_CLOCK.mark("horovod init")
 
@@ -217,7 +219,7 @@ def init(config: Any = None, *, seed: Optional[int] = None, threads: Optional[in
         threads=threads,
         device=device,
         hierarchical_allreduce=hierarchical_requested(),
-        cpu_allocator=allocator,
+        cpu_allocator=allocator if device.type == "cpu" else "",
     )
 
 

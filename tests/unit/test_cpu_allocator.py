@@ -13,7 +13,7 @@ from hvdtrain.distributed import cpu_allocator
 # in the last step, once malloc has settled (a cached heap takes a step or two to hold the blocks
 # at their alignment): the minor page faults of the fills, and the resident memory the free gave back.
 CYCLE = """
-import json, resource, sys
+import ctypes, json, resource, sys, threading
 import torch
 from hvdtrain.distributed import cpu_allocator
 
@@ -30,7 +30,30 @@ for step in range(6):
     held = resident()
     del large, medium
     returned = held - resident()
-print(json.dumps({"outcome": outcome, "returned": returned, "faults": faults}))
+
+
+def heaps():
+    # glibc's malloc_info: one <heap nr=...> element per arena.
+    libc = ctypes.CDLL(None)
+    libc.open_memstream.restype = ctypes.c_void_p
+    libc.malloc_info.argtypes, libc.fclose.argtypes = [ctypes.c_int, ctypes.c_void_p], [ctypes.c_void_p]
+    text, size = ctypes.c_char_p(), ctypes.c_size_t()
+    stream = libc.open_memstream(ctypes.byref(text), ctypes.byref(size))
+    libc.malloc_info(0, stream)
+    libc.fclose(stream)
+    return text.value.decode().count("<heap nr=")
+
+counted = []
+
+def thread_that_allocates():  # as Horovod's background thread allocates the collectives' outputs
+    block = torch.empty(2**18).fill_(1.0)
+    counted.append(heaps())
+
+before = heaps()  # torch's own threads may have made some already
+worker = threading.Thread(target=thread_that_allocates)
+worker.start()
+worker.join()
+print(json.dumps({"outcome": outcome, "returned": returned, "faults": faults, "new_arenas": counted[0] - before}))
 """
 MIB = 2**20
 
@@ -52,9 +75,16 @@ def test_cached_the_freed_blocks_stay_mapped_and_a_settled_step_faults_no_page_i
     assert cached["returned"] < 1 * MIB and cached["faults"] < 64
 
 
+def test_cached_another_thread_allocates_from_the_main_heap():
+    """A thread's own arena hands an emptied heap back to the system whatever the trim threshold:
+    cached, a thread started afterwards (Horovod's is) gets no arena of its own."""
+    assert cycle("system")["new_arenas"] >= 1 and cycle("cache")["new_arenas"] == 0
+
+
 @pytest.mark.parametrize("environ, said", [
     ({"MALLOC_MMAP_THRESHOLD_": "131072"}, "malloc left alone: MALLOC_MMAP_THRESHOLD_ is set"),
     ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, "malloc left alone: GLIBC_TUNABLES is set"),
+    ({"MALLOC_ARENA_MAX": "4"}, "malloc left alone: MALLOC_ARENA_MAX is set"),
     ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, "malloc left alone: jemalloc is preloaded"),
 ])
 def test_a_tuning_of_the_users_own_is_left_alone(environ, said):
