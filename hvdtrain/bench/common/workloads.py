@@ -6,7 +6,7 @@
 - ``many``: hundreds of tiny parameter tensors (a deep stack of narrow linear layers), for the
   tensor-fusion knob: fusion matters when one step all-reduces many small tensors.
 - ``lm``: the example transformer language model (hvdtrain.examples.textlm), 8 blocks of width 512:
-  25.3M parameters in 8 equal blocks (fsdp's units) and a tied embedding; a sample is a window of
+  25.4M parameters in 8 equal blocks (fsdp's units) and a tied embedding; a sample is a window of
   64 token ids and its next tokens, so a small batch (2 per worker) already computes as much as
   the mlp's 64.
 
