@@ -53,15 +53,11 @@ def initialize_by_unit(deferred: DeferredInit, root: fu.FSDPUnit, units: Sequenc
         raise ValueError(deferred.unset_message(everywhere))
 
 
-def _real_numel(bucket: fu.ShardedBucket) -> int:
-    return bucket.offsets[-1] + bucket.params[-1].numel()
-
-
 def _mark_shard_unset(bucket: fu.ShardedBucket) -> None:
     """The shard as the own slice of a buffer whose values are unset and whose padding is zero."""
     start, _ = bucket.own_range
     mark_unset(bucket.shard)
-    bucket.shard[max(0, _real_numel(bucket) - start):].zero_()
+    bucket.shard[max(0, bucket.real_numel - start):].zero_()
 
 
 def _bring_in(unit: fu.FSDPUnit) -> None:
@@ -69,7 +65,7 @@ def _bring_in(unit: fu.FSDPUnit) -> None:
     for bucket in unit.buckets:
         storage.allocate_storage(bucket.flat_param)
         mark_unset(bucket.flat_param)
-        bucket.flat_param[_real_numel(bucket):].zero_()
+        bucket.flat_param[bucket.real_numel:].zero_()
         bucket.own_slice(bucket.flat_param).copy_(bucket.shard)
 
 

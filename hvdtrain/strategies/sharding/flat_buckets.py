@@ -44,6 +44,11 @@ class FlatBucket:
         self.grad_name, self.param_name = self.name("grad"), self.name("param")
 
     @property
+    def real_numel(self) -> int:
+        """The parameters' elements, without the padding after them."""
+        return self.offsets[-1] + self.params[-1].numel()
+
+    @property
     def shard_numel(self) -> int:
         return self.padded_numel // self.world_size
 
@@ -176,8 +181,7 @@ def take_gradient(bucket: FlatBucket, index: int) -> None:
     gradient in one micro-batch is added."""
     if bucket.flat_grad is None:
         bucket.flat_grad = torch.empty(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
-        last = len(bucket.params) - 1
-        bucket.flat_grad[bucket.offsets[last] + bucket.params[last].numel():].zero_()
+        bucket.flat_grad[bucket.real_numel:].zero_()
         bucket.written = [False] * len(bucket.params)
     param, offset = bucket.params[index], bucket.offsets[index]
     place = bucket.flat_grad[offset:offset + param.numel()].view_as(param)
