@@ -12,6 +12,7 @@ from hvdtrain.common.capabilities import DECLARED, EXPERT_PARALLEL, EXPERT_PARAL
 from hvdtrain.common.capabilities import STRATEGY_NAMES as STRATEGIES
 from hvdtrain.config.checks import check_choices, check_only_with, check_whole_numbers
 from hvdtrain.config.strategy_checks import check_strategy_settings
+from hvdtrain.distributed.cpu_allocator import MODES as CPU_ALLOCATOR_MODES
 
 PROGRESS_MODES = ("auto", "bar", "log", "off")
 CHECKPOINT_FORMATS = ("full", "sharded")
@@ -75,7 +76,7 @@ class TrainConfig:
     eval_batch_size: Optional[int] = field(default=None, metadata={"help": "samples per worker per evaluation batch (null: batch_size)"})
     prefetch_factor: Optional[int] = field(default=None, metadata={"help": "batches each DataLoader worker process loads ahead (null: torch's default, 2); needs num_workers > 0"})
     pin_memory: str = field(default="auto", metadata={"help": "the loaders' batches in page-locked host memory, for faster copies to the GPU: auto (on a GPU), true or false", "details": "Copies from page-locked memory to the GPU are faster and overlap the compute. auto: on when this rank's device is a GPU; true is refused on a CPU device, which copies nothing; false locks less host memory (e.g. with many DataLoader workers on hosts short of RAM). A loader_factory's loaders are yours to set.", "choices": PIN_MEMORY_MODES})
-    cpu_allocator: str = field(default="cache", metadata={"help": "on a CPU rank, cache: malloc keeps what a step frees for the next step (no page faults each step); system: glibc's default", "details": "system returns large blocks to the system at once, and the next step faults them in again. cache is what CUDA's caching allocator does on a GPU; on a CPU it saves the kernel first-touching the step's large tensors again every step (hvdtrain bench strategies gives the figures). The process's resident memory then stays at the most a step held (plus fragmentation) between steps. A malloc tuning of your own (MALLOC_*, GLIBC_TUNABLES, a preloaded jemalloc, tcmalloc or mimalloc) is left alone, as is a GPU rank. See docs/concepts/strategies.md.", "choices": ("cache", "system")})
+    cpu_allocator: str = field(default="cache", metadata={"help": "on a CPU rank, cache: malloc keeps what a step frees for the next step (no page faults each step); system: glibc's default", "details": "system returns large blocks to the system at once, and the next step faults them in again. cache is what CUDA's caching allocator does on a GPU; on a CPU it saves the kernel first-touching the step's large tensors again every step (hvdtrain bench strategies gives the figures). The process's resident memory then stays at the most a step held (plus fragmentation) between steps. A malloc tuning of your own (MALLOC_*, GLIBC_TUNABLES, a preloaded jemalloc, tcmalloc or mimalloc) is left alone, as is a GPU rank. See docs/concepts/strategies.md.", "choices": CPU_ALLOCATOR_MODES})
     checkpoint_dir: Optional[str] = field(default=None, metadata={"help": "where rank 0 writes checkpoints (none: no checkpoints)"})
     checkpoint_every: int = field(default=0, metadata={"help": "steps between checkpoints (0: at the end of each epoch only)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "checkpoints kept; older ones are deleted"})

@@ -33,6 +33,7 @@ from hvdtrain.bench.common import jobs, report, stats
 from hvdtrain.bench.throughput import driver as throughput
 from hvdtrain.bench.throughput.driver import Job, paired_ratio, ratio_of_medians
 from hvdtrain.common.units import MiB, mib
+from hvdtrain.distributed.cpu_allocator import MODES as CPU_ALLOCATOR_MODES
 from hvdtrain.launch.hostfile import Host
 from hvdtrain.common.tables import format_table
 from hvdtrain.observability.figures import new_figure, save_figure
@@ -57,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="optimizer of the speed jobs (default: adam; the memory jobs always use Adam)")
     parser.add_argument("--batch", type=int, help="samples per worker per step (default: the model's, 64; lm: 2 "
                                                   "windows of 64 tokens)")
-    parser.add_argument("--cpu-allocator", choices=("cache", "system"), default="cache",
+    parser.add_argument("--cpu-allocator", choices=CPU_ALLOCATOR_MODES, default="cache",
                         help="train.cpu_allocator of every job (default: cache)")
     parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps per job (default: 30)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")

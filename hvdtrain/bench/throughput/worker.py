@@ -54,6 +54,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from hvdtrain.bench.common import jobs, workloads
+from hvdtrain.distributed.cpu_allocator import MODES as CPU_ALLOCATOR_MODES  # ctypes only: --help stays light
 
 VARIANTS = ("single", "independent", "trainer", "horovod", "ddp", "dataparallel")
 LR = 0.01  # one worker's rate; every distributed variant scales it by the world size, as Horovod's examples do
@@ -85,7 +86,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--hvdtrain-defaults", action="store_true",
                         help="horovod variant: apply hvdtrain's environment defaults first, as startup.init does")
     parser.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="trainer variant: train.strategy")
-    parser.add_argument("--cpu-allocator", choices=("cache", "system"), default="cache",
+    parser.add_argument("--cpu-allocator", choices=CPU_ALLOCATOR_MODES, default="cache",
                         help="trainer variant: train.cpu_allocator (default: cache)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help=f"trainer variant: SGD with momentum {MOMENTUM} (lr {LR}) or Adam (lr {ADAM_LR})")
@@ -292,6 +293,7 @@ def timed(barrier: Callable[[], None], run_steps: Callable[[int], None], args,
 
 def run_single(args) -> None:
     model = workloads.build_model(args.model, args.seed)
+    loss_fn = workloads.get(args.model).loss
     dataset = workloads.synthetic_dataset(args.model, args.samples, args.seed)
     loader = DataLoader(dataset, batch_size=args.batch, shuffle=True, drop_last=True,
                         generator=torch.Generator().manual_seed(args.seed))
@@ -300,7 +302,7 @@ def run_single(args) -> None:
 
     def steps(n: int) -> None:
         for _ in range(n):
-            local_step(model, optimizer, micro, args.accumulation, workloads.get(args.model).loss)
+            local_step(model, optimizer, micro, args.accumulation, loss_fn)
 
     measured = timed(lambda: None, steps, args)
     jobs.write_result(args.out, result(args, 1, [rank_record(measured)], model, {}))
@@ -313,6 +315,7 @@ def run_independent(args) -> None:
 
     comm = MPI.COMM_WORLD
     model = workloads.build_model(args.model, args.seed)
+    loss_fn = workloads.get(args.model).loss
     dataset = workloads.synthetic_dataset(args.model, args.samples, args.seed)
     loader = DataLoader(dataset, batch_size=args.batch, shuffle=True, drop_last=True,
                         generator=torch.Generator().manual_seed(args.seed + comm.rank))
@@ -321,7 +324,7 @@ def run_independent(args) -> None:
 
     def steps(n: int) -> None:
         for _ in range(n):
-            local_step(model, optimizer, micro, args.accumulation, workloads.get(args.model).loss)
+            local_step(model, optimizer, micro, args.accumulation, loss_fn)
 
     measured = timed(comm.Barrier, steps, args)
     per_rank = comm.gather(rank_record(measured), root=0)
@@ -341,6 +344,7 @@ def run_horovod(args) -> None:
     hvd.init()
     torch.set_num_threads(1)
     model = workloads.build_model(args.model, args.seed)
+    loss_fn = workloads.get(args.model).loss
     dataset = workloads.synthetic_dataset(args.model, args.samples, args.seed)
     # Partition the dataset among workers
     sampler = DistributedSampler(dataset, num_replicas=hvd.size(), rank=hvd.rank(), seed=args.seed)
@@ -360,7 +364,7 @@ def run_horovod(args) -> None:
 
     def steps(n: int) -> None:
         for _ in range(n):
-            local_step(model, optimizer, micro, args.accumulation, workloads.get(args.model).loss)  # zero_grad, forward, backward, step
+            local_step(model, optimizer, micro, args.accumulation, loss_fn)  # zero_grad, forward, backward, step
 
     measured = timed(hvd.barrier, steps, args, sync)
     per_rank = hvd.allgather_object(rank_record(measured), name="bench.result")
@@ -479,6 +483,7 @@ def run_ddp(args) -> None:
     try:
         torch.set_num_threads(1)
         model = workloads.build_model(args.model, args.seed)
+        loss_fn = workloads.get(args.model).loss
         dataset = workloads.synthetic_dataset(args.model, args.samples, args.seed)
         sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, seed=args.seed)
         loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
@@ -492,7 +497,7 @@ def run_ddp(args) -> None:
                 inputs, targets = next(micro)
                 last = index == args.accumulation - 1
                 with contextlib.nullcontext() if last else ddp.no_sync():
-                    loss = workloads.get(args.model).loss(ddp(inputs), targets)
+                    loss = loss_fn(ddp(inputs), targets)
                     (loss / args.accumulation if args.accumulation > 1 else loss).backward()
             optimizer.step()
 
@@ -530,6 +535,7 @@ def run_dataparallel(args) -> None:
     first = torch.device("cuda", layout["output_device"])
     torch.cuda.set_device(first)
     model = workloads.build_model(args.model, args.seed).to(first)  # DataParallel wants it on device_ids[0]
+    loss_fn = workloads.get(args.model).loss
     dataset = workloads.synthetic_dataset(args.model, args.samples, args.seed)
     loader = DataLoader(dataset, batch_size=layout["global_batch"], shuffle=True, drop_last=True,
                         pin_memory=True, generator=torch.Generator().manual_seed(args.seed))
@@ -548,7 +554,7 @@ def run_dataparallel(args) -> None:
         for _ in range(n):
             # each step: scatter the batch from GPU 0, replicate the model, parallel forward,
             # gather the outputs on GPU 0, backward reduces the gradients onto GPU 0's model
-            local_step(parallel, optimizer, micro, args.accumulation, workloads.get(args.model).loss)
+            local_step(parallel, optimizer, micro, args.accumulation, loss_fn)
         synchronize()  # the clock stops on finished work, not on queued kernels
 
     measured = timed(synchronize, steps, args)
