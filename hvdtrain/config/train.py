@@ -12,7 +12,6 @@ from hvdtrain.common.capabilities import DECLARED, EXPERT_PARALLEL, EXPERT_PARAL
 from hvdtrain.common.capabilities import STRATEGY_NAMES as STRATEGIES
 from hvdtrain.config.checks import check_choices, check_only_with, check_whole_numbers
 from hvdtrain.config.strategy_checks import check_strategy_settings
-from hvdtrain.distributed.cpu_allocator import MODES as CPU_ALLOCATOR_MODES
 
 PROGRESS_MODES = ("auto", "bar", "log", "off")
 CHECKPOINT_FORMATS = ("full", "sharded")
@@ -25,6 +24,8 @@ RESUME_MODES = ("true", "false", "force")
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "selective")
 PIN_MEMORY_MODES = ("auto", "true", "false")
+# hvdtrain.distributed.cpu_allocator.MODES, which this layer may not import (its sibling).
+CPU_ALLOCATOR_MODES = ("cache", "system")
 # Signals a preemption may be asked with: caught (not KILL, STOP), and not sent by the system for
 # other reasons (CHLD, WINCH, PIPE, ALRM...). '' disables it.
 PREEMPT_SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP")

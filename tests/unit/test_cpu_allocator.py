@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from hvdtrain.config.train import TrainConfig
+from hvdtrain.config.train import CPU_ALLOCATOR_MODES, TrainConfig
 from hvdtrain.distributed import cpu_allocator
 
 # In a process of its own (mallopt is process-wide): steps that each make a 64 MiB and a 16 MiB
@@ -93,5 +93,6 @@ def test_a_tuning_of_the_users_own_is_left_alone(environ, said):
 
 def test_the_setting_takes_cache_or_system_and_names_them_otherwise():
     assert TrainConfig().cpu_allocator == "cache"
+    assert CPU_ALLOCATOR_MODES == cpu_allocator.MODES  # the settings' layer keeps its own copy
     with pytest.raises(ValueError, match="cpu_allocator.*cache.*system"):
         TrainConfig(cpu_allocator="jemalloc")
