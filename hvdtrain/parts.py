@@ -563,10 +563,10 @@ def build_reporter(cfg: TrainConfig, topology: Topology, job_config: Dict[str, A
     reporter = Reporter(cfg, topology, job_config, strategy, elastic_launch, efficiency)
     recomputed = (f"; activation checkpointing: {len(recomputed_blocks)} blocks ({cfg.activation_checkpointing})"
                   if recomputed_blocks else "")
-    plan_note = getattr(strategy, "plan_note", "")
+    notes = "".join(f"; {note}" for note in (getattr(strategy, "plan_note", ""), getattr(strategy, "overlap_note", ""))
+                    if note)
     reporter.announce(f"{batching.describe()}; {lr.describe()}; strategy {cfg.strategy}; "
-                      f"reduction {cfg.reduction}{recomputed}{_initialized(deferred)}"
-                      f"{'; ' + plan_note if plan_note else ''}"
+                      f"reduction {cfg.reduction}{recomputed}{_initialized(deferred)}{notes}"
                       f"{'; ' + efficiency.peak.describe() if efficiency is not None else ''}")
     return reporter
 

@@ -26,6 +26,8 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "selective")
 PIN_MEMORY_MODES = ("auto", "true", "false")
 # hvdtrain.distributed.cpu_allocator.MODES, which this layer may not import (its sibling).
 CPU_ALLOCATOR_MODES = ("cache", "system")
+# hvdtrain.strategies.fsdp.strategy.OVERLAPS, likewise (tests/unit/test_fsdp_overlap.py holds them equal).
+FSDP_OVERLAPS = ("auto", "full", "forward", "none")
 # Signals a preemption may be asked with: caught (not KILL, STOP), and not sent by the system for
 # other reasons (CHLD, WINCH, PIPE, ALRM...). '' disables it.
 PREEMPT_SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP")
@@ -54,6 +56,7 @@ class TrainConfig:
     ps_servers: int = field(default=1, metadata={"help": "strategy=ps: ranks 0..ps_servers-1 also serve, each holding the optimizer state of one contiguous slice of the parameters (at most the world size)"})
     hsdp_shard_size: int = field(default=0, metadata={"help": "strategy=hsdp: ranks per shard group, fsdp within it and ddp across groups; 0: the ranks of one host", "details": "The shard groups are K consecutive ranks (one host's, as launchers place them), each holding 1/K of the parameters, gradients and optimizer state; once per step the slices' gradients are averaged across the groups. A smaller K than a host's ranks, or a host split simulated on one machine, set it here; it must divide the world. See docs/concepts/strategies.md."})
     fp16_allreduce: bool = field(default=False, metadata={"help": "compress gradients to fp16 for the all-reduce"})
+    fsdp_overlap: str = field(default="auto", metadata={"help": "fsdp/hsdp: full prefetches gathers and runs reduce-scatters behind backward (+4 units held); forward: in forward only (+2); auto: full on GPU, forward on CPU", "details": "full: the next unit's all-gather starts while this one computes, in forward and in backward, and a unit's reduce-scatter runs while the units before it compute, one at a time; a rank holds up to 16 Psi/N bytes (fp32 Adam) plus four units' full size in backward. forward: forward prefetches alike; backward gathers each unit as it starts and waits for its reduce-scatter: 16 Psi/N plus two units. none: nothing ahead. On a CPU the collectives run on the cores that compute, so running backward's ahead hides nothing there (hvdtrain bench strategies). See docs/concepts/strategies.md.", "choices": FSDP_OVERLAPS})
     reduction: str = field(default="average", metadata={"help": "how ddp combines the ranks' gradients: average (Horovod's all-reduce) or adasum (Horovod's Adasum; ddp only, over MPI)", "details": "average: the LR is scaled by workers x accumulation. adasum: each rank steps with its own gradient and the updates are combined pairwise, summed where orthogonal, averaged where parallel; the LR is not scaled by the workers; ddp only, over MPI, on a power-of-two number of workers. See docs/concepts/data-parallelism.md.", "choices": REDUCTIONS})
     hierarchical_allreduce: bool = field(default=False, metadata={"help": "set HOROVOD_HIERARCHICAL_ALLREDUCE=1 before hvd.init(): all-reduce within each host, then across hosts", "details": "Horovod applies it only with NCCL on GPUs across several hosts. false: Horovod's default, off unless the launch sets it. See docs/concepts/data-parallelism.md."})
     precision: str = field(default="fp32", metadata={"help": "the forward's precision: fp32; bf16 (autocast); fp16 (autocast and a dynamic loss scale)", "details": "bf16 needs no loss scaling and runs on CPUs too; under fp16, steps with inf/nan are skipped on every rank alike. See docs/porting/trainer.md, Precision.", "choices": PRECISIONS})
@@ -160,6 +163,9 @@ class TrainConfig:
         check_only_with(self, "ps_servers", 1, "strategy", "ps")
         check_whole_numbers(self, ("hsdp_shard_size",), minimum=0)
         check_only_with(self, "hsdp_shard_size", 0, "strategy", "hsdp")
+        if self.fsdp_overlap != "auto" and self.strategy not in ("fsdp", "hsdp"):
+            raise ValueError(f"TrainConfig.fsdp_overlap={self.fsdp_overlap} applies to strategy=fsdp or hsdp only, got "
+                             f"strategy={self.strategy}: set strategy=fsdp, or leave fsdp_overlap at auto")
         if self.reduction == "adasum":
             self._check_adasum()
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):

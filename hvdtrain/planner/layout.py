@@ -47,6 +47,8 @@ class Setup:
     link: Optional[Network] = None
     calibration: Calibration = CALIBRATION
     update_bandwidth: float = DEFAULT_UPDATE_BANDWIDTH
+    # train.fsdp_overlap as resolved on the ranks: full on GPUs (what plans are for), forward on CPUs.
+    fsdp_overlap: str = "full"
 
     def __post_init__(self) -> None:
         if (self.batch < 1 or self.workers < 1 or self.memory <= 0 or self.flops <= 0 or self.gpus_per_node < 1
@@ -56,8 +58,16 @@ class Setup:
             raise ValueError(f"unknown network: choose from {', '.join(NETWORKS)}")
         if self.optimizer not in OPTIMIZERS or self.precision not in PRECISIONS:
             raise ValueError(f"optimizer: {', '.join(OPTIMIZERS)}; precision: {', '.join(PRECISIONS)}")
+        if self.fsdp_overlap not in FSDP_UNITS_HELD:
+            raise ValueError(f"fsdp overlap: {', '.join(FSDP_UNITS_HELD)}, got {self.fsdp_overlap!r}")
         if not 1 <= self.ps_servers <= self.workers:
             raise ValueError(f"ps servers must be between 1 and the {self.workers} workers")
+
+
+# Units' full size an fsdp rank holds at most besides its shards, by train.fsdp_overlap (strategies/fsdp/strategy.py):
+# full: in backward the unit computing, the one prefetched, its gradient and the one being reduce-scattered;
+# forward and none: the unit computing and its gradient.
+FSDP_UNITS_HELD = {"full": 4, "forward": 2, "none": 2}
 
 
 @dataclass(frozen=True)

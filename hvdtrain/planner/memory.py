@@ -1,7 +1,8 @@
 """Memory per rank, MODELLED: the ZeRO arithmetic over the data ranks of what each stage's rank holds
 (parameters, gradients, optimizer state: what the strategies count, tests/mpi/test_plan_memory.py
 checks it against their counts), activations (Korthikanti et al. 2022, no recomputation), and under
-fsdp the largest unit gathered while it computes (hsdp: fsdp's over its shard group of K). Under expert parallelism a rank holds 1/E of the
+fsdp the largest unit's parameters and gradients held whole while it computes, as many as the overlap keeps
+(layout.FSDP_UNITS_HELD; hsdp: fsdp's over its shard group of K). Under expert parallelism a rank holds 1/E of the
 routed experts, sharded by the strategy over the N/E ranks holding the same experts, and the rest of
 the model as the strategy holds it over all N (tests/unit/test_plan_experts.py checks the split
 against hvdtrain's own)."""
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from hvdtrain.planner.layout import OPTIMIZERS, PRECISIONS, Estimate, Layout, Setup
+from hvdtrain.planner.layout import FSDP_UNITS_HELD, OPTIMIZERS, PRECISIONS, Estimate, Layout, Setup
 from hvdtrain.planner.model_shape import stage_elements, stage_layers
 
 # Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"):
@@ -96,8 +97,8 @@ def memory(setup: Setup, layout: Layout) -> Estimate:
         activations = _activation_bytes(setup, layout, blocks, in_flight, index == layout.pipeline - 1)
         rows.append((held, activations))
     gathered = 0.0
-    if layout.strategy in ("fsdp", "hsdp"):  # the largest unit whole while it computes: a block, or the root
-        gathered = width * max(layers[1].split + layers[1].replicated, layers[0].replicated + 2 * shape.d_model)
+    if layout.strategy in ("fsdp", "hsdp"):  # the largest unit (a block, or the root) whole, as often as held
+        gathered = FSDP_UNITS_HELD[setup.fsdp_overlap] * width * max(layers[1].split + layers[1].replicated, layers[0].replicated + 2 * shape.d_model)
     held, _ = max(rows, key=lambda row: sum(row[0].values()))
     total = max(sum(h.values()) + a for h, a in rows) + gathered
     return Estimate(layout, held["parameters"], held["gradients"], held["optimizer_state"],

@@ -67,13 +67,11 @@ def check_memory(out, counted_formula=None):
 
 
 def fsdp_peak(parameters, unit, bytes_per_parameter):
-    """fsdp's most counted bytes: 1/N of every parameter, gradient and optimizer state
-    (``bytes_per_parameter``: 16 for fp32 Adam, 8 for plain SGD), plus in backward, when a unit's
-    first gradient arrives, two units' parameters (the one computing and the one before it in
-    backward, whose gather is prefetched) and three units' full gradients (its own, and the two
-    after it in forward, whose reduce-scatters are in flight: a reduction is seen done only when
-    the next unit's gradients are ready). Units are whole layers, fp32."""
-    return bytes_per_parameter * parameters / RANKS + 2 * unit + 3 * unit
+    """fsdp's most counted bytes on a CPU (train.fsdp_overlap auto: forward): 1/N of every parameter,
+    gradient and optimizer state (``bytes_per_parameter``: 16 for fp32 Adam, 8 for plain SGD), plus
+    in backward the parameters of the unit computing and its full gradient (nothing is gathered
+    ahead in backward, and each reduce-scatter is waited for at once). Units are whole layers, fp32."""
+    return bytes_per_parameter * parameters / RANKS + 2 * unit
 
 
 @pytest.mark.timeout(420)

@@ -256,14 +256,16 @@ def test_evaluation_gathers_each_unit_only_while_it_computes(world):
     assert (everywhere[:, 1] == 0).all(), f"max |unsharded model's output - fsdp's| per rank: {everywhere.tolist()}"
 
 
-def test_backward_starts_with_the_forwards_last_unit_still_gathered_and_the_next_on_its_way(world):
+@pytest.mark.parametrize("overlap", ["full", "forward"])
+def test_backward_starts_with_the_forwards_last_unit_still_gathered_and_the_next_on_its_way(world, overlap):
     """Once the first forward has shown the units' order: the last block is not freed after its
-    forward (backward begins with it), so a step gathers it once, the others twice; and the gather
-    of the block before it starts while the root computes its backward, before the last block's
-    gradients are reduce-scattered. The step still ends with nothing full held."""
+    forward (backward begins with it), so a step gathers it once, the others twice. Under full
+    overlap the gather of the block before it starts while the root computes its backward, before
+    the last block's gradients are reduce-scattered; under forward overlap only once those are
+    (backward holds one block at a time). The step still ends with nothing full held."""
     data = synthetic_classification(samples=192, features=FEATURES, classes=CLASSES)
     model = Blocks(seed=0)
-    strategy = FSDPStrategy(model, OPTIMIZERS["adamw"](model), world, 1, False)
+    strategy = FSDPStrategy(model, OPTIMIZERS["adamw"](model), world, 1, False, overlap=overlap)
     events = []
     unit_of = {id(bucket): unit.path for unit in strategy.all_units for bucket in unit.buckets}
     start_gather, start_reduction = strategy.comm.start_gather, strategy.comm.start_reduction
@@ -285,7 +287,8 @@ def test_backward_starts_with_the_forwards_last_unit_still_gathered_and_the_next
     freed = all_freed(strategy)
 
     assert gathers == ["blocks.0", "blocks.1", "blocks.2", "blocks.1", "blocks.0"], events
-    assert events.index(("gather", "blocks.1"), 3) < events.index(("reduce", "blocks.2")), events
+    ahead = events.index(("gather", "blocks.1"), 3) < events.index(("reduce", "blocks.2"))
+    assert ahead == (overlap == "full"), events
     assert freed, "a full parameter buffer is still allocated after the step"
 
 
@@ -334,6 +337,67 @@ def test_each_rank_holds_its_share_and_one_unit_at_a_time(world):
         f"parameter bytes held during the step: {everywhere[:, 3].tolist()}, bound {shards + root + 2 * largest}"
 
 
+@pytest.mark.parametrize("overlap", ["full", "forward", "none"])
+def test_each_overlap_holds_what_it_promises_during_a_step_and_takes_one_process_steps(world, overlap):
+    """train.fsdp_overlap's bound on what a rank holds during a step, counted after each gather and
+    before each reduce-scatter (where the most is held), in the second step (the first learns the
+    units' order): besides its shards (what it holds between steps) and the root's parameters and
+    full gradient (whole from forward to the end of backward), forward and none hold two blocks'
+    full size (the one whose gradients are complete, and those gradients: nothing runs ahead in
+    backward); full holds at least three (the block before it, prefetched) and at most four (the
+    block after it, still being reduce-scattered). At most one reduce-scatter runs behind
+    backward under full, none otherwise. Every mode takes one process's steps."""
+    model = Blocks(seed=0, width=300, hidden=301, dtype=torch.float32)
+    strategy = FSDPStrategy(model, torch.optim.Adam(model.parameters(), lr=1e-3), world, 1, False, overlap=overlap)
+    strategy.broadcast_from_root()
+    held, in_flight = [], []
+    gather, reduce = strategy.comm.ensure_gathered, strategy.comm.start_reduction
+
+    def gathered(unit):
+        gather(unit)
+        held.append(sum(strategy.memory_bytes().values()))
+
+    def reducing(bucket):
+        held.append(sum(strategy.memory_bytes().values()))
+        reduce(bucket)
+        in_flight.append(sum(name.startswith("fsdp.grad") for name in strategy.comm.in_flight))
+
+    strategy.comm.ensure_gathered, strategy.comm.start_reduction = gathered, reducing
+    torch.manual_seed(1)
+    inputs, labels = torch.randn(4, FEATURES), torch.arange(4)
+    for _ in range(2):
+        held.clear()
+        strategy.backward(F.cross_entropy(model(inputs), labels))
+        strategy.step()
+        strategy.zero_grad()
+    between = sum(strategy.memory_bytes().values())
+    block, root = strategy.largest_unit_bytes(), strategy.root.full_bytes
+    everywhere = collectives.allgather_rows(torch.tensor([max(held), max(in_flight)], dtype=torch.float64),
+                                            name=f"fsdp.test.overlap.{overlap}")
+
+    data = synthetic_classification(samples=192, features=FEATURES, classes=CLASSES)
+    make_optimizer = OPTIMIZERS["adamw"]
+    model = Blocks(seed=0)
+    initial = copy.deepcopy(model.state_dict())
+    strategy = FSDPStrategy(model, make_optimizer(model), world, 1, False, overlap=overlap)
+    fsdp_steps(strategy, data, 2, 1, world)
+    state = strategy.state_dict()["model"]
+    reference, reference_optimizer = reference_from(initial, make_optimizer)
+    reference_steps(reference, reference_optimizer, data, 2, rows=MICRO_BATCH * world.size)
+    difference = collectives.allgather_rows(torch.tensor([model_difference(state, reference.state_dict())],
+                                                         dtype=torch.float64), name=f"fsdp.test.overlap.{overlap}.steps")
+
+    extra = everywhere[:, 0] - between - 2 * root
+    assert block > root and strategy.overlap == overlap
+    if overlap == "full":
+        assert ((extra >= 3 * block) & (extra <= 4 * block)).all(), f"held beyond shards and root, in blocks: {(extra / block).tolist()}"
+        assert (everywhere[:, 1] <= 1).all(), f"reduce-scatters in flight after one started: {everywhere[:, 1].tolist()}"
+    else:
+        assert (extra == 2 * block).all(), f"held beyond shards and root, in blocks: {(extra / block).tolist()}"
+        assert (everywhere[:, 1] == 0).all(), f"reduce-scatters in flight after one started: {everywhere[:, 1].tolist()}"
+    assert (difference < 1e-10).all(), f"max |fsdp - one process| per rank: {difference.tolist()}"
+
+
 def test_an_unused_unit_does_not_hang_the_step(world):
     data = synthetic_classification(samples=192, features=FEATURES, classes=CLASSES)
     make_optimizer = OPTIMIZERS["sgd_momentum"]
@@ -353,13 +417,13 @@ def test_an_unused_unit_does_not_hang_the_step(world):
     assert (everywhere[:, 0] < 1e-10).all(), f"max |fsdp - one process| per rank: {everywhere[:, 0].tolist()}"
 
 
-def test_a_custom_wrap_policy_without_prefetch_matches_one_process(world):
+def test_a_custom_wrap_policy_with_nothing_ahead_matches_one_process(world):
     data = synthetic_classification(samples=192, features=FEATURES, classes=CLASSES)
     make_optimizer = OPTIMIZERS["adamw"]
     model = Blocks(seed=0)
     initial = copy.deepcopy(model.state_dict())
     strategy = FSDPStrategy(model, make_optimizer(model), world, 1, False,
-                            wrap_policy=lambda module: isinstance(module, nn.Linear), prefetch=False)
+                            wrap_policy=lambda module: isinstance(module, nn.Linear), overlap="none")
     fsdp_steps(strategy, data, 2, 1, world)
     state = strategy.state_dict()["model"]
     reference, reference_optimizer = reference_from(initial, make_optimizer)

@@ -21,12 +21,16 @@ from hvdtrain.strategies.zero import gather_in_place
 
 class UnitCommunication:
     """The collectives of ``buckets``, over every rank, or over ``process_set`` (hsdp's shard group),
-    whose members' global ranks are ``ranks``, in slice order."""
+    whose members' global ranks are ``ranks``, in slice order; at most ``reductions_behind``
+    reduce-scatters (0 or 1) left running once start_reduction returns."""
 
     def __init__(self, buckets: Sequence[fu.ShardedBucket], process_set: Any = None,
-                 ranks: Optional[Sequence[int]] = None) -> None:
+                 ranks: Optional[Sequence[int]] = None, reductions_behind: int = 1) -> None:
+        if reductions_behind not in (0, 1):
+            raise ValueError(f"reductions_behind must be 0 or 1, got {reductions_behind!r}")
         self.buckets = list(buckets)
         self.process_set, self.ranks = process_set, ranks
+        self.reductions_behind = reductions_behind
         self._where = {} if process_set is None else {"process_set": process_set}
         self.in_flight: Dict[str, Any] = {}  # collective name -> Horovod handle
 
@@ -84,15 +88,18 @@ class UnitCommunication:
 
     def start_reduction(self, bucket: fu.ShardedBucket) -> None:
         """Reduce-scatter what the buffer's full gradient holds (zeros if it got none), then let
-        go of the parameters' .grad: the next micro-batch starts a new full gradient."""
-        if bucket.grad_name in self.in_flight:
-            self.finish_reduction(bucket)  # the previous micro-batch's, under the same name
+        go of the parameters' .grad: the next micro-batch starts a new full gradient. The earlier
+        reductions finish first, so that one full gradient at most waits on the wire: without the
+        bound, a slow wire lets every unit's full gradient pile up."""
+        self.finish_reductions()
         grad = fb.complete_gradients(bucket)  # missing gradients count as zeros
         bucket.reducing = grad.half() if bucket.fp16_wire else grad  # alive until reduced
         fb.release_gradients(bucket)
         self.start(bucket.grad_name, hvd.reducescatter_async(bucket.reducing, name=bucket.grad_name, op=hvd.Average,
                                                             **self._where))
         bucket.started = True
+        if not self.reductions_behind:
+            self.finish_reduction(bucket)
 
     def finish_reduction(self, bucket: fu.ShardedBucket) -> None:
         bucket.shard_grad.add_(self.wait(bucket.grad_name))  # accumulates over micro-batches

@@ -50,6 +50,7 @@ class ExpertParallelFSDPStrategy(FSDPStrategy):
         accumulation: micro-batches per optimizer step.
         fp16_allreduce: compress the units' gradients to fp16 for their exchange.
         experts: E, ranks per expert group.
+        overlap: what runs ahead of the compute, as fsdp's (train.fsdp_overlap).
     """
 
     name = "expert_parallel_fsdp"
@@ -66,17 +67,18 @@ class ExpertParallelFSDPStrategy(FSDPStrategy):
             world: this rank's World.
             context: what set-up knows besides (unused: the model comes whole, no mesh, no plan).
         """
-        return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce, experts=config.expert_parallel)
+        return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce, experts=config.expert_parallel,
+                   overlap=config.fsdp_overlap)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
-                 accumulation: int, fp16_allreduce: bool, experts: int = 2) -> None:
+                 accumulation: int, fp16_allreduce: bool, experts: int = 2, overlap: str = "auto") -> None:
         self.check_optimizer(optimizer)  # local, before any collective: the same verdict on every rank
         self.groups = split_model_experts(model, optimizer, world, experts)
         self.experts = experts
         # The shares' ids, for _kept_whole (called by fsdp's set-up before this one's ends).
         self._shares = [share for _, share in ep.expert_parameters(model)]
         self._expert_names = {name for name, _ in ep.expert_parameters(model)}
-        super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
+        super().__init__(model, optimizer, world, accumulation, fp16_allreduce, overlap=overlap)
         # Every rank holds rank 0's values already (broadcast while whole): nothing left to spread.
         self._initial_params, self._initial_pending, self._carried_state = [], False, None
         self._experts_owed = False  # a micro-batch closed since the experts' gradients were last reduced

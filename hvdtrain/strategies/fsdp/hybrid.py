@@ -152,13 +152,14 @@ class HSDPStrategy(FSDPStrategy):
             the parameters' dtype).
         shard_size: K, ranks per shard group; 0: the ranks of one host.
         deferred: the model was built on the meta device (fsdp's initialization by unit).
+        overlap: what runs ahead of the compute, as fsdp's (train.fsdp_overlap).
     """
 
     name = "hsdp"
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool, shard_size: int = 0,
-                 deferred: Optional[DeferredInit] = None) -> None:
+                 deferred: Optional[DeferredInit] = None, overlap: str = "auto") -> None:
         self.check_optimizer(optimizer)  # local, before any collective: the same verdict on every rank
         from hvdtrain.distributed import collectives
 
@@ -169,7 +170,7 @@ class HSDPStrategy(FSDPStrategy):
             raise ValueError(why)
         self.groups = HybridGroups.build(world.size, world.rank, shard_group_size(shard_size, world))
         self._replicas_owed = False  # a micro-batch closed since the slices were last averaged across groups
-        super().__init__(model, optimizer, world, accumulation, fp16_allreduce, deferred=deferred)
+        super().__init__(model, optimizer, world, accumulation, fp16_allreduce, overlap=overlap, deferred=deferred)
 
     @classmethod
     def from_config(cls, config: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
@@ -184,7 +185,7 @@ class HSDPStrategy(FSDPStrategy):
             context: what set-up knows besides: deferred initialization, if any.
         """
         return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce,
-                   shard_size=config.hsdp_shard_size, deferred=context.get("deferred"))
+                   shard_size=config.hsdp_shard_size, deferred=context.get("deferred"), overlap=config.fsdp_overlap)
 
     @property
     def label(self) -> str:
@@ -196,7 +197,8 @@ class HSDPStrategy(FSDPStrategy):
         return self.groups.shard.index, self.groups.size
 
     def _communication(self) -> UnitCommunication:
-        return UnitCommunication(self.buckets, self.groups.shard.process_set, self.groups.shard.ranks)
+        return UnitCommunication(self.buckets, self.groups.shard.process_set, self.groups.shard.ranks,
+                                 reductions_behind=self._reductions_behind)
 
     # The slices' gradients: averaged over the replica group once per step.
 

@@ -7,6 +7,16 @@ whose gradients are reduce-scattered (averaged, each rank adding its slice) befo
 is freed; the root unit stays gathered from the model's forward to the end of its backward. The step
 updates the shards only. Between steps a rank holds 16 Psi / N bytes for fp32 Adam, plus padding.
 
+How much runs ahead is train.fsdp_overlap (OVERLAPS). ``full``: the next unit's gather is started
+while this one computes, in forward and in backward, and a unit's reduce-scatter runs while the units
+before it compute their backward, one at a time: a rank holds up to 16 Psi / N + 4 units in backward
+(the unit computing, the one fetched, its growing gradient and the one being reduce-scattered).
+``forward``: forward prefetches as before; backward gathers a unit when it starts and waits for each
+reduce-scatter at once: 16 Psi / N + 2 units. ``none``: nothing ahead. ``auto`` is ``full`` on a GPU,
+where the collectives run beside the compute, and ``forward`` on a CPU, whose collectives run on the
+cores that compute: there, running backward's collectives ahead hides nothing and costs two units
+(`hvdtrain bench strategies` gives both).
+
 The gathers are collectives, so every forward is one: every rank runs it, with the same units in
 the same order, evaluation included. Read the model through ``state_dict()``, or make it whole with
 ``unshard_model()``. Not supported: a unit's parameters used outside its forward, activation
@@ -33,6 +43,17 @@ from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.sliced import ShardedStrategy
 from hvdtrain.strategies.unused_parameters import GradientUse, start_agreement, step_skipping
 
+OVERLAPS = ("auto", "full", "forward", "none")  # train.fsdp_overlap (the module docstring says what each holds)
+
+
+def resolve_overlap(setting: str, device: torch.device) -> str:
+    """train.fsdp_overlap for this rank's device: auto is full on a GPU, forward on a CPU."""
+    if setting not in OVERLAPS:
+        raise ValueError(f"train.fsdp_overlap={setting!r}: choose one of {', '.join(OVERLAPS)}")
+    if setting != "auto":
+        return setting
+    return "full" if device.type == "cuda" else "forward"
+
 
 class FSDPStrategy(ShardedStrategy):
     """ZeRO stage 3: parameters, gradients and optimizer state sharded, gathered unit by unit.
@@ -45,7 +66,7 @@ class FSDPStrategy(ShardedStrategy):
         fp16_allreduce: compress gradients to fp16 for their exchange.
         wrap_policy: ``wrap_policy(module) -> bool`` picks the units (None: the model's blocks, see
             fsdp_units.default_wrap_policy).
-        prefetch: overlap each unit's all-gather with the previous unit's compute.
+        overlap: what runs ahead of the compute (OVERLAPS; auto: by the device, resolve_overlap).
         deferred: the model was built on the meta device: each rank gives values to its shards only, one unit in memory
             at a time (initialization.py).
     """
@@ -54,12 +75,13 @@ class FSDPStrategy(ShardedStrategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool, wrap_policy: Optional[fu.WrapPolicy] = None,
-                 prefetch: bool = True, deferred: Optional[DeferredInit] = None) -> None:
+                 overlap: str = "auto", deferred: Optional[DeferredInit] = None) -> None:
         self.check_optimizer(optimizer)  # local: the same verdict on every rank
         if accumulation < 1:
             raise ValueError(f"accumulation ({accumulation}) must be >= 1")
         super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
-        self.prefetch = prefetch
+        self.overlap = resolve_overlap(overlap, world.device)  # local: every rank of a run has one kind of device
+        self.overlap_note = f"fsdp_overlap {self.overlap}" + (f" (auto, on {world.device.type})" if overlap == "auto" else "")
         # The user's optimizer and the policy name the parameters and the units: a new world's are cut from them.
         self._user_optimizer, self._wrap_policy = optimizer, wrap_policy or fu.default_wrap_policy(model)
         # Rank 0's parameters as the user built them: what broadcast_from_root spreads, until a
@@ -89,7 +111,7 @@ class FSDPStrategy(ShardedStrategy):
             context: what set-up knows besides: mesh, plan, loss_fn, deferred.
         """
         return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce,
-                   deferred=context.get("deferred"))
+                   overlap=config.fsdp_overlap, deferred=context.get("deferred"))
 
     def _kept_whole(self, optimizer: torch.optim.Optimizer) -> Set[int]:
         """ids of the optimizer's parameters left out of the units, whole on this rank: none here (a
@@ -102,7 +124,12 @@ class FSDPStrategy(ShardedStrategy):
 
     def _communication(self) -> UnitCommunication:
         """The buffers' collectives: over every rank here (hsdp: over the shard group)."""
-        return UnitCommunication(self.buckets)
+        return UnitCommunication(self.buckets, reductions_behind=self._reductions_behind)
+
+    @property
+    def _reductions_behind(self) -> int:
+        """Reduce-scatters left running while backward goes on: one under full overlap, else none."""
+        return 1 if self.overlap == "full" else 0
 
     def _adopt_units(self) -> None:
         self.buckets = [bucket for unit in self.all_units for bucket in unit.buckets]
@@ -240,7 +267,7 @@ class FSDPStrategy(ShardedStrategy):
         if self._recording is not None and unit not in self._recording:
             self._recording.append(unit)
         self.comm.ensure_gathered(unit)
-        if self.prefetch and unit in self._next_forward:
+        if self.overlap != "none" and unit in self._next_forward:
             self.comm.start_gather(self._next_forward[unit])
 
     def _after_unit_forward(self, unit: fu.FSDPUnit, output: Any) -> None:
@@ -274,7 +301,7 @@ class FSDPStrategy(ShardedStrategy):
         self.comm.ensure_gathered(self.root)  # freed meanwhile by an evaluation forward, say
         # The root's backward (the head, the loss) runs first: time to fetch the unit after the last.
         following = self._next_backward.get(self._last_forward)
-        if self.prefetch and following is not None and not following.reduction_started:
+        if self.overlap == "full" and following is not None and not following.reduction_started:
             self.comm.start_gather(following)
 
     def _before_unit_backward(self, unit: fu.FSDPUnit) -> None:
@@ -282,7 +309,7 @@ class FSDPStrategy(ShardedStrategy):
             return  # the late hook of an output that bypassed the unit's parameters
         self.comm.ensure_gathered(unit)
         previous = self._next_backward.get(unit)
-        if self.prefetch and previous is not None and not previous.reduction_started:
+        if self.overlap == "full" and previous is not None and not previous.reduction_started:
             self.comm.start_gather(previous)
 
     def _on_gradient_ready(self, unit: fu.FSDPUnit, bucket: fu.ShardedBucket, index: int) -> None:

@@ -1,0 +1,38 @@
+"""train.fsdp_overlap: its choices, refused where it means nothing, and auto resolved by the device
+(what each mode holds and that each takes one process's steps: tests/mpi/test_fsdp.py)."""
+import pytest
+import torch
+
+from hvdtrain.config.train import FSDP_OVERLAPS, TrainConfig
+from hvdtrain.planner.layout import FSDP_UNITS_HELD
+from hvdtrain.strategies.fsdp.communication import UnitCommunication
+from hvdtrain.strategies.fsdp.strategy import OVERLAPS, resolve_overlap
+
+
+def test_auto_is_full_on_a_gpu_and_forward_on_a_cpu():
+    assert resolve_overlap("auto", torch.device("cuda", 0)) == "full"
+    assert resolve_overlap("auto", torch.device("cpu")) == "forward"
+    assert [resolve_overlap(mode, torch.device("cpu")) for mode in ("full", "forward", "none")] == \
+        ["full", "forward", "none"]
+    with pytest.raises(ValueError, match=r"train.fsdp_overlap='both': choose one of auto, full, forward, none"):
+        resolve_overlap("both", torch.device("cpu"))
+
+
+def test_the_settings_layer_and_the_planner_know_the_same_modes():
+    assert FSDP_OVERLAPS == OVERLAPS  # the settings' layer keeps its own copy
+    assert set(FSDP_UNITS_HELD) == set(OVERLAPS) - {"auto"}
+
+
+def test_the_setting_is_checked_and_refused_outside_fsdp_and_hsdp():
+    assert TrainConfig(strategy="fsdp", fsdp_overlap="full").fsdp_overlap == "full"
+    assert TrainConfig(strategy="hsdp", fsdp_overlap="none").fsdp_overlap == "none"
+    assert TrainConfig(strategy="ddp").fsdp_overlap == "auto"
+    with pytest.raises(ValueError, match=r"fsdp_overlap=full applies to strategy=fsdp or hsdp only, got strategy=zero2"):
+        TrainConfig(strategy="zero2", fsdp_overlap="full")
+    with pytest.raises(ValueError, match=r"fsdp_overlap"):
+        TrainConfig(strategy="fsdp", fsdp_overlap="both")
+
+
+def test_at_most_one_reduce_scatter_may_run_behind():
+    with pytest.raises(ValueError, match=r"reductions_behind must be 0 or 1, got 2"):
+        UnitCommunication([], reductions_behind=2)
