@@ -65,9 +65,9 @@ class Setup:
 
 
 # Units' full size an fsdp rank holds at most besides its shards, by train.fsdp_overlap (strategies/fsdp/strategy.py):
-# full: in backward the unit computing, the one prefetched, its gradient and the one being reduce-scattered;
-# forward and none: the unit computing and its gradient.
-FSDP_UNITS_HELD = {"full": 4, "forward": 2, "none": 2}
+# full: in backward the unit computing, its gradient, the one prefetched and the one being reduce-scattered;
+# gathers: all but the last; forward and none: the unit computing and its gradient.
+FSDP_UNITS_HELD = {"full": 4, "gathers": 3, "forward": 2, "none": 2}
 
 
 @dataclass(frozen=True)

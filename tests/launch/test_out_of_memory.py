@@ -67,11 +67,12 @@ def check_memory(out, counted_formula=None):
 
 
 def fsdp_peak(parameters, unit, bytes_per_parameter):
-    """fsdp's most counted bytes on a CPU (train.fsdp_overlap auto: forward): 1/N of every parameter,
+    """fsdp's most counted bytes on a CPU (train.fsdp_overlap auto: gathers): 1/N of every parameter,
     gradient and optimizer state (``bytes_per_parameter``: 16 for fp32 Adam, 8 for plain SGD), plus
-    in backward the parameters of the unit computing and its full gradient (nothing is gathered
-    ahead in backward, and each reduce-scatter is waited for at once). Units are whole layers, fp32."""
-    return bytes_per_parameter * parameters / RANKS + 2 * unit
+    in backward the parameters of the unit computing, its full gradient and the parameters of the
+    unit before it, whose gather is prefetched (each reduce-scatter is waited for at once). Units are
+    whole layers, fp32."""
+    return bytes_per_parameter * parameters / RANKS + 3 * unit
 
 
 @pytest.mark.timeout(420)

@@ -9,12 +9,12 @@ from hvdtrain.strategies.fsdp.communication import UnitCommunication
 from hvdtrain.strategies.fsdp.strategy import OVERLAPS, resolve_overlap
 
 
-def test_auto_is_full_on_a_gpu_and_forward_on_a_cpu():
+def test_auto_is_full_on_a_gpu_and_gathers_on_a_cpu():
     assert resolve_overlap("auto", torch.device("cuda", 0)) == "full"
-    assert resolve_overlap("auto", torch.device("cpu")) == "forward"
-    assert [resolve_overlap(mode, torch.device("cpu")) for mode in ("full", "forward", "none")] == \
-        ["full", "forward", "none"]
-    with pytest.raises(ValueError, match=r"train.fsdp_overlap='both': choose one of auto, full, forward, none"):
+    assert resolve_overlap("auto", torch.device("cpu")) == "gathers"
+    assert [resolve_overlap(mode, torch.device("cpu")) for mode in ("full", "gathers", "forward", "none")] == \
+        ["full", "gathers", "forward", "none"]
+    with pytest.raises(ValueError, match=r"train.fsdp_overlap='both': choose one of auto, full, gathers, forward, none"):
         resolve_overlap("both", torch.device("cpu"))
 
 

@@ -34,6 +34,7 @@ from hvdtrain.bench.throughput import driver as throughput
 from hvdtrain.bench.throughput.driver import Job, paired_ratio, ratio_of_medians
 from hvdtrain.common.units import MiB, mib
 from hvdtrain.distributed.cpu_allocator import MODES as CPU_ALLOCATOR_MODES
+from hvdtrain.config.train import FSDP_OVERLAPS
 from hvdtrain.launch.hostfile import Host
 from hvdtrain.common.tables import format_table
 from hvdtrain.observability.figures import new_figure, save_figure
@@ -60,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                   "windows of 64 tokens)")
     parser.add_argument("--cpu-allocator", choices=CPU_ALLOCATOR_MODES, default="cache",
                         help="train.cpu_allocator of every job (default: cache)")
+    parser.add_argument("--fsdp-overlap", choices=FSDP_OVERLAPS, default="auto",
+                        help="train.fsdp_overlap of the fsdp jobs (default: auto, forward on a CPU)")
     parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps per job (default: 30)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")
     parser.add_argument("--segments", type=int, default=3, help="timed parts per job (default: 3)")
@@ -99,7 +102,7 @@ def _settings(args: argparse.Namespace) -> List[int]:
 def plan(args: argparse.Namespace, memory_counts: Sequence[int]):
     trainer = throughput.VARIANTS["trainer"]
     data = ("--variant", "trainer", "--model", args.model, "--batch", str(args.batch), "--samples", str(args.samples),
-            "--cpu-allocator", args.cpu_allocator)
+            "--cpu-allocator", args.cpu_allocator, "--fsdp-overlap", args.fsdp_overlap)
     speed = [Job(f"speed/{s}", s, args.model, trainer, args.workers,
                  (*data, "--strategy", s, "--optimizer", args.optimizer, "--steps", str(args.steps),
                   "--warmup", str(args.warmup), "--segments", str(args.segments)), True) for s in STRATEGIES]
@@ -193,7 +196,8 @@ def memory_rows(memory: List[Job]) -> List[Dict[str, Any]]:
             during = expected["total"] + run["largest_unit_bytes"]
             rows[-1].update({"units": run["fsdp_units"], "largest_unit_bytes": run["largest_unit_bytes"],
                              "step_peak_rank0": peaks[0], "step_peak_max": max(p["total"] for p in peaks),
-                             "step_formula": during, "step_peak_over_formula": peaks[0]["total"] / during})
+                             "step_formula": during, "step_peak_over_formula": peaks[0]["total"] / during,
+                             "fsdp_overlap": run.get("fsdp_overlap", "")})
     return rows
 
 
@@ -243,7 +247,8 @@ def text_report(rows, mem, verdict_lines, args, psi: Optional[int]) -> List[str]
     out = ["", format_table(
         ["strategy", "samples/s", "spread", "n", "/ddp (medians)", "/ddp per round", "per-round range",
          "comm share", "helper CPU", "peak RSS MB"], ratio_rows,
-        title=f"{args.model}, {args.optimizer}, cpu_allocator {args.cpu_allocator}: global samples/s, batch "
+        title=f"{args.model}, {args.optimizer}, cpu_allocator {args.cpu_allocator}, fsdp_overlap {args.fsdp_overlap}: "
+              f"global samples/s, batch "
               f"{args.batch}/worker, {args.workers} workers, "
               f"medians of {args.rounds} rounds (ratios: same run; per round = paired within a round)")]
     out += ["", format_table(
@@ -271,9 +276,10 @@ def text_report(rows, mem, verdict_lines, args, psi: Optional[int]) -> List[str]
         [[m["strategy"], m["workers"], *(mib(m["step_peak_rank0"][k]) for k in (*COMPONENTS, "total")),
           mib(m["step_peak_max"]), mib(m["largest_unit_bytes"]), mib(m["step_formula"]),
           m["step_peak_over_formula"]] for m in during],
-        title="fsdp during a step: the most MiB a rank held (rank 0, by component at that moment), counted after "
-              "each unit's gather and before each reduce-scatter; the units prefetch one ahead and backward "
-              "holds a unit's full gradients too")] if during else []
+        title=f"fsdp during a step (fsdp_overlap {during[0].get('fsdp_overlap', '')}): the most MiB a rank held "
+              "(rank 0, by component at that moment), counted after each unit's gather and before each "
+              "reduce-scatter; backward holds a unit's full parameters and its full gradient at once, so "
+              "16 Psi/N + 2 units is the least any overlap holds (full: + 4)")] if during else []
     for m in during[:1]:
         units = ", ".join(f"{u['path']} {mib(u['full_bytes']):.1f}" for u in m["units"] if u["full_bytes"])
         out.append(f"fsdp units (MiB at full size; the root unit holds the parameters outside them): {units}")
@@ -350,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
     lines = text_report(rows, mem, verdict_lines, args, psi)
     report.print_lines(lines)
     settings = {k: getattr(args, k) for k in ("model", "workers", "memory_workers", "rounds", "optimizer", "batch",
-                                              "cpu_allocator", "steps", "warmup", "segments", "samples", "quick", "strict")}
+                                              "cpu_allocator", "fsdp_overlap", "steps", "warmup", "segments", "samples", "quick", "strict")}
     report.write_json(out_dir / "results.json", report.finite_or_none({
         "benchmark": "strategies", "settings": settings, "parameters": psi, "speed": rows, "memory": mem,
         "verdicts": verdict_lines,

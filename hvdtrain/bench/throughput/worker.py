@@ -55,6 +55,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from hvdtrain.bench.common import jobs, workloads
 from hvdtrain.distributed.cpu_allocator import MODES as CPU_ALLOCATOR_MODES  # ctypes only: --help stays light
+from hvdtrain.config.train import FSDP_OVERLAPS
 
 VARIANTS = ("single", "independent", "trainer", "horovod", "ddp", "dataparallel")
 LR = 0.01  # one worker's rate; every distributed variant scales it by the world size, as Horovod's examples do
@@ -88,6 +89,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="trainer variant: train.strategy")
     parser.add_argument("--cpu-allocator", choices=CPU_ALLOCATOR_MODES, default="cache",
                         help="trainer variant: train.cpu_allocator (default: cache)")
+    parser.add_argument("--fsdp-overlap", choices=FSDP_OVERLAPS, default="auto",
+                        help="trainer variant, strategy fsdp: train.fsdp_overlap (default: auto)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help=f"trainer variant: SGD with momentum {MOMENTUM} (lr {LR}) or Adam (lr {ADAM_LR})")
     parser.add_argument("--devices", type=int,
@@ -383,7 +386,8 @@ def run_trainer(args) -> None:
     # other per-step work (stall watchdog beat, preemption vote, LR schedule) stays on.
     config = TrainConfig(epochs=10**6, batch_size=args.batch, lr=LR, max_steps=args.warmup,
                          log_every=10**9, accumulation=args.accumulation, fp16_allreduce=args.fp16,
-                         seed=args.seed, strategy=args.strategy, cpu_allocator=args.cpu_allocator)
+                         seed=args.seed, strategy=args.strategy, cpu_allocator=args.cpu_allocator,
+                         fsdp_overlap=args.fsdp_overlap if args.strategy == "fsdp" else "auto")
     world = startup.init(config, threads=1)
     model = workloads.build_model(args.model, args.seed)
     dataset = workloads.synthetic_dataset(args.model, args.samples, args.seed)
@@ -431,7 +435,7 @@ def run_trainer(args) -> None:
             "system_cpu_per_rank_s": [rank["system_s"] for rank in per_rank],
             **({"gather_per_rank_s": [rank["gather_s"] for rank in per_rank],  # fsdp: waits for unit gathers
                 "step_peak_per_rank": [rank["step_peak"] for rank in per_rank],
-                "largest_unit_bytes": trainer.strategy.largest_unit_bytes(),
+                "largest_unit_bytes": trainer.strategy.largest_unit_bytes(), "fsdp_overlap": trainer.strategy.overlap,
                 "fsdp_units": [{"path": unit.path or "(root)", "full_bytes": unit.full_bytes}
                                for unit in trainer.strategy.all_units]} if args.strategy == "fsdp" else {}),
         }))

@@ -7,15 +7,17 @@ whose gradients are reduce-scattered (averaged, each rank adding its slice) befo
 is freed; the root unit stays gathered from the model's forward to the end of its backward. The step
 updates the shards only. Between steps a rank holds 16 Psi / N bytes for fp32 Adam, plus padding.
 
-How much runs ahead is train.fsdp_overlap (OVERLAPS). ``full``: the next unit's gather is started
+How much runs ahead is train.fsdp_overlap (OVERLAPS); each step down holds less during backward,
+besides the 16 Psi / N bytes (fp32 Adam) of the shards. ``full``: the next unit's gather is started
 while this one computes, in forward and in backward, and a unit's reduce-scatter runs while the units
-before it compute their backward, one at a time: a rank holds up to 16 Psi / N + 4 units in backward
-(the unit computing, the one fetched, its growing gradient and the one being reduce-scattered).
-``forward``: forward prefetches as before; backward gathers a unit when it starts and waits for each
-reduce-scatter at once: 16 Psi / N + 2 units. ``none``: nothing ahead. ``auto`` is ``full`` on a GPU,
-where the collectives run beside the compute, and ``forward`` on a CPU, whose collectives run on the
-cores that compute: there, running backward's collectives ahead hides nothing and costs two units
-(`hvdtrain bench strategies` gives both).
+before it compute their backward, one at a time: up to 4 units (the unit computing, its growing
+gradient, the one fetched and the one being reduce-scattered). ``gathers``: the same gathers, each
+reduce-scatter waited for at once: 3 units. ``forward``: only forward's gathers run ahead; backward
+gathers a unit as it starts: 2 units, the least backward can hold (a unit's full parameters and its
+full gradient). ``none``: nothing ahead. ``auto`` is ``full`` on a GPU, where the collectives run
+beside the compute, and ``gathers`` on a CPU, whose collectives run on the cores that compute: a
+reduce-scatter running behind backward hides nothing there and holds a unit more (`hvdtrain bench
+strategies --fsdp-overlap` measures each).
 
 The gathers are collectives, so every forward is one: every rank runs it, with the same units in
 the same order, evaluation included. Read the model through ``state_dict()``, or make it whole with
@@ -43,16 +45,16 @@ from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.sliced import ShardedStrategy
 from hvdtrain.strategies.unused_parameters import GradientUse, start_agreement, step_skipping
 
-OVERLAPS = ("auto", "full", "forward", "none")  # train.fsdp_overlap (the module docstring says what each holds)
+OVERLAPS = ("auto", "full", "gathers", "forward", "none")  # train.fsdp_overlap (the module docstring says what each holds)
 
 
 def resolve_overlap(setting: str, device: torch.device) -> str:
-    """train.fsdp_overlap for this rank's device: auto is full on a GPU, forward on a CPU."""
+    """train.fsdp_overlap for this rank's device: auto is full on a GPU, gathers on a CPU."""
     if setting not in OVERLAPS:
         raise ValueError(f"train.fsdp_overlap={setting!r}: choose one of {', '.join(OVERLAPS)}")
     if setting != "auto":
         return setting
-    return "full" if device.type == "cuda" else "forward"
+    return "full" if device.type == "cuda" else "gathers"
 
 
 class FSDPStrategy(ShardedStrategy):
@@ -130,6 +132,10 @@ class FSDPStrategy(ShardedStrategy):
     def _reductions_behind(self) -> int:
         """Reduce-scatters left running while backward goes on: one under full overlap, else none."""
         return 1 if self.overlap == "full" else 0
+
+    @property
+    def _prefetch_in_backward(self) -> bool:
+        return self.overlap in ("full", "gathers")
 
     def _adopt_units(self) -> None:
         self.buckets = [bucket for unit in self.all_units for bucket in unit.buckets]
@@ -301,7 +307,7 @@ class FSDPStrategy(ShardedStrategy):
         self.comm.ensure_gathered(self.root)  # freed meanwhile by an evaluation forward, say
         # The root's backward (the head, the loss) runs first: time to fetch the unit after the last.
         following = self._next_backward.get(self._last_forward)
-        if self.overlap == "full" and following is not None and not following.reduction_started:
+        if self._prefetch_in_backward and following is not None and not following.reduction_started:
             self.comm.start_gather(following)
 
     def _before_unit_backward(self, unit: fu.FSDPUnit) -> None:
@@ -309,7 +315,7 @@ class FSDPStrategy(ShardedStrategy):
             return  # the late hook of an output that bypassed the unit's parameters
         self.comm.ensure_gathered(unit)
         previous = self._next_backward.get(unit)
-        if self.overlap == "full" and previous is not None and not previous.reduction_started:
+        if self._prefetch_in_backward and previous is not None and not previous.reduction_started:
             self.comm.start_gather(previous)
 
     def _on_gradient_ready(self, unit: fu.FSDPUnit, bucket: fu.ShardedBucket, index: int) -> None:
