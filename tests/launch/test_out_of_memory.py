@@ -18,12 +18,12 @@ before the model holds memory, is 533-542 MB of VmData and 342-351 MB of RSS per
 MB for the 25.2M-parameter model, whose warm-up layer is wider).
 
 - Adam, 25,198,602 parameters (100.8 MB of fp32 weights), cap 13.5 bytes per parameter (340 MB
-  beyond the baseline): fsdp's peak counted bytes 184,721,484 on every rank (the formula
-  184,721,448), 100,794,444 after the first step (16 Psi / 4); peak RSS 565-569 MB per rank against
+  beyond the baseline): fsdp's peak counted bytes 151,150,668 on every rank (the formula
+  151,150,632), 100,794,444 after the first step (16 Psi / 4); peak RSS 530 MB per rank against
   a cap of 707-708 MB RSS. zero2: peak RSS 618-657 MB against 707 MB.
 - Built on meta, plain SGD, 50,391,050 parameters (201.6 MB), cap 3.5 bytes per parameter (176.4 MB
-  beyond the baseline): fsdp's peak counted 121,774,104 per rank (formula 121,774,100), peak RSS
-  483 MB against a cap of 518 MB RSS; T=2 x P=2: 100,810,752 (first stage) and 100,892,752 (last,
+  beyond the baseline): fsdp's peak counted 113,377,304 per rank (formula 113,377,300), peak RSS
+  476-477 MB against a cap of 518-520 MB RSS; T=2 x P=2: 100,810,752 (first stage) and 100,892,752 (last,
   with the head) against 100,843,600, peak RSS 452-453 MB against 518-527 MB; T=4: 100,991,056
   against 100,843,600, peak RSS 455-456 MB against 518 MB.
 """
@@ -103,7 +103,7 @@ def test_a_model_built_on_meta_trains_under_fsdp_and_a_mesh_in_less_memory_than_
     model's own fp32 weights (4). ddp and zero2 make the model whole on every rank and cannot; fsdp
     gives each rank its quarter, one 4 MB unit in memory at a time while it initializes, and trains
     (plain SGD: weight and gradient, 8 bytes per parameter, a quarter of them per rank, plus the units
-    in flight: 121.8 MB counted of the 176 MB allowed); so do a T=2 x P=2 mesh and a T=4 one, each rank
+    in flight: 113.4 MB counted of the 176 MB allowed); so do a T=2 x P=2 mesh and a T=4 one, each rank
     initializing only its slices with one whole 4 MB linear in memory at a time and then holding a
     quarter of every weight and gradient."""
     for whole in ("ddp", "zero2"):
