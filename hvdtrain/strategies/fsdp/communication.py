@@ -20,9 +20,14 @@ from hvdtrain.strategies.zero import gather_in_place
 
 
 class UnitCommunication:
-    """The collectives of ``buckets``, over every rank, or over ``process_set`` (hsdp's shard group),
-    whose members' global ranks are ``ranks``, in slice order; at most ``reductions_behind``
-    reduce-scatters (0 or 1) left running once start_reduction returns."""
+    """The collectives of fsdp's buffers, and the bookkeeping of what is in flight.
+
+    Args:
+        buckets: every unit's buffers, in the order their reductions are finished.
+        process_set: the ranks that share the buffers (None: every rank; hsdp: its shard group).
+        ranks: their global ranks, in slice order (None: slice i is rank i's).
+        reductions_behind: reduce-scatters (0 or 1) left running once start_reduction returns.
+    """
 
     def __init__(self, buckets: Sequence[fu.ShardedBucket], process_set: Any = None,
                  ranks: Optional[Sequence[int]] = None, reductions_behind: int = 1) -> None:
