@@ -8,7 +8,7 @@ import stat
 
 from hvdtrain.bench.gpu.driver import selftest
 from hvdtrain.launch.gpu_selftest import NO_GPU_EXIT, exit_code
-from tests.launch.helpers import BIN, run
+from tests.launch.helpers import BIN, PYTHON, run
 
 SIZES = [64 * 1024, 1024 * 1024]  # small: the CPU run proves the checks, not a bandwidth
 
@@ -58,16 +58,21 @@ def test_every_check_of_the_worker_passes_on_cpu_tensors():
 
 
 def test_a_gpu_node_whose_torch_sees_no_gpu_fails_the_pinning_row(tmp_path, monkeypatch):
-    """nvidia-smi lists 2 GPUs, torch (a CPU build here) sees none: the job runs on 2 ranks (the
-    default sizes: 3 all-reduce rows) and the verdict is FAIL with the hint, exit 1."""
+    """nvidia-smi lists 2 GPUs, torch sees none (a CPU build, or a CUDA build on a machine without
+    one): the job runs on 2 ranks (the default sizes: 3 all-reduce rows) and the verdict is FAIL with
+    the hint, exit 1. The horovod row fails too when this Horovod was built without NCCL (with a CPU
+    torch), and passes when it was (a CUDA torch beside a CUDA toolkit)."""
+    built = run([PYTHON, "-c", "import horovod.torch as hvd; print(bool(hvd.nccl_built()))"], timeout=120)
+    assert built[0] == 0, built
+    nccl = built[1].strip().splitlines()[-1] == "True"
     fake_nvidia_smi(monkeypatch, tmp_path, 2)
     code, out, err = run([str(BIN / "hvdtrain"), "doctor", "--gpu"], timeout=600)
     assert code == 1, out + err
     pinning = [line for line in out.splitlines() if line.startswith("pinning")]
     assert pinning and " FAIL " in pinning[0] and "rank 0 on cpu" in pinning[0] and "torch sees no GPU" in pinning[0]
     horovod = [line for line in out.splitlines() if line.startswith("horovod")]
-    assert " FAIL " in horovod[0] and "NCCL built: False" in horovod[0]
+    assert (" FAIL " in horovod[0]) != nccl and f"NCCL built: {nccl}" in horovod[0], horovod
     one_each = [line for line in out.splitlines() if line.startswith("pinning 1 GPU/rank")]
     assert " FAIL " in one_each[0] and "rank 0 on cpu, not cuda:0 (its one GPU)" in one_each[0]
-    assert ("hvdtrain doctor --gpu: FAIL, 4 of 16 checks failed: horovod, pinning, pinning 1 GPU/rank, cuda memory"
-            in out)
+    failed = ([] if nccl else ["horovod"]) + ["pinning", "pinning 1 GPU/rank", "cuda memory"]
+    assert f"hvdtrain doctor --gpu: FAIL, {len(failed)} of 16 checks failed: {', '.join(failed)}" in out, out

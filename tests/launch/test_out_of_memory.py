@@ -82,7 +82,7 @@ def test_ddp_runs_out_of_memory_with_a_clear_report_and_zero2_and_fsdp_train_the
     assert code != 0, text[-3000:]
     report = re.search(r"rank (\d) on \S+ ran out of memory during (the [a-z ]+) under strategy ddp: it tried to "
                        r"allocate [0-9.]+ MiB while holding parameters 96\.\d MiB, gradients 96\.\d MiB, "
-                       r"optimizer_state [0-9.]+ MiB \(counted from tensor storages\)\. Its limit is [0-9.]+ MiB "
+                       r"optimizer_state [0-9.]+ MiB \(counted from tensor storages\)\. Its limit is [0-9.]+ [MG]iB "
                        r"\(RLIMIT_DATA\)\. The model has 25\.2M parameters and Adam keeps 2 state tensor\(s\) "
                        r"per parameter: per rank at 4 workers, ddp 384\.\d MiB; zero1 240\.\d MiB; "
                        r"zero2 168\.\d MiB; fsdp 96\.\d MiB; ps 480\.\d MiB .*try --train\.strategy=fsdp", text)
