@@ -47,7 +47,7 @@ class Setup:
     link: Optional[Network] = None
     calibration: Calibration = CALIBRATION
     update_bandwidth: float = DEFAULT_UPDATE_BANDWIDTH
-    # train.fsdp_overlap as resolved on the ranks: full on GPUs (what plans are for), forward on CPUs.
+    # train.fsdp_overlap as resolved on the ranks: full on GPUs (what plans are for), gathers on CPUs.
     fsdp_overlap: str = "full"
 
     def __post_init__(self) -> None:

@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-allocator", choices=CPU_ALLOCATOR_MODES, default="cache",
                         help="train.cpu_allocator of every job (default: cache)")
     parser.add_argument("--fsdp-overlap", choices=FSDP_OVERLAPS, default="auto",
-                        help="train.fsdp_overlap of the fsdp jobs (default: auto, forward on a CPU)")
+                        help="train.fsdp_overlap of the fsdp jobs (default: auto, gathers on a CPU)")
     parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps per job (default: 30)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")
     parser.add_argument("--segments", type=int, default=3, help="timed parts per job (default: 3)")

@@ -16,7 +16,7 @@ reduce-scatter waited for at once: 3 units. ``forward``: only forward's gathers 
 gathers a unit as it starts: 2 units, the least backward can hold (a unit's full parameters and its
 full gradient). ``none``: nothing ahead. ``auto`` is ``full`` on a GPU, where the collectives run
 beside the compute, and ``gathers`` on a CPU, whose collectives run on the cores that compute: a
-reduce-scatter running behind backward hides nothing there and holds a unit more (`hvdtrain bench
+reduce-scatter running behind backward hides little there and holds a unit more (`hvdtrain bench
 strategies --fsdp-overlap` measures each).
 
 The gathers are collectives, so every forward is one: every rank runs it, with the same units in
