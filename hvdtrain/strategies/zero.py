@@ -161,10 +161,10 @@ class ZeroStrategy(ShardedStrategy):
         mine = self._wait(bucket.grad_name)  # this rank's slice, averaged over ranks
         if self.stage == 1:
             bucket.shard_grad.copy_(mine)
+            bucket.shard.grad = bucket.shard_grad  # in case optimizer.zero_grad() set it to None
         else:
-            bucket.shard_grad.add_(mine)
+            fb.accumulate_shard_gradient(bucket, mine)  # over micro-batches
             fb.release_gradients(bucket)
-        bucket.shard.grad = bucket.shard_grad  # in case optimizer.zero_grad() set it to None
 
     def _finish_completed_reductions(self) -> None:
         for bucket in self.buckets:
@@ -185,6 +185,9 @@ class ZeroStrategy(ShardedStrategy):
     def synchronize(self) -> None:
         if self._unreduced:
             self._finish_reductions()
+        if self.stage == 2:
+            for bucket in self.buckets:
+                fb.settle_shard_gradient(bucket)
         self._backwards = 0
         self._communicate = False
 
@@ -215,8 +218,11 @@ class ZeroStrategy(ShardedStrategy):
     def zero_grad(self) -> None:
         self.synchronize()  # a reduction in flight must still finish on every rank
         for bucket in self.buckets:
-            (bucket.flat_grad if self.stage == 1 else bucket.shard_grad).zero_()
-            bucket.shard.grad = bucket.shard_grad
+            if self.stage == 1:
+                bucket.flat_grad.zero_()
+                bucket.shard.grad = bucket.shard_grad
+            else:
+                bucket.shard.grad = None  # the next reduce-scatter's output becomes it (accumulate_shard_gradient)
         self._use.reset()  # also when the step was skipped (a non-finite gradient)
 
     # Collectives' bookkeeping (pending_communication is read from the watchdog's thread).

@@ -14,7 +14,7 @@ from hvdtrain.strategies.fsdp.strategy import FSDPStrategy
 from hvdtrain.strategies.zero import Zero2Strategy
 from hvdtrain.strategies.sharding import storage
 from tests.mpi.helpers import flat_parameters, synthetic_classification
-from tests.mpi.test_zero import MICRO_BATCH, reference_steps, state_difference, two_groups
+from tests.mpi.test_zero import MICRO_BATCH, global_batch, reference_steps, state_difference, two_groups
 from tests.mpi.test_zero import zero_steps as fsdp_steps  # the same hand-written loop
 
 # The launches of scripts/run_tests.sh this file runs in besides the one at $NP ranks under MPI,
@@ -397,6 +397,43 @@ def test_each_overlap_holds_what_it_promises_during_a_step_and_takes_one_process
         assert (extra == blocks * block).all(), f"held beyond shards and root, in blocks: {(extra / block).tolist()}"
         assert (everywhere[:, 1] == 0).all(), f"reduce-scatters in flight after one started: {everywhere[:, 1].tolist()}"
     assert (difference < 1e-10).all(), f"max |fsdp - one process| per rank: {difference.tolist()}"
+
+
+@pytest.mark.parametrize("make_strategy", [FSDPStrategy, Zero2Strategy], ids=["fsdp", "zero2"])
+def test_gradients_cleared_by_the_strategy_or_by_the_shard_optimizer_start_the_next_step_from_zero(world, make_strategy):
+    """zero_grad() leaves the shards' .grad None and the next reduce-scatter's output becomes the
+    shard gradient (no pass over memory); the shard optimizer's own zero_grad() (torch sets .grad to
+    None) is honoured alike, not added to; a synchronize with no backward since reads zeros."""
+    data = synthetic_classification(samples=192, features=FEATURES, classes=CLASSES)
+    make_optimizer = OPTIMIZERS["adamw"]
+    model = Blocks(seed=0)
+    initial = copy.deepcopy(model.state_dict())
+    strategy = make_strategy(model, make_optimizer(model), world, 2, False)
+    rows = MICRO_BATCH * 2 * world.size
+    cleared = []
+    for step in range(STEPS):
+        inputs, labels = global_batch(data, step, rows)
+        mine = inputs[world.rank::world.size], labels[world.rank::world.size]
+        for x, y in zip(mine[0].chunk(2), mine[1].chunk(2)):
+            strategy.backward(F.cross_entropy(strategy.model(x), y) / 2)
+        strategy.synchronize()
+        strategy.step()
+        if step % 2 == 0:
+            strategy.zero_grad()
+        else:
+            strategy.optimizer.zero_grad()  # the shard optimizer's: torch sets every .grad to None
+        cleared.append(all(bucket.shard.grad is None for bucket in strategy.buckets))
+    strategy.synchronize()  # no backward since the gradients were cleared
+    settled = [bucket.shard.grad is not None and not bucket.shard.grad.any() for bucket in strategy.buckets]
+    state = strategy.state_dict()["model"]
+    reference, reference_optimizer = reference_from(initial, make_optimizer)
+    reference_steps(reference, reference_optimizer, data, STEPS, rows=rows)
+    local = torch.tensor([model_difference(state, reference.state_dict())], dtype=torch.float64)
+    everywhere = collectives.allgather_rows(local, name="fsdp.test.cleared")
+
+    assert all(cleared), f"a shard's .grad survived zero_grad (per step: {cleared})"
+    assert all(settled), "a synchronize with no backward left a shard gradient None or not zero"
+    assert (everywhere < 1e-10).all(), f"max |strategy - one process| per rank: {everywhere.tolist()}"
 
 
 def test_an_unused_unit_does_not_hang_the_step(world):

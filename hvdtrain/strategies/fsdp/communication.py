@@ -107,9 +107,8 @@ class UnitCommunication:
             self.finish_reduction(bucket)
 
     def finish_reduction(self, bucket: fu.ShardedBucket) -> None:
-        bucket.shard_grad.add_(self.wait(bucket.grad_name))  # accumulates over micro-batches
+        fb.accumulate_shard_gradient(bucket, self.wait(bucket.grad_name))  # over micro-batches
         bucket.reducing = None
-        bucket.shard.grad = bucket.shard_grad  # in case optimizer.zero_grad() set it to None
 
     def finish_completed_reductions(self) -> None:
         """Those already done, so that their full gradients go early (no waiting)."""

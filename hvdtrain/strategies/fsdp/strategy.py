@@ -350,6 +350,8 @@ class FSDPStrategy(ShardedStrategy):
         if self._open:  # a backward whose end the engine did not report
             self._close_micro_batch()
         self.comm.finish_reductions()
+        for bucket in self.buckets:
+            fb.settle_shard_gradient(bucket)
         for unit in self.all_units:
             self.comm.free(unit)  # the root of a forward that no backward followed
         self._backwards = 0
@@ -366,8 +368,7 @@ class FSDPStrategy(ShardedStrategy):
     def zero_grad(self) -> None:
         self.synchronize()  # a reduction in flight must still finish on every rank
         for bucket in self.buckets:
-            bucket.shard_grad.zero_()
-            bucket.shard.grad = bucket.shard_grad
+            bucket.shard.grad = None  # the next reduce-scatter's output becomes it (accumulate_shard_gradient)
         self._use.reset()  # also when the step was skipped (a non-finite gradient)
 
     def pending_communication(self) -> List[str]:

@@ -202,6 +202,31 @@ def complete_gradients(bucket: FlatBucket) -> torch.Tensor:
     return bucket.flat_grad
 
 
+# Stage 2 and fsdp: the shard gradient over a step's micro-batches. zero_grad leaves the shard's
+# .grad None, torch's convention, with no pass over the memory; the step's first reduce-scatter
+# output then becomes the shard gradient as it is (no copy, no add), the later ones are added to it.
+# A .grad set to None by the user's optimizer.zero_grad() is honoured the same way.
+
+def accumulate_shard_gradient(bucket: FlatBucket, reduced: torch.Tensor) -> None:
+    """Add this rank's averaged slice ``reduced`` (a reduce-scatter's output, owned by no one else)
+    to the shard gradient, or make it the shard gradient when the shard's .grad was cleared."""
+    if bucket.shard.grad is not None:
+        bucket.shard_grad.add_(reduced)
+    elif reduced.dtype == bucket.shard_grad.dtype:
+        bucket.shard_grad = reduced
+    else:  # fp16 on the wire
+        bucket.shard_grad.copy_(reduced)
+    bucket.shard.grad = bucket.shard_grad
+
+
+def settle_shard_gradient(bucket: FlatBucket) -> None:
+    """Zeros for a shard gradient that no reduction reached since it was cleared (a step with no
+    backward, say): what the optimizer, clipping and the checks read is then never stale."""
+    if bucket.shard.grad is None:
+        bucket.shard_grad.zero_()
+        bucket.shard.grad = bucket.shard_grad
+
+
 # Optimizer state: torch keeps it per parameter; the shard optimizer per bucket slice.
 
 def is_elementwise(value: Any) -> bool:
