@@ -10,7 +10,8 @@
 #   Horovod 0.28.1 from its sdist, patched: C++17      -> wheel kept in $WHEELHOUSE/<key>/ (default
 #                                                         .cache/wheels; a shared directory lets every
 #                                                         node install the one build; HOROVOD_BUILD=never
-#                                                         refuses to build, e.g. on compute nodes)
+#                                                         refuses to build, e.g. on compute nodes;
+#                                                         set-ups sharing it build once: a lock)
 #     (its torch binding C++20 when torch's headers need it),
 #     no -g, and with NCCL a libnccl.so link              (NCCL when torch is a CUDA build and nvcc is here;
 #                                                         the toolkit must be of torch's CUDA major)
@@ -35,6 +36,8 @@ WHEELHOUSE=${WHEELHOUSE:-$CACHE/wheels}
 # auto: build when the wheelhouse has no wheel for this Python and torch; never: refuse (compute nodes
 # without compilers, or a job that must not spend minutes compiling).
 HOROVOD_BUILD=${HOROVOD_BUILD:-auto}
+# Seconds a set-up waits for the wheel another one is building into the same WHEELHOUSE (build_once).
+HOROVOD_BUILD_WAIT=${HOROVOD_BUILD_WAIT:-1800}
 HVDTRAIN_EXTRAS=${HVDTRAIN_EXTRAS:-test,examples}
 EDITABLE=${EDITABLE:-1}
 
@@ -152,7 +155,8 @@ horovod_wheel_dir() {
 }
 
 build_horovod_wheel() {
-  # A build directory per wheel: set-ups for two torch versions at once must not share one. Without
+  # A build directory per wheel and set-up: set-ups for two torch versions at once must not share one,
+  # nor two set-ups of one wheel that both think they hold its lock (build_once). Without
   # the '+' of a local version (2.14.1+cu130): Horovod's setup.py then packed its library under the
   # build directory's own path inside the wheel, and horovod.torch imported without it.
   local out=$1 work
@@ -161,7 +165,7 @@ build_horovod_wheel() {
   [ ${#BUILD_TOOLS_MISSING[@]} -eq 0 ] || die "Horovod must be built here (no wheel in $out), which needs" \
     "${BUILD_TOOLS_MISSING[*]} (mpicxx, cmake, g++, make). Load them (e.g. module load gcc cmake), or build on" \
     "a node that has them into the same WHEELHOUSE and run this again"
-  work=$CACHE/build/$(basename "$1" | tr '+' '_')
+  work=$CACHE/build/$(basename "$1" | tr '+' '_').$$
   say "building Horovod $HOROVOD_VERSION against torch $TORCH_VERSION (about 4 minutes on 2 cores; 7 with NCCL's CUDA code)"
   rm -rf "$work" && mkdir -p "$work"
   pip_quiet download --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" -d "$work"
@@ -220,23 +224,63 @@ build_horovod_wheel() {
   env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
       HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
       MAKEFLAGS="-j$(nproc)" "${gpu[@]}" \
-      "$PY" -m pip wheel -q --no-build-isolation --no-deps "$src" -w "$out.tmp" \
+      "$PY" -m pip wheel -q --no-build-isolation --no-deps "$src" -w "$out.tmp.$$" \
       > "$work/build.log" 2>&1 || die "Horovod build failed; see $work/build.log"
   # The wheel appears in the wheelhouse in one rename: a node installing from it never reads half a wheel.
-  mv "$out.tmp"/horovod-*.whl "$out"/ && rm -rf "$out.tmp" "$work"
+  mv "$out.tmp.$$"/horovod-*.whl "$out"/ && rm -rf "$out.tmp.$$" "$work"
+}
+
+# The wheel of a wheel directory, or nothing (without tripping the trap).
+wheel_of() { ls "$1"/horovod-*.whl 2>/dev/null | head -n 1 || true; }
+
+# Set-ups on several nodes that share a WHEELHOUSE (a job's first step on every node, say) may all
+# find no wheel: one builds, the others wait for its wheel instead of building into the same
+# directories. The lock is a directory made by mkdir, atomic on NFS and Lustre, where flock may not
+# work; it names its holder, and a holder on this host that no longer runs (killed mid-build) leaves
+# a lock the next set-up takes over. A holder elsewhere is waited for up to HOROVOD_BUILD_WAIT seconds.
+build_once() {
+  local dir=$1 lock=$1.lock waited=0 owner
+  mkdir -p "$(dirname "$lock")"
+  until mkdir "$lock" 2>/dev/null; do
+    [ -n "$(wheel_of "$dir")" ] && return 0  # the holder's wheel is there
+    owner=$(stamp "$lock/owner")
+    if lock_holder_gone "$owner"; then
+      say "taking over the Horovod build lock of a set-up that no longer runs ($owner)"
+      rm -rf "$lock"
+      continue
+    fi
+    [ "$waited" -eq 0 ] && say "waiting for the Horovod wheel that ${owner:-another set-up} is building into $dir" \
+      "(lock $lock; up to ${HOROVOD_BUILD_WAIT:-1800} s)"
+    [ "$waited" -ge "${HOROVOD_BUILD_WAIT:-1800}" ] && die "no Horovod wheel in $dir after $waited s of waiting" \
+      "for ${owner:-another set-up} (lock $lock). If no set-up is building it, remove $lock and run this again"
+    sleep 2
+    waited=$((waited + 2))
+  done
+  echo "host $(uname -n) pid $$ since $(date -u +%FT%TZ)" > "$lock/owner"
+  trap "rm -rf '$lock'" EXIT  # a failed build (die) lets go of it too
+  [ -n "$(wheel_of "$dir")" ] || build_horovod_wheel "$dir"  # unless built between the look and the lock
+  rm -rf "$lock"
+  trap - EXIT
+}
+
+# A lock's owner line ("host H pid P since T") names a process of this host that no longer runs.
+lock_holder_gone() {
+  local host pid
+  read -r _ host _ pid _ <<< "$1"
+  [ -n "$pid" ] && [ "$host" = "$(uname -n)" ] && ! kill -0 "$pid" 2>/dev/null
 }
 
 install_horovod() {
   local dir wheel
   dir=$(horovod_wheel_dir)
-  wheel=$(ls "$dir"/horovod-*.whl 2>/dev/null | head -n 1 || true)  # none yet on a new machine
+  wheel=$(wheel_of "$dir")  # none yet on a new machine
   # Installed from this very wheel already: nothing to do (the fast path of a second run). Its
   # checksum too: a wheel built again at the same path (another build of that torch) is installed.
   [ -n "$wheel" ] && [ "$(stamp "$VENV/.horovod-wheel")" = "$(wheel_id "$wheel")" ] && return 0
   # Horovod's runtime deps, and what its build needs from the environment (no build isolation).
   "${PIP[@]}" cloudpickle psutil pyyaml packaging cffi wheel setuptools
   if [ -z "$wheel" ]; then
-    build_horovod_wheel "$dir"
+    build_once "$dir"
     wheel=$(ls "$dir"/horovod-*.whl | head -n 1)
   fi
   # pip would keep an installed 0.28.1 built against another torch: reinstall when the wheel differs.

@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pipeline micro-batches (default: the most, up to 4 x stages, dividing a replica's batch)")
     parser.add_argument("--ps-servers", type=int, default=1, help="strategy ps: server ranks (default 1)")
     parser.add_argument("--fusion-mb", type=float, default=128.0, help="Horovod fusion threshold, MiB (default 128)")
+    parser.add_argument("--fsdp-overlap", choices=list(planner.FSDP_UNITS_HELD), default="full",
+                        help="train.fsdp_overlap the fsdp and hsdp layouts run with: how many units they hold "
+                             "(default full, auto's choice on GPUs)")
 
 
 MOE_FLAGS = ("experts", "top_k", "moe_layers", "expert_params")
@@ -165,7 +168,8 @@ def hf_shape(model: str, seq_len: Optional[int] = None) -> planner.ModelShape:
 def setup_from(args: argparse.Namespace) -> planner.Setup:
     return planner.Setup(_shape(args), args.batch, args.memory, args.workers, args.network, args.optimizer,
                       args.precision, args.flops, args.micro_batches, args.gpus_per_node, args.intra,
-                      args.ps_servers, args.fusion_mb * MiB, update_bandwidth=args.update_bandwidth)
+                      args.ps_servers, args.fusion_mb * MiB, update_bandwidth=args.update_bandwidth,
+                      fsdp_overlap=args.fsdp_overlap)
 
 
 def table_lines(result: planner.Plan) -> List[str]:

@@ -1,8 +1,12 @@
 """train.fsdp_overlap: its choices, refused where it means nothing, and auto resolved by the device
 (what each mode holds and that each takes one process's steps: tests/mpi/test_fsdp.py)."""
+import argparse
+
 import pytest
 import torch
 
+from hvdtrain import cli, planner
+from hvdtrain.cli.plan import add_arguments, setup_from
 from hvdtrain.config.train import FSDP_OVERLAPS, TrainConfig
 from hvdtrain.planner.layout import FSDP_UNITS_HELD
 from hvdtrain.strategies.fsdp.communication import UnitCommunication
@@ -36,3 +40,18 @@ def test_the_setting_is_checked_and_refused_outside_fsdp_and_hsdp():
 def test_at_most_one_reduce_scatter_may_run_behind():
     with pytest.raises(ValueError, match=r"reductions_behind must be 0 or 1, got 2"):
         UnitCommunication([], reductions_behind=2)
+
+
+def test_hvdtrain_plan_models_the_overlap_it_is_given():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--example", "textlm", "--workers", "4", "--memory", "2GiB"]
+    setups = {mode: setup_from(parser.parse_args(base + ["--fsdp-overlap", mode])) for mode in FSDP_UNITS_HELD}
+    assert setup_from(parser.parse_args(base)).fsdp_overlap == "full"  # what plans are for: auto on GPUs
+    fsdp = planner.Layout("fsdp", 1, 1, 4)
+    held = {mode: planner.memory(setup, fsdp).total for mode, setup in setups.items()}
+    unit = held["full"] - held["gathers"]
+    assert unit > 0 and held["forward"] == held["none"] == pytest.approx(held["full"] - 2 * unit)  # 4, 3, 2, 2 units
+    with pytest.raises(SystemExit):
+        parser.parse_args(base + ["--fsdp-overlap", "auto"])  # a plan is for a device kind: say which mode
+    assert cli.main(["plan", *base, "--fsdp-overlap", "forward"]) == 0
