@@ -33,6 +33,9 @@ NEVER_TRIM = -1  # mallopt(3): "Setting M_TRIM_THRESHOLD to -1 disables trimming
 USER_TUNING = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TOP_PAD_",
                "MALLOC_ARENA_MAX", "GLIBC_TUNABLES")
 OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+# Whether this process's malloc was set to keep freed memory: mallopt cannot give glibc back its
+# default (the mmap threshold that adapts stays fixed once set), so a later "system" must say so.
+_kept = False
 
 
 def keep_freed_memory(mode: str = "cache", environ: Mapping[str, str] = os.environ) -> str:
@@ -41,7 +44,11 @@ def keep_freed_memory(mode: str = "cache", environ: Mapping[str, str] = os.envir
     (hvd.init() starts Horovod's): a thread that already has an arena of its own keeps it."""
     if mode not in MODES:
         raise ValueError(f"train.cpu_allocator={mode!r}: choose one of {', '.join(MODES)}")
+    global _kept
     if mode == "system":
+        if _kept:  # hvdtrain.init() without the run's config, then a Trainer whose config says system
+            return ("malloc keeps freed memory: an earlier hvdtrain.init() without the run's config set it, and "
+                    "glibc cannot undo it; for train.cpu_allocator=system, call hvdtrain.init(config)")
         return "glibc's default malloc (train.cpu_allocator=system)"
     reason = _left_alone(environ)
     if reason:
@@ -52,6 +59,7 @@ def keep_freed_memory(mode: str = "cache", environ: Mapping[str, str] = os.envir
     if not all(libc.mallopt(parameter, value) for parameter, value in
                ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER_TRIM), (M_ARENA_MAX, 1))):
         return "malloc left alone: glibc's mallopt refused the setting"
+    _kept = True
     return "malloc keeps freed memory (train.cpu_allocator=system returns it)"
 
 

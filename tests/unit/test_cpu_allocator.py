@@ -96,3 +96,18 @@ def test_the_setting_takes_cache_or_system_and_names_them_otherwise():
     assert CPU_ALLOCATOR_MODES == cpu_allocator.MODES  # the settings' layer keeps its own copy
     with pytest.raises(ValueError, match="cpu_allocator.*cache.*system"):
         TrainConfig(cpu_allocator="jemalloc")
+
+
+def test_system_after_an_init_that_cached_says_malloc_still_caches_and_how_to_avoid_it():
+    """hvdtrain.init() without a config caches; the Trainer's config saying system comes too late
+    (glibc cannot be given its default back): the start line says so rather than "glibc's default"."""
+    script = ("import sys; from hvdtrain.distributed import cpu_allocator as c; "
+              "print(c.keep_freed_memory(sys.argv[1], {})); print(c.keep_freed_memory('system', {}))")
+    first, then = subprocess.run([sys.executable, "-c", script, "cache"], capture_output=True, text=True,
+                                 timeout=120, check=True).stdout.splitlines()
+    assert first.startswith("malloc keeps freed memory (")
+    assert then.startswith("malloc keeps freed memory: an earlier hvdtrain.init() without the run's config set it")
+    assert then.endswith("call hvdtrain.init(config)")
+    alone = subprocess.run([sys.executable, "-c", script, "system"], capture_output=True, text=True,
+                           timeout=120, check=True).stdout.splitlines()
+    assert alone == ["glibc's default malloc (train.cpu_allocator=system)"] * 2
