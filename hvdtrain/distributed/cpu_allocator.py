@@ -42,9 +42,9 @@ def keep_freed_memory(mode: str = "cache", environ: Mapping[str, str] = os.envir
     """Apply ``mode`` ("cache" or "system") to this process's malloc; returns what was done, in words
     for the start line (or why nothing was). Call it before starting threads that allocate
     (hvd.init() starts Horovod's): a thread that already has an arena of its own keeps it."""
+    global _kept
     if mode not in MODES:
         raise ValueError(f"train.cpu_allocator={mode!r}: choose one of {', '.join(MODES)}")
-    global _kept
     if mode == "system":
         if _kept:  # hvdtrain.init() without the run's config, then a Trainer whose config says system
             return ("malloc keeps freed memory: an earlier hvdtrain.init() without the run's config set it, and "
