@@ -14,7 +14,9 @@
 #                                                         set-ups sharing it build once: a lock)
 #     (its torch binding C++20 when torch's headers need it),
 #     no -g, and with NCCL a libnccl.so link              (NCCL when torch is a CUDA build and nvcc is here;
-#                                                         the toolkit must be of torch's CUDA major)
+#                                                         the toolkit must be of torch's CUDA major;
+#                                                         HOROVOD_NCCL=0: without NCCL, against the CUDA
+#                                                         runtime torch brings, whatever toolkit is here)
 #   mpi4py (loads the system MPI), hvdtrain           -> pip install -e .[test,examples]
 #                                                         (HVDTRAIN_EXTRAS=..., EDITABLE=0: a plain install)
 #   horovodrun --check-build                           -> fails unless PyTorch, MPI and Gloo are built
@@ -38,6 +40,11 @@ WHEELHOUSE=${WHEELHOUSE:-$CACHE/wheels}
 HOROVOD_BUILD=${HOROVOD_BUILD:-auto}
 # Seconds a set-up waits for the wheel another one is building into the same WHEELHOUSE (build_once).
 HOROVOD_BUILD_WAIT=${HOROVOD_BUILD_WAIT:-1800}
+# NCCL in Horovod, for a CUDA build of torch. auto: built when a CUDA toolkit of torch's major is here,
+# left out (said so) when there is no toolkit at all; 1: required; 0: left out, and Horovod is built
+# against the CUDA runtime torch brought (its nvidia wheel), not a toolkit of another major. Without
+# NCCL, Horovod moves GPU tensors through host memory and MPI: correct, slower.
+HOROVOD_NCCL=${HOROVOD_NCCL:-auto}
 HVDTRAIN_EXTRAS=${HVDTRAIN_EXTRAS:-test,examples}
 EDITABLE=${EDITABLE:-1}
 
@@ -51,6 +58,7 @@ stamp() { if [ -f "$1" ]; then cat "$1"; fi; }
 check_settings() {
   case "$HOROVOD_BUILD" in auto|never) ;; *) die "HOROVOD_BUILD=$HOROVOD_BUILD: use auto (build when the wheelhouse has no wheel) or never";; esac
   case "$EDITABLE" in 0|1) ;; *) die "EDITABLE=$EDITABLE: use 1 (pip install -e, the default) or 0 (a plain install)";; esac
+  case "$HOROVOD_NCCL" in auto|0|1) ;; *) die "HOROVOD_NCCL=$HOROVOD_NCCL: use auto (NCCL when a CUDA toolkit of torch's major is here), 1 (required) or 0 (without NCCL)";; esac
 }
 
 # What Horovod's build needs beyond MPI; without root these may be missing as long as no build runs.
@@ -105,8 +113,7 @@ install_torch() {
     say "installing $TORCH_SPEC"
     "${PIP[@]}" "$TORCH_SPEC" numpy
   fi
-  local cuda
-  read -r TORCH_VERSION cuda < <("$PY" -W ignore -c 'import torch; print(torch.__version__, torch.version.cuda or "none")')
+  read -r TORCH_VERSION TORCH_CUDA < <("$PY" -W ignore -c 'import torch; print(torch.__version__, torch.version.cuda or "none")')
   # Checkpoints are read with torch.load(weights_only=True), which runs no pickled code only from 2.6 on.
   if ! "$PY" -W ignore -c 'import sys, torch; sys.exit(tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 6))'; then
     die "torch $TORCH_VERSION is installed, hvdtrain needs torch >= 2.6: older torch.load(weights_only=True)" \
@@ -116,21 +123,70 @@ install_torch() {
   # NCCL support needs a CUDA build of torch and the CUDA toolkit, not a visible GPU: a login
   # node without GPUs builds the same wheel as the compute nodes.
   HAS_CUDA=0
-  if want_nccl "$cuda"; then HAS_CUDA=1; fi
+  if want_nccl "$TORCH_CUDA"; then HAS_CUDA=1; fi
+  if [ "$TORCH_CUDA" != none ] && [ "$HAS_CUDA" = 0 ]; then
+    say "torch $TORCH_VERSION is a CUDA build; Horovod gets no NCCL ($WITHOUT_NCCL_REASON): on GPUs it would" \
+        "move tensors through host memory and MPI. For NCCL: a CUDA ${TORCH_CUDA%%.*} toolkit on PATH or in CUDA_HOME"
+  fi
 }
 
-# Whether Horovod gets NCCL, for a torch built for CUDA $1 ("none": a CPU build).
+# Whether Horovod gets NCCL, for a torch built for CUDA $1 ("none": a CPU build); when not, why
+# (WITHOUT_NCCL_REASON).
 want_nccl() {
   local cuda=$1 toolkit toolkit_cuda
-  { [ "$cuda" != none ] && command -v nvcc >/dev/null; } || return 1
+  [ "$cuda" != none ] || return 1
+  if [ "$HOROVOD_NCCL" = 0 ]; then WITHOUT_NCCL_REASON="HOROVOD_NCCL=0"; return 1; fi
+  if ! { { [ -n "${CUDA_HOME:-}" ] && [ -x "$CUDA_HOME/bin/nvcc" ]; } || command -v nvcc >/dev/null; }; then
+    [ "$HOROVOD_NCCL" = auto ] || die "HOROVOD_NCCL=1, but there is no nvcc on PATH or in CUDA_HOME: load a" \
+      "CUDA ${cuda%%.*} toolkit (e.g. module load cuda) or set CUDA_HOME to one"
+    WITHOUT_NCCL_REASON="no CUDA toolkit here"
+    return 1
+  fi
   toolkit=$(cuda_toolkit_root) || exit 1
   toolkit_cuda=$("$toolkit/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p')
   # Horovod's binding for a CUDA torch links the toolkit's libcudart.so.<major> (with NCCL or not);
   # torch's wheels bring only their own major's, so a node without the toolkit could not import it.
   [ "${toolkit_cuda%%.*}" = "${cuda%%.*}" ] || die "torch ${TORCH_VERSION:-} is built for CUDA $cuda," \
     "but the CUDA toolkit here ($toolkit) is CUDA $toolkit_cuda: Horovod's torch binding must be built" \
-    "with a CUDA ${cuda%%.*} toolkit. Set CUDA_HOME to one, or choose a torch built for CUDA" \
-    "${toolkit_cuda%%.*} (TORCH_SPEC)"
+    "with a CUDA ${cuda%%.*} toolkit. Set CUDA_HOME to one, choose a torch built for CUDA" \
+    "${toolkit_cuda%%.*} (TORCH_SPEC), or build Horovod without NCCL against torch's own CUDA runtime" \
+    "(HOROVOD_NCCL=0; GPU tensors then move through host memory)"
+}
+
+# A CUDA "toolkit" of the runtime alone, in directory $1, made of the nvidia-cuda-runtime wheel a
+# PyPI CUDA torch depends on: its headers, libcudart.so (a link to the wheel's libcudart.so.<major>)
+# and the version file CMake's FindCUDAToolkit reads when there is no nvcc. Enough for Horovod's
+# torch binding without NCCL, which compiles no CUDA code.
+torch_cuda_runtime() {
+  local root=$1 found
+  found=$("$PY" -W ignore -c '
+import glob, os, torch
+major = torch.version.cuda.split(".")[0]
+site = os.path.dirname(os.path.dirname(torch.__file__))
+for lib in sorted(glob.glob(os.path.join(site, "nvidia", "**", f"libcudart.so.{major}"), recursive=True)):
+    include = os.path.join(os.path.dirname(os.path.dirname(lib)), "include")
+    if os.path.isfile(os.path.join(include, "cuda_runtime.h")):
+        print(lib, include)
+        break
+')
+  [ -n "$found" ] || die "torch $TORCH_VERSION is a CUDA $TORCH_CUDA build: Horovod's torch binding needs" \
+    "CUDA's runtime headers and libcudart to build, and neither a CUDA ${TORCH_CUDA%%.*} toolkit nor torch's" \
+    "nvidia-cuda-runtime wheel (with include/cuda_runtime.h) is here. Load a CUDA ${TORCH_CUDA%%.*} toolkit" \
+    "(e.g. module load cuda) or set CUDA_HOME to one"
+  mkdir -p "$root/lib64"
+  ln -sf "${found%% *}" "$root/lib64/libcudart.so"
+  ln -sfn "${found#* }" "$root/include"
+  echo "CUDA Version $TORCH_CUDA.0" > "$root/version.txt"
+  echo "$root"
+}
+
+# PATH without the directories that hold an nvcc: CMake would take that toolkit's CUDA over the one
+# it is given.
+path_without_nvcc() {
+  local dir dirs kept=()
+  IFS=: read -ra dirs <<<"$PATH"
+  for dir in "${dirs[@]}"; do [ -x "$dir/nvcc" ] || kept+=("$dir"); done
+  (IFS=:; echo "${kept[*]}")
 }
 
 # The CUDA toolkit's root: CUDA_HOME when it holds nvcc, else where nvcc itself says it lives
@@ -193,7 +249,7 @@ build_horovod_wheel() {
     sed -i "/$edit/a string(REPLACE \"-g\" \"\" CMAKE_${lang}_FLAGS_RELWITHDEBINFO \"\${CMAKE_${lang}_FLAGS_RELWITHDEBINFO}\")" \
       "$src/CMakeLists.txt"
   done
-  local gpu=()
+  local gpu=() hide=()
   if [ "$HAS_CUDA" = 1 ]; then
     local toolkit
     toolkit=$(cuda_toolkit_root) || exit 1
@@ -219,15 +275,43 @@ build_horovod_wheel() {
       ln -sf "$shared" "$nccl_lib/libnccl.so"
       gpu+=(HOROVOD_NCCL_INCLUDE="$nccl/include" HOROVOD_NCCL_LIB="$nccl_lib" HOROVOD_NCCL_LINK=SHARED)
     fi
+  elif [ "$TORCH_CUDA" != none ]; then
+    # Horovod's CMake adds CUDA to the binding of any CUDA torch (add_cuda: libcudart), NCCL or not,
+    # and links torch's CUDA extension libraries, which cpp_extension finds under CUDA_HOME (else
+    # beside an nvcc, else /usr/local/cuda). Without a toolkit of torch's major, both get torch's own
+    # runtime, and no other CUDA in sight: an nvcc on PATH, CUDA_PATH or CUDACXX would make CMake
+    # take that toolkit's libcudart instead.
+    local runtime
+    runtime=$(torch_cuda_runtime "$work/cuda-runtime") || exit 1
+    hide=(-u CUDA_PATH -u CUDACXX -u HOROVOD_CUDA_HOME)
+    gpu=(CUDA_HOME="$runtime" CUDAToolkit_ROOT="$runtime" HOROVOD_WITHOUT_NVTX=1 PATH="$(path_without_nvcc)")
   fi
   mkdir -p "$out"
-  env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+  env "${hide[@]}" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
       HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
       MAKEFLAGS="-j$(nproc)" "${gpu[@]}" \
       "$PY" -m pip wheel -q --no-build-isolation --no-deps "$src" -w "$out.tmp.$$" \
       > "$work/build.log" 2>&1 || die "Horovod build failed; see $work/build.log"
+  check_cudart_major "$out.tmp.$$"/horovod-*.whl
   # The wheel appears in the wheelhouse in one rename: a node installing from it never reads half a wheel.
   mv "$out.tmp.$$"/horovod-*.whl "$out"/ && rm -rf "$out.tmp.$$" "$work"
+}
+
+# Horovod's libraries in wheel $1 link no libcudart but torch's CUDA major's: one of another major
+# imports only where that toolkit is installed, and its CUDA calls would meet a second runtime.
+check_cudart_major() {
+  local linked
+  linked=$("$PY" -c '
+import re, sys, zipfile
+wheel = zipfile.ZipFile(sys.argv[1])
+print(" ".join(sorted({m.decode() for n in wheel.namelist() if n.endswith(".so")
+                       for m in re.findall(rb"libcudart\.so\.[0-9]+", wheel.read(n))})))' "$1")
+  local name
+  for name in $linked; do
+    [ "$name" = "libcudart.so.${TORCH_CUDA%%.*}" ] || die "the Horovod build links $name, but torch $TORCH_VERSION" \
+      "is built for CUDA $TORCH_CUDA: a CUDA toolkit of another major was found. Set CUDA_HOME to a CUDA" \
+      "${TORCH_CUDA%%.*} toolkit, or HOROVOD_NCCL=0 to build against torch's own CUDA runtime"
+  done
 }
 
 # The wheel of a wheel directory, or nothing (without tripping the trap).
@@ -331,7 +415,9 @@ Remove $(horovod_wheel_dir) and run this script again; the build log shows why $
   fi
   local built="PyTorch, MPI and Gloo"
   [ "$HAS_CUDA" = 1 ] && built="PyTorch, MPI, Gloo and NCCL"
-  say "Horovod $HOROVOD_VERSION ready: $built built ($VENV)"
+  local without=""
+  [ "$HAS_CUDA" = 0 ] && [ "$TORCH_CUDA" != none ] && without=", no NCCL ($WITHOUT_NCCL_REASON)"
+  say "Horovod $HOROVOD_VERSION ready: $built built$without ($VENV)"
 }
 
 verify_mpi4py() {
