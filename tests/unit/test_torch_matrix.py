@@ -43,10 +43,15 @@ def test_table_rows_in_version_order_and_unrun_versions_say_so():
         "2.13.0": {"version": "2.13.0", "status": "run", "torch": "2.13.0+cpu", "nccl": False, "setup_ok": True,
                    "setup_s": 200, "passed": 9, "failed": 1, "skipped": 0, "core_s": 250},
         "2.8.0": None,
+        "2.7.1": {"version": "2.7.1", "status": "run", "torch": "2.7.1+cu126", "nccl": False, "setup_ok": True,
+                  "without_nccl": "HOROVOD_NCCL=0: torch CUDA 12.6, toolkit here CUDA 13.0", "horovod_built": True,
+                  "setup_s": 300, "passed": 10, "failed": 0, "skipped": 2, "core_s": 200},
     }
     rows = matrix.render_table(results).splitlines()[2:]
     assert rows == [
         "| 2.6.0 | not run here: 4 GB download | | | |",
+        "| 2.7.1+cu126, Horovod without NCCL (HOROVOD_NCCL=0: torch CUDA 12.6, toolkit here CUDA 13.0) "
+        "| ok, 300 s (Horovod built) | 10 / 0 / 2 | 200 s | passes |",
         "| 2.8.0 | not run here: no result recorded | | | |",
         "| 2.9.1 | failed, 90 s: [setup] ERROR: Horovod build failed | | | |",
         "| 2.10.0+cu128, Horovod with NCCL | ok, 400 s (Horovod built) | 10 / 0 / 2 | 300 s | passes |",
@@ -73,3 +78,10 @@ def test_bad_not_run_items_say_how_to_write_them(item):
 def test_the_docs_page_carries_the_markers():
     text = matrix.PAGE.read_text()
     assert text.count(matrix.START_MARK) == 1 and text.count(matrix.END_MARK) == 1
+
+
+def test_only_a_cuda_major_mismatch_is_set_up_again_without_nccl():
+    refusal = ("[setup] ERROR: torch 2.6.0+cu124 is built for CUDA 12.4, but the CUDA toolkit here "
+               "(/usr/local/cuda-13.0) is CUDA 13.0: Horovod's torch binding must be built with a CUDA 12 toolkit.")
+    assert matrix.cuda_mismatch(refusal) == "torch CUDA 12.4, toolkit here CUDA 13.0"
+    assert matrix.cuda_mismatch("[setup] ERROR: Horovod build failed; see build.log") is None
