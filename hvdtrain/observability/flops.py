@@ -15,10 +15,13 @@ For a transformer, what FlopCounterMode counts is PaLM's model FLOPs per token (
 2022, appendix B): 6·N for the parameters' products, forward and backward, plus 12·L·H·S for
 attention's two products over a sequence of S tokens (L layers of width H, causal masking not
 subtracted), without embedding lookups (no product). A step the meta device cannot run (one that
-reads a value, ``.item()``, or routes by the data, as every mixture of experts does) falls back, for a
-token model, to 6·N per token over the parameters a token uses: all but embedding lookups, and of a
-fused experts module only the top-k of its experts that the model's config names (attention not
-counted); other models then go without a count, and the start line says why.
+reads a value, ``.item()``) falls back, for a token model, to 6·N per token over the parameters a
+token uses: all but embedding lookups, and of a fused experts module only the top-k of its experts
+that the model's config names (attention not counted); other models then go without a count, and the
+start line says why. A token model with fused experts always takes that formula: it routes by the
+data, so what a meta run counts is whatever its experts' implementation does without values (under
+torch 2.7, transformers' Qwen3-MoE ran on the meta device and was counted at 0.68 of the top-k
+FLOPs; newer torch cannot run it), not the top-k experts a token visits.
 """
 from __future__ import annotations
 
@@ -120,6 +123,12 @@ def routed_shares(model: torch.nn.Module) -> Dict[int, float]:
     return shares
 
 
+def fused_experts_of(model: torch.nn.Module) -> bool:
+    from hvdtrain.parallel.experts import fused_experts
+
+    return bool(fused_experts(model))
+
+
 def count_step(shadow: torch.nn.Module, step_fn: Callable[[torch.nn.Module, Any], Any], batch: Any) -> float:
     """FLOPs of ``step_fn(shadow, batch)`` and the loss's backward, counted by FlopCounterMode on the
     meta device (``shadow`` from meta_copy)."""
@@ -150,6 +159,10 @@ def count_model_flops(shadow: torch.nn.Module, step_fn: Callable[[torch.nn.Modul
         samples: the samples in it.
     """
     tokens = tokens_per_sample(shadow, batch)
+    if tokens is not None and fused_experts_of(shadow):
+        return ModelFlops(6.0 * matmul_parameters(shadow) * tokens, tokens,
+                          "6N per token over the experts a token visits (a mixture of experts routes by the data), "
+                          "attention not counted")
     try:
         flops = count_step(shadow, step_fn, batch)
         if flops <= 0:

@@ -98,7 +98,25 @@ def test_a_mixture_of_experts_counts_the_top_k_experts_a_token_visits():
     lookup = model.model.embed_tokens.weight.numel()  # untied: a lookup, no product
     active = sum(p.numel() for p in model.parameters()) - lookup - experts + experts * 2 // 8
     assert flops.method.startswith("6N per token") and flops.per_token == 6 * active
+    assert "routes by the data" in flops.method
     assert len(flops.method) < 200, flops.method
+
+
+def test_a_mixture_of_experts_takes_the_formula_even_where_the_meta_device_runs_it(monkeypatch):
+    """Under torch 2.7 transformers' Qwen3-MoE ran on the meta device, and FlopCounterMode counted what its
+    experts' implementation did without values: 0.68 of the top-k formula, with no error (the torch matrix
+    found it). A meta run that succeeds must not decide an MoE's model FLOPs."""
+    from hvdtrain.examples.moe import TinyMoELM, moe_lm_step
+    from hvdtrain.observability import flops as flops_module
+
+    monkeypatch.setattr(flops_module, "count_step", lambda *args: 1234.0)  # a meta run that "worked"
+    model = TinyMoELM(40, seq_len=8, d_model=16, layers=2, heads=2, num_experts=4, top_k=2)
+    ids = torch.randint(0, 40, (2, 8))
+    counted = count_model_flops(meta_copy(model), moe_lm_step, (ids, ids), samples=2)
+    assert counted.per_token == 6 * matmul_parameters(model)
+    assert counted.method.startswith("6N per token over the experts a token visits")
+    dense = TinyTransformerLM(40, seq_len=8, d_model=16, layers=2, heads=2)  # no experts: the meta count stands
+    assert count_model_flops(meta_copy(dense), supervised_step(lm_loss), (ids, ids), samples=2).per_sample == 1234.0 / 2
 
 
 def test_a_mixture_of_experts_of_your_own_counts_the_top_k_its_layers_name():
