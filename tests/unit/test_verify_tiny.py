@@ -77,7 +77,11 @@ def test_the_families_carry_their_plans():
 @pytest.mark.parametrize("model_type", [
     "deepseek_v32", "glm_moe_dsa", "axk2",  # latent attention with an indexer: a key/value head per query head
     "inkling2_text", "inkling2_loop_text",  # a float32 router and expert accumulator, made float64 throughout
-    "qwen4_exp_text",  # a block indexer whose sizes have no defaults
+    # a block indexer whose sizes have no defaults
+    pytest.param("qwen4_exp_text", marks=pytest.mark.skipif(
+        tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8),
+        reason="its indexer scatters with int32 indices, which torch before 2.8 refuses "
+               "('scatter(): Expected dtype int64 for index', torch 2.7.1 in the torch matrix)")),
     "lfm2_moe",  # layer types its config class leaves None
     "laguna",  # heads given per layer
 ])
