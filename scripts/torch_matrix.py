@@ -110,7 +110,7 @@ def count_core(directory: Path, unit_ranks: int, mpi_ranks: int) -> Dict[str, in
 
 def cuda_mismatch(error: str) -> Optional[str]:
     """From set-up's refusal of a torch built for another CUDA major than the toolkit here, the two
-    versions ("torch CUDA 12.8, toolkit CUDA 13.0"); None for any other error."""
+    versions ("torch CUDA 12.8, toolkit here CUDA 13.0"); None for any other error."""
     found = re.search(r"is built for CUDA ([0-9.]+), but the CUDA toolkit here \(.*?\) is CUDA ([0-9.]+)", error)
     return f"torch CUDA {found[1]}, toolkit here CUDA {found[2]}" if found else None
 
