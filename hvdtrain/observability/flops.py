@@ -123,12 +123,6 @@ def routed_shares(model: torch.nn.Module) -> Dict[int, float]:
     return shares
 
 
-def fused_experts_of(model: torch.nn.Module) -> bool:
-    from hvdtrain.parallel.experts import fused_experts
-
-    return bool(fused_experts(model))
-
-
 def count_step(shadow: torch.nn.Module, step_fn: Callable[[torch.nn.Module, Any], Any], batch: Any) -> float:
     """FLOPs of ``step_fn(shadow, batch)`` and the loss's backward, counted by FlopCounterMode on the
     meta device (``shadow`` from meta_copy)."""
@@ -158,8 +152,10 @@ def count_model_flops(shadow: torch.nn.Module, step_fn: Callable[[torch.nn.Modul
         batch: a batch as the loader gives it (any device).
         samples: the samples in it.
     """
+    from hvdtrain.parallel.experts import fused_experts
+
     tokens = tokens_per_sample(shadow, batch)
-    if tokens is not None and fused_experts_of(shadow):
+    if tokens is not None and fused_experts(shadow):
         return ModelFlops(6.0 * matmul_parameters(shadow) * tokens, tokens,
                           "6N per token over the experts a token visits (a mixture of experts routes by the data), "
                           "attention not counted")
