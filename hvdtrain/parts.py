@@ -259,7 +259,10 @@ class PartsHolder:
             # A data-parallel strategy wraps a model whose attention is already split; a tensor-parallel
             # one replaces the attention modules, so theirs are split once it has (prepare_sequences).
             splitter = prepare_sequences(topology, model) if topology.mesh is None else None
-            compile_cache = CompileCache(cfg.checkpoint_dir, world.is_root, topology.log) if cfg.compile else None
+            # Its file is published into checkpoint_dir like a checkpoint: fenced by the run's lease.
+            compile_cache = (CompileCache(cfg.checkpoint_dir, world.is_root, topology.log,
+                                          before_publish=protocol.fence if protocol is not None else None)
+                             if cfg.compile else None)
             strategy = shard(cfg, topology, model, optimizer, model_plan, loss_fn, initialization, elastic_launch,
                              compile_cache)
             if topology.mesh is not None:

@@ -91,7 +91,10 @@ class Trainer(PartsHolder):
         """What Horovod elastic commits, rolls back to and syncs (hvdtrain.fault_tolerance.elastic)."""
         parts = self.parts
         # Each rank's memory of its own last save differs after a world change: forgotten at every sync.
-        on_sync = [parts.checkpoints.forget_saved_step, parts.restart_schedule, parts.reporter.agree_run_directory]
+        # A rank learns the run directory at the first sync (agree_run_directory): its flight record
+        # service opens there then, so `hvdtrain debug dump` reaches every rank, not rank 0 alone.
+        on_sync = [parts.checkpoints.forget_saved_step, parts.restart_schedule, parts.reporter.agree_run_directory,
+                   lambda: parts.faults.flight.open(parts.reporter.path)]
         if parts.strategy.capabilities.elastic_from_checkpoint:
             return elastic.CheckpointedElasticState(self._continue_from_newest_checkpoint,
                                                     on_reset=self._follow_world, on_sync=on_sync)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything hvdtrain needs, from nothing, and is fast the second time.
 #
-#   system packages (Open MPI, cmake, a C++ compiler)  -> apt-get when root, else the exact command
+#   system packages (Open MPI, cmake, a C++ compiler,  -> apt-get when root, else the exact command
+#     fuse3 for the tests' hung mount)
 #                                                         (without root: the MPI first on PATH, e.g. a
 #                                                         site's `module load openmpi`; compilers only
 #                                                         when Horovod must be built here)
@@ -72,6 +73,11 @@ install_system_packages() {
   command -v g++    >/dev/null || build_tools+=(g++)
   command -v make   >/dev/null || build_tools+=(make)
   missing+=("${build_tools[@]}")
+  # libfuse3 (with fusermount3), through which tests/faults' hung mount serves its FUSE file system.
+  # Only tests use it, as root, and skip without it: without root it is never a reason to stop.
+  if [ "$(id -u)" -eq 0 ]; then
+    command -v fusermount3 >/dev/null || missing+=(fuse3)
+  fi
   if [ ${#missing[@]} -gt 0 ]; then
     local cmd="apt-get install -y --no-install-recommends ${missing[*]}"
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then

@@ -15,15 +15,23 @@ hvdtrain.checkpoint.formats'; a strategy reads what it keeps of them through a s
 train.checkpoint_async: a save copies the state to host memory (hvdtrain.checkpoint.async_writing.snapshot) and
 returns; a background thread writes, fsyncs and moves ``latest`` (hvdtrain.checkpoint.async_writing.background).
 The next save, and the end of the run, wait for it and agree on its outcome.
+
+Every storage section of a save or resume, on every rank and in the writer thread, runs inside an
+activity the stall watchdog sees (hvdtrain.common.io_watch: ``_storage``), from the lease's check
+to the prune: a call that hangs on a hung mount ends the job with its STALL line. A save that would
+not load back (a value ``weights_only`` refuses) is refused before anything is written
+(hvdtrain.checkpoint.formats.loading); while the run owns the directory, each irreversible step of
+a save is fenced by its lease (hvdtrain.checkpoint.ownership).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional
 
 from hvdtrain.distributed import collectives
-from hvdtrain.checkpoint.formats import sharded
+from hvdtrain.checkpoint.formats import loading, sharded
 from hvdtrain.checkpoint import CheckpointError, CorruptCheckpoint
 from hvdtrain.checkpoint.sources import sharded as sources
 from hvdtrain.checkpoint.async_writing.background import BackgroundWrite
@@ -31,7 +39,8 @@ from hvdtrain.checkpoint.formats.compatibility import check_settings
 from hvdtrain.checkpoint.ownership import Ownership
 from hvdtrain.checkpoint.formats.run_state import RunState
 from hvdtrain.checkpoint.async_writing.snapshot import HostSnapshot
-from hvdtrain.checkpoint.formats.full import CheckpointStore
+from hvdtrain.checkpoint.formats.full import CheckpointStore, unfenced
+from hvdtrain.common import io_watch
 from hvdtrain.common.units import format_bytes
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.parallel.topology import Topology
@@ -63,7 +72,8 @@ class Checkpointing:
         elastic set-up, which must run no collective) rank 0 verifies every file alone and only it
         holds the checkpoint, or raises; the elastic sync gives the others rank 0's state instead.
         """
-        outcome = attempt(lambda: self._open(verify_shards=not broadcast)) if self.topology.is_root else None
+        outcome = attempt(lambda: self._open(verify_shards=not broadcast), self._storage("resume")) \
+            if self.topology.is_root else None
         if broadcast:
             outcome = collectives.broadcast_state(outcome, root_rank=0, name="checkpoint")
             outcome = self._verified_by_every_rank(outcome)
@@ -119,8 +129,9 @@ class Checkpointing:
         while isinstance(outcome, dict) and sharded.is_sharded(outcome):
             path, manifest = Path(outcome["path"]), outcome
             share = sources.files_to_verify(world.size, world.rank, len(manifest["files"]))
-            found = collectives.allgather_object(check(lambda: sources.verify(path, manifest, share)),
-                                                 name="checkpoint.verify")
+            with self._storage("resume"):
+                verified = check(lambda: sources.verify(path, manifest, share))
+            found = collectives.allgather_object(verified, name="checkpoint.verify")
             failed = [f"rank {rank}: {problem}" for rank, (corrupt, problem) in enumerate(found) if problem and not corrupt]
             if failed:  # not the files' content (a permission, an I/O error): every rank stops, naming it
                 return f"the sharded checkpoint {path} cannot be verified: {'; '.join(failed)}"
@@ -134,7 +145,7 @@ class Checkpointing:
             def fall_back() -> Optional[Dict[str, Any]]:
                 self.store.report_corrupt(path, "; ".join(corrupt), set_aside=True)
                 return self._read_newest()
-            outcome = attempt(fall_back) if world.is_root else None
+            outcome = attempt(fall_back, self._storage("resume")) if world.is_root else None
             outcome = collectives.broadcast_state(outcome, root_rank=0, name="checkpoint.fallback")
         if world.is_root and isinstance(outcome, dict):
             self._resuming(outcome)
@@ -147,7 +158,7 @@ class Checkpointing:
         def read() -> Optional[Dict[str, Any]]:
             self._own()
             return self._read_newest()
-        outcome = attempt(read) if self.topology.is_root else None
+        outcome = attempt(read, self._storage("resume")) if self.topology.is_root else None
         outcome = collectives.broadcast_state(outcome, root_rank=0, name="checkpoint.newest")
         outcome = self._verified_by_every_rank(outcome)
         if isinstance(outcome, str):
@@ -156,11 +167,40 @@ class Checkpointing:
 
     def _own(self) -> None:
         """This process owns the directory (under Horovod elastic, whichever rank is 0 now), or
-        raises: a run whose lease another run took over writes nothing more there."""
+        raises: a run whose lease another run took over writes nothing more there. From then on the
+        store fences its irreversible steps with the lease and stamps what it publishes."""
         if self.ownership is None:
-            self.ownership = Ownership.claim(self.store.directory, self.topology.log)
+            self.ownership = Ownership.claim(self.store.directory, self.topology.log,
+                                             floor=self.store.generation_floor)
+            self.store.fence, self.store.stamp = self.ownership.fence, self.ownership.stamp
         else:
-            self.ownership.check()
+            self.ownership.fence()
+
+    def fence(self) -> None:
+        """Right before something else this run publishes into the directory (the compile cache):
+        the lease renewed and still this process's, else CheckpointError."""
+        if self.ownership is None:
+            raise CheckpointError(f"this process does not own checkpoint_dir {self.store.directory}: it publishes "
+                                  f"nothing there")
+        with self._storage("lease check"):
+            self.ownership.fence()
+
+    @contextlib.contextmanager
+    def _owned(self) -> Iterator[None]:
+        """Rank 0's part of a save: the directory owned first; a storage error inside, in a directory
+        taken over meanwhile (its new owner removed what this run was writing), is told as the loss
+        of the lease it follows from."""
+        self._own()
+        try:
+            yield
+        except (OSError, CheckpointError):
+            self.ownership.fence()  # raises the lease's loss, when that is the cause
+            raise
+
+    def _storage(self, what: str) -> ContextManager[io_watch.IOActivity]:
+        """A storage section of a save or a resume: watched by the stall watchdog as one activity
+        (hvdtrain.common.io_watch), beaten by each of its calls that returns."""
+        return io_watch.watching(self.store.directory, f"checkpoint {what}")
 
     def close(self) -> None:
         """Let the directory go (the run is over in this process). A write still in flight (the run
@@ -175,6 +215,7 @@ class Checkpointing:
         if self.ownership is not None:
             self.ownership.release()
             self.ownership = None
+            self.store.fence, self.store.stamp = unfenced, None
 
     def batch_per_worker(self, resumed: Optional[Dict[str, Any]], elastic: bool) -> int:
         """A run resumed on another worker count keeps the checkpoint's global batch, so each
@@ -204,13 +245,17 @@ class Checkpointing:
         failed save (a full disk, a permission) is raised on every rank. Asynchronous: rank 0 copies
         ``state`` and writes the copy in the background; its outcome is agreed at finish()."""
         def write(state: Dict[str, Any]) -> None:
-            self._own()
-            path = self.store.save(state, step)
+            with self._storage(f"save of step {step}"), self._owned():
+                path = self.store.save(state, step)
             self.topology.log.info(f"checkpoint {path}")
         if self.background is None:
             self._agree(attempt(lambda: write(state)) if self.topology.is_root else None, "checkpoint.save")
             return
         self.finish()
+        # Refused now, on every rank, rather than in the writer thread at the next save.
+        loadable = attempt(lambda: loading.check_loadable(state, "the checkpoint's state")) \
+            if self.topology.is_root else None
+        self._agree(loadable, "checkpoint.loadable")
         if self.topology.is_root:
             copied = self.snapshot.copy(state)
             self.background.start(lambda: write(copied))
@@ -221,43 +266,56 @@ class Checkpointing:
         at finish(); the ranks then tell rank 0 their file is written through a record file)."""
         world = self.topology.world
         directory, rank, size = Path(self.store.directory), world.rank, world.size
-        temporary = sharded.temporary_directory(directory, step)
         self.finish()
-        # Rank 0 empties the temporary directory before anyone writes into it.
-        def prepare() -> None:
-            self._own()
-            sharded.prepare(temporary)
-        self._agree(attempt(prepare) if world.is_root else None,
-                    "checkpoint.sharded.prepare")
+        # Rank 0 empties the temporary directory of this claim before anyone writes into it; every
+        # rank learns its name (the claim's token is in it) with the outcome.
+        def prepare() -> Dict[str, str]:
+            with self._owned():
+                temporary = sharded.temporary_directory(directory, step, self.ownership.owner.token)
+                sharded.prepare(temporary)
+            return {"temporary": str(temporary)}
+        prepared = attempt(prepare, self._storage(f"save of step {step}")) if world.is_root else None
+        temporary = Path(self._agree(prepared, "checkpoint.sharded.prepare")["temporary"])
 
         def publish(records) -> None:
-            path = sharded.publish(directory, step, self.config.strategy, records, run_state)
-            self.store.point_latest_at(path, step)
+            store = self.store
+            with self._owned():
+                path = sharded.publish(directory, step, self.config.strategy, records, run_state, temporary,
+                                       store.fence, store.stamp)
+                store.point_latest_at(path, step)
             self.topology.log.info(f"checkpoint {path} ({size} shards, {sum(r['bytes'] for r in records)} bytes)")
         if self.background is not None:
+            # Refused now, on every rank, rather than in the writer threads at the next save.
+            check = attempt(lambda: loading.check_loadable(shard, f"rank {rank}'s part of the checkpoint"))
+            problems = problems_on_any_rank(check, "checkpoint.sharded.loadable")
+            if problems:
+                raise CheckpointError(f"the sharded checkpoint of step {step} was not written: {'; '.join(problems)}")
             copied = self.snapshot.copy(shard)
             self.background.start(lambda: self._write_shard_in_background(temporary, copied, publish))
             return
-        written = attempt(lambda: sharded.write_shard(temporary, rank, size, shard))
+        written = attempt(lambda: sharded.write_shard(temporary, rank, size, shard),
+                          self._storage(f"save of step {step}"))
         records = collectives.allgather_object(written, name="checkpoint.sharded.files")
         failed = [f"rank {r}: {record}" for r, record in enumerate(records) if isinstance(record, str)]
         if failed:
             raise CheckpointError(f"the sharded checkpoint of step {step} was not written: {'; '.join(failed)}")
-        self._agree(attempt(lambda: publish(records)) if world.is_root else None, "checkpoint.sharded.publish")
+        self._agree(attempt(lambda: publish(records), self._storage(f"save of step {step}")) if world.is_root
+                    else None, "checkpoint.sharded.publish")
 
     def _write_shard_in_background(self, temporary: Path, shard: Dict[str, Any], publish) -> None:
         """In the writer thread: this rank's file, then its record; rank 0 then waits for every
         rank's record and publishes (no collective: this is not the training thread)."""
         world = self.topology.world
-        try:
-            record = sharded.write_shard(temporary, world.rank, world.size, shard)
-        except Exception as error:
-            sharded.write_record(temporary, world.rank, f"{type(error).__name__}: {error}")
-            raise
-        sharded.write_record(temporary, world.rank, record)
-        if world.is_root:
-            timeout = self.config.stall_timeout or 600.0
-            publish(sharded.wait_for_records(temporary, world.size, timeout, stop=self._abandoned.is_set))
+        with self._storage("background save"):
+            try:
+                record = sharded.write_shard(temporary, world.rank, world.size, shard)
+            except Exception as error:
+                sharded.write_record(temporary, world.rank, f"{type(error).__name__}: {error}")
+                raise
+            sharded.write_record(temporary, world.rank, record)
+            if world.is_root:
+                timeout = self.config.stall_timeout or 600.0
+                publish(sharded.wait_for_records(temporary, world.size, timeout, stop=self._abandoned.is_set))
 
     def finish(self) -> None:
         """Every rank: wait for this rank's background write (if any); a failure on any rank is
@@ -281,7 +339,7 @@ class Checkpointing:
             shard = sharded.read_shard(Path(state["path"]), state, self.topology.world.rank,
                                        verified=self._verified == Path(state["path"]))
             strategy.check_shard_state_dict(shard["strategy"])
-        problems = problems_on_any_rank(attempt(read), "checkpoint.sharded.check")
+        problems = problems_on_any_rank(attempt(read, self._storage("resume")), "checkpoint.sharded.check")
         if problems:
             raise CheckpointError(f"the sharded checkpoint {state['path']} cannot be resumed: {'; '.join(problems)}")
         strategy.load_shard_state_dict(shard["strategy"])
@@ -309,7 +367,7 @@ class Checkpointing:
                 part = strategy.read_part(source)
             except (KeyError, IndexError, TypeError) as error:
                 raise CheckpointError(f"its shards do not fit together: {type(error).__name__}: {error}") from None
-        problems = problems_on_any_rank(attempt(prepare), "checkpoint.resharded.check")
+        problems = problems_on_any_rank(attempt(prepare, self._storage("resume")), "checkpoint.resharded.check")
         if problems:
             raise CheckpointError(f"the sharded checkpoint {path} cannot be resumed: {'; '.join(problems)}")
         if not keep_own:
@@ -319,19 +377,22 @@ class Checkpointing:
         strategy.load_part(part)
         return source.files[world.rank] if keep_own else None
 
-    def _agree(self, outcome: Any, name: str) -> None:
-        """Rank 0's outcome on every rank: its error (a message) raised everywhere."""
-        message = outcome if isinstance(outcome, str) else None
-        message = collectives.broadcast_object(message, root_rank=0, name=name)
-        if isinstance(message, str):
-            raise CheckpointError(message)
+    def _agree(self, outcome: Any, name: str) -> Any:
+        """Rank 0's outcome on every rank (a small value, or None): its error (a message) raised
+        everywhere, else the value returned."""
+        outcome = collectives.broadcast_object(outcome, root_rank=0, name=name)
+        if isinstance(outcome, str):
+            raise CheckpointError(outcome)
+        return outcome
 
 
-def attempt(action: Callable[[], Any]) -> Any:
-    """``action()``'s result, or its error as a message (to share with the other ranks)."""
+def attempt(action: Callable[[], Any], inside: Optional[ContextManager] = None) -> Any:
+    """``action()``'s result, or its error as a message (to share with the other ranks); run
+    ``inside`` a context (a storage section) when given."""
     try:
-        result = action()
-    except (CheckpointError, OSError, ValueError, RuntimeError) as error:
+        with inside if inside is not None else contextlib.nullcontext():
+            result = action()
+    except (CheckpointError, OSError, ValueError, RuntimeError, MemoryError) as error:
         return f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
     return result
 

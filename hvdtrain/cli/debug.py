@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     dump.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="the run's directory (train.run_dir/<run name>)")
     dump.add_argument("--timeout", type=float, default=30.0,
-                      help="seconds to wait for every rank's record (default 30; ranks look every 2 s)")
+                      help="seconds to wait for every rank's record (default 30; every rank answers within about 4 s)")
     dump.set_defaults(run=dump_records)
     analyze = commands.add_parser("analyze", help="the first collective the ranks disagree on, and the slowest rank "
                                                   "per phase, from RUN_DIR/flight",

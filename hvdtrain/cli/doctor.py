@@ -3,9 +3,10 @@
     hvdtrain doctor --hostfile hostfiles/cluster --checkpoint-dir /shared/ckpt
     hvdtrain doctor                      # inside a SLURM allocation: its hosts
 
-Checks: ssh to every host; the same Python/torch/Horovod/mpi4py/hvdtrain on every host; a
-network interface with one name on every host; slots against cores and GPUs; the checkpoint
-directory writable and the same directory on every host, and the flock it gives (coherent,
+Checks: ssh to every host; one machine per host name (by kernel boot id); the same
+Python/torch/Horovod/mpi4py/hvdtrain on every host; a network interface with one name on every
+host; slots against cores and GPUs; the checkpoint directory writable and the same directory on
+every host, each host's clock against its file times, and the flock it gives (coherent,
 node-local or none, from two hosts); a short all-reduce with its bandwidth; scontrol inside
 SLURM. Exit 1 when any row fails. Runs on login nodes: no torch import here.
 
@@ -32,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--hostfile", help="the hostfile the job will use (any format hvdtrain reads)")
     where.add_argument("-H", "--hosts", help="hosts as a:2,b:2 (default: the SLURM allocation)")
-    parser.add_argument("--checkpoint-dir", help="check it is writable, the same directory on every host, and which file locks it gives")
+    parser.add_argument("--checkpoint-dir", help="check it is writable, the same directory on every host, "
+                                                 "each host's clock against its file times, and the file locks it gives")
     parser.add_argument("--network-interface", help="check this interface exists on every host")
     parser.add_argument("--python", default=sys.executable,
                         help="the Python the job runs on every host (default: this one)")

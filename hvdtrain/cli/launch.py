@@ -2,6 +2,9 @@
 
     hvdtrain launch -np 4 --hostfile hostfiles/two-hosts -- python train.py --epochs 20
     hvdtrain launch --launcher horovodrun -H a:2,b:2 --dry-run -- python train.py
+
+USR1 and USR2 sent to it reach every rank (a preemption's warning: #SBATCH --signal=B:USR1@90);
+HUP, INT and TERM stop every process of the job (exit code 128 + the signal).
 """
 from __future__ import annotations
 
@@ -43,8 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(argv))
         return 0
-    return execute(argv, args.timeout, spec.hosts,
-                   rank_command=spec.command if args.launcher == "horovodrun" else None)
+    return execute(argv, args.timeout, spec.hosts, launcher=args.launcher, rank_command=spec.command)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

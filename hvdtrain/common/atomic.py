@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO, Callable, Iterator, Optional
 
 from hvdtrain.common import io_watch
 
@@ -29,23 +29,30 @@ def fsync_directory(directory: Path) -> None:
 
 
 @contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
+def atomic_path(path: Path, before_rename: Optional[Callable[[], None]] = None) -> Iterator[Path]:
     """A temporary path beside ``path`` for the caller to write (for writers that take a path);
-    once the block ends without an error it is flushed to disk and renamed to ``path``."""
+    once the block ends without an error it is flushed to disk and renamed to ``path``.
+
+    ``before_rename``: called right before the rename, the one irreversible step; an error it
+    raises leaves ``path`` as it was (a checkpoint directory's lease is checked there: fencing)."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield temporary
         fsync_path(temporary)
+        if before_rename is not None:
+            before_rename()
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
     fsync_directory(path.parent)
 
 
-def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """``write(handle)`` into a temporary file, flushed to disk, then renamed to ``path``."""
-    with io_watch.watching(path, "write") as activity, atomic_path(path) as temporary:
+def write_atomically(path: Path, write: Callable[[BinaryIO], object],
+                     before_rename: Optional[Callable[[], None]] = None) -> None:
+    """``write(handle)`` into a temporary file, flushed to disk, then renamed to ``path``
+    (``before_rename``: see atomic_path)."""
+    with io_watch.watching(path, "write") as activity, atomic_path(path, before_rename) as temporary:
         with open(temporary, "wb") as handle:
             write(activity.counting(handle))
 

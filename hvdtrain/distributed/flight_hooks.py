@@ -7,7 +7,9 @@ per operation that enqueues it and returns a handle, ``barrier``/``join``, and t
 ``horovod_torch_wait_and_clear``, which every ``synchronize`` waits in. Those are wrapped here
 (module globals, looked up at each call: wrapping them catches every caller, the public
 functions, hvd.broadcast_object and the optimizer's hooks included). A start costs one entry
-(hvdtrain.common.flight.recorder); the end is found by handle.
+(hvdtrain.common.flight.recorder); the end is found by handle. A wait that raises (a rank died,
+Horovod shut down: what Horovod elastic recovers from) ends its entry as failed, so the record
+never shows it in flight after.
 
 Installed once per process, by the Trainer's set-up on every rank at the same point of the
 program (the sequence numbers count from there). Reads Horovod internals: a Horovod without these
@@ -45,7 +47,7 @@ def install(recorder: FlightRecorder = RECORDER) -> List[str]:
 
     if _installed:
         return []
-    in_flight: Dict[Any, list] = {}  # handle -> entry, until synchronize waited for it
+    in_flight = recorder.waiting  # handle -> entry, until synchronize waited for it
     missing = []
     for function, (op, tensors, name, process_set) in _ASYNC.items():
         original = getattr(mpi_ops, function, None)
@@ -110,17 +112,26 @@ def _recording(original: Callable, recorder: FlightRecorder, in_flight: Dict[Any
         if key not in recorder.process_sets:
             recorder.process_sets[key] = members
         entry = recorder.start(op, args[name], shape, dtype, key)
-        handle = original(*args)
+        try:
+            handle = original(*args)
+        except BaseException as error:  # not enqueued (Horovod shut down): no wait will end it
+            recorder.fail(entry, error)
+            raise
         in_flight[handle] = entry
         return handle
     return record
 
 
 def _ending(wait: Callable, recorder: FlightRecorder, in_flight: Dict[Any, list]) -> Callable:
-    """The extension's wait, which completes the entry of the handle it waited for."""
+    """The extension's wait, which completes the entry of the handle it waited for, or fails it."""
     def wait_and_clear(handle: Any) -> Any:
-        result = wait(handle)
         entry = in_flight.pop(handle, None)
+        try:
+            result = wait(handle)
+        except BaseException as error:
+            if entry is not None:
+                recorder.fail(entry, error)
+            raise
         if entry is not None:
             recorder.end(entry)
         return result
@@ -136,7 +147,11 @@ def _blocking(original: Callable, recorder: FlightRecorder, op: str) -> Callable
         members = kwargs.get("process_set", args[0] if args and op == "barrier" else None)
         key = getattr(members, "process_set_id", 0) if members is not None else 0
         entry = recorder.start(op, None, None, None, key)
-        result = original(*args, **kwargs)
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as error:
+            recorder.fail(entry, error)
+            raise
         recorder.end(entry)
         return result
     return record

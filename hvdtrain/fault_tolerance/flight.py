@@ -2,7 +2,9 @@
 directory, and what a stall adds to the watchdog's report (where the dump went, the verdict).
 
 The recorder itself, its dumps and their analysis are hvdtrain.common.flight; the hooks that feed
-it every collective are hvdtrain.distributed.flight_hooks; the loop records its phases.
+it every collective are hvdtrain.distributed.flight_hooks; the loop records its phases. A world
+change (Horovod elastic) starts the record of the new world and the dump service of the rank this
+process now is.
 SIGUSR2 dumps, unless train.preempt_signal is USR2: then the preemption keeps it (said once), and
 ``hvdtrain debug dump`` and stalls still dump.
 """
@@ -44,6 +46,7 @@ class FlightRecording:
                               f"record; `hvdtrain debug dump RUN_DIR` and stalls still dump")
         self.directory: Optional[Path] = None
         self._service: Optional[DumpService] = None
+        topology.follow(self._follow_world)
 
     def open(self, run_dir: Optional[Path]) -> None:
         """Dumps go to ``run_dir``/flight from now on (None: no run directory, no dumps); the
@@ -53,7 +56,18 @@ class FlightRecording:
         self.close()
         self.directory = flight_directory(run_dir)
         world = self.topology.world
-        self._service = DumpService(self.directory, world.rank, world.size, self.signal, self.dump).start()
+        self._service = DumpService(self.directory, world.rank, world.size, self.signal, self.dump,
+                                    local_rank=world.local_rank).start()
+
+    def _follow_world(self, topology: Topology) -> None:
+        """Horovod elastic formed a new world: its sequence numbers start again (every rank of it, a
+        joining one too, counts from its first collective), and the service answers as this process's
+        new rank (its alive file, and which rank of this host looks at the request file)."""
+        RECORDER.new_world()
+        if self.directory is not None:
+            run_dir = self.directory.parent
+            self.close()
+            self.open(run_dir)
 
     def close(self) -> None:
         if self._service is not None:
@@ -76,16 +90,17 @@ class FlightRecording:
                 for entry in list(RECORDER.collectives) if entry[END] is None]
 
     def on_stall(self) -> str:
-        """This rank's dump, written; the words the stall report ends with."""
+        """This rank's dump, written (the watchdog's side thread: the run directory may hang); where
+        it went, in words for the stall report ('': no flight recorder)."""
         if not self.capacity:
             return ""
         if self.directory is None:
-            return " No flight record: set train.run_dir to have one written on a stall."
+            return "No flight record: set train.run_dir to have one written on a stall."
         self._stalled_at = time.time()
         try:
-            return f" Flight record: {self.dump('stall')}."
+            return f"Flight record: {self.dump('stall')}."
         except Exception as error:  # the report goes out all the same
-            return f" Flight record not written: {error}."
+            return f"Flight record not written: {error}."
 
     def verdict(self, within: float) -> str:
         """Rank 0: once every rank's stall dump is in (at most ``within`` seconds), the analysis'

@@ -7,10 +7,11 @@ names the rank, host and last step, and the all-reduces this rank waits in, then
 process, and the launcher ends the job. The rank that stopped is the one waiting in none. It also
 guards the Trainer's set-up (its collectives). While every rank saves or resumes, the step clock is
 paused (a large save is slow, not stuck; the ranks that do not write wait for the one that does),
-and each checkpoint file in flight is watched instead (hvdtrain.common.io_watch), in any thread (a
-background save's too): a write whose bytes stop moving, or a read that does not end, for
-``io_timeout`` seconds (train.checkpoint_timeout) is a stall too, reported with the file and the
-bytes moved so far. So a rank stuck on a hung mount ends the job rather than hanging every rank.
+and the storage work of the save or resume is watched instead (hvdtrain.common.io_watch), in any
+thread (a background save's, the lease's renewal too): a storage call that does not return, or a
+write whose bytes stop moving, for ``io_timeout`` seconds (train.checkpoint_timeout) is a stall too,
+reported with the innermost work stuck (its file, the bytes moved so far). So a rank stuck on a
+hung mount ends the job rather than hanging every rank.
 """
 from __future__ import annotations
 
@@ -19,11 +20,18 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, List, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional
 
 from hvdtrain.common import io_watch
 
+if TYPE_CHECKING:
+    from hvdtrain.fault_tolerance.flight import FlightRecording
+
 STALL_EXIT_CODE = 75
+# Seconds a stalled rank gives its flight record before it exits without it. A full record (2 x 2048
+# entries and the stacks) is under 1 MB, written once: 0.07 s on a local disk, well under a second
+# on a file system that answers, even a loaded parallel one; one silent for 5 s is taken to hang.
+FLIGHT_DUMP_SECONDS = 5.0
 
 
 class StallWatchdog:
@@ -36,8 +44,8 @@ class StallWatchdog:
         pending: the names of the collectives this rank waits in; None: not known (set-up).
         exit_process: ends the process with the exit code (os._exit; a stand-in in the tests).
         phase: what is guarded (training, set-up), for the message.
-        io_timeout: seconds a checkpoint file in flight may move no byte (a read: may last) before
-            it counts as a stall (train.checkpoint_timeout); 0: checkpoint I/O is not watched.
+        io_timeout: seconds a checkpoint's storage call may not return (a write: move no byte)
+            before it counts as a stall (train.checkpoint_timeout); 0: checkpoint I/O is not watched.
     """
     def __init__(self, timeout: float, rank: int, host: str, pending: Optional[Callable[[], List[str]]],
                  exit_process: Callable[[int], None] = os._exit, phase: str = "training",
@@ -98,25 +106,29 @@ class StallWatchdog:
                 f"(stall_timeout={self.timeout:g} s).")
 
     def io_report(self, activity: io_watch.IOActivity, now: float) -> str:
-        """The message for a checkpoint file in flight that stalled."""
+        """The message for storage work in flight that stalled."""
         elapsed = now - activity.started
         if activity.kind == "write":
             what = (f"the checkpoint write of {activity.path} moved no byte for {activity.silent_for(now):.0f} s "
                     f"({activity.bytes} bytes written so far, {elapsed:.0f} s since it began)")
-        else:
+        elif activity.kind == "read":
             what = f"the checkpoint read of {activity.path} has not ended after {elapsed:.0f} s"
             if activity.bytes:
                 what += f" (no byte for {activity.silent_for(now):.0f} s, {activity.bytes} bytes read so far)"
+        else:
+            what = (f"the {activity.kind} of {activity.path} is stuck in a storage call: none returned for "
+                    f"{activity.silent_for(now):.0f} s ({elapsed:.0f} s since it began)")
         return (f"[hvdtrain] STALL rank {self.rank} on {self.host}: {what}, in thread {activity.thread}; its "
                 f"file system may hang (a hung mount, a full quota). Ending the job "
                 f"(checkpoint_timeout={self.io_timeout:g} s).")
 
     def stalled_io(self, now: float) -> Optional[io_watch.IOActivity]:
-        """The oldest checkpoint file in flight silent for more than io_timeout seconds, if any."""
+        """Storage work in flight silent for more than io_timeout seconds, if any: of the work
+        stuck, the innermost (a save's file write rather than the save), the one named."""
         if not self.io_timeout:
             return None
-        return next((activity for activity in io_watch.active()
-                     if activity.silent_for(now) > self.io_timeout), None)
+        stuck = [activity for activity in io_watch.active() if activity.silent_for(now) > self.io_timeout]
+        return max(stuck, key=lambda activity: activity.depth, default=None)
 
     def stall_message(self) -> Optional[str]:
         """What ends the job now (the steps stopped outside a checkpoint, or a checkpoint file in
@@ -134,14 +146,39 @@ class StallWatchdog:
         while not self._stopped.wait(interval):
             message = self.stall_message()
             if message is not None:
-                # The flight record goes with the report (where it was written); rank 0 then prints
-                # the analysis once every rank's record is in.
-                flight = self.flight
-                print(message + (flight.on_stall() if flight is not None else ""), file=sys.stderr, flush=True)
-                if flight is not None:
-                    flight.verdict(within=interval + 2.0)
-                # The other ranks' watchdogs fire within one interval: let them report too before
-                # this exit makes the launcher kill them.
-                time.sleep(interval + 2.0)
-                self._exit(STALL_EXIT_CODE)
+                self._end_job(message, grace=interval + 2.0)
                 return
+
+    def _end_job(self, message: str, grace: float) -> None:
+        """The STALL line, the flight record (bounded), then the exit, whatever the record does.
+
+        The line goes out first and alone: the record is written into the run directory, which may be
+        on the very mount that hangs (a blocked mkdir never returns, and no thread can be cancelled).
+        ``grace``: one watchdog interval plus 2 s. The other ranks' watchdogs fire within one interval
+        of this one: rank 0 waits that long for their records, and every rank waits it again before
+        this exit (the launcher then kills every rank), so their reports are not cut short."""
+        print(message, file=sys.stderr, flush=True)
+        recorded = self.flight is None or self._record_flight(self.flight, grace)
+        if recorded:  # (a record that did not end in time was waited for longer than the grace already)
+            time.sleep(grace)
+        self._exit(STALL_EXIT_CODE)
+
+    def _record_flight(self, flight: "FlightRecording", grace: float) -> bool:
+        """This rank's flight record, where it went, and (rank 0) the verdict, written by a daemon
+        thread given FLIGHT_DUMP_SECONDS plus ``grace`` (rank 0's wait for the others' records).
+        False: it had not ended by then (it goes on, and dies with the process)."""
+        def record() -> None:
+            where = flight.on_stall()
+            if where:
+                print(f"[hvdtrain] STALL rank {self.rank} on {self.host}: {where}", file=sys.stderr, flush=True)
+            flight.verdict(within=grace)
+        bound = FLIGHT_DUMP_SECONDS + grace
+        writer = threading.Thread(target=record, name="hvdtrain-stall-record", daemon=True)
+        writer.start()
+        writer.join(bound)
+        if writer.is_alive():
+            print(f"[hvdtrain] STALL rank {self.rank} on {self.host}: flight record not written in {bound:.0f} s "
+                  f"(the run directory's file system may hang too); ending the job without it", file=sys.stderr,
+                  flush=True)
+            return False
+        return True

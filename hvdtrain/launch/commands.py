@@ -5,12 +5,15 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hvdtrain.launch.hostfile import Host, HostfileError, check_hostname, to_host_list, total_slots
 
-# Variables every rank needs from the launching shell; mpirun passes none unless told (-x).
-DEFAULT_EXPORTS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV")
+# Variables every rank needs from the launching shell; mpirun passes none unless told (-x). The
+# lease's beat must be the same on the rank 0 of every host that may own the checkpoint directory,
+# and the compile cache's key file is where every host finds the one key that signs the cache.
+DEFAULT_EXPORTS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV", "HVDTRAIN_LEASE_BEAT",
+                   "HVDTRAIN_COMPILE_CACHE_KEY_FILE")
 
 
 def exports_present(environ: Mapping[str, str]) -> List[str]:
@@ -27,6 +30,9 @@ class LaunchSpec:
     exports: Sequence[str] = field(default=DEFAULT_EXPORTS)
     as_root: bool = False
     start_timeout: int = 30  # seconds to reach every host before the launch fails
+    # (name, value) every rank gets, wherever it runs: what hvdtrain launch tells the ranks of itself.
+    # horovodrun and srun pass their whole environment on: the runner sets these in it instead.
+    rank_variables: Tuple[Tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.np < 1:
@@ -63,6 +69,8 @@ def openmpi_argv(spec: LaunchSpec) -> List[str]:
                  "-x", f"NCCL_SOCKET_IFNAME={spec.network_interface}"]
     for name in spec.exports:
         argv += ["-x", name]
+    for name, value in spec.rank_variables:
+        argv += ["-x", f"{name}={value}"]
     return argv + list(spec.command)
 
 
@@ -75,6 +83,8 @@ def mpich_argv(spec: LaunchSpec) -> List[str]:
         argv += ["-iface", spec.network_interface, "-genv", "NCCL_SOCKET_IFNAME", spec.network_interface]
     if spec.exports:
         argv += ["-genvlist", ",".join(spec.exports)]
+    for name, value in spec.rank_variables:
+        argv += ["-genv", name, value]
     return argv + list(spec.command)
 
 

@@ -1,7 +1,8 @@
-"""The checks of ``hvdtrain doctor`` (hvdtrain.cli.doctor), each a row of one table: ssh, versions,
-network interface, slots, the checkpoint directory and the file locks it gives (coherent,
-node-local or no flock, from two hosts), an all-reduce probe, SLURM. Runs on login
-nodes: no torch import here (host_facts.py runs on each host; probe.py inside a short job).
+"""The checks of ``hvdtrain doctor`` (hvdtrain.cli.doctor), each a row of one table: ssh, one machine
+per host name, versions, network interface, slots, the checkpoint directory, each host's clock
+against it, and the file locks it gives (coherent, node-local or no flock, from two hosts), an
+all-reduce probe, SLURM. Runs on login nodes: no torch import here (host_facts.py runs on each
+host; probe.py inside a short job).
 """
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ SSH_CONNECT_TIMEOUT = 5
 HOST_TIMEOUT = 30
 PROBE_TIMEOUT = 120
 OK, WARN, FAIL = "ok", "WARN", "FAIL"
+# NTP keeps a host within tens of ms of true time, and the file server as well; with a file system's
+# timestamp tick (<= 10 ms) a healthy host and server differ by 0.1 s at most. Beyond 0.25 s (more
+# than the probe's own round trip explains) nothing keeps that clock, and a quarter second already
+# misorders one step's collectives between hosts in the flight recorder's timelines.
+CLOCK_TOLERANCE = 0.25
+# Whose clock sets a file's times, by the type of the mount holding the checkpoint directory.
+SERVER_TIMED = frozenset({"nfs", "nfs4", "cifs", "smb3"})  # the file server's: the probe measures against it
+CLIENT_TIMED = frozenset({"lustre", "gpfs", "gfs2"})  # the writing host's own: the offset is ~0 by construction
+LOCAL = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "overlay", "ramfs"})
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,62 @@ def ssh_rows(answers: Mapping[str, Tuple[Optional[dict], str]]) -> List[Row]:
         else:
             rows.append(Row("reach", host, FAIL, f"{error}. HINT: passwordless ssh from here must work "
                                                  f"(ssh {host} true) and the host name must resolve"))
+    return rows
+
+
+def _short_id(identifier: Optional[str]) -> str:
+    return f"{identifier[:8]}…" if identifier else "unknown"
+
+
+def _machine(found: dict) -> Optional[Tuple[str, Optional[str], Optional[str]]]:
+    """What one running system is known by, as hvdtrain's checkpoint lease knows it (plus the network
+    namespace): the kernel's boot id and the namespaces; None without a boot id (/etc/machine-id
+    alone proves nothing: images cloned without clearing it share one)."""
+    identity = found.get("identity") or {}
+    if not identity.get("boot_id"):
+        return None
+    return identity["boot_id"], identity.get("pid_namespace"), identity.get("net_namespace")
+
+
+def _who(identities: Sequence[dict], machines: int) -> str:
+    """"two machines (boot ids ab12…, cd34…)", or containers when they share one kernel."""
+    count = {2: "two", 3: "three"}.get(machines, str(machines))
+    boots = sorted({identity["boot_id"] for identity in identities})
+    if len(boots) == 1:  # one kernel: containers, told apart by their namespaces only
+        return f"{count} containers of one machine (boot id {_short_id(boots[0])})"
+    machine_ids = {identity.get("machine_id") for identity in identities}
+    cloned = " and one /etc/machine-id: a cloned image" if len(machine_ids) == 1 and None not in machine_ids else ""
+    return f"{count} machines (boot ids {', '.join(_short_id(boot) for boot in boots)}{cloned})"
+
+
+def _one_name_row(name: str, entries: Sequence[str], facts: Mapping[str, dict]) -> Row:
+    """The row of hostfile entries ``entries`` that all answered as ``name``."""
+    where, listed = " + ".join(entries), ", ".join(entries)
+    machines = [_machine(facts[entry]) for entry in entries]
+    if None in machines:
+        return Row("host names", where, WARN, f"{listed} all answer as {name}; whether they are one machine "
+                                              f"cannot be told (no kernel boot id readable)")
+    if len(set(machines)) == 1:
+        # Not a FAIL: one name, one machine, so nothing is ambiguous; but its ranks add up there.
+        return Row("host names", where, WARN,
+                   f"{listed} are one machine (boot id {_short_id(machines[0][0])}), listed {len(entries)} times: "
+                   f"every entry's ranks start on it, sharing its cores and GPUs. HINT: list it once")
+    who = _who([facts[entry]["identity"] for entry in entries], len(set(machines)))
+    return Row("host names", where, FAIL,
+               f"{who} answer as {name}: hvdtrain's checkpoint lease, mpirun's hostfiles and every per-host "
+               f"message tell hosts apart by name. HINT: give each machine its own hostname (containers: "
+               f"--hostname; images: not localhost)")
+
+
+def host_name_rows(facts: Mapping[str, dict]) -> List[Row]:
+    """One machine per host name: hostfile entries (facts' keys) that answered with one name are
+    either one machine listed twice or machines that only their boot ids tell apart."""
+    by_name: Dict[str, List[str]] = {}
+    for entry, found in facts.items():
+        by_name.setdefault(found["hostname"], []).append(entry)
+    rows = [_one_name_row(name, entries, facts) for name, entries in by_name.items() if len(entries) > 1]
+    if not rows and len(facts) > 1:
+        rows.append(Row("host names", "all hosts", OK, f"{len(facts)} hosts, each answering with a name of its own"))
     return rows
 
 
@@ -163,6 +229,51 @@ def checkpoint_rows(facts: Mapping[str, dict], seen: Mapping[str, List[str]], di
         else:
             rows.append(Row("checkpoint dir", host, OK, f"{result['path']} writable, shared by {len(writers)} hosts"))
     return rows
+
+
+def _whose_clock(filesystem: Optional[str]) -> str:
+    """What the offset is measured against, for the row's text."""
+    if filesystem in SERVER_TIMED:
+        return f" against the file server's clock ({filesystem})"
+    if filesystem in CLIENT_TIMED:
+        return (f": ~0 by construction, {filesystem} takes file times from each host's own clock, so this does not "
+                f"show how far the hosts' clocks are apart (check NTP on each: chronyc tracking)")
+    if filesystem in LOCAL:
+        return f": ~0 by construction, {filesystem} is local and takes file times from this host's clock"
+    return f" ({filesystem})" if filesystem else ""
+
+
+def _clock_row(host: str, clock: dict, filesystem: Optional[str], alike: bool) -> Row:
+    """``alike``: every host is off by about as much (then the file server's clock is the odd one)."""
+    if "error" in clock:
+        return Row("clock vs checkpoint dir", host, WARN, f"not measured: {clock['error']}")
+    offset, uncertainty = clock["offset"], clock["uncertainty"]
+    measured = f"{offset:+.3f} s ±{uncertainty:.3f} s"
+    if clock["whole_seconds"]:
+        measured += " (whole-second file times)"
+    if abs(offset) - uncertainty <= CLOCK_TOLERANCE:
+        unsure = uncertainty > CLOCK_TOLERANCE
+        return Row("clock vs checkpoint dir", host, OK, measured + _whose_clock(filesystem)
+                   + (f"; too slow a round trip to tell within {CLOCK_TOLERANCE} s" if unsure else ""))
+    if alike:
+        return Row("clock vs checkpoint dir", host, WARN,
+                   f"{measured}{_whose_clock(filesystem)}, as on every host: the file server's clock is likely the "
+                   f"one off. The hosts agree with each other, but file times there are off by as much (the flight "
+                   f"recorder's stall verdict compares them with the hosts' clocks; the checkpoint lease does not)")
+    return Row("clock vs checkpoint dir", host, WARN,
+               f"{measured}{_whose_clock(filesystem)}: more than {CLOCK_TOLERANCE} s, further than NTP keeps clocks "
+               f"(tens of ms): the flight recorder's cross-host timelines and this host's log times are off by as "
+               f"much (the checkpoint lease does not depend on it). HINT: check NTP here (chronyc tracking)")
+
+
+def clock_rows(facts: Mapping[str, dict]) -> List[Row]:
+    """Each host's clock minus the clock that sets file times in the checkpoint directory (the
+    probe in host_facts.clock_offset), where the host could write there."""
+    measured = {host: found["checkpoint"] for host, found in facts.items() if "clock" in found["checkpoint"]}
+    offsets = [result["clock"]["offset"] for result in measured.values() if "offset" in result["clock"]]
+    alike = (len(offsets) > 1 and max(offsets) - min(offsets) <= CLOCK_TOLERANCE
+             and min(abs(offset) for offset in offsets) > CLOCK_TOLERANCE)
+    return [_clock_row(host, result["clock"], result.get("filesystem"), alike) for host, result in measured.items()]
 
 
 LEASE = "the run lock (a lease on owner.json, no flock needed) works here"
@@ -252,8 +363,9 @@ def probe_row(hosts: Sequence[Host], python: str, interface: Optional[str]) -> R
 
 def diagnose(hosts: Sequence[Host], python: str, checkpoint_dir: Optional[str],
              interface: Optional[str], probe: bool, environ: Mapping[str, str]) -> List[Row]:
-    """Every check of ``hvdtrain doctor`` over ``hosts``, one row each: ssh, versions, network interfaces, slots, the
-    shared checkpoint directory and its file locks, the scheduler and, with ``probe``, an all-reduce.
+    """Every check of ``hvdtrain doctor`` over ``hosts``, one row each: ssh, one machine per host name, versions,
+    network interfaces, slots, the shared checkpoint directory, each host's clock against it and its file
+    locks, the scheduler and, with ``probe``, an all-reduce.
 
     Args:
         hosts: the hosts to check, with their slots.
@@ -268,13 +380,13 @@ def diagnose(hosts: Sequence[Host], python: str, checkpoint_dir: Optional[str],
     answers = on_every_host(hosts, python, ["facts", arguments])
     rows = ssh_rows(answers)
     facts = {host: found for host, (found, _) in answers.items() if found is not None}
-    rows += version_rows(facts) + interface_rows(facts, interface) + slot_rows(hosts, facts)
+    rows += host_name_rows(facts) + version_rows(facts) + interface_rows(facts, interface) + slot_rows(hosts, facts)
     if checkpoint_dir:
         reachable = [host for host in hosts if host.name in facts]
         seen = {host: (found or {}).get("seen", [])
                 for host, (found, _) in on_every_host(reachable, python, ["tokens", arguments]).items()}
         on_every_host(reachable, python, ["cleanup", arguments])
-        rows += checkpoint_rows(facts, seen, checkpoint_dir)
+        rows += checkpoint_rows(facts, seen, checkpoint_dir) + clock_rows(facts)
         writable = [host for host in reachable if facts[host.name]["checkpoint"].get("writable")]
         if writable:
             rows += lock_probe(writable, python, arguments)

@@ -14,10 +14,15 @@ The lock probe: one host takes a flock on a file in the directory and creates an
 then holds both while a second host tries the same (they meet through marker files in the
 directory). The second host refused the flock: coherent; granted it: node-local; ENOSYS or
 EOPNOTSUPP: no flock. Its O_EXCL create must fail: hvdtrain's run lock (a lease) relies on it.
+
+The clock probe: a file created in the checkpoint directory gets its time from the clock that sets
+the directory's file times (the server's on NFS, this host's on Lustre, GPFS and local disks); that
+time against time.time() just before and after the create is this host's clock offset.
 """
 import errno
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -27,6 +32,7 @@ PACKAGES = ("torch", "horovod", "mpi4py", "hvdtrain")
 TOKEN_PREFIX = ".hvdtrain-doctor-"
 LOCK_WAIT = 12  # seconds each side of the lock probe waits for the other's marker
 NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL)
+CLOCK_SAMPLES = 3  # the create with the shortest round trip bounds the offset best (as NTP picks)
 
 
 def versions():
@@ -89,15 +95,116 @@ def write_token(directory, token):
     return {"checked": True, "writable": True, "path": os.path.realpath(directory)}
 
 
+def _first_line(path):
+    try:
+        with open(path) as handle:
+            return handle.readline().strip() or None
+    except OSError:
+        return None
+
+
+def _namespace(kind):
+    try:
+        return os.readlink(f"/proc/self/ns/{kind}")
+    except OSError:
+        return None
+
+
+def identity():
+    """What tells this machine apart from another answering to the same name: the kernel's boot id
+    (one per boot of a kernel), the pid and network namespaces (containers on one kernel), and
+    /etc/machine-id (one per installation, but shared by images cloned without clearing it)."""
+    return {"boot_id": _first_line("/proc/sys/kernel/random/boot_id"), "pid_namespace": _namespace("pid"),
+            "net_namespace": _namespace("net"), "machine_id": _first_line("/etc/machine-id")}
+
+
+def _unescape(field):
+    """/proc/self/mountinfo writes a space in a mount point as \\040 (octal)."""
+    return re.sub(r"\\([0-7]{3})", lambda code: chr(int(code.group(1), 8)), field)
+
+
+def filesystem_type(directory, mountinfo="/proc/self/mountinfo"):
+    """The type of the mount holding ``directory`` ("nfs4", "lustre", "ext4", ...), or None: the
+    longest mount point containing it; of several on one point, the last mounted (it hides the others)."""
+    path, best, kind = os.path.realpath(directory), "", None
+    try:
+        with open(mountinfo) as table:
+            for line in table:
+                fields = line.split()
+                # ID PARENT DEV ROOT MOUNT_POINT OPTIONS [OPTIONAL...] - TYPE SOURCE OPTIONS
+                point, point_kind = _unescape(fields[4]), fields[fields.index("-") + 1]
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, point_kind
+    except (OSError, ValueError, IndexError):
+        return None
+    return kind
+
+
+def offset_from(before, after, mtime_ns, whole_seconds):
+    """(offset, uncertainty) in seconds: this host's clock minus the file system's. The file system's
+    moment lies within the round trip; a file system that keeps whole seconds truncates up to 1 s.
+
+    Args:
+        before: time.time() just before the file was created.
+        after: time.time() just after its time was read.
+        mtime_ns: the time the file system gave it, in ns.
+        whole_seconds: the file system keeps times in whole seconds only.
+    """
+    stamp, resolution = mtime_ns / 1e9, 1.0 if whole_seconds else 0.0
+    offset = (before + after) / 2 - (stamp + resolution / 2)
+    return offset, (after - before) / 2 + resolution / 2
+
+
+def _timed_create(path):
+    """(time before, time after, mtime in ns) of creating ``path``, which is removed again."""
+    before = time.time()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        # fstat, not stat: NFS answers the create with the attributes the server set.
+        mtime_ns = os.fstat(fd).st_mtime_ns
+        after = time.time()
+    finally:
+        os.close(fd)
+        os.remove(path)
+    return before, after, mtime_ns
+
+
+def clock_offset(directory, token):
+    """This host's clock against the one that sets file times in ``directory``: {"offset",
+    "uncertainty", "whole_seconds"} (seconds), or {"error"}. The probe files' names start apart
+    from the token files' (tokens() reads those as host names) and are random: two machines with
+    one name may probe at once."""
+    stem = os.path.join(directory, f"{TOKEN_PREFIX}clock-{token}-{os.urandom(6).hex()}-")
+    try:
+        samples = [_timed_create(stem + str(attempt)) for attempt in range(CLOCK_SAMPLES)]
+    except OSError as error:
+        return {"error": f"{error.strerror}: {directory}"}
+    # A time in whole seconds once may be chance; every time, and the file system keeps no finer ones.
+    whole_seconds = all(mtime_ns % 10**9 == 0 for _, _, mtime_ns in samples)
+    before, after, mtime_ns = min(samples, key=lambda sample: sample[1] - sample[0])
+    offset, uncertainty = offset_from(before, after, mtime_ns, whole_seconds)
+    return {"offset": offset, "uncertainty": uncertainty, "whole_seconds": whole_seconds}
+
+
+def checkpoint_facts(directory, token):
+    """The token written (the shared-directory check) and, where it could be, the clock probe."""
+    found = write_token(directory, token)
+    if found.get("writable"):
+        found.update(clock=clock_offset(directory, token), filesystem=filesystem_type(directory))
+    return found
+
+
 def facts(args):
     return {
         "hostname": socket.gethostname(),
+        "identity": identity(),
         "executable": sys.executable,
         "versions": versions(),
         "cpus": len(os.sched_getaffinity(0)),
         "gpus": gpu_count(),
         "interfaces": interfaces(),
-        "checkpoint": write_token(args.get("checkpoint_dir"), args["token"]),
+        "checkpoint": checkpoint_facts(args.get("checkpoint_dir"), args["token"]),
     }
 
 

@@ -37,12 +37,8 @@ class SafetensorsSource(TensorSource):
         self.where = str(self.directory)
         index, single = self.directory / INDEX, self.directory / WEIGHTS
         if index.is_file():
-            loaded = json.loads(index.read_text())
-            weight_map = loaded.get("weight_map") if isinstance(loaded, dict) else None
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index} has no weight_map: not the index save_pretrained writes")
             self.files = {name: self.directory / inside(self.directory, index, file)
-                          for name, file in weight_map.items()}
+                          for name, file in read_weight_map(index).items()}
         elif single.is_file():
             with opened(single) as handle:
                 self.files = {name: single for name in handle.keys()}
@@ -115,6 +111,40 @@ class SafetensorsSource(TensorSource):
         values = torch.cat(parts, dim=shard.dim) if len(parts) > 1 else parts[0]
         self.bytes_read += values.numel() * values.element_size()
         return values.clone()
+
+
+def read_weight_map(index: Path) -> Dict[str, str]:
+    """The weight_map of the Hugging Face index ``index`` (tensor name -> file name, as
+    save_pretrained writes it); CheckpointError naming the index and what is wrong: unreadable, not
+    JSON, not an object, no weight_map, or one that is not an object of names to file names. Whether
+    each file name stays inside the directory is ``inside``'s check."""
+    remedy = "not the index save_pretrained writes: fix or replace it"
+    try:
+        with io_watch.watching(index, "read"):
+            loaded = json.loads(index.read_text())
+    except OSError as error:
+        raise CheckpointError(f"{index} cannot be read: {type(error).__name__}: {error}") from None
+    except ValueError as error:  # a JSONDecodeError, or bytes that are not UTF-8
+        raise CheckpointError(f"{index} is not JSON ({error}): {remedy}") from None
+    if not isinstance(loaded, dict):
+        raise CheckpointError(f"{index} holds {json_kind(loaded)}, not an object: {remedy}")
+    if "weight_map" not in loaded:
+        raise CheckpointError(f"{index} has no weight_map: {remedy}")
+    weight_map = loaded["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: its weight_map is {json_kind(weight_map)}, not an object of tensor names "
+                              f"to file names: {remedy}")
+    odd = next((name for name, file in weight_map.items() if not isinstance(file, str)), None)
+    if odd is not None:
+        raise CheckpointError(f"{index}: weight_map[{odd!r}] is {json_kind(weight_map[odd])}, it must be the name "
+                              f"of the file holding it: {remedy}")
+    return weight_map
+
+
+def json_kind(value: Any) -> str:
+    """What JSON calls the kind of a parsed value, for a message."""
+    return {dict: "an object", list: "a list", str: "a string", bool: "true or false",
+            type(None): "null"}.get(type(value), "a number")
 
 
 def inside(directory: Path, index: Path, file: Any) -> str:

@@ -29,12 +29,18 @@ def run(argv, timeout=LAUNCH_TIMEOUT, extra_env=None):
     env = launch_env(extra_env)
     process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return finish(process, timeout, " ".join(argv))
+
+
+def finish(process, timeout=LAUNCH_TIMEOUT, what="the launch"):
+    """(exit code, stdout, stderr) of ``process`` (started in its own session, its output piped), or
+    the test fails naming what it printed, every process of its session killed."""
     try:
         out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_session(process.pid)
         out, err = process.communicate()
-        pytest.fail(f"{' '.join(argv)} did not finish in {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
+        pytest.fail(f"{what} did not finish in {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
     return process.returncode, out, err
 
 

@@ -80,3 +80,23 @@ def one_process_adamw(model: nn.Module, data: TensorDataset, global_batch: int, 
         optimizer.step()
         losses.append(loss.item())
     return model.state_dict(), losses
+
+
+def outcome(action, name: str) -> list:
+    """Every rank's CheckpointError message (or None) from ``action()``, gathered: the assertions come
+    after the collective."""
+    from hvdtrain.checkpoint import CheckpointError
+    from hvdtrain.distributed import collectives
+    try:
+        action()
+        message = None
+    except CheckpointError as error:
+        message = str(error)
+    return collectives.allgather_object(message, name=name)
+
+
+def checkpoint_names(directory) -> list:
+    """The checkpoints in ``directory`` (and those set aside), without the full ones' checksum files."""
+    from pathlib import Path
+    return sorted(path.name for path in Path(directory).iterdir()
+                  if path.name.startswith("ckpt-") and not path.name.endswith(".checksum"))

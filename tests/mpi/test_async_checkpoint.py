@@ -57,13 +57,14 @@ def largest_difference(ours, theirs) -> float:
 def written_at(directory: str, checkpoint_format: str, step: int, rank: int):
     """What the checkpoint of ``step`` holds for this rank: the full file, or the manifest's run
     state (without the files' sha256s: torch.save's bytes may differ) and this rank's file. The
-    job's config is left out: it names its own checkpoint_dir and checkpoint_async."""
+    job's config and its claim of the directory are left out: each run's are its own."""
     if checkpoint_format == "full":
         written = CheckpointStore.read(Path(directory) / checkpoint_name(step))
     else:
         path = Path(directory) / sharded.directory_name(step)
         manifest = sharded.read_manifest(path)
-        written = {**{k: v for k, v in manifest.items() if k not in ("files", "path")},
+        # Each run's claim of its directory ("lease") is its own.
+        written = {**{k: v for k, v in manifest.items() if k not in ("files", "path", "lease")},
                    "shard": sharded.read_shard(path, manifest, rank)}
     assert written["config"]["train"]["checkpoint_dir"] == directory
     return {key: value for key, value in written.items() if key != "config"}
@@ -125,7 +126,7 @@ def fail_when_writing(step, rank, monkeypatch, world):
         raise OSError(28, "No space left on device")
 
     def failing_shard(temporary, *args):
-        failing = temporary.name == f".{sharded.directory_name(step)}.tmp"
+        failing = temporary.name.startswith(f".{sharded.directory_name(step)}.tmp")  # .tmp-<the claim's token>
         return full_disk() if failing else write_shard(temporary, *args)
 
     def failing_save(store, state, written_step):

@@ -2,12 +2,10 @@
 and a failed save is an error on every rank (each case here failed before run identity existed)."""
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.checkpoint.formats.full import CheckpointStore
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed import collectives
@@ -15,7 +13,7 @@ from hvdtrain.fault_tolerance.elastic import ElasticState
 from hvdtrain.trainer import Trainer
 from hvdtrain.components.position import Position
 from hvdtrain.components.precision import Precision
-from tests.mpi.helpers import small_mlp, synthetic_classification
+from tests.mpi.helpers import checkpoint_names as names, outcome, small_mlp, synthetic_classification
 
 pytestmark = pytest.mark.mpi
 
@@ -29,22 +27,6 @@ def trainer(world, directory, **settings):
     # 960 samples: no epoch ends (and saves) before step 60 at up to 4 ranks, only the steps asked for.
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=config.lr), synthetic_classification(960), None,
                    config, world=world)
-
-
-def outcome(action, name):
-    """Every rank's error message (or None), gathered: the assertions come after the collective."""
-    try:
-        action()
-        message = None
-    except CheckpointError as error:
-        message = str(error)
-    return collectives.allgather_object(message, name=name)
-
-
-def names(directory):
-    """The checkpoints (and those set aside), without the full ones' checksum files."""
-    return sorted(path.name for path in Path(directory).iterdir()
-                  if path.name.startswith("ckpt-") and not path.name.endswith(".checksum"))
 
 
 STEPS_10_20_30 = ["ckpt-000000010.pt", "ckpt-000000020.pt", "ckpt-000000030.pt"]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from hvdtrain.checkpoint.formats import full as ckpt
+from hvdtrain.checkpoint import CorruptCheckpoint
 from hvdtrain.checkpoint.formats.full import CheckpointError, CheckpointStore
 
 
@@ -69,8 +70,10 @@ def test_loading_refuses_pickled_objects(tmp_path):
 
     path = tmp_path / "ckpt-000000001.pt"
     torch.save(state(1, config=Payload()), path)
-    with pytest.raises(CheckpointError, match="is unreadable: UnpicklingError"):
+    with pytest.raises(CheckpointError, match=r"holds a value a resume does not read back \(weights_only: GLOBAL "
+                                              r".*print\).*nothing was set aside") as refused:
         CheckpointStore.read(path)
+    assert not isinstance(refused.value, CorruptCheckpoint)  # intact: it is not set aside
 
 
 @pytest.mark.parametrize("content,message", [

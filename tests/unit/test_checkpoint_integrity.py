@@ -94,10 +94,10 @@ def test_a_step_saved_again_gets_its_own_checksum_and_a_kill_before_it_leaves_no
     assert CheckpointStore.read(path)["model"]["w"].numel() == 3000  # its checksum is the new file's
     real = full_format.write_atomically
 
-    def killed_before_the_checksum(target, write):
+    def killed_before_the_checksum(target, write, before_rename=None):
         if target.name.endswith(".checksum"):
             raise KeyboardInterrupt
-        real(target, write)
+        real(target, write, before_rename)
     monkeypatch.setattr(full_format, "write_atomically", killed_before_the_checksum)
     with pytest.raises(KeyboardInterrupt):
         store.save(state(10, size=2000), 10)

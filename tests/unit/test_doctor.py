@@ -1,6 +1,8 @@
 """The doctor's verdicts, from what hosts answered (no hosts needed)."""
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 
@@ -12,9 +14,14 @@ from hvdtrain.launch.hostfile import Host
 VERSIONS = {"python": "3.11.7", "torch": "2.13.0", "horovod": "0.28.1", "mpi4py": "4.1.2", "hvdtrain": "0.1.0"}
 
 
+def identity(boot, pid_namespace="pid:[4026531836]", machine_id=None):
+    return {"boot_id": boot, "pid_namespace": pid_namespace, "net_namespace": "net:[4026531840]",
+            "machine_id": machine_id or f"machine-of-{boot}"}
+
+
 def facts(host, **overrides):
-    found = {"hostname": host, "executable": "/venv/bin/python", "versions": dict(VERSIONS), "cpus": 8,
-             "gpus": 0, "interfaces": ["eth0", "lo"],
+    found = {"hostname": host, "identity": identity(f"{host}-boot-0000-0000"), "executable": "/venv/bin/python",
+             "versions": dict(VERSIONS), "cpus": 8, "gpus": 0, "interfaces": ["eth0", "lo"],
              "checkpoint": {"checked": True, "writable": True, "path": "/shared/ckpt"}}
     found.update(overrides)
     return found
@@ -181,3 +188,172 @@ def test_a_lock_marker_appears_under_its_name_only_with_its_text(tmp_path, monke
 def test_a_probe_answer_without_a_flock_verdict_fails_the_row_instead_of_crashing():
     row, = doctor.lock_rows(holding("hostA"), ({"host": "hostB", "holder": "", "exclusive": True}, ""))
     assert (row.host, row.status) == ("hostB", "FAIL") and "read hostA's marker as ''" in row.detail
+
+
+# ---- one machine per host name -------------------------------------------------------------
+
+def test_hosts_with_names_of_their_own_pass():
+    rows = doctor.host_name_rows({"node1": facts("node1"), "node2": facts("node2")})
+    assert statuses(rows) == [("host names", "all hosts", "ok")]
+    assert rows[0].detail == "2 hosts, each answering with a name of its own"
+    assert doctor.host_name_rows({"node1": facts("node1")}) == []  # one host: nothing to compare
+
+
+def test_two_machines_answering_with_one_name_fail_naming_both_boot_ids():
+    """Containers with a fixed --hostname on two machines: only their boot ids tell them apart."""
+    rows = doctor.host_name_rows({
+        "10.0.0.1": facts("node1", identity=identity("ab12cd34-1111-2222-3333-444455556666")),
+        "10.0.0.2": facts("node1", identity=identity("cd34ef56-7777-8888-9999-000011112222")),
+        "node3": facts("node3")})
+    assert statuses(rows) == [("host names", "10.0.0.1 + 10.0.0.2", "FAIL")]
+    assert rows[0].detail == (
+        "two machines (boot ids ab12cd34…, cd34ef56…) answer as node1: hvdtrain's checkpoint lease, mpirun's "
+        "hostfiles and every per-host message tell hosts apart by name. HINT: give each machine its own "
+        "hostname (containers: --hostname; images: not localhost)")
+
+
+def test_a_cloned_image_is_named_and_containers_of_one_kernel_fail_too():
+    cloned = doctor.host_name_rows({
+        "a": facts("localhost", identity=identity("ab12cd34-1", machine_id="same-image")),
+        "b": facts("localhost", identity=identity("cd34ef56-2", machine_id="same-image"))})
+    assert cloned[0].status == "FAIL"
+    assert cloned[0].detail.startswith("two machines (boot ids ab12cd34…, cd34ef56… and one /etc/machine-id: "
+                                       "a cloned image) answer as localhost")
+    containers = doctor.host_name_rows({
+        "c1": facts("worker", identity=identity("ab12cd34-1", pid_namespace="pid:[4026532201]")),
+        "c2": facts("worker", identity=identity("ab12cd34-1", pid_namespace="pid:[4026532305]"))})
+    assert containers[0].status == "FAIL"
+    assert containers[0].detail.startswith("two containers of one machine (boot id ab12cd34…) answer as worker")
+
+
+def test_one_machine_listed_under_two_names_warns_that_its_ranks_add_up():
+    """Same name, same boot id and namespaces: one machine (two aliases), nothing ambiguous, so
+    no FAIL; but both entries' ranks start on it."""
+    same = identity("ab12cd34-1111")
+    rows = doctor.host_name_rows({"node1": facts("node1", identity=same),
+                                  "node1.cluster": facts("node1", identity=same)})
+    assert statuses(rows) == [("host names", "node1 + node1.cluster", "WARN")]
+    assert rows[0].detail.startswith("node1, node1.cluster are one machine (boot id ab12cd34…), listed 2 times")
+
+
+def test_without_a_boot_id_one_name_warns_that_it_cannot_tell():
+    blind = identity(None)
+    rows = doctor.host_name_rows({"a": facts("node1", identity=blind), "b": facts("node1", identity=blind)})
+    assert statuses(rows) == [("host names", "a + b", "WARN")]
+    assert "cannot be told (no kernel boot id readable)" in rows[0].detail
+
+
+# ---- each host's clock against the checkpoint directory's file times ------------------------
+
+def measured(offset, uncertainty=0.001, filesystem="nfs4", whole_seconds=False):
+    return {"checked": True, "writable": True, "path": "/shared/ckpt", "filesystem": filesystem,
+            "clock": {"offset": offset, "uncertainty": uncertainty, "whole_seconds": whole_seconds}}
+
+
+def test_a_clock_within_the_tolerance_passes_and_one_beyond_it_warns_what_it_affects():
+    rows = doctor.clock_rows({"a": facts("a", checkpoint=measured(0.031)),
+                              "b": facts("b", checkpoint=measured(-1.84))})
+    assert statuses(rows) == [("clock vs checkpoint dir", "a", "ok"), ("clock vs checkpoint dir", "b", "WARN")]
+    assert rows[0].detail == "+0.031 s ±0.001 s against the file server's clock (nfs4)"
+    assert rows[1].detail.startswith("-1.840 s ±0.001 s against the file server's clock (nfs4): more than "
+                                     f"{doctor.CLOCK_TOLERANCE} s")
+    assert "flight recorder's cross-host timelines" in rows[1].detail and "log times" in rows[1].detail
+    assert "the checkpoint lease does not depend on it" in rows[1].detail
+
+
+def test_a_clock_warns_only_when_beyond_the_tolerance_by_more_than_the_round_trip_explains():
+    slow = doctor.clock_rows({"a": facts("a", checkpoint=measured(0.6, uncertainty=0.5))})
+    assert slow[0].status == "ok" and "too slow a round trip to tell within 0.25 s" in slow[0].detail
+    coarse = doctor.clock_rows({"a": facts("a", checkpoint=measured(0.7, uncertainty=0.5, whole_seconds=True))})
+    assert coarse[0].status == "ok" and "(whole-second file times)" in coarse[0].detail
+    off = doctor.clock_rows({"a": facts("a", checkpoint=measured(0.3, uncertainty=0.01))})
+    assert off[0].status == "WARN"
+
+
+def test_every_host_off_alike_points_at_the_file_server():
+    rows = doctor.clock_rows({"a": facts("a", checkpoint=measured(4.1)), "b": facts("b", checkpoint=measured(4.2))})
+    assert [row.status for row in rows] == ["WARN", "WARN"]
+    assert all("as on every host: the file server's clock is likely the one off" in row.detail for row in rows)
+
+
+def test_where_hosts_set_file_times_the_row_says_the_offset_is_zero_by_construction():
+    lustre, local, other = doctor.clock_rows({"a": facts("a", checkpoint=measured(0.0, filesystem="lustre")),
+                                              "b": facts("b", checkpoint=measured(0.0, filesystem="ext4")),
+                                              "c": facts("c", checkpoint=measured(0.0, filesystem="beegfs"))})
+    assert lustre.status == local.status == other.status == "ok"
+    assert lustre.detail.startswith("+0.000 s ±0.001 s: ~0 by construction, lustre takes file times from each "
+                                    "host's own clock")
+    assert "ext4 is local" in local.detail
+    assert other.detail == "+0.000 s ±0.001 s (beegfs)"
+
+
+def test_a_clock_probe_that_failed_warns_and_an_unwritable_directory_gives_no_clock_row():
+    failed = {"checked": True, "writable": True, "path": "/x", "clock": {"error": "Permission denied: /x"}}
+    unwritable = {"checked": True, "writable": False, "error": "Permission denied: /x"}
+    rows = doctor.clock_rows({"a": facts("a", checkpoint=failed), "b": facts("b", checkpoint=unwritable)})
+    assert [(row.host, row.status, row.detail) for row in rows] == [("a", "WARN", "not measured: Permission denied: /x")]
+
+
+def test_the_offset_is_the_midpoint_of_the_round_trip_minus_the_file_time():
+    from hvdtrain.launch.host_facts import offset_from
+
+    offset, uncertainty = offset_from(100.0, 100.2, 99 * 10**9, whole_seconds=False)
+    assert (round(offset, 9), round(uncertainty, 9)) == (1.1, 0.1)
+    # A file system keeping whole seconds truncated the time by up to 1 s.
+    offset, uncertainty = offset_from(100.0, 100.2, 99 * 10**9, whole_seconds=True)
+    assert (round(offset, 9), round(uncertainty, 9)) == (0.6, 0.6)
+
+
+def test_the_file_system_type_is_the_innermost_mount_holding_the_directory(tmp_path):
+    from hvdtrain.launch.host_facts import filesystem_type
+
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        "40 22 0:40 / /shared rw,relatime shared:20 - nfs4 server:/export rw,vers=4.2\n"
+        "41 40 0:41 / /shared/my\\040ckpt rw - lustre 10.0.0.1@tcp:/fs rw\n"
+        "42 22 0:42 / /sharedx rw - tmpfs tmpfs rw\n")
+    assert filesystem_type("/shared/ckpt/run1", str(mountinfo)) == "nfs4"
+    assert filesystem_type("/shared/my ckpt/run1", str(mountinfo)) == "lustre"
+    assert filesystem_type("/sharedx/a", str(mountinfo)) == "tmpfs"
+    assert filesystem_type("/home/me", str(mountinfo)) == "ext4"
+    assert filesystem_type("/home/me", str(tmp_path / "absent")) is None
+
+
+def test_the_host_facts_measure_this_hosts_clock_and_name_this_machine(tmp_path):
+    """The probe for real, as the doctor sends it: a directory on this machine takes its file times
+    from this clock, so the offset is small and the row passes; nothing is left behind."""
+    args = json.dumps({"checkpoint_dir": str(tmp_path), "token": "t5"})
+    done = subprocess.run([sys.executable, "-I", "-", "facts", args], input=doctor.FACTS_SCRIPT,
+                          capture_output=True, text=True, timeout=60)
+    found = json.loads(done.stdout)
+    clock = found["checkpoint"]["clock"]
+    assert abs(clock["offset"]) < 0.05 and 0 <= clock["uncertainty"] < 0.05 and not clock["whole_seconds"]
+    row, = doctor.clock_rows({"here": found})
+    assert row.status == "ok" and row.detail.startswith(f"{clock['offset']:+.3f} s ±")
+    with open("/proc/sys/kernel/random/boot_id") as boot:
+        assert found["identity"]["boot_id"] == boot.read().strip()
+    assert found["identity"]["pid_namespace"] == os.readlink("/proc/self/ns/pid")
+    assert [path.name for path in tmp_path.iterdir()] == [f".hvdtrain-doctor-t5-{found['hostname']}"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("hostname")),
+                    reason="UTS and network namespaces need root")
+def test_a_namespace_that_takes_this_hosts_name_is_told_apart_and_fails(tmp_path):
+    """Two 'hosts' answering with one name, for real: this host, and a UTS + network namespace of
+    it (as a container with --hostname) set to this host's name. One kernel: told apart by their
+    namespaces only."""
+    name = socket.gethostname()
+    script = tmp_path / "host_facts.py"
+    script.write_text(doctor.FACTS_SCRIPT)
+    args = json.dumps({"checkpoint_dir": None, "token": "t6"})
+    here = [sys.executable, "-I", str(script), "facts", args]
+    inside = ["unshare", "--uts", "--net", "--", "sh", "-c", 'hostname "$0" && exec "$@"', name, *here]
+    answers = {entry: json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                                                check=True).stdout)
+               for entry, argv in (("here", here), ("container", inside))}
+    assert answers["here"]["hostname"] == answers["container"]["hostname"] == name
+    row, = doctor.host_name_rows(answers)
+    assert (row.host, row.status) == ("here + container", "FAIL")
+    assert row.detail.startswith(f"two containers of one machine (boot id "
+                                 f"{answers['here']['identity']['boot_id'][:8]}…) answer as {name}: ")

@@ -7,14 +7,15 @@ import subprocess
 import sys
 import threading
 import time
-import types
 
 import pytest
+import torch
 
 from hvdtrain.common.flight import analysis
 from hvdtrain.common.flight.dumps import DumpService, alive_ranks, request_dump, write_dump
 from hvdtrain.common.flight.recorder import FlightRecorder
 from hvdtrain.fault_tolerance.watchdog import StallWatchdog
+from tests.unit.test_watchdog import join_stall_records
 
 T0 = 1_000_000.0
 
@@ -163,13 +164,24 @@ def test_a_request_file_and_sigusr2_make_a_rank_dump_with_its_stacks(tmp_path):
     assert alive_ranks(tmp_path / "flight") == {}
 
 
-def test_a_stall_report_says_where_the_flight_record_went(tmp_path, capsys):
+def topology(rank=0, size=1, local_rank=0):
+    from hvdtrain.distributed.world import World
+    from hvdtrain.parallel.topology import Topology
+
+    return Topology(World(rank=rank, size=size, local_rank=local_rank, local_size=size, cross_rank=0, cross_size=1,
+                          hostname="hostA", controller="gloo", launcher="test", threads=1, device=torch.device("cpu")))
+
+
+def recording(topology):
+    """A Trainer's flight recording (16 entries); USR2 is the preemption's: the service takes no signal."""
     from hvdtrain.config.train import TrainConfig
     from hvdtrain.fault_tolerance.flight import FlightRecording
 
-    world = types.SimpleNamespace(rank=0, size=1, hostname="hostA")
-    topology = types.SimpleNamespace(world=world, is_root=True, log=types.SimpleNamespace(info=print, warning=print))
-    flight = FlightRecording(TrainConfig(flight_recorder=16, preempt_signal="USR2"), topology)
+    return FlightRecording(TrainConfig(flight_recorder=16, preempt_signal="USR2"), topology)
+
+
+def test_a_stall_report_says_where_the_flight_record_went(tmp_path, capsys):
+    flight = recording(topology())
     flight.open(tmp_path)  # USR2 is the preemption's: the service takes no signal
     fired = threading.Event()
     dog = StallWatchdog(0.3, 0, "hostA", lambda: [], exit_process=lambda code: fired.set())
@@ -220,3 +232,157 @@ def test_every_horovod_operation_is_recorded_through_the_hooks():
     assert run.stdout.strip().splitlines()[-1] == str([
         (0, "allreduce", "a", [3], True), (1, "broadcast", "obj.sz", [1], True), (2, "broadcast", "obj.t", [21], True),
         (3, "grouped_allreduce", "g", [[2], [2, 2]], True), (4, "barrier", None, None, True)])
+
+
+@pytest.fixture
+def fresh_recorder():
+    """The process's recorder, emptied, and emptied again after the test."""
+    from hvdtrain.common.flight.recorder import DEFAULT_CAPACITY, RECORDER
+
+    RECORDER.resize(16)
+    yield RECORDER
+    RECORDER.resize(DEFAULT_CAPACITY)
+
+
+def test_with_the_run_directory_on_a_hung_mount_the_stall_is_reported_and_the_job_ends(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """Every mkdir under the run directory blocks from the stall on (a mount that stopped answering):
+    the STALL line is out, and the process exits, without the flight record."""
+    import pathlib
+
+    from hvdtrain.fault_tolerance import watchdog
+
+    monkeypatch.setattr(watchdog, "FLIGHT_DUMP_SECONDS", 1.0, raising=False)
+    flight = recording(topology())
+    flight.open(tmp_path)
+    answering, real_mkdir = threading.Event(), pathlib.Path.mkdir
+
+    def mkdir(path, *args, **kwargs):
+        if str(path).startswith(str(tmp_path)):
+            answering.wait(120)
+        return real_mkdir(path, *args, **kwargs)
+    monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+    fired = threading.Event()
+    dog = StallWatchdog(0.3, 0, "hostA", lambda: [], exit_process=lambda code: fired.set())
+    dog.flight = flight
+    try:
+        dog.start()
+        assert fired.wait(30), "the watchdog never ended the job"
+    finally:
+        answering.set()
+        join_stall_records()
+        flight.close()
+    err = capsys.readouterr().err
+    stall = err.index("[hvdtrain] STALL rank 0 on hostA: no step finished")
+    assert stall < err.index("flight record not written in 3 s"), err
+
+
+def test_a_wait_that_raises_ends_its_entry_as_failed(fresh_recorder, tmp_path):
+    """A rank died: Horovod's wait raises. The entry ends with the error: not in flight any more."""
+    from hvdtrain.distributed import flight_hooks
+
+    flight = recording(topology())
+    waiting = {}
+    start = flight_hooks._recording(lambda *args: "handle-1", fresh_recorder, waiting, "allreduce", 0, 2, 6)
+
+    def wait(handle):
+        raise RuntimeError("Horovod has been shut down. This was caused by an exception on one of the ranks")
+
+    def barrier(*args, **kwargs):
+        raise RuntimeError("Horovod has been shut down")
+    start(torch.ones(3), None, "grad.0")
+    assert flight.in_flight() == ["allreduce 'grad.0'"]
+    with pytest.raises(RuntimeError):
+        flight_hooks._ending(wait, fresh_recorder, waiting)("handle-1")
+    with pytest.raises(RuntimeError):
+        flight_hooks._blocking(barrier, fresh_recorder, "barrier")()
+    assert flight.in_flight() == [] and waiting == {}
+    record = {"format": "hvdtrain-flight/1", "rank": 0, "size": 1, "written": time.time(),
+              **fresh_recorder.snapshot()}
+    first, second = record["collectives"]
+    assert first["end"] is not None and first["error"].startswith("RuntimeError: Horovod has been shut down. This")
+    assert second["op"] == "barrier" and second["end"] is not None and second["error"]
+    assert ("rank 0: allreduce 'grad.0' (seq 0 of the global process set) failed: RuntimeError: Horovod has been "
+            "shut down") in "\n".join(analysis.analyze([record]).lines())
+
+
+def test_after_a_world_change_the_numbers_restart_and_the_service_answers_as_the_new_rank(
+        fresh_recorder, tmp_path, monkeypatch):
+    """Rank 1 of 3 survives a world change as rank 0 of 2 (Horovod elastic); the new world's first
+    collectives are the sync's broadcasts, on the survivor and on a worker that joined alike."""
+    from dataclasses import replace
+
+    from hvdtrain.distributed import startup
+
+    survivor = topology(rank=1, size=3, local_rank=1)
+    flight = recording(survivor)
+    flight.open(tmp_path)
+    try:
+        for i in range(5):
+            fresh_recorder.end(fresh_recorder.start("allreduce", f"grad.{i}", (4,), "float32", 0))
+        fresh_recorder.start("allreduce", "grad.5", (4,), "float32", 0)  # in flight as the world broke
+        monkeypatch.setattr(startup, "reformed", lambda world: replace(world, rank=0, size=2, local_size=2))
+        survivor.reform()
+        assert list(alive_ranks(tmp_path / "flight")) == [0]  # the service follows: rank 1's alive file went
+        for i in range(3):
+            fresh_recorder.end(fresh_recorder.start("broadcast", f"elastic.{i}", (1,), "int64", 0))
+        mine = json.loads(flight.dump("test").read_text())
+    finally:
+        flight.close()
+    assert (mine["rank"], mine["size"]) == (0, 2)
+    assert [(e["seq"], e["name"]) for e in mine["collectives"]] == [(i, f"elastic.{i}") for i in range(3)]
+    assert [e["name"] for e in mine["previous_world"]["collectives"]] == [f"grad.{i}" for i in range(6)]
+    joiner = {**mine, "rank": 1, "world_since": mine["written"] - 1, "previous_world": None,
+              "collectives": [{**e, "start": e["start"] + 0.5} for e in mine["collectives"]]}
+    found = analysis.analyze([mine, joiner])
+    assert found.divergence is None and found.last_seq == {"0": 2} and found.ranks == [0, 1]
+
+
+def test_a_dump_left_from_an_earlier_world_is_set_aside():
+    """Ranks 0 and 1 dumped in a world of 2 that began at T0 + 500; rank 2's file is from the world
+    of 3 before it (seq numbers of another count): never compared, named."""
+    began = T0 + 500
+    new = [dict(dump(r, [entry(i, f"elastic.{i}", start=began + i) for i in range(3)]), world_since=began)
+           for r in range(2)]
+    old = dump(2, common(7) + [entry(7, "grad.7", end=False)], size=3, written=T0 + 400)
+    found = analysis.analyze(new + [old])
+    assert found.divergence is None and (found.ranks, found.size, found.earlier_world) == ([0, 1], 2, [2])
+    assert found.verdict().startswith("no divergence in the collectives of 2 ranks")
+    assert any(line.startswith("set aside") and line.endswith("the dumps of rank 2") for line in found.lines())
+
+
+def answered(flight, rank, token):
+    try:
+        return json.loads((flight / f"rank-{rank:05d}.json").read_text()).get("request") == token
+    except (OSError, ValueError):
+        return False
+
+
+def test_one_rank_per_host_reads_the_request_file_and_every_rank_answers(tmp_path, monkeypatch):
+    """Three ranks of one host: only local rank 0's thread reads RUN_DIR/flight/request (shared
+    storage); it hands the token on through the host's memory, and every rank dumps."""
+    from collections import Counter
+
+    from hvdtrain.common.flight import dumps
+
+    monkeypatch.setattr(dumps, "POLL_SECONDS", 0.05)
+    reads, read_token = Counter(), dumps.read_token
+    monkeypatch.setattr(dumps, "read_token",
+                        lambda directory: reads.update([threading.current_thread().name]) or read_token(directory))
+    flight, host = tmp_path / "run" / "flight", tmp_path / "shm"
+    host.mkdir()
+
+    def answer(rank):
+        return lambda reason, extra: write_dump(flight, rank, 3, reason, FlightRecorder(4), extra=extra)
+    services = [DumpService(flight, rank, 3, "", answer(rank), local_rank=rank, host_directory=host).start()
+                for rank in range(3)]
+    try:
+        time.sleep(0.5)  # about ten polls each
+        token = request_dump(tmp_path / "run")
+        wait_for(lambda: all(answered(flight, rank, token) for rank in range(3)))
+    finally:
+        for service in services:
+            service.stop()
+    polling = {name: count for name, count in reads.items() if name != threading.current_thread().name}
+    assert list(polling) == ["hvdtrain-flight-rank0"] and polling["hvdtrain-flight-rank0"] >= 5, reads
+    assert list(host.iterdir()) == []  # the host's mailbox goes with its local rank 0

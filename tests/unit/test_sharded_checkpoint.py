@@ -137,7 +137,7 @@ def broken(manifest_path, change):
 
 @pytest.mark.parametrize("damage,message", [
     (lambda p: (p / "manifest.json").unlink(), "has no manifest.json: not a complete sharded checkpoint"),
-    (lambda p: (p / "manifest.json").write_text("{half"), "manifest.json is unreadable: JSONDecodeError"),
+    (lambda p: (p / "manifest.json").write_text("{half"), "manifest.json is garbled: JSONDecodeError"),
     (lambda p: broken(p / "manifest.json", lambda m: m.pop("scheduler")), "not an hvdtrain manifest: missing scheduler"),
     (lambda p: broken(p / "manifest.json", lambda m: m.update(format=7)), "has format 7 (sharded), this hvdtrain reads 1"),
     (lambda p: broken(p / "manifest.json", lambda m: m.update(world_size=3)), "expected one file per rank"),

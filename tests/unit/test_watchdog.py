@@ -140,3 +140,68 @@ def test_an_atomic_torch_save_counts_every_byte_of_its_file(tmp_path):
     assert seen[0].bytes == path.stat().st_size > 8000
     assert io_watch.active() == []
     assert torch.equal(torch.load(path)["w"], torch.arange(1000))
+
+
+# The report goes out even when the run directory (where the flight record goes) hangs.
+
+class HungFlightRecord:
+    """A flight recorder whose dump never returns, as on a run directory whose mount hangs (its
+    mkdir blocks); ``events`` shares the order of what happened with the stderr lines."""
+
+    def __init__(self, events):
+        self.events, self.release = events, threading.Event()
+
+    def in_flight(self):
+        return []
+
+    def on_stall(self):
+        self.events.append(("dump begins", time.monotonic()))
+        self.release.wait(120)
+        return ""  # released when the test ends: nothing more to say
+
+    def verdict(self, within):
+        return ""
+
+
+class Lines(io.StringIO):
+    """stderr, each write noted in ``events`` with its time."""
+
+    def __init__(self, events):
+        super().__init__()
+        self.events = events
+
+    def write(self, text):
+        if text.strip():
+            self.events.append((text.strip(), time.monotonic()))
+        return super().write(text)
+
+
+def join_stall_records():
+    """The stall record's thread, released at a test's end, ends before the next test (its prints)."""
+    for thread in threading.enumerate():
+        if thread.name == "hvdtrain-stall-record":
+            thread.join(10)
+
+
+def test_the_stall_line_goes_first_and_the_job_ends_while_the_flight_record_hangs(monkeypatch):
+    from hvdtrain.fault_tolerance import watchdog as watchdog_module
+
+    monkeypatch.setattr(watchdog_module, "FLIGHT_DUMP_SECONDS", 1.0, raising=False)
+    events = []
+    monkeypatch.setattr("sys.stderr", Lines(events))
+    dog, exits, fired = watchdog()
+    dog.flight = HungFlightRecord(events)
+    dog.start()
+    try:
+        assert fired.wait(30), f"the watchdog never ended the job: {events}"
+        ended = time.monotonic()
+    finally:
+        dog.flight.release.set()
+        join_stall_records()
+    assert exits == [STALL_EXIT_CODE]
+    said = [what for what, _ in events]
+    assert said[0].startswith("[hvdtrain] STALL rank 0 on hostA: no step finished") and said[1] == "dump begins", said
+    assert "flight record not written in 3 s" in said[2], said  # FLIGHT_DUMP_SECONDS + one 0.1 s interval + 2 s
+    # The exit came right after the bound (1 s + the 2.1 s grace), not after a second grace nor never.
+    stall_at = events[0][1]
+    assert 3.0 <= ended - stall_at < 3.1 + 1.5, ended - stall_at

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Mapping, Tuple
 import xxhash
 
 from hvdtrain.checkpoint import CorruptCheckpoint
+from hvdtrain.common import io_watch
 
 ALGORITHM = "xxh3_128"
 # Every algorithm a record may name, newest first: a record's key is its algorithm.
@@ -47,11 +48,13 @@ class HashingWriter:
 
 
 def of_file(path: Path, algorithm: str = ALGORITHM) -> str:
-    """The hex digest of the file at ``path``, read in blocks."""
+    """The hex digest of the file at ``path``, read in blocks (each block progress for the stall
+    watchdog: a checksum of a large file on a slow disk is slow, one on a hung mount is stuck)."""
     digest = ALGORITHMS[algorithm]()
-    with open(path, "rb", buffering=0) as handle:
+    with io_watch.watching(path, "read") as activity, open(path, "rb", buffering=0) as handle:
         for block in iter(lambda: handle.read(_BLOCK), b""):
             digest.update(block)
+            activity.progress(len(block))
     return digest.hexdigest()
 
 

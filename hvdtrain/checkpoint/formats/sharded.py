@@ -4,10 +4,12 @@
       manifest.json            strategy, world size, step, each file's bytes and checksum, the run state
       rank-00000-of-00002.pt   a rank's slices, the layout to reassemble them, and its RNG states
 
-Every rank writes its file into a hidden ``.ckpt-000000030.tmp/``, hashing it as it writes
-(xxh3_128: hvdtrain.checkpoint.formats.checksums; manifests written before hold sha256, still
-checked); rank 0 checks them, writes the manifest and renames the directory into place, then
-``latest`` moves: a kill leaves no directory or a complete one. Re-saving a step renames the old
+Every rank writes its file into a hidden ``.ckpt-000000030.tmp-TOKEN/`` (TOKEN: the claim of the
+run that owns the directory, so that an owner deposed meanwhile never writes into its successor's
+save), hashing it as it writes (xxh3_128: hvdtrain.checkpoint.formats.checksums; manifests written
+before hold sha256, still checked); rank 0 checks them, writes the manifest (with the claim's
+stamp) and renames the directory into place, then ``latest`` moves, each irreversible step fenced
+by the lease (hvdtrain.checkpoint.ownership): a kill leaves no directory or a complete one. Re-saving a step renames the old
 directory to ``.ckpt-000000030.old`` first: a kill between the two renames leaves the complete
 temporary directory, which the next start puts in place (recover_publish). An asynchronous save's
 ranks tell rank 0 their file is written through a record beside it (``rank-00001.json``: its bytes
@@ -27,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from hvdtrain.checkpoint import CheckpointError, CorruptCheckpoint
-from hvdtrain.checkpoint.formats import checksums
+from hvdtrain.checkpoint.formats import checksums, loading
 from hvdtrain.checkpoint.formats.run_state import RunState, expert_parallel_of, missing_keys
 from hvdtrain.common import io_watch
 from hvdtrain.common.atomic import fsync_directory, write_atomically
@@ -36,7 +38,7 @@ SHARDED_FORMAT = 1
 KIND = "sharded"
 MANIFEST = "manifest.json"
 DIRECTORY = re.compile(r"^ckpt-(\d{9})$")
-LEFTOVER = re.compile(r"^\.ckpt-(\d{9})\.(tmp|old)$")  # an interrupted save, or a deletion
+LEFTOVER = re.compile(r"^\.ckpt-(\d{9})\.(tmp|old)(-[0-9a-f]+)?$")  # an interrupted save, or a deletion
 RUN_KEYS = RunState.SHARDED
 OPTIONAL_RUN_KEYS = RunState.SHARDED_OPTIONAL
 _MANIFEST_KEYS = ("format", "kind", "strategy", "world_size", "step", "files") + RUN_KEYS
@@ -50,8 +52,9 @@ def shard_name(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.pt"
 
 
-def temporary_directory(directory: Path, step: int) -> Path:
-    return Path(directory) / f".{directory_name(step)}.tmp"
+def temporary_directory(directory: Path, step: int, token: str = "") -> Path:
+    """Where the save of ``step`` under the claim ``token`` writes its files ("": a tool's, unclaimed)."""
+    return Path(directory) / (f".{directory_name(step)}.tmp" + (f"-{token[:16]}" if token else ""))
 
 
 def is_sharded(state: Dict[str, Any]) -> bool:
@@ -64,6 +67,7 @@ def prepare(temporary: Path) -> None:
     """Rank 0, before any rank writes: an empty temporary directory (a killed save's is removed)."""
     if temporary.exists():
         shutil.rmtree(temporary)
+        io_watch.progress()
     temporary.mkdir(parents=True)
 
 
@@ -74,13 +78,16 @@ def write_shard(temporary: Path, rank: int, world_size: int, state: Dict[str, An
         temporary: the save's hidden directory (temporary_directory); made here if missing.
         rank: the rank writing.
         world_size: how many ranks write a file (in the file's name).
-        state: what the file holds besides its format, rank and world size: the strategy's part, the RNG states.
+        state: what the file holds besides its format, rank and world size: the strategy's part, the RNG states;
+            refused (CheckpointError, nothing written) when a value in it would not load back.
     """
+    shard = {"format": SHARDED_FORMAT, "rank": rank, "world_size": world_size, **state}
+    loading.check_loadable(shard, f"rank {rank}'s part of the checkpoint")
     temporary.mkdir(parents=True, exist_ok=True)  # rank 0 made it, if the ranks share the disk
     path = temporary / shard_name(rank, world_size)
-    with open(path, "wb") as handle, io_watch.watching(path, "write") as activity:
+    with io_watch.watching(path, "write") as activity, open(path, "wb") as handle:
         writer = checksums.HashingWriter(activity.counting(handle))
-        torch.save({"format": SHARDED_FORMAT, "rank": rank, "world_size": world_size, **state}, writer)
+        torch.save(shard, writer)
         handle.flush()
         os.fsync(handle.fileno())
     return {"name": path.name, "rank": rank, **writer.record(path)}
@@ -115,6 +122,7 @@ def wait_for_records(temporary: Path, world_size: int, timeout: float,
             path = Path(temporary) / record_name(rank)
             if rank not in records and path.is_file():
                 records[rank] = json.loads(path.read_text())
+            io_watch.progress()  # the file system answered: waiting on the ranks, not stuck on it
         failed = [f"rank {rank}: {record['failure']}" for rank, record in sorted(records.items())
                   if "failure" in record]
         if failed:
@@ -135,7 +143,8 @@ def wait_for_records(temporary: Path, world_size: int, timeout: float,
 
 
 def publish(directory: Path, step: int, strategy: str, files: Sequence[Dict[str, Any]],
-            run_state: Dict[str, Any]) -> Path:
+            run_state: Dict[str, Any], temporary: Optional[Path] = None,
+            fence: Callable[[], None] = lambda: None, stamp: Optional[Dict[str, Any]] = None) -> Path:
     """Rank 0, once every rank has written: check the files, write the manifest, rename into place.
     Returns the checkpoint's directory.
 
@@ -145,8 +154,11 @@ def publish(directory: Path, step: int, strategy: str, files: Sequence[Dict[str,
         strategy: the strategy's name, recorded in the manifest.
         files: what write_shard returned on each rank, in rank order.
         run_state: the run state the manifest records (RunState.SHARDED's keys, SHARDED_OPTIONAL's if there).
+        temporary: where the ranks wrote (temporary_directory; None: a tool's, unclaimed).
+        fence: called right before each irreversible step (the lease's check).
+        stamp: the lease's claim, recorded in the manifest.
     """
-    temporary = temporary_directory(directory, step)
+    temporary = temporary or temporary_directory(directory, step)
     for record in files:
         path = temporary / record["name"]
         if not path.is_file() or path.stat().st_size != record["bytes"]:
@@ -157,17 +169,20 @@ def publish(directory: Path, step: int, strategy: str, files: Sequence[Dict[str,
                 f"mounts (hvdtrain doctor --checkpoint-dir DIR checks it), or use checkpoint_format=full")
     manifest = {"format": SHARDED_FORMAT, "kind": KIND, "strategy": strategy, "world_size": len(files),
                 "step": step, "files": list(files), **{key: run_state[key] for key in RUN_KEYS},
-                **{key: run_state[key] for key in OPTIONAL_RUN_KEYS if key in run_state}}
+                **{key: run_state[key] for key in OPTIONAL_RUN_KEYS if key in run_state},
+                **({"lease": stamp} if stamp else {})}
     try:
         text = json.dumps(manifest, indent=1)
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"the run state cannot be written as JSON: {error}") from None
     write_atomically(temporary / MANIFEST, lambda handle: handle.write(text.encode()))
     final = Path(directory) / directory_name(step)
+    fence()
     if final.exists():  # the same step saved again (a resumed run): the old one goes
         old = Path(directory) / f".{final.name}.old"
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
+        fence()
     os.replace(temporary, final)
     fsync_directory(Path(directory))
     return final
@@ -197,6 +212,7 @@ def recover_publish(directory: Path) -> List[Path]:
         if not final.exists():
             os.replace(path, final)
             restored.append(final)
+        io_watch.progress()
     if restored:
         fsync_directory(Path(directory))
     return restored
@@ -208,6 +224,7 @@ def remove_leftovers(directory: Path) -> None:
     for path in Path(directory).iterdir():
         if LEFTOVER.match(path.name) and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
+            io_watch.progress()
 
 
 # Reading.
@@ -219,34 +236,90 @@ def read_manifest(path: Path) -> Dict[str, Any]:
     try:
         with io_watch.watching(manifest_path, "read"):
             manifest = json.loads(manifest_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} has no {MANIFEST}: not a complete sharded checkpoint") from None
-    except (OSError, ValueError) as error:
-        raise CorruptCheckpoint(f"{manifest_path} is unreadable: {type(error).__name__}: {error}") from None
+    except FileNotFoundError:  # published only once it is written: a directory that lost it, or not hvdtrain's
+        raise CorruptCheckpoint(f"{path} has no {MANIFEST}: not a complete sharded checkpoint") from None
+    except OSError as error:  # the file system, not the checkpoint
+        raise loading.read_failure(manifest_path, error, verified=False) from None
+    except ValueError as error:
+        raise CorruptCheckpoint(f"{manifest_path} is garbled: {type(error).__name__}: {error}") from None
     check_manifest(manifest, Path(path))
     return {**manifest, "path": str(path)}
 
 
 def check_manifest(manifest: Any, path: Path) -> None:
-    """CheckpointError naming what is wrong: keys, format, the file list, a file missing or cut short."""
+    """CheckpointError naming the manifest and the first thing wrong with its shape: not an object, a
+    key missing or of another type, an entry that is not an object with name, rank, bytes and a
+    checksum, not one file per rank. The manifest is written atomically, so one that parses but has
+    another shape was not written by hvdtrain: it is refused, not set aside as corrupt. Then
+    CorruptCheckpoint naming a listed file that is missing or cut short."""
     where = path / MANIFEST
+    remedy = f"hvdtrain never writes one like this: restore it, or move {path.name} out of the checkpoint directory"
+    integer, text, mapping, listing = "an integer", "a string", "an object", "a list"
+    kinds = {integer: int, text: str, mapping: dict, listing: list}
+    # Every key the rest of hvdtrain reads, by its type: checked here once, trusted after.
+    typed = {"strategy": text, "world_size": integer, "step": integer, "files": listing,
+             "scheduler": mapping, "epoch": integer, "epoch_position": integer, "global_batch": integer,
+             "precision": mapping, "config": mapping, "kept": text, "data_parallel": integer, "mesh": listing}
+
+    def shown(value: Any) -> str:  # a value in one line of a message, however large
+        written = repr(value)
+        return written if len(written) <= 80 else written[:77] + "..."
+
+    def is_a(value: Any, kind: str) -> bool:  # JSON's true and false are no integers here
+        return isinstance(value, kinds[kind]) and not (kind == integer and isinstance(value, bool))
+
+    def entry_problem(rank: int, entry: Any, size: int) -> str:
+        """What is wrong with files[rank], the entry of rank ``rank``'s file, or ''."""
+        needed = (f"an entry must be an object with name, rank, bytes and a checksum "
+                  f"({' or '.join(checksums.ALGORITHMS)})")
+        if not isinstance(entry, dict):
+            return f"files[{rank}] is {shown(entry)}, {needed}"
+        lacking = [key for key in ("name", "rank", "bytes") if key not in entry]
+        if lacking:
+            return f"files[{rank}] has no {' and no '.join(lacking)}: {needed}"
+        for key, kind in (("name", text), ("rank", integer), ("bytes", integer)):
+            if not is_a(entry[key], kind):
+                return f"files[{rank}].{key} is {shown(entry[key])}, it must be {kind}"
+        if entry["name"] != shard_name(rank, size) or entry["rank"] != rank:
+            return (f"files[{rank}] is {entry['name']} of rank {entry['rank']}, expected one file per rank: "
+                    f"{shard_name(rank, size)} of rank {rank}")
+        if entry["bytes"] < 0:
+            return f"files[{rank}].bytes is {entry['bytes']}, a file's size cannot be negative"
+        algorithm = next((name for name in checksums.ALGORITHMS if name in entry), "")
+        if not algorithm:
+            return f"files[{rank}] has no checksum ({' or '.join(checksums.ALGORITHMS)}): {needed}"
+        if not isinstance(entry[algorithm], str) or not entry[algorithm]:
+            return f"files[{rank}].{algorithm} is {shown(entry[algorithm])}, a checksum must be a hex string"
+        return ""
+
+    def shape_problem() -> str:
+        """What is wrong with the manifest's keys and file list (its format is checked before), or ''."""
+        wrong = next((key for key, kind in typed.items() if key in manifest and not is_a(manifest[key], kind)), "")
+        if wrong:
+            return f"{wrong} is {shown(manifest[wrong])}, it must be {typed[wrong]}"
+        size, files = manifest["world_size"], manifest["files"]
+        if size < 1:
+            return f"world_size is {size}, it must be at least 1"
+        if len(files) != size:
+            return f"world_size is {size} but files lists {len(files)}, expected one file per rank"
+        for rank, entry in enumerate(files):
+            problem = entry_problem(rank, entry, size)
+            if problem:
+                return problem
+        return ""
+
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{where} holds {shown(manifest)}, not an object: not an hvdtrain manifest; {remedy}")
     missing = missing_keys(manifest, _MANIFEST_KEYS)
     if missing:
-        raise CheckpointError(f"{where} is not an hvdtrain manifest: missing {', '.join(missing)}")
+        raise CheckpointError(f"{where} is not an hvdtrain manifest: missing {', '.join(missing)}; {remedy}")
     if manifest["format"] != SHARDED_FORMAT or manifest["kind"] != KIND:
         raise CheckpointError(f"{where} has format {manifest['format']} ({manifest['kind']}), this hvdtrain "
                               f"reads {SHARDED_FORMAT} ({KIND})")
-    size = manifest["world_size"]
-    if not isinstance(size, int) or size < 1:
-        raise CheckpointError(f"{where} has world_size {size!r}")
-    expected = [shard_name(rank, size) for rank in range(size)]
-    listed = [entry.get("name") if isinstance(entry, dict) else entry for entry in manifest["files"]]
-    if listed != expected:
-        raise CheckpointError(f"{where} lists {listed}, expected one file per rank: {expected}")
-    for rank, entry in enumerate(manifest["files"]):
-        if entry.get("rank") != rank or not isinstance(entry.get("bytes"), int) or not checksums.recorded(entry)[0]:
-            raise CheckpointError(f"{where}: the entry of {entry['name']} needs rank {rank}, bytes and a checksum "
-                                  f"({' or '.join(checksums.ALGORITHMS)})")
+    problem = shape_problem()
+    if problem:
+        raise CheckpointError(f"{where}: {problem}; {remedy}")
+    for entry in manifest["files"]:
         file = path / entry["name"]
         if not file.is_file():
             raise CorruptCheckpoint(f"{file} is missing (listed in {where})")
@@ -303,10 +376,7 @@ def _read_shard(path: Path, manifest: Dict[str, Any], rank: int, verified: bool)
     file = Path(path) / entry["name"]
     if not verified or not file.is_file() or file.stat().st_size != entry["bytes"]:
         check_file(Path(path), manifest, rank)  # raises naming the file (a verified one changed since)
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
-        raise CorruptCheckpoint(f"{file} is unreadable: {type(error).__name__}: {error}") from None
+    state = loading.load(file, verified=True)  # its checksum was checked: as written
     if not isinstance(state, dict) or state.get("format") != SHARDED_FORMAT or state.get("rank") != rank \
             or "strategy" not in state or "rng" not in state:
         raise CheckpointError(f"{file} is not rank {rank}'s shard of an hvdtrain sharded checkpoint")

@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.common import io_watch
 
 FIX = ("it belongs to another model or another configuration of it: load it into the model it was "
        "written for (resuming: start from a fresh checkpoint_dir)")
@@ -110,6 +111,7 @@ class TensorSource(ABC):
             raise CheckpointError(f"elements [{start}, {stop}) of {what} asked of {self.where}, whose {name} has "
                                   f"{numel} (shape {list(self.shape(name))}): {FIX}")
         values = self._read(name, start, stop, key)
+        io_watch.progress(values.numel() * values.element_size())  # a memory-mapped file's pages came in
         if values.numel() != stop - start:
             raise CheckpointError(f"{self.where} gave {values.numel()} elements of {name}{' ' + key if key else ''} "
                                   f"for [{start}, {stop}): its files do not fit together")
@@ -132,7 +134,9 @@ class TensorSource(ABC):
 
     def read_slice(self, name: str, shard: Any) -> torch.Tensor:
         """A tensor-parallel rank's slice of tensor ``name`` (``shard``: its TensorShard)."""
-        return shard.take(self.full_tensor(name))
+        values = shard.take(self.full_tensor(name))
+        io_watch.progress(values.numel() * values.element_size())
+        return values
 
     def model_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """(first name, whole tensor) of every distinct tensor, in state_dict order, one at a time

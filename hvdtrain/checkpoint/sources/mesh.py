@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.common import io_watch
 from hvdtrain.checkpoint.sources.contract import TensorSource
 from hvdtrain.parallel.tensor_shard import FlatRange, TensorShard, piece_from_spec
 
@@ -231,7 +232,9 @@ class MeshSource(TensorSource):
         layout), else cut from the whole tensor."""
         for spec, tensor in self._model[name]:
             if isinstance(spec, list) and TensorShard.from_spec(spec) == shard:
-                return tensor.clone()
+                values = tensor.clone()
+                io_watch.progress(values.numel() * values.element_size())  # its memory-mapped pages came in
+                return values
         return super().read_slice(name, shard)
 
     def unmanaged(self) -> Dict[str, torch.Tensor]:

@@ -18,8 +18,8 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 
-from hvdtrain.checkpoint import CheckpointError, CorruptCheckpoint
-from hvdtrain.checkpoint.formats import sharded
+from hvdtrain.checkpoint import CheckpointError
+from hvdtrain.checkpoint.formats import loading, sharded
 from hvdtrain.checkpoint.sources.mesh import MeshSource, is_mesh_part
 from hvdtrain.checkpoint.sources.contract import TensorSource
 from hvdtrain.common import io_watch
@@ -39,11 +39,8 @@ def open_source(path: Path, manifest: Mapping[str, Any]) -> TensorSource:
     files = []
     for entry in manifest["files"]:
         file = Path(path) / entry["name"]
-        try:
-            with io_watch.watching(file, "read"):
-                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as error:  # truncated, corrupt, or holding objects we refuse to unpickle
-            raise CorruptCheckpoint(f"{file} is unreadable: {type(error).__name__}: {error}") from None
+        with io_watch.watching(file, "read"):  # verified against the manifest before it is opened
+            state = loading.load(file, verified=True, mmap=True)
         if not isinstance(state, dict) or state.get("rank") != entry["rank"] or "strategy" not in state:
             raise CheckpointError(f"{file} is not rank {entry['rank']}'s shard of an hvdtrain sharded checkpoint")
         files.append(state)

@@ -20,6 +20,12 @@ entered an operation is not counted as missing it (a dump on request is not inst
 Stragglers. Each phase (data loading, forward and backward, ...) is summed per rank over the
 steps every rank holds complete; the slowest rank is compared with the median of the others:
 "rank 3's data loading is 1.40x the median of the others".
+
+One world at a time. Under Horovod elastic the sequence numbers start again in each new world
+(hvdtrain.common.flight.recorder), and a rank's file may be left from an earlier world (a rank
+that left, or has not dumped since) or an earlier run in the same directory: a dump written before
+the newest world's record began on some rank is set aside, named, and never compared. A collective
+whose wait failed (a rank died) ended, with its error; it is listed, not taken for one in flight.
 """
 from __future__ import annotations
 
@@ -111,6 +117,8 @@ class Analysis:
     stragglers: List[Straggler]  # the slowest rank of each phase, slowest first
     open_phases: Dict[int, Tuple[str, int, float]]  # rank -> (phase, step, seconds in it at the dump)
     last_seq: Dict[str, int]  # process set -> the last sequence number every rank held
+    earlier_world: List[int] = field(default_factory=list)  # ranks whose dump is older than this world: set aside
+    failed: List[Tuple[int, Dict[str, Any]]] = field(default_factory=list)  # (rank, entry) of waits that raised
 
     @property
     def missing_ranks(self) -> List[int]:
@@ -138,8 +146,14 @@ class Analysis:
         out.append(f"ranks dumped: {_ranks(self.ranks)}" + (f" of {self.size}" if self.size else ""))
         for key, seq in sorted(self.last_seq.items()):
             out.append(f"{_set_name(key)}: aligned up to seq {seq}")
+        if self.earlier_world:
+            out.append(f"set aside, written before this world's record began (an earlier world's or run's): the "
+                       f"dumps of {_ranks(self.earlier_world)}")
         for rank, (phase, step, seconds) in sorted(self.open_phases.items()):
             out.append(f"rank {rank}: in {phase} after step {step} for {seconds:.1f} s at its dump")
+        for rank, entry in self.failed:
+            where = f"seq {entry['seq']} of {_set_name(str(entry['process_set']))}"
+            out.append(f"rank {rank}: {_describe(entry)} ({where}) failed: {entry['error']}")
         if self.stragglers:
             out.append("slowest rank per phase:")
             out.extend(f"  {s.phase}: {s.sentence()}" for s in self.stragglers)
@@ -150,6 +164,7 @@ def analyze(dumps: List[Dict[str, Any]]) -> Analysis:
     """The ranks' dumps (load_dumps) compared (see the module's text)."""
     if not dumps:
         raise DumpError("no dumps to analyze")
+    dumps, earlier = this_world(dumps)
     by_rank = {int(d["rank"]): d for d in dumps}
     found: List[Divergence] = []
     last_seq: Dict[str, int] = {}
@@ -161,7 +176,21 @@ def analyze(dumps: List[Dict[str, Any]]) -> Analysis:
     first = min(found, key=lambda d: d.expected["start"]) if found else None
     sizes = {d.get("size") for d in dumps} - {None}
     return Analysis(ranks=sorted(by_rank), size=max(sizes) if sizes else None, divergence=first,
-                    stragglers=_stragglers(by_rank), open_phases=_open_phases(by_rank), last_seq=last_seq)
+                    stragglers=_stragglers(by_rank), open_phases=_open_phases(by_rank), last_seq=last_seq,
+                    earlier_world=sorted(int(d["rank"]) for d in earlier), failed=_failed(by_rank))
+
+
+def this_world(dumps: List[Dict[str, Any]]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """(The dumps of the newest world, those written before its record began on some rank.) A rank's
+    record begins when its world formed (a survivor of a world change) or its process started: a
+    dump older than that was written in another world, or by another run."""
+    began = max(d.get("world_since") or 0.0 for d in dumps)
+    return [d for d in dumps if d["written"] >= began], [d for d in dumps if d["written"] < began]
+
+
+def _failed(by_rank: Dict[int, Dict[str, Any]]) -> List[Tuple[int, Dict[str, Any]]]:
+    return [(rank, entry) for rank, dump in sorted(by_rank.items()) for entry in dump["collectives"]
+            if entry.get("error")]
 
 
 def _members(key: str, by_rank: Dict[int, Dict[str, Any]]) -> List[int]:

@@ -9,18 +9,24 @@ Three things make a rank dump: the stall watchdog (hvdtrain.fault_tolerance.watc
 and the request file, which reaches ranks on every host through the shared run directory. The
 last two are served by one daemon thread per rank, so that a rank whose main thread hangs inside
 a collective (in C, where no Python signal handler runs) still answers: SIGUSR2's C-level handler
-writes to Python's wakeup fd, which this thread reads; between signals it looks at the request
-file every ``POLL_SECONDS``. The stacks come from sys._current_frames(): the main thread's, where
-it hangs, included.
+writes to Python's wakeup fd, which this thread reads; between signals it looks for a request every
+``POLL_SECONDS``. Only one rank per host (its local rank 0) reads the request file on the shared
+file system; it copies a new token into a file in the host's memory (``host_mailbox``: /dev/shm,
+which the ranks of a host share, as NCCL's shared-memory transport needs them to), where the
+host's other ranks look: the file system's metadata server sees one reader per host, not one per
+rank. A request reaches every rank within two polls. The stacks come from sys._current_frames():
+the main thread's, where it hangs, included.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import select
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -36,6 +42,7 @@ ALIVE_DIR = "alive"
 FORMAT = "hvdtrain-flight/1"
 POLL_SECONDS = 2.0
 DUMP_SIGNAL = "USR2"
+HOST_MEMORY = Path("/dev/shm")  # where a host's ranks find the request's token (the temp directory without it)
 
 
 def flight_directory(run_dir: Path) -> Path:
@@ -92,6 +99,29 @@ def read_token(directory: Path) -> Optional[str]:
         return None
 
 
+def host_mailbox(directory: Path, host_directory: Optional[Path] = None) -> Path:
+    """The file through which the local rank 0 hands a request for the run's ``directory`` (its
+    flight/) to the other ranks of its host: in ``host_directory`` (default: /dev/shm, else the temp
+    directory), named after this user and the directory's real path, the same for every rank of the host."""
+    base = host_directory or (HOST_MEMORY if HOST_MEMORY.is_dir() else Path(tempfile.gettempdir()))
+    key = hashlib.sha256(str(Path(directory).resolve()).encode()).hexdigest()[:16]
+    return Path(base) / f"hvdtrain-{os.getuid()}-flight-request-{key}"
+
+
+def post_token(mailbox: Path, token: str) -> None:
+    """``token`` into the host's mailbox, whole (a reader sees the old token or the new)."""
+    temporary = mailbox.with_name(f".{mailbox.name}.{os.getpid()}")
+    temporary.write_text(token)
+    os.replace(temporary, mailbox)
+
+
+def read_posted_token(mailbox: Path) -> Optional[str]:
+    try:
+        return mailbox.read_text().strip()
+    except OSError:
+        return None
+
+
 def alive_ranks(directory: Path) -> Dict[int, Dict[str, Any]]:
     """The ranks that announced themselves (rank -> host, pid) and have not left."""
     found = {}
@@ -113,11 +143,17 @@ class DumpService:
         size: the ranks of the job.
         signal_name: the signal that dumps ("" or None: none; one another part of hvdtrain owns).
         dump: ``dump(reason, extra)`` writes this rank's file (write_dump with the job's facts).
+        local_rank: this rank's place on its host: 0 reads the request file and posts a new token
+            to the host's mailbox; the others read the mailbox.
+        host_directory: where the host's mailbox is (host_mailbox; None: /dev/shm).
     """
 
     def __init__(self, directory: Path, rank: int, size: int, signal_name: Optional[str],
-                 dump: Callable[[str, Dict[str, Any]], Path]) -> None:
+                 dump: Callable[[str, Dict[str, Any]], Path], local_rank: int = 0,
+                 host_directory: Optional[Path] = None) -> None:
         self.directory, self.rank, self.size, self._dump = Path(directory), rank, size, dump
+        self.reads_request_file = local_rank == 0
+        self.mailbox = host_mailbox(self.directory, host_directory)
         self.signal_name = signal_name or ""
         self._stopped = threading.Event()
         self._reader, self._writer = os.pipe()
@@ -126,8 +162,9 @@ class DumpService:
         self._signal_number: Optional[int] = None
         self._previous_handler: Any = None
         self._previous_wakeup = -1
-        self._seen = read_token(self.directory)  # a request older than this rank is not for it
-        self._thread = threading.Thread(target=self._serve, name="hvdtrain-flight", daemon=True)
+        # A request older than this rank is not for it (nor a killed run's token left in the mailbox).
+        self._seen = self._posted_request()
+        self._thread = threading.Thread(target=self._serve, name=f"hvdtrain-flight-rank{rank}", daemon=True)
 
     def start(self) -> "DumpService":
         self._alive_file().parent.mkdir(parents=True, exist_ok=True)
@@ -147,12 +184,23 @@ class DumpService:
             signal.signal(self._signal_number, self._previous_handler)
             if self._previous_wakeup != -2:
                 signal.set_wakeup_fd(self._previous_wakeup)
-        self._alive_file().unlink(missing_ok=True)
+        self._leave()
+        if self.reads_request_file:
+            self.mailbox.unlink(missing_ok=True)
         for fd in (self._reader, self._writer):
             os.close(fd)
 
     def _alive_file(self) -> Path:
         return self.directory / ALIVE_DIR / f"rank-{self.rank:05d}.json"
+
+    def _leave(self) -> None:
+        """This rank's alive file goes, unless another process took its rank since (a world change)."""
+        try:
+            announced = json.loads(self._alive_file().read_text())
+            if (announced.get("host"), announced.get("pid")) == (socket.gethostname(), os.getpid()):
+                self._alive_file().unlink(missing_ok=True)
+        except (OSError, ValueError, AttributeError):  # gone already, or not an alive file
+            pass
 
     def _take_signal(self) -> None:
         number = getattr(signal, f"SIG{self.signal_name.upper().removeprefix('SIG')}")
@@ -186,10 +234,23 @@ class DumpService:
                 if self._signal_number is not None and self._signal_number in received:
                     self._answer(f"SIG{self.signal_name.upper().removeprefix('SIG')}", {})
                 continue
-            token = read_token(self.directory)
+            token = self._posted_request()
             if token is not None and token != self._seen:
                 self._seen = token
+                if self.reads_request_file:
+                    self._hand_to_host(token)
                 self._answer("hvdtrain debug dump", {"request": token})
+
+    def _posted_request(self) -> Optional[str]:
+        """The newest request's token: the request file's on the host's local rank 0, else the mailbox's."""
+        return read_token(self.directory) if self.reads_request_file else read_posted_token(self.mailbox)
+
+    def _hand_to_host(self, token: str) -> None:
+        try:
+            post_token(self.mailbox, token)
+        except OSError as error:
+            print(f"[hvdtrain] rank {self.rank}: the flight record request is not handed on to this host's other "
+                  f"ranks ({self.mailbox}: {error})", file=sys.stderr, flush=True)
 
     def _answer(self, reason: str, extra: Dict[str, Any]) -> None:
         try:
