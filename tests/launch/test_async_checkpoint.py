@@ -24,7 +24,9 @@ def writing(directory, checkpoint_format, step):
     """Whether the background thread has begun writing step's checkpoint (its first file exists)."""
     if checkpoint_format == "full":
         return any(directory.glob(f".{checkpoint_name(step)}.tmp-*"))
-    return (sharded.temporary_directory(directory, step) / sharded.shard_name(0, 2)).exists()
+    # .ckpt-N.tmp-<the lease's token>/: named after the claim of the run that writes it.
+    return any((temporary / sharded.shard_name(0, 2)).exists()
+               for temporary in directory.glob(f".{sharded.directory_name(step)}.tmp-*"))
 
 
 @pytest.mark.timeout(600)

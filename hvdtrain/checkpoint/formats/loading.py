@@ -121,29 +121,41 @@ def refused_global(error: BaseException) -> str:
 def check_loadable(state: Any, what: str) -> None:
     """CheckpointError naming the first value of ``state`` a resume could not read back under
     ``weights_only`` (``what`` names the state: "the checkpoint's state"), before it is written.
-    Tensors are not written for the check: only the structure and the values around them are."""
-    skeleton = _without_tensors(state)
-    if _round_trips(skeleton):
-        return
-    where, value = _first_unloadable(skeleton, "")
+    Tensors and plain values are known to load; every other value is saved and loaded back alone,
+    as a resume would (a few per save: a callback's numpy number), so the check costs a walk of the
+    state's structure, not a second save."""
+    for where, value in _values_to_try(state, ""):
+        if not _round_trips(value):
+            kind = type(value)
+            raise CheckpointError(
+                f"{what}{where} is a {kind.__module__}.{kind.__qualname__} ({_short_repr(value)}), which a resume "
+                f"could not read back: checkpoints hold tensors and plain values only (numbers, strings, bytes, "
+                f"lists, tuples, sets, dicts, numpy numbers and arrays), so that loading one never runs code. Return "
+                f"plain values from that state_dict() (float(x), str(x), x.isoformat(), a tuple for a namedtuple), "
+                f"or leave the value out")
+
+
+# What weights_only loads as it is (tests/unit/test_loading.py checks each against torch).
+PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.Size, torch.device)
+CONTAINERS = (dict, OrderedDict, list, tuple, set)
+
+
+def _values_to_try(value: Any, where: str) -> Iterator[Tuple[str, Any]]:
+    """(where, value) of every value inside ``value`` that is neither a plain tensor, a plain value,
+    nor a plain container (walked into): the ones only a round trip can tell."""
     kind = type(value)
-    raise CheckpointError(
-        f"{what}{where} is a {kind.__module__}.{kind.__qualname__} ({_short_repr(value)}), which a resume could not "
-        f"read back: checkpoints hold tensors and plain values only (numbers, strings, bytes, lists, tuples, sets, "
-        f"dicts, numpy numbers and arrays), so that loading one never runs code. Return plain values from that "
-        f"state_dict() (float(x), str(x), x.isoformat(), a tuple for a namedtuple), or leave the value out")
-
-
-def _without_tensors(value: Any) -> Any:
-    """``value`` with every plain tensor replaced by None (dicts, lists and tuples rebuilt; other
-    containers kept whole, to be checked as they are)."""
-    if type(value) in (torch.Tensor, torch.nn.Parameter):
-        return None
-    if type(value) in (dict, OrderedDict):
-        return type(value)((key, _without_tensors(item)) for key, item in value.items())
-    if type(value) in (list, tuple):
-        return type(value)(_without_tensors(item) for item in value)
-    return value
+    if kind in (torch.Tensor, torch.nn.Parameter) or kind in PLAIN:
+        return
+    if kind in (dict, OrderedDict):
+        for key, item in value.items():
+            if type(key) not in PLAIN:
+                yield f"{where} (a key)", key
+            yield from _values_to_try(item, f"{where}[{key!r}]")
+    elif kind in (list, tuple, set):
+        for index, item in enumerate(value):
+            yield from _values_to_try(item, f"{where}[{index}]")
+    else:
+        yield where, value
 
 
 def _round_trips(value: Any) -> bool:
@@ -159,21 +171,6 @@ def _round_trips(value: Any) -> bool:
     except pickle.UnpicklingError:
         return False
     return True
-
-
-def _first_unloadable(value: Any, where: str) -> Tuple[str, Any]:
-    """(where, the value) of the innermost value that does not round-trip, inside ``value``."""
-    if isinstance(value, dict) and type(value) in (dict, OrderedDict):
-        for key, item in value.items():
-            if not _round_trips(key):
-                return f"{where} (a key)", key
-            if not _round_trips(item):
-                return _first_unloadable(item, f"{where}[{key!r}]")
-    elif type(value) in (list, tuple, set):
-        for index, item in enumerate(value):
-            if not _round_trips(item):
-                return _first_unloadable(item, f"{where}[{index}]")
-    return where, value
 
 
 def _short_repr(value: Any) -> str:
