@@ -514,8 +514,6 @@ class Ownership:
         if self.lost is not None:
             raise CheckpointError(self.lost)
 
-    check = fence  # before a save, as before each of its steps
-
     def release(self) -> None:
         """One user fewer; the last one stops renewing and removes the owner record (while it is
         this run's) and lets the directory go; a file system that does not answer within

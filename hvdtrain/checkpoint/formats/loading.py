@@ -10,8 +10,9 @@ second kind.
 
 numpy numbers and arrays are common in a callback's state (a best metric from ``np.mean``): they
 load (``NUMPY``: numpy's scalar and array reconstructors and its dtypes, which build numbers from
-bytes and call nothing else; not object arrays). Any other value ``weights_only`` would refuse is refused when it is saved
-(``check_loadable``), naming where it is, rather than found unreadable at the next start.
+bytes and call nothing else; not object arrays). Any other value ``weights_only`` would refuse is
+refused when it is saved (``check_loadable``), naming where it is, rather than found unreadable at
+the next start.
 """
 from __future__ import annotations
 
@@ -137,7 +138,6 @@ def check_loadable(state: Any, what: str) -> None:
 
 # What weights_only loads as it is (tests/unit/test_loading.py checks each against torch).
 PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.Size, torch.device)
-CONTAINERS = (dict, OrderedDict, list, tuple, set)
 
 
 def _values_to_try(value: Any, where: str) -> Iterator[Tuple[str, Any]]:

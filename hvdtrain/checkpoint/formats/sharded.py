@@ -9,12 +9,12 @@ run that owns the directory, so that an owner deposed meanwhile never writes int
 save), hashing it as it writes (xxh3_128: hvdtrain.checkpoint.formats.checksums; manifests written
 before hold sha256, still checked); rank 0 checks them, writes the manifest (with the claim's
 stamp) and renames the directory into place, then ``latest`` moves, each irreversible step fenced
-by the lease (hvdtrain.checkpoint.ownership): a kill leaves no directory or a complete one. Re-saving a step renames the old
-directory to ``.ckpt-000000030.old`` first: a kill between the two renames leaves the complete
-temporary directory, which the next start puts in place (recover_publish). An asynchronous save's
-ranks tell rank 0 their file is written through a record beside it (``rank-00001.json``: its bytes
-and checksum, or why it failed), not a collective. Which rank does what is
-hvdtrain.checkpoint.coordination's.
+by the lease (hvdtrain.checkpoint.ownership): a kill leaves no directory or a complete one.
+Re-saving a step renames the old directory to ``.ckpt-000000030.old`` first: a kill between the
+two renames leaves the complete temporary directory, which the next start puts in place
+(recover_publish). An asynchronous save's ranks tell rank 0 their file is written through a
+record beside it (``rank-00001.json``: its bytes and checksum, or why it failed), not a
+collective. Which rank does what is hvdtrain.checkpoint.coordination's.
 """
 from __future__ import annotations
 
@@ -246,6 +246,16 @@ def read_manifest(path: Path) -> Dict[str, Any]:
     return {**manifest, "path": str(path)}
 
 
+# What a manifest's entries hold, by JSON type, named as its error messages name them.
+_INTEGER, _TEXT, _MAPPING, _LISTING = "an integer", "a string", "an object", "a list"
+_KINDS = {_INTEGER: int, _TEXT: str, _MAPPING: dict, _LISTING: list}
+# Every key the rest of hvdtrain reads, by its type: checked once when the manifest is read, trusted after.
+_TYPED_KEYS = {"strategy": _TEXT, "world_size": _INTEGER, "step": _INTEGER, "files": _LISTING,
+               "scheduler": _MAPPING, "epoch": _INTEGER, "epoch_position": _INTEGER, "global_batch": _INTEGER,
+               "precision": _MAPPING, "config": _MAPPING, "kept": _TEXT, "data_parallel": _INTEGER,
+               "mesh": _LISTING}
+
+
 def check_manifest(manifest: Any, path: Path) -> None:
     """CheckpointError naming the manifest and the first thing wrong with its shape: not an object, a
     key missing or of another type, an entry that is not an object with name, rank, bytes and a
@@ -254,69 +264,15 @@ def check_manifest(manifest: Any, path: Path) -> None:
     CorruptCheckpoint naming a listed file that is missing or cut short."""
     where = path / MANIFEST
     remedy = f"hvdtrain never writes one like this: restore it, or move {path.name} out of the checkpoint directory"
-    integer, text, mapping, listing = "an integer", "a string", "an object", "a list"
-    kinds = {integer: int, text: str, mapping: dict, listing: list}
-    # Every key the rest of hvdtrain reads, by its type: checked here once, trusted after.
-    typed = {"strategy": text, "world_size": integer, "step": integer, "files": listing,
-             "scheduler": mapping, "epoch": integer, "epoch_position": integer, "global_batch": integer,
-             "precision": mapping, "config": mapping, "kept": text, "data_parallel": integer, "mesh": listing}
-
-    def shown(value: Any) -> str:  # a value in one line of a message, however large
-        written = repr(value)
-        return written if len(written) <= 80 else written[:77] + "..."
-
-    def is_a(value: Any, kind: str) -> bool:  # JSON's true and false are no integers here
-        return isinstance(value, kinds[kind]) and not (kind == integer and isinstance(value, bool))
-
-    def entry_problem(rank: int, entry: Any, size: int) -> str:
-        """What is wrong with files[rank], the entry of rank ``rank``'s file, or ''."""
-        needed = (f"an entry must be an object with name, rank, bytes and a checksum "
-                  f"({' or '.join(checksums.ALGORITHMS)})")
-        if not isinstance(entry, dict):
-            return f"files[{rank}] is {shown(entry)}, {needed}"
-        lacking = [key for key in ("name", "rank", "bytes") if key not in entry]
-        if lacking:
-            return f"files[{rank}] has no {' and no '.join(lacking)}: {needed}"
-        for key, kind in (("name", text), ("rank", integer), ("bytes", integer)):
-            if not is_a(entry[key], kind):
-                return f"files[{rank}].{key} is {shown(entry[key])}, it must be {kind}"
-        if entry["name"] != shard_name(rank, size) or entry["rank"] != rank:
-            return (f"files[{rank}] is {entry['name']} of rank {entry['rank']}, expected one file per rank: "
-                    f"{shard_name(rank, size)} of rank {rank}")
-        if entry["bytes"] < 0:
-            return f"files[{rank}].bytes is {entry['bytes']}, a file's size cannot be negative"
-        algorithm = next((name for name in checksums.ALGORITHMS if name in entry), "")
-        if not algorithm:
-            return f"files[{rank}] has no checksum ({' or '.join(checksums.ALGORITHMS)}): {needed}"
-        if not isinstance(entry[algorithm], str) or not entry[algorithm]:
-            return f"files[{rank}].{algorithm} is {shown(entry[algorithm])}, a checksum must be a hex string"
-        return ""
-
-    def shape_problem() -> str:
-        """What is wrong with the manifest's keys and file list (its format is checked before), or ''."""
-        wrong = next((key for key, kind in typed.items() if key in manifest and not is_a(manifest[key], kind)), "")
-        if wrong:
-            return f"{wrong} is {shown(manifest[wrong])}, it must be {typed[wrong]}"
-        size, files = manifest["world_size"], manifest["files"]
-        if size < 1:
-            return f"world_size is {size}, it must be at least 1"
-        if len(files) != size:
-            return f"world_size is {size} but files lists {len(files)}, expected one file per rank"
-        for rank, entry in enumerate(files):
-            problem = entry_problem(rank, entry, size)
-            if problem:
-                return problem
-        return ""
-
     if not isinstance(manifest, dict):
-        raise CheckpointError(f"{where} holds {shown(manifest)}, not an object: not an hvdtrain manifest; {remedy}")
+        raise CheckpointError(f"{where} holds {_shown(manifest)}, not an object: not an hvdtrain manifest; {remedy}")
     missing = missing_keys(manifest, _MANIFEST_KEYS)
     if missing:
         raise CheckpointError(f"{where} is not an hvdtrain manifest: missing {', '.join(missing)}; {remedy}")
     if manifest["format"] != SHARDED_FORMAT or manifest["kind"] != KIND:
         raise CheckpointError(f"{where} has format {manifest['format']} ({manifest['kind']}), this hvdtrain "
                               f"reads {SHARDED_FORMAT} ({KIND})")
-    problem = shape_problem()
+    problem = _shape_problem(manifest)
     if problem:
         raise CheckpointError(f"{where}: {problem}; {remedy}")
     for entry in manifest["files"]:
@@ -325,6 +281,54 @@ def check_manifest(manifest: Any, path: Path) -> None:
             raise CorruptCheckpoint(f"{file} is missing (listed in {where})")
         if file.stat().st_size != entry["bytes"]:
             raise CorruptCheckpoint(f"{file} has {file.stat().st_size} bytes, {where} says {entry['bytes']}")
+
+
+def _shown(value: Any) -> str:
+    """A value in one line of a message, however large."""
+    written = repr(value)
+    return written if len(written) <= 80 else written[:77] + "..."
+
+
+def _is_a(value: Any, kind: str) -> bool:
+    """Whether ``value`` is of the JSON type ``kind`` names (JSON's true and false are no integers here)."""
+    return isinstance(value, _KINDS[kind]) and not (kind == _INTEGER and isinstance(value, bool))
+
+
+def _shape_problem(manifest: Dict[str, Any]) -> str:
+    """What is wrong with a manifest's keys and file list (its format is checked before), or ''."""
+    wrong = next((key for key, kind in _TYPED_KEYS.items() if key in manifest and not _is_a(manifest[key], kind)), "")
+    if wrong:
+        return f"{wrong} is {_shown(manifest[wrong])}, it must be {_TYPED_KEYS[wrong]}"
+    size, files = manifest["world_size"], manifest["files"]
+    if size < 1:
+        return f"world_size is {size}, it must be at least 1"
+    if len(files) != size:
+        return f"world_size is {size} but files lists {len(files)}, expected one file per rank"
+    return next((problem for rank, entry in enumerate(files) if (problem := _entry_problem(rank, entry, size))), "")
+
+
+def _entry_problem(rank: int, entry: Any, size: int) -> str:
+    """What is wrong with files[rank], the entry of rank ``rank``'s file, or ''."""
+    needed = f"an entry must be an object with name, rank, bytes and a checksum ({' or '.join(checksums.ALGORITHMS)})"
+    if not isinstance(entry, dict):
+        return f"files[{rank}] is {_shown(entry)}, {needed}"
+    lacking = [key for key in ("name", "rank", "bytes") if key not in entry]
+    if lacking:
+        return f"files[{rank}] has no {' and no '.join(lacking)}: {needed}"
+    for key, kind in (("name", _TEXT), ("rank", _INTEGER), ("bytes", _INTEGER)):
+        if not _is_a(entry[key], kind):
+            return f"files[{rank}].{key} is {_shown(entry[key])}, it must be {kind}"
+    if entry["name"] != shard_name(rank, size) or entry["rank"] != rank:
+        return (f"files[{rank}] is {entry['name']} of rank {entry['rank']}, expected one file per rank: "
+                f"{shard_name(rank, size)} of rank {rank}")
+    if entry["bytes"] < 0:
+        return f"files[{rank}].bytes is {entry['bytes']}, a file's size cannot be negative"
+    algorithm = next((name for name in checksums.ALGORITHMS if name in entry), "")
+    if not algorithm:
+        return f"files[{rank}] has no checksum ({' or '.join(checksums.ALGORITHMS)}): {needed}"
+    if not isinstance(entry[algorithm], str) or not entry[algorithm]:
+        return f"files[{rank}].{algorithm} is {_shown(entry[algorithm])}, a checksum must be a hex string"
+    return ""
 
 
 def resumes_as_written(state: Dict[str, Any], strategy: str, world_size: int,
