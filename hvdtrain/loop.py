@@ -11,8 +11,9 @@ state is spread over the ranks is the strategy's; the loop never asks which one 
 """
 from __future__ import annotations
 
-import time
 import dataclasses
+import itertools
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
 
@@ -22,10 +23,12 @@ from hvdtrain.checkpoint.manager import CheckpointManager
 from hvdtrain.common.flight.recorder import RECORDER
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.data.batching import Batching
+from hvdtrain.distributed import collectives
 from hvdtrain.fault_tolerance.handling import FaultHandling
 from hvdtrain.observability.reporting import Reporter
 from hvdtrain.parallel.topology import Topology
 from hvdtrain.strategies.base import Strategy
+from hvdtrain.components import token_mean
 from hvdtrain.components.callbacks import Callbacks
 from hvdtrain.components.compile_cache import CompileCache
 from hvdtrain.components.evaluation import evaluate
@@ -72,6 +75,11 @@ class TrainingLoop:
     interrupted: bool = False  # step() ended training inside the epoch
     micro_batches: int = 0
     samples: int = 0  # in the current micro-batch
+    # The current micro-batch's scored items and its loss weight (run(): token_mean); 1 / accumulation
+    # is the weight your own loop's backward() applies.
+    items: Optional[int] = None
+    loss_weight: token_mean.Weight = 1.0
+    step_items: Optional[token_mean.StepItems] = None
     window: Optional[RunningMeans] = None
     throughput: Optional[Throughput] = None
     epoch_totals: Optional[Totals] = None
@@ -94,11 +102,11 @@ class TrainingLoop:
         own loop runs (hvdtrain.session). ``commits``: under Horovod elastic."""
         self.commits = commits
         for _ in self.epochs(until_step):
-            for batch in self.batches():
+            for batch in self.batches(weighed=True):
                 self.phase = "the forward and backward pass"
                 flight = RECORDER.begin_phase("forward and backward", self.position.step)
                 loss, metrics = self.strategy.forward_backward(self.step_fn, batch, self.precision.autocast,
-                                                               self.precision.scale_loss, self.config.accumulation)
+                                                               self.precision.scale_loss, self.loss_weight)
                 RECORDER.end_phase(flight)
                 self.record(loss, metrics)
                 self.step()
@@ -151,10 +159,12 @@ class TrainingLoop:
             with self.faults.checkpoint_io():
                 self.checkpoints.finish()
 
-    def batches(self) -> Iterator[Any]:
+    def batches(self, weighed: bool = False) -> Iterator[Any]:
         """This rank's batches of the epoch (on its device), from where a resumed epoch stopped; after
         each, the caller runs forward and backward (record() its loss) and step(). Ends at the
-        shard's end, or where step() ended training (max_steps, a preemption, an agreed stop)."""
+        shard's end, or where step() ended training (max_steps, a preemption, an agreed stop).
+        ``weighed`` (the Trainer's own steps): each step's micro-batches are read before its first,
+        and each gets its ``loss_weight``, its share of the global batch's loss (token_mean)."""
         position = self.position
         device = self.topology.world.device
         # 2. A new permutation each epoch, the same on every rank; each rank takes its slice
@@ -165,9 +175,10 @@ class TrainingLoop:
         self.window = RunningMeans(device)
         self.throughput = Throughput(self.batching.world.size)  # data-parallel width: distinct samples
         self.epoch_totals = Totals()
-        self.micro_batches, self.interrupted = 0, False
+        self.micro_batches, self.interrupted, self.items = 0, False, None
         loading = RECORDER.begin_phase("data loading", position.step)  # the flight recorder's phases
-        for batch in self.batching.train_loader:
+        loader = self.batching.train_loader
+        for batch in self._weighed(loader) if weighed else loader:
             RECORDER.end_phase(loading)
             if self.finished(self.until_step):
                 break
@@ -180,12 +191,48 @@ class TrainingLoop:
         else:  # the loader ran out: a stream's epoch is over (every rank alike: whole global batches)
             RECORDER.end_phase(loading)
             self.batching.exhausted = True
+        if weighed:  # a step read and not trained (the end of training): its count's all-reduce waited for
+            float(self.loss_weight)
         self.epoch_totals += self.window.reduce(name="train.epoch")
         self.epoch_done = True
 
+    def evaluation_items(self) -> Optional[token_mean.ItemCounter]:
+        """What the validation loss is weighed by, batch by batch: the step's scored tokens (the
+        validation set's token mean, as one pass over it computes) under loss_mean=tokens, else None
+        (samples)."""
+        if self.config.resolved_loss_mean != token_mean.TOKENS:
+            return None
+        return token_mean.resolve_counter(self.step_fn, self.model)
+
+    def _weighed(self, loader: Any) -> Iterator[Any]:
+        """The loader's batches, a step's micro-batches read before its first: their scored items
+        counted, the step's weights made from the global batch's count (one all-reduce per step, every
+        rank alike: each reads the same number of batches), each batch yielded with ``items`` and
+        ``loss_weight`` set. batches() stops at the end of training, as it does over the loader."""
+        if self.step_items is None:  # resolved once: what the step's loss averages over
+            self.step_items = token_mean.StepItems(token_mean.resolve_counter(self.step_fn, self.model), batch_size,
+                                                   self.config.resolved_loss_mean, collectives.allreduce_sum_async)
+        accumulation, data_width = self.config.accumulation, self.batching.world.size
+        replication = self.topology.world.size // data_width  # ranks holding each replica's batch
+        batches = iter(loader)
+        while True:
+            window = list(itertools.islice(batches, accumulation))
+            if not window:
+                return
+            counts = [self.step_items.items(batch) for batch in window]
+            for batch, items, weight in zip(window, counts, self.step_items.weights(counts, accumulation, data_width,
+                                                                                    replication)):
+                self.items, self.loss_weight = items, weight
+                yield batch
+
     def record(self, loss: torch.Tensor, metrics: Dict[str, Any]) -> None:
-        """The micro-batch's loss and metrics, for the reported means (3. forward and backward were run)."""
-        self.window.add(loss, metrics, self.samples if self.strategy.counts_samples else 0)
+        """The micro-batch's loss and metrics, for the reported means (3. forward and backward were run):
+        the loss weighed by its scored items when the step counts them (the global batch's token mean),
+        the metrics by samples."""
+        counted = self.strategy.counts_samples
+        tokens = self.items if self.items is not None and self.step_items.counts_tokens else None
+        self.window.add(loss, metrics, self.samples if counted else 0,
+                        loss_weight=None if tokens is None else (tokens if counted else 0))
         self.throughput.add(self.samples)
 
     def step(self) -> bool:
@@ -306,7 +353,8 @@ class TrainingLoop:
             return evaluate(self.model, self.batching.val_loader,
                             lambda _, batch: strategy.forward_only(self.step_fn, batch), self.topology.world.device,
                             self.precision.autocast, after_batch=lambda: self.faults.beat(self.position.step),
-                            lockstep=strategy.capabilities.collective_forward, counts_samples=strategy.counts_samples)
+                            lockstep=strategy.capabilities.collective_forward, counts_samples=strategy.counts_samples,
+                            items=self.evaluation_items())
         finally:
             RECORDER.end_phase(flight)
 

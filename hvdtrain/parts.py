@@ -177,8 +177,8 @@ class Parts:
             self.checkpoints.protocol.close()
 
     def close_mesh(self) -> None:
-        """Remove the model-parallel mesh's and the expert groups' Horovod process sets (a collective:
-        every rank calls it)."""
+        """Remove every Horovod process set of the run: the topology's (the mesh's, the sequence, expert and
+        hsdp groups'), and a strategy's own topology's if it made one (a collective: every rank calls it)."""
         self.topology.close()
         close_groups = getattr(self.strategy, "close_groups", None)
         if close_groups is not None:
@@ -519,7 +519,7 @@ def shard(cfg: TrainConfig, topology: Topology, model: torch.nn.Module, optimize
     phase = "set-up (sharding the model and optimizer)"
     with oom.explained(lambda error: explain_out_of_memory(cfg, topology, model, error, phase, optimizer, held={})):
         strategy = build_strategy(cfg, model, optimizer, world, mesh=topology.mesh, plan=model_plan,
-                                  loss_fn=loss_fn, deferred=deferred)
+                                  loss_fn=loss_fn, deferred=deferred, topology=topology)
     if cfg.compile:  # the forward only, in place: hooks, state_dict keys, checkpoints unchanged
         compile_forward(model, world.device)
         if compile_cache is not None:

@@ -5,10 +5,15 @@ same batches, and the verdict: equal, the first parameter that differs, or hvdtr
     hvdtrain check-layout gemma2 --tensor_parallel=2
     hvdtrain check-layout ./my-model --tensor_parallel=2 --pipeline_parallel=2 --optimizer sgd
     hvdtrain check-layout qwen2_moe --strategy=fsdp --meta
+    hvdtrain check-layout qwen3_moe --expert_parallel=2 --strategy=fsdp
+    hvdtrain check-layout llama --tensor_parallel=2 --sequence_parallel=2
 
 MODEL is a causal-LM model type of the installed transformers (llama, gemma2, ...) or a local model
 directory with a config.json (its sizes shrunk the same way: the structure is checked, not the
-weights). T x P ranks are started on this machine (2 without a mesh: data parallelism).
+weights). T x P x S x D ranks are started on this machine (D = 2 without a mesh or sequence groups:
+data parallelism; E or K when more). The layout is checked first against the rules of which
+dimensions combine (hvdtrain.common.layout_rules) and what divides, and every rank's coordinates in
+every dimension are printed (hvdtrain.parallel.topology.Dimensions), before anything is launched.
 Exit status: 0 equal, 1 differs, 2 refused or bad input (a family that cannot be built tiny too),
 3 an error (a crash, a hang past --timeout).
 """
@@ -30,7 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline_parallel", "--pipeline-parallel", type=int, default=1, help="P (default 1)")
     parser.add_argument("--data_parallel", "--data-parallel", type=int, default=0,
                         help="model replicas (default: 1 under a mesh, else 2)")
+    parser.add_argument("--sequence_parallel", "--sequence-parallel", type=int, default=1, help="S (default 1)")
+    parser.add_argument("--expert_parallel", "--expert-parallel", type=int, default=1,
+                        help="E, ranks per expert group within the data replicas (default 1)")
     parser.add_argument("--strategy", default="ddp", help="train.strategy (default ddp)")
+    parser.add_argument("--hsdp_shard_size", "--hsdp-shard-size", type=int, default=0,
+                        help="strategy=hsdp: K, ranks per shard group (default 0: the ranks of one host, here all)")
     parser.add_argument("--meta", action="store_true", help="build the model on the meta device (the Trainer "
                                                            "gives it its values, as for a model too big to build)")
     parser.add_argument("--optimizer", choices=OPTIMIZER_CHOICES, default="both",
@@ -52,10 +62,13 @@ def run(args: argparse.Namespace) -> int:
 
     optimizers = list(OPTIMIZERS) if args.optimizer == "both" else [args.optimizer]
     extra = ["--tensor", str(layout.tensor), "--pipeline", str(layout.pipeline), "--data", str(layout.data),
-             "--strategy", layout.strategy, *(["--meta"] if layout.meta else []),
+             "--strategy", layout.strategy, "--sequence", str(layout.sequence), "--experts", str(layout.experts),
+             "--shard", str(layout.shard), *(["--meta"] if layout.meta else []),
              *(["--config-dir", config_dir] if config_dir else [])]
     print(f"{family} under {layout.name} ({layout.ranks} ranks on this machine, float64, {args.steps} steps)",
           flush=True)
+    for line in coordinate_lines(layout):
+        print(f"  {line}", flush=True)
     try:
         outcomes = driver.run([family], [layout], optimizers, args.steps, family_timeout=args.timeout,
                               launcher=args.launcher, extra_args=extra)
@@ -78,7 +91,9 @@ def _resolve(args: argparse.Namespace):
         raise ValueError(f"--strategy={args.strategy!r} is not a strategy: choose one of {', '.join(STRATEGY_NAMES)}")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    layout = layout_for(args.tensor_parallel, args.pipeline_parallel, args.strategy, args.meta, args.data_parallel)
+    layout = layout_for(args.tensor_parallel, args.pipeline_parallel, args.strategy, args.meta, args.data_parallel,
+                        args.sequence_parallel, args.expert_parallel, args.hsdp_shard_size)
+    check_rules(layout)
     from hvdtrain.verify import tiny
 
     if Path(args.model).is_dir():
@@ -89,3 +104,32 @@ def _resolve(args: argparse.Namespace):
         raise ValueError(f"{args.model} is not a directory: give a model directory with a config.json, or a "
                          f"model type such as llama")
     return tiny.family(args.model).model_type, None, layout
+
+
+def check_rules(layout) -> None:
+    """ValueError (exit 2) when the layout's dimensions and strategy do not combine (hvdtrain.common.layout_rules),
+    or hsdp_shard_size is given without hsdp, with the reason and the way out, as a training would refuse it."""
+    from hvdtrain.common import layout_rules
+
+    if layout.shard and layout.strategy != "hsdp":
+        raise ValueError(f"--hsdp_shard_size={layout.shard} applies to --strategy=hsdp only: set --strategy=hsdp, "
+                         f"or leave it at 0")
+    settings = {**layout.settings(), "strategy": layout.strategy}
+    why = layout_rules.check(settings, prefix="--")
+    if why is not None:
+        raise ValueError(why)
+    dimensions(layout)  # what divides, refused alike
+
+
+def dimensions(layout):
+    """The layout's Dimensions over its ranks (LayoutError, a ValueError, when they do not divide)."""
+    from hvdtrain.parallel.topology import Dimensions
+
+    shard = (layout.shard or layout.ranks) if layout.strategy == "hsdp" else 0  # one machine: one host's ranks
+    return Dimensions(layout.ranks, layout.tensor, layout.pipeline, layout.sequence, layout.experts, shard)
+
+
+def coordinate_lines(layout) -> list:
+    """One line per rank: its coordinate in every dimension of the layout."""
+    found = dimensions(layout)
+    return [found.describe(rank) for rank in range(layout.ranks)]

@@ -2,14 +2,17 @@
 
 The settings' checks (``hvdtrain.config.strategy_checks``, run when a TrainConfig is created, on a
 login node too), a launch's checks and the loop read a strategy's capabilities here; each strategy
-class holds its record (``Strategy.capabilities``) and never declares them a second way. Imports
-nothing, so that ``TrainConfig()`` imports neither torch nor Horovod.
+class holds its record (``Strategy.capabilities``) and never declares them a second way. The mesh's
+refusals (MESH) are hvdtrain.common.layout_rules' (which dimensions and strategies combine). Imports
+nothing else, so that ``TrainConfig()`` imports neither torch nor Horovod.
 """
 from __future__ import annotations
 
 import dataclasses
 from types import MappingProxyType
 from typing import Dict, Mapping
+
+from hvdtrain.common import layout_rules
 
 # The capabilities a strategy may refuse.
 ELASTIC = "elastic"  # Horovod elastic: the world may change mid-run
@@ -27,6 +30,9 @@ EXPERT_PARALLEL = "expert_parallel"
 # The same over train.strategy=fsdp (hvdtrain.strategies.fsdp.experts): the experts split alike, the
 # rest sharded by fsdp.
 EXPERT_PARALLEL_FSDP = "expert_parallel_fsdp"
+# The same over train.strategy=zero1 or zero2 (hvdtrain.strategies.zero_experts): the experts split
+# alike and left out of ZeRO's flat buckets, the rest sharded by ZeRO at the stage train.strategy names.
+EXPERT_PARALLEL_ZERO = "expert_parallel_zero"
 
 # What a strategy keeps of the state, which decides how a sharded checkpoint written at its own
 # layout comes back: every rank the full state, each rank its own shard of flat buckets (its own
@@ -74,20 +80,28 @@ class Capabilities:
 _SHARDED_ADASUM = ("zero1, zero2 and fsdp reduce-scatter the gradients so that each rank receives only its slice, "
                    "and Adasum has no reduce-scatter form (it combines whole gradients pairwise, scaled by dot "
                    "products over each whole tensor)")
-_SHARDED_MESH = ("zero2, fsdp and ps cut the state over every rank, and the model-parallel layout averages "
-                 "gradients over each data-parallel group")
-_ZERO = dict(refuses={ADASUM: _SHARDED_ADASUM}, elastic_from_checkpoint=True, shards_gradients=True, loads=OWN_SHARD)
+
+
+def _mesh(strategy: str) -> Dict[str, str]:
+    """The MESH refusal of ``strategy``, as hvdtrain.common.layout_rules decides it (nothing when it combines)."""
+    if layout_rules.combines(layout_rules.TENSOR, strategy):
+        return {}
+    return {MESH: layout_rules.reason(layout_rules.TENSOR, strategy)}
+
+
+_ZERO = dict(refuses={ADASUM: _SHARDED_ADASUM, **_mesh("zero1")}, elastic_from_checkpoint=True, shards_gradients=True,
+             loads=OWN_SHARD)
 
 # Registered name -> capabilities, in the order the strategies are listed to a user.
 DECLARED: Dict[str, Capabilities] = {
-    "ddp": Capabilities(refuses={
+    "ddp": Capabilities(refuses={**_mesh("ddp"),
         SHARDED_CHECKPOINTS: "under ddp every rank holds the whole model and optimizer state, so there is "
                              "nothing to shard and rank 0 writes it alone"}),
     "zero1": Capabilities(**_ZERO),
-    "zero2": Capabilities(**{**_ZERO, "refuses": {ADASUM: _SHARDED_ADASUM, MESH: _SHARDED_MESH}}),
+    "zero2": Capabilities(**{**_ZERO, "refuses": {ADASUM: _SHARDED_ADASUM, **_mesh("zero2")}}),
     "fsdp": Capabilities(
         refuses={
-            ADASUM: _SHARDED_ADASUM, MESH: _SHARDED_MESH,
+            ADASUM: _SHARDED_ADASUM, **_mesh("fsdp"),
             COMPILE: "fsdp gathers each unit's parameters in hooks that run inside the forward, and torch.compile "
                      "cannot compile them: Dynamo cannot trace Horovod's collectives (a graph break at every unit), "
                      "and Inductor fails on the gathered buffer's storage resize (LoweringException: TODO: dynamic "
@@ -97,20 +111,19 @@ DECLARED: Dict[str, Capabilities] = {
     # fsdp within each shard group (a host's ranks), ddp across them (hvdtrain.strategies.fsdp.hybrid).
     "hsdp": Capabilities(
         refuses={
-            ADASUM: _SHARDED_ADASUM, MESH: _SHARDED_MESH,
+            ADASUM: _SHARDED_ADASUM, **_mesh("hsdp"),
             COMPILE: "hsdp gathers each unit's parameters in hooks inside the forward, as fsdp does, which "
                      "torch.compile cannot compile",
             ELASTIC: "its shard and replica groups are Horovod process sets fixed at start, and a lost worker takes "
-                     "its host's shard along",
-            SHARDED_CHECKPOINTS: "every shard is held by one rank of each replica group, which the per-rank sharded "
-                                 "format (every rank owns 1/N) does not describe; hsdp writes the full format, "
-                                 "which resumes under any strategy"},
-        collective_forward=True, initializes_by_shard=True, shards_gradients=True),
+                     "its host's shard along"},
+        # Its sharded checkpoint has a mesh's layout: the first shard group's ranges of the units' buffers,
+        # each element once, read from every rank's file (hvdtrain.strategies.fsdp.hybrid).
+        collective_forward=True, initializes_by_shard=True, shards_gradients=True, loads=EVERY_PART),
     "ps": Capabilities(shards_gradients=True, refuses={
         ELASTIC: "the servers (ranks 0..ps_servers-1) hold the only copy of the optimizer state, and a lost server "
                  "takes its part along; continuing from the newest checkpoint, as zero1, zero2 and fsdp do, is not "
                  "built for ps",
-        MESH: _SHARDED_MESH,
+        **_mesh("ps"),
         SHARDED_CHECKPOINTS: "the optimizer state lives on the servers only, which the per-rank sharded format "
                              "(every rank owns 1/N) does not describe",
         COMPILE: "ps is kept as a measured baseline, and torch.compile is not tested with it",
@@ -130,16 +143,20 @@ DECLARED: Dict[str, Capabilities] = {
                     "replica groups",
             COMPILE: "the experts' all-to-all inside the forward does not compile (Dynamo cannot trace Horovod's "
                      "collectives)",
-            MESH: "expert parallelism does not combine with tensor or pipeline parallelism yet"},
+            MESH: layout_rules.reason(layout_rules.EXPERT, layout_rules.TENSOR)},
         collective_forward=True, shards_gradients=True, loads=EVERY_PART),
 }
 # What the ddp variant refuses; its sharded checkpoint is a mesh's too (each rank's ranges of the units'
 # buffers, the experts once), read from every rank's file though its class is fsdp's.
 DECLARED[EXPERT_PARALLEL_FSDP] = Capabilities(
     refuses=DECLARED[EXPERT_PARALLEL].refuses, collective_forward=True, shards_gradients=True, loads=EVERY_PART)
+# zero1/zero2 x E: the same, its sharded checkpoint in that layout too (each rank's ranges of ZeRO's buckets,
+# the experts once).
+DECLARED[EXPERT_PARALLEL_ZERO] = Capabilities(
+    refuses=DECLARED[EXPERT_PARALLEL].refuses, collective_forward=True, shards_gradients=True, loads=EVERY_PART)
 # The values of train.strategy (the model-parallel and expert-parallel layouts are chosen by their settings).
 STRATEGY_NAMES = tuple(name for name in DECLARED
-                       if name not in (MODEL_PARALLEL, EXPERT_PARALLEL, EXPERT_PARALLEL_FSDP))
+                       if name not in (MODEL_PARALLEL, EXPERT_PARALLEL, EXPERT_PARALLEL_FSDP, EXPERT_PARALLEL_ZERO))
 
 
 def supporting(capability: str) -> list:

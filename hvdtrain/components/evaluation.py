@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict
+from typing import Any, Callable, ContextManager, Dict, Optional
 
 import torch
 
@@ -15,9 +15,10 @@ from hvdtrain.components.steps import StepFn, batch_size, to_device
 def evaluate(model: torch.nn.Module, loader, step: StepFn, device: torch.device,
              autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
              after_batch: Callable[[], None] = lambda: None, lockstep: bool = False,
-             counts_samples: bool = True) -> Dict[str, float]:
+             counts_samples: bool = True, items: Optional[Callable[[Any], int]] = None) -> Dict[str, float]:
     """The step's loss and metrics over the whole validation set, as ``val_<name>`` (every rank's
-    shard, weighted by samples; a collective), and ``val_samples``.
+    shard, weighted by samples, the loss by ``items`` when given: a token mean; a collective), and
+    ``val_samples``.
 
     Args:
         model: the model, put in eval mode for the pass.
@@ -31,6 +32,8 @@ def evaluate(model: torch.nn.Module, loader, step: StepFn, device: torch.device,
             not padded: each sample counts once).
         counts_samples: False on the ranks of a model replica that do not report for it (they hold the same loss as the
             one that does).
+        items: the items a batch's loss averages over (token_mean: its scored tokens), counted before it
+            goes to the device; None: the loss is weighed by samples.
     """
     model.eval()
     means = RunningMeans(device)
@@ -48,10 +51,11 @@ def evaluate(model: torch.nn.Module, loader, step: StepFn, device: torch.device,
         extra = max(counts) - own_batches
     batch = None
     for batch in loader:
+        scored = None if items is None or not counts_samples else items(batch)
         batch = to_device(batch, device)
         with autocast():
             loss, metrics = step(model, batch)
-        means.add(loss, metrics, batch_size(batch) if counts_samples else 0)
+        means.add(loss, metrics, batch_size(batch) if counts_samples else 0, loss_weight=scored)
         after_batch()
     for _ in range(extra):  # lockstep: the last batch again, not counted
         with autocast():

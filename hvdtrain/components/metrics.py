@@ -3,32 +3,49 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from hvdtrain.distributed import collectives
 class RunningMeans:
-    """Sums of sample-weighted values (the loss, then the step's metrics) and the sample count
-    since the last reduction, kept as one tensor on the training device: no .item() in the step,
-    which would force a device sync on every step on a GPU."""
+    """Sums of weighted values (the loss, weighed by samples or its scored tokens; then the step's
+    metrics, by samples), the sample count and the loss's weight since the last reduction, kept as
+    one tensor on the training device: no .item() in the step, which would force a device sync on
+    every step on a GPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.names: List[str] = []  # known from the first batch on: "loss", then the metrics sorted
-        self._totals = torch.zeros(1, dtype=torch.float64, device=device)  # count, then the sums
+        self._totals = torch.zeros(2, dtype=torch.float64, device=device)  # count, loss weight, then the sums
 
-    def add(self, loss: torch.Tensor, metrics: Mapping[str, Any], samples: int) -> None:
+    def add(self, loss: torch.Tensor, metrics: Mapping[str, Any], samples: int,
+            loss_weight: Optional[int] = None) -> None:
+        """One batch's loss and metrics, each weighed by ``samples``; the loss by ``loss_weight``
+        instead when given.
+
+        Args:
+            loss: the batch's mean loss.
+            metrics: the batch's means, by name (the same names every batch).
+            samples: the batch's samples (0 on a rank that does not report for its replica).
+            loss_weight: what the loss averages over (its scored tokens: token_mean), or None: samples.
+        """
         names = ["loss", *sorted(metrics)]
         if not self.names:
             self.names = names
-            self._totals = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)
+            self._totals = torch.zeros(len(names) + 2, dtype=torch.float64, device=self.device)
         elif names != self.names:
             raise ValueError(f"the step returned metrics {names[1:]} after {self.names[1:]}: it must "
                              "return the same metric names for every batch")
         values = [loss.detach()] + [torch.as_tensor(metrics[name]).detach() for name in names[1:]]
+        weight = samples if loss_weight is None else loss_weight
+        weights = torch.tensor([weight] + [samples] * (len(names) - 1), dtype=torch.float64)
+        if weight == 0:  # nothing scored (a NaN mean over no token): it adds nothing
+            values[0] = torch.zeros(())
         self._totals[0] += samples
-        self._totals[1:] += torch.stack([v.to(self.device, torch.float64).reshape(()) for v in values]) * samples
+        self._totals[1] += weight
+        self._totals[2:] += torch.stack([v.to(self.device, torch.float64).reshape(()) for v in values]) \
+            * weights.to(self.device)
 
     def reduce(self, name: str, agree_on_names: bool = False) -> "Totals":
         """The sums and the sample count over every rank since the last reduction; a collective.
@@ -41,27 +58,33 @@ class RunningMeans:
             names = next((n for n in every if n), [])
             if any(n and n != names for n in every):
                 raise ValueError(f"the ranks' steps returned different metrics: {every}")
-        totals = self._totals if self.names else torch.zeros(len(names) + 1, dtype=torch.float64)
+        totals = self._totals if self.names else torch.zeros(len(names) + 2, dtype=torch.float64)
         reduced = collectives.allreduce_sum(totals.cpu(), name=name).tolist()
         self._totals.zero_()
-        return Totals(dict(zip(names, reduced[1:])), reduced[0])
+        return Totals(dict(zip(names, reduced[2:])), reduced[0], reduced[1])
 
 
 @dataclass
 class Totals:
-    """Sample-weighted sums over every rank's samples, and the sample count."""
+    """Weighted sums over every rank's batches: the metrics weighed by samples, the loss by its own
+    weight (samples, or the scored tokens); the sample count and the loss's total weight."""
 
     sums: Dict[str, float] = field(default_factory=dict)
     count: float = 0.0
+    loss_weight: float = 0.0
 
     def __iadd__(self, other: "Totals") -> "Totals":
         for key, value in other.sums.items():
             self.sums[key] = self.sums.get(key, 0.0) + value
         self.count += other.count
+        self.loss_weight += other.loss_weight
         return self
 
     def means(self) -> Dict[str, float]:
-        return {key: value / self.count if self.count else float("nan") for key, value in self.sums.items()}
+        def mean(key: str, value: float) -> float:
+            weight = self.loss_weight if key == "loss" else self.count
+            return value / weight if weight else float("nan")
+        return {key: mean(key, value) for key, value in self.sums.items()}
 
 
 class Throughput:

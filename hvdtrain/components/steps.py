@@ -7,11 +7,14 @@ serves ``(inputs, targets)`` batches, with accuracy for integer class targets.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from hvdtrain.components import token_mean
 
 Metrics = Dict[str, Any]
 StepFn = Callable[[torch.nn.Module, Any], Tuple[torch.Tensor, Metrics]]
@@ -35,7 +38,31 @@ def supervised_step(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
         return loss_fn(outputs, targets), {} if accuracy is None else {"accuracy": accuracy}
 
     step.supervised_loss_fn = loss_fn
+    step.count_items = functools.partial(supervised_items, loss_fn)
     return step
+
+
+def supervised_items(loss_fn: Callable, model: torch.nn.Module) -> Callable[[Any], int]:
+    """What supervised_step's loss averages over, batch by batch (hvdtrain.components.token_mean): a
+    dict batch's labels as the model's own loss scores them (its label tokens), or as ``loss_fn``
+    does; ``(inputs, targets)``: the targets ``loss_fn`` does not ignore. A loss of another kind is
+    a mean over samples: its batch's samples."""
+    own = token_mean.hf_counter(model) if loss_fn is F.cross_entropy else None
+    targets = token_mean.targets_counter(loss_fn)
+
+    def count(batch: Any) -> int:
+        if isinstance(batch, Mapping) and "labels" in batch:
+            if own is not None:
+                return own(batch)
+            if loss_fn is not F.cross_entropy and targets is not None:
+                return targets(batch["labels"])
+            return batch_size(batch)
+        if targets is not None and isinstance(batch, (tuple, list)) and len(batch) == 2 \
+                and isinstance(batch[1], torch.Tensor):
+            return targets(batch[1])
+        return batch_size(batch)
+
+    return count
 
 
 def class_accuracy(outputs: Any, targets: Any) -> Optional[torch.Tensor]:

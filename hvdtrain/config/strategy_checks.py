@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Dict, List
 
+from hvdtrain.common import layout_rules
 from hvdtrain.common.capabilities import (ADASUM, COMPILE, DECLARED, MESH, MODEL_PARALLEL, SHARDED_CHECKPOINTS,
                                           supporting)
 
@@ -54,9 +55,12 @@ def check_strategy_settings(config: "TrainConfig") -> None:
     chosen = DECLARED[config.strategy]
     if config.model_parallel:
         layout = f"tensor_parallel={config.tensor_parallel} x pipeline_parallel={config.pipeline_parallel}"
-        if not chosen.supports(MESH):
-            raise ValueError(f"TrainConfig.{layout} does not work with strategy={config.strategy}: "
-                             f"{chosen.refuses[MESH]}; use strategy={either(supporting(MESH))}")
+        settings = {"tensor_parallel": config.tensor_parallel, "pipeline_parallel": config.pipeline_parallel}
+        refused = layout_rules.refusals({**settings, "strategy": config.strategy}, of=layout_rules.TENSOR
+                                        if config.tensor_parallel > 1 else layout_rules.PIPELINE)
+        refused = [pair for pair in refused if pair[1] == config.strategy]
+        if refused:  # the mesh's data groups under this strategy: hvdtrain.common.layout_rules
+            raise ValueError(layout_rules.message(*refused[0], settings))
         layered = DECLARED[MODEL_PARALLEL]
         for capability, (setting, way_out) in LAYOUT_WAY_OUT.items():
             if ASKED[capability](config) and not layered.supports(capability):

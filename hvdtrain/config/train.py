@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional
 
 from hvdtrain.common.capabilities import DECLARED, EXPERT_PARALLEL, EXPERT_PARALLEL_FSDP
 from hvdtrain.common.capabilities import STRATEGY_NAMES as STRATEGIES
+from hvdtrain.common import layout_rules
 from hvdtrain.config.checks import check_choices, check_only_with, check_whole_numbers
 from hvdtrain.config.strategy_checks import check_strategy_settings
 
@@ -18,6 +19,8 @@ CHECKPOINT_FORMATS = ("full", "sharded")
 PRECISIONS = ("fp32", "bf16", "fp16")
 REDUCTIONS = ("average", "adasum")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+# hvdtrain.components.token_mean's modes (auto: tokens, or replica under Adasum).
+LOSS_MEANS = ("auto", "tokens", "replica")
 # The data-parallel strategies whose reduction serves a sequence group's ranks (the sum of their partial gradients).
 SEQUENCE_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 RESUME_MODES = ("true", "false", "force")
@@ -52,6 +55,7 @@ class TrainConfig:
     min_lr_ratio: float = field(default=0.0, metadata={"help": "where linear, cosine and wsd end, as a fraction of each parameter group's peak rate"})
     decay_fraction: float = field(default=0.2, metadata={"help": "wsd: the share of the run's steps spent decaying, at its end"})
     accumulation: int = field(default=1, metadata={"help": "micro-batches per optimizer step (backward_passes_per_step)"})
+    loss_mean: str = field(default="auto", metadata={"help": "tokens: the loss is the mean over every scored token of the global batch (one process's); replica: each replica's mean, averaged; auto: tokens (adasum: replica)", "details": "With padding, masked prompts or packed rows, replicas hold different numbers of scored tokens, and a mean of their means is not one process's loss. tokens counts each micro-batch's scored items before the step (the labels a Hugging Face model's loss scores, a cross-entropy loss_fn's targets other than its ignore index, packed_lm_step's next-token labels; samples for any other loss) and weighs its loss by them: one all-reduce of a number per step. The reported train_loss is the same token mean. replica is Horovod's and DDP's average of the replicas' losses. Adasum combines updates, not a sum of gradients, so it takes replica. See docs/concepts/data-parallelism.md.", "choices": LOSS_MEANS})
     strategy: str = field(default="ddp", metadata={"help": "how model state is spread over the ranks: ddp replicates it; zero1, zero2 and fsdp shard ever more of it; hsdp: fsdp per host; ps: a parameter server", "details": "ddp replicates the state (all-reduce); zero1 shards the optimizer state, zero2 also the gradients (reduce-scatter + all-gather), fsdp also the parameters (each block gathered while it computes); hsdp shards as fsdp within each host (train.hsdp_shard_size) and averages the shards across hosts; ps: a parameter server, every rank sends its gradients to the servers, which step and send the weights back (a baseline). See docs/concepts/strategies.md.", "choices": STRATEGIES})
     ps_servers: int = field(default=1, metadata={"help": "strategy=ps: ranks 0..ps_servers-1 also serve, each holding the optimizer state of one contiguous slice of the parameters (at most the world size)"})
     hsdp_shard_size: int = field(default=0, metadata={"help": "strategy=hsdp: ranks per shard group, fsdp within it and ddp across groups; 0: the ranks of one host", "details": "The shard groups are K consecutive ranks (one host's, as launchers place them), each holding 1/K of the parameters, gradients and optimizer state; once per step the slices' gradients are averaged across the groups. A smaller K than a host's ranks, or a host split simulated on one machine, set it here; it must divide the world. See docs/concepts/strategies.md."})
@@ -68,7 +72,7 @@ class TrainConfig:
     tensor_parallel: int = field(default=1, metadata={"help": "ranks that split each layer of one model replica (Megatron-style), one host's ranks; needs a tensor plan", "details": "Attention is split by heads, the MLP by columns then rows: two all-reduces per block forward, two backward. Innermost in the mesh, so one host's ranks. train_lm.py has the example transformer's tensor plan. See docs/concepts/model-parallelism.md."})
     pipeline_parallel: int = field(default=1, metadata={"help": "pipeline stages per model replica, each holding a contiguous run of layers", "details": "Activations move forward and their gradients backward between neighbouring stages; data-parallel width = workers / (tensor_parallel x pipeline_parallel). See docs/concepts/model-parallelism.md."})
     sequence_parallel: int = field(default=1, metadata={"help": "ranks that share each batch and hold 1/S of every sequence (Ulysses): longer sequences per rank; heads split around attention", "details": "The ranks of a sequence group read the same batch, each keeps its part of every sequence, and an all-to-all turns tokens into heads around attention and back (any head-local attention: SDPA, eager, causal, sliding-window, grouped-query with key/value heads replicated when fewer than S). Data-parallel width for the data = workers / (sequence_parallel x tensor_parallel); gradients are reduced over all workers by train.strategy (ddp, zero1, zero2, fsdp; ddp or zero1 with tensor_parallel, whose tensor groups sit inside the sequence groups' ranks); not with pipeline_parallel. A Hugging Face model is split through transformers' attention interface and proved at set-up against the whole model on a probe. See docs/concepts/sequence-parallelism.md."})
-    expert_parallel: int = field(default=1, metadata={"help": "ranks over which each mixture-of-experts layer's experts are split (E consecutive data-parallel ranks); tokens reach them by all-to-all", "details": "Each rank of an expert group holds experts / E of every fused experts module (transformers 5's MoE families) and keeps its own data; the router, its top-k and its load-balancing loss stay the model's. The experts' gradients are averaged over the ranks holding the same experts; the rest of the model as train.strategy says: ddp, or fsdp (the experts outside its units, 1/E per rank). Not with zero1, zero2, ps, tensor or pipeline parallelism. See docs/concepts/model-parallelism.md."})
+    expert_parallel: int = field(default=1, metadata={"help": "ranks over which each mixture-of-experts layer's experts are split (E consecutive data-parallel ranks); tokens reach them by all-to-all", "details": "Each rank of an expert group holds experts / E of every fused experts module (transformers 5's MoE families) and keeps its own data; the router, its top-k and its load-balancing loss stay the model's. The experts' gradients are averaged over the ranks holding the same experts; the rest of the model as train.strategy says: ddp, zero1, zero2 or fsdp (the experts outside their buckets or units, 1/E per rank). Not with hsdp, ps, tensor or pipeline parallelism. See docs/concepts/model-parallelism.md."})
     micro_batches: int = field(default=1, metadata={"help": "micro-batches each worker's batch is cut into for the pipeline (pipeline_parallel > 1); must divide batch_size", "details": "More micro-batches, a smaller idle bubble: (stages - 1) / (micro_batches + stages - 1)."})
     pipeline_schedule: str = field(default="1f1b", metadata={"help": "gpipe: all forwards, then all backwards; 1f1b: one forward, one backward in turn; zb-h1: 1f1b with weight gradients deferred into the bubble", "details": "gpipe holds all micro-batches' activations, 1f1b and zb-h1 at most pipeline_parallel micro-batches'; gpipe and 1f1b idle (P - 1) / (M + P - 1) of a step (1f1b interleaved: (P - 1) / (v·M + P - 1), see pipeline_virtual_stages), zb-h1 about a third of 1f1b's idle time (its backward split into the input's gradient and the weights', done later). The same result.", "choices": PIPELINE_SCHEDULES})
     pipeline_virtual_stages: int = field(default=1, metadata={"help": "model chunks per pipeline stage (v): the layers cut into pipeline_parallel x v chunks, chunk c on stage c mod P; v > 1 interleaves 1f1b", "details": "The interleaved 1F1B schedule (Narayanan et al. 2021): each micro-batch visits every stage v times, so the idle bubble shrinks to (P - 1) / (v·M + P - 1) at the price of v times the point-to-point exchanges. Needs pipeline_schedule=1f1b and micro_batches a multiple of pipeline_parallel; a stage plan (ModelPlan.stage_layers) then lists the P x v chunks."})
@@ -108,7 +112,7 @@ class TrainConfig:
     # job: the model, the data): changed, the run would continue another run's training. The rest
     # (length, strategy and layout, checkpointing, reporting) may change between a run and its resume.
     DEFINES_THE_RUN = ("batch_size", "lr", "scale_lr", "warmup_epochs", "warmup_steps", "lr_schedule", "min_lr_ratio",
-                       "decay_fraction", "reduction", "precision", "max_grad_norm", "sync_batchnorm", "seed")
+                       "decay_fraction", "reduction", "precision", "max_grad_norm", "sync_batchnorm", "seed", "loss_mean")
 
     def __post_init__(self) -> None:
         for name in ("resume", "pin_memory"):  # TrainConfig(resume=False) from Python: settings of words
@@ -190,6 +194,13 @@ class TrainConfig:
         check_strategy_settings(self)
 
     @property
+    def resolved_loss_mean(self) -> str:
+        """tokens or replica: auto is tokens, except under Adasum (which averages no gradients)."""
+        if self.loss_mean == "auto":
+            return "replica" if self.reduction == "adasum" else "tokens"
+        return self.loss_mean
+
+    @property
     def needs_process_sets(self) -> bool:
         """Whether Horovod must start with dynamic process sets (a mesh, or sequence groups)."""
         return self.model_parallel or self.sequence_parallel > 1 or self.expert_parallel > 1 or self.strategy == "hsdp"
@@ -234,15 +245,10 @@ class TrainConfig:
                              f"multiple of {self.pipeline_parallel}")
 
     def _check_sequence_parallel(self) -> None:
-        """What sequence parallelism does not combine with (yet), each with the reason."""
+        """What sequence parallelism does not combine with (yet), each with the reason and the way out: the
+        dimensions and strategies from hvdtrain.common.layout_rules, the other settings here."""
+        self._check_layout_rules(layout_rules.SEQUENCE)
         refused = [
-            (self.pipeline_parallel > 1, f"pipeline_parallel={self.pipeline_parallel}: a pipeline's stages pass "
-             f"whole micro-batches, and its schedule does not yet cut their sequences; use sequence_parallel with "
-             f"tensor_parallel or a data-parallel strategy"),
-            (self.strategy not in SEQUENCE_STRATEGIES, f"strategy={self.strategy}: the sequence groups' ranks "
-             f"reduce gradients as data-parallel ranks under {', '.join(SEQUENCE_STRATEGIES)}"),
-            (self.expert_parallel > 1, f"expert_parallel={self.expert_parallel}: the router's load-balancing loss "
-             f"would be computed per part of each sequence, not over the sequence as one process does"),
             (self.reduction == "adasum", "reduction=adasum: a sequence group's ranks each hold part of one "
              "gradient, to be summed, which Adasum's combination is not; use reduction=average"),
             (self.sync_batchnorm, "sync_batchnorm: a sequence model has no batch norm to synchronise; set "
@@ -255,19 +261,12 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.sequence_parallel={self.sequence_parallel} does not work with {why}")
 
     def _check_expert_parallel(self) -> None:
-        """What expert parallelism does not combine with (yet), each with the reason and the way out."""
+        """What expert parallelism does not combine with (yet), each with the reason and the way out: the
+        dimensions and strategies from hvdtrain.common.layout_rules, the other settings here."""
         layout = f"expert_parallel={self.expert_parallel}"
         refuses = DECLARED[EXPERT_PARALLEL_FSDP if self.strategy == "fsdp" else EXPERT_PARALLEL].refuses
+        self._check_layout_rules(layout_rules.EXPERT)
         refused = [
-            (self.strategy in ("zero1", "zero2"), f"strategy={self.strategy}: its flat buckets would cut the "
-             f"expert shares across ranks that hold other experts (fsdp leaves them out of its units; zero1 and "
-             f"zero2 are not built so); use strategy=ddp or fsdp"),
-            (self.strategy == "hsdp", "strategy=hsdp: its shard and replica groups are not built around expert "
-             "groups yet; use strategy=ddp or fsdp"),
-            (self.strategy == "ps", "strategy=ps: its servers step every parameter for the whole world, and a "
-             "rank's experts are its own; use strategy=ddp or fsdp"),
-            (self.model_parallel, f"tensor_parallel={self.tensor_parallel} x pipeline_parallel="
-             f"{self.pipeline_parallel}: {refuses['mesh']}; set both to 1"),
             (self.reduction == "adasum", f"reduction=adasum: {refuses['adasum']}; use reduction=average"),
             (self.compile, f"compile: {refuses['compile']}; set compile=false"),
             (self.precision == "fp16", "precision=fp16: the loss scale's inf/nan check covers one rank's gradients, "
@@ -276,6 +275,15 @@ class TrainConfig:
         for refused_here, why in refused:
             if refused_here:
                 raise ValueError(f"TrainConfig.{layout} does not work with {why}")
+
+    def _check_layout_rules(self, dimension: str) -> None:
+        """The first pair of ``dimension`` with another dimension or the strategy that
+        hvdtrain.common.layout_rules refuses, with its reason and way out."""
+        settings = {name: getattr(self, name) for name in layout_rules.DIMENSIONS}
+        settings["strategy"] = self.strategy
+        found = layout_rules.refusals(settings, of=dimension)
+        if found:
+            raise ValueError(layout_rules.message(*found[0], settings))
 
     def _check_preempt_signal(self) -> None:
         """preempt_signal as a bare upper-case name (SIGUSR1 and usr1 are USR1), one of PREEMPT_SIGNALS or ''."""
@@ -293,6 +301,11 @@ class TrainConfig:
     def _check_adasum(self) -> None:
         """What Horovod's Adasum cannot be combined with (beyond the strategies that refuse it), each
         refused with the reason and a way out."""
+        if self.loss_mean == "tokens":
+            raise ValueError(
+                "TrainConfig.reduction=adasum does not work with loss_mean=tokens: a token mean over the global batch "
+                "weighs each rank's gradient before an average, and Adasum combines the ranks' updates instead of "
+                "averaging them. Set loss_mean=replica (or auto) with adasum, or reduction=average for the token mean")
         if self.precision == "fp16":
             raise ValueError(
                 "TrainConfig.reduction=adasum does not work with precision=fp16: Horovod's Adasum optimizer "

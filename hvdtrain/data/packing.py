@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, IterableDataset
 
+from hvdtrain.common.labels import IGNORE_INDEX, causal_items
 from hvdtrain.data.streaming import is_stream
 
-IGNORE_INDEX = -100  # the label cross-entropy skips (torch's and transformers' default)
 Row = Dict[str, torch.Tensor]
 
 
@@ -222,9 +222,20 @@ def packed_lm_step(model: torch.nn.Module, batch: Row) -> Tuple[torch.Tensor, Di
     would not detect the packing, and documents would attend to each other) and returns its own loss;
     another model is called ``model(input_ids, position_ids=position_ids)`` for logits, scored by
     causal_lm_loss."""
+    # Under sequence parallelism a rank's part of the rows comes with its labels shifted over the whole
+    # rows (``shift_labels``) and the whole batch's count (``num_items_in_batch``): transformers' loss takes both.
+    shifted = {key: batch[key] for key in ("shift_labels", "num_items_in_batch") if key in batch}
     if getattr(model, "config", None) is not None:
         return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
-                     use_cache=False).loss, {}
+                     use_cache=False, **shifted).loss, {}
+    if shifted:
+        raise ValueError("packed_lm_step under train.sequence_parallel takes a Hugging Face model (packed rows of "
+                         "a model of your own are refused there: its mask would see its part of the rows alone)")
     logits = model(batch["input_ids"], position_ids=batch["position_ids"])
     return causal_lm_loss(logits, batch["labels"]), {}
+
+
+# Its loss is a mean over the rows' next-token targets: the Trainer weighs it by them
+# (hvdtrain.components.token_mean), so that N workers' loss is one process's token mean.
+packed_lm_step.count_items = lambda model: lambda batch: causal_items(batch["labels"])
 

@@ -6,7 +6,7 @@ every rank calls it, in the same order.
 from __future__ import annotations
 
 import time
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 
@@ -103,6 +103,13 @@ def broadcast_model_and_optimizer(
 def allreduce_sum(values: torch.Tensor, name: str) -> torch.Tensor:
     """Sum a small tensor of statistics over all ranks (one collective, every rank must call it)."""
     return hvd.allreduce(values, op=hvd.Sum, name=name)
+
+
+def allreduce_sum_async(values: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+    """Start summing a small tensor over all ranks (every rank must call it); returns what waits for
+    and gives the sum, so that the exchange runs behind the caller's next work."""
+    handle = hvd.allreduce_async(values, op=hvd.Sum, name=name)
+    return lambda: hvd.synchronize(handle)
 
 
 def allgather_rows(tensor: torch.Tensor, name: str) -> torch.Tensor:

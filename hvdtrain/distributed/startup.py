@@ -44,8 +44,8 @@ TIMELINE_ARMED = ("HOROVOD_TIMELINE", "DYNAMIC")
 # starts its background thread, as an integer (> 0: on); it takes effect only with NCCL, on GPU
 # tensors, across more than one host (horovod/common/operations.cc).
 HIERARCHICAL_ALLREDUCE = "HOROVOD_HIERARCHICAL_ALLREDUCE"
-# Process sets made after start (hvd.add_process_set: the model-parallel mesh's groups, which
-# depend on the world size and the layout) need this when hvd.init() runs; Horovod reads it once.
+# Process sets made after start (hvdtrain.parallel.topology's: the mesh's, sequence, expert and hsdp
+# groups, which depend on the world size and the layout) need this when hvd.init() runs; Horovod reads it once.
 DYNAMIC_PROCESS_SETS = "HOROVOD_DYNAMIC_PROCESS_SETS"
 
 

@@ -209,7 +209,7 @@ class Block(nn.Module):
                                  nn.Linear(4 * d_model, d_model), nn.Dropout(dropout))
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        # No mask, no argument: a tensor-parallel attention (hvdtrain.parallel.tensor) takes none.
+        # No mask, no argument: a tensor-parallel attention (hvdtrain.parallel.tensor.layers) takes none.
         x = x + (self.attention(self.norm1(x)) if mask is None else self.attention(self.norm1(x), mask))
         return x + self.mlp(self.norm2(x))
 

@@ -29,7 +29,7 @@ def check_tensor_parallel(model, tensor: int) -> None:
     a tensor group one random stream, a hand-made split does not). Changes nothing, no collective."""
     from torch import nn
 
-    from hvdtrain.parallel.tensor_plan import check_plan
+    from hvdtrain.parallel.tensor.plan import check_plan
 
     check_plan(model, tensor_plan(model), tensor)
     if tensor > 1:
@@ -45,7 +45,7 @@ def check_tensor_parallel(model, tensor: int) -> None:
 
 def parallelize_tensor(model, group):
     """Check, then split TinyTransformerLM over the tensor ``group`` (a mesh Group) in place."""
-    from hvdtrain.parallel.tensor_plan import parallelize
+    from hvdtrain.parallel.tensor.plan import parallelize
 
     check_tensor_parallel(model, 1 if group is None else group.size)
     return parallelize(model, tensor_plan(model), group)

@@ -11,6 +11,10 @@ owner runs the module's own forward (its class's, any experts implementation) on
 experts and on what it received, the results come back by the reverse all-to-all, and the sender
 adds them per token as the module does (pairs sorted by expert, so in the module's order). Backward
 sends the gradients the same ways back, by all-to-alls named as the forward's (_NamedAlltoalls, one fixed order on every rank).
+Two families call their experts otherwise, and are dispatched by rows (_SortedDispatch): JetMoe with
+rows already sorted by expert and each expert's count, ``experts(rows, rows_per_expert)``, and Llama 4
+with every token once per expert, expert-major, ``experts(rows)``; each owner gets its experts' rows.
+A module called in none of these ways is refused at set-up (check_experts, call_layout).
 
 Gradients: with the loss the mean of the N ranks' losses, an expert's gradient is 1/N of the sum
 over every token routed to it from every rank. Its owner's local gradient already sums its expert
@@ -22,16 +26,16 @@ so checkpoints, exports and the memory count can tell the whole from the slice.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
 import torch
 from torch import nn
 
-from hvdtrain.distributed import startup
-from hvdtrain.parallel.mesh import Group, Ranks, acquire_process_set, release_process_set
-from hvdtrain.parallel.tensor import own_copy
-from hvdtrain.parallel.tensor_shard import TensorShard
+from hvdtrain.parallel.mesh import Group, OwnedGroups, Ranks
+from hvdtrain.parallel.tensor.layers import own_copy
+from hvdtrain.parallel.tensor.shard import TensorShard
 
 
 def expert_group_ranks(world_size: int, rank: int, size: int) -> Ranks:
@@ -56,52 +60,35 @@ def check_world(world_size: int, size: int) -> None:
                          f"workers, or choose an expert_parallel dividing {world_size}")
 
 
-class ExpertGroups:
+class ExpertGroups(OwnedGroups):
     """This rank's expert group (all-to-all) and replica group (the experts' gradient average), with
-    their Horovod process sets. ``build`` and ``close`` are collectives over the whole world.
+    their Horovod process sets: a view of a topology's groups (hvdtrain.parallel.topology makes and
+    removes every process set).
 
     Args:
         size: E, ranks per expert group.
         expert: this rank's expert group (its all-to-alls).
         replica: the ranks holding the same experts (their gradients' average).
-        added: the process sets this object holds a count of (released by close).
+        owner: the topology ``close`` closes (one made for these groups alone); None: the topology's owner
+            closes it.
     """
 
-    def __init__(self, size: int, expert: Group, replica: Group, added: List[Ranks]) -> None:
-        self.size, self.expert, self.replica, self._added = size, expert, replica, added
+    def __init__(self, size: int, expert: Group, replica: Group, owner: Any = None) -> None:
+        self.size, self.expert, self.replica, self._owner = size, expert, replica, owner
 
     @classmethod
-    def build(cls, world_size: int, rank: int, size: int) -> "ExpertGroups":
-        """Every rank adds the same process sets in the same order (hvd.add_process_set is a collective).
+    def of(cls, world: Any, size: int, topology: Any = None) -> "ExpertGroups":
+        """This rank's expert groups of E = ``size``, from ``topology`` (extended with them if it has none: a
+        collective, every rank alike), or from a topology of their own when given none (a strategy built
+        without one), which ``close`` closes.
 
         Args:
-            world_size: ranks in the world.
-            rank: this rank.
+            world: this rank's World.
             size: E, ranks per expert group.
+            topology: the run's Topology, or None.
         """
-        check_world(world_size, size)
-        groups: List[Ranks] = []
-        for r in range(world_size):
-            for ranks in (expert_group_ranks(world_size, r, size), replica_group_ranks(world_size, r, size)):
-                if len(ranks) > 1 and ranks not in groups:
-                    groups.append(ranks)
-        if any(len(g) < world_size for g in groups) and not startup.dynamic_process_sets_enabled():
-            raise ValueError(startup.dynamic_process_sets_conflict())
-        sets: Dict[Ranks, Any] = {}
-        added: List[Ranks] = []
-        for ranks in groups:
-            sets[ranks] = acquire_process_set(ranks, world_size)  # shared with a live mesh's set of the same ranks
-            if len(ranks) < world_size:
-                added.append(ranks)
-        expert = expert_group_ranks(world_size, rank, size)
-        replica = replica_group_ranks(world_size, rank, size)
-        return cls(size, Group(expert, rank, sets.get(expert)), Group(replica, rank, sets.get(replica)), added)
-
-    def close(self) -> None:
-        """Remove the process sets no live mesh or other expert groups use (a collective)."""
-        for ranks in self._added:
-            release_process_set(ranks)
-        self._added = []
+        check_world(world.size, size)
+        return cls._asked(world, topology, "experts", experts=size)
 
 
 # What a Hugging Face config calls the experts each token is routed to, family by family.
@@ -143,6 +130,42 @@ def check_experts(path: str, module: nn.Module, size: int) -> None:
                          f"fused 3-D parameters: hvdtrain splits transformers 5's fused experts only")
     if any(hasattr(p, "expert_shard") for p in own.values()):
         raise ValueError(f"expert parallelism: {path} is already split: parallelize once")
+    if call_layout(module) is None:
+        raise ValueError(f"train.expert_parallel={size}: {path} ({name}) is called as forward"
+                         f"{_signature(module)}, none of the calls the all-to-all dispatch routes (experts("
+                         f"hidden_states, top_k_index, top_k_weights); experts(rows sorted by expert, rows per "
+                         f"expert); experts(every token once per expert, expert-major)); use expert_parallel=1")
+
+
+# How a family's model calls its fused experts module (read from the forward's positional parameters):
+# ROUTED, experts(hidden_states, top_k_index, top_k_weights), each token with its top-k experts and
+# weights (most families); SORTED, experts(rows, rows_per_expert), rows already sorted by expert with
+# the count of each expert's (JetMoe's JetMoeParallelExperts: a linear map per expert, its router
+# having sorted them); EXPERT_MAJOR, experts(rows), every token once per expert, expert 0's tokens
+# first, each as many (Llama 4's Llama4TextExperts: the router's weights already multiplied in).
+ROUTED, SORTED, EXPERT_MAJOR = "routed", "sorted", "expert-major"
+_LAYOUTS = {1: EXPERT_MAJOR, 2: SORTED}
+
+
+def call_layout(module: nn.Module) -> Optional[str]:
+    """How ``module``'s forward is called (ROUTED, SORTED or EXPERT_MAJOR), or None when its
+    signature is none of them (the dispatch cannot tell which rows go to which expert)."""
+    try:
+        parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]  # without self
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p for p in parameters if p.kind in kinds]
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters) or not positional:
+        return None
+    return ROUTED if len(positional) >= 3 else _LAYOUTS[len(positional)]
+
+
+def _signature(module: nn.Module) -> str:
+    try:
+        return str(inspect.signature(type(module).forward)).replace("self, ", "", 1)
+    except (TypeError, ValueError):
+        return "(?)"
 
 
 def split_experts(module: nn.Module, groups: ExpertGroups, path: str) -> nn.Module:
@@ -163,7 +186,11 @@ def split_experts(module: nn.Module, groups: ExpertGroups, path: str) -> nn.Modu
         local.expert_shard = shard
         split._parameters[attribute] = local
     split.num_experts = module.num_experts // size
-    split.forward = _Dispatch(split, module.num_experts, groups.expert, path)
+    layout = call_layout(module)
+    if layout == ROUTED:
+        split.forward = _Dispatch(split, module.num_experts, groups.expert, path)
+    else:
+        split.forward = _SortedDispatch(split, module.num_experts, groups.expert, path, layout)
     return split
 
 
@@ -215,6 +242,12 @@ class _Dispatch:
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  *args: Any, **kwargs: Any) -> torch.Tensor:
+        routed = isinstance(top_k_index, torch.Tensor) and top_k_index.dim() == 2
+        if not (routed and isinstance(top_k_weights, torch.Tensor)
+                and tuple(top_k_weights.shape[:2]) == tuple(top_k_index.shape)):
+            raise ValueError(f"expert parallelism: {self.name} ({type(self.module).__name__}) was called with "
+                             f"{_described(top_k_index)} and {_described(top_k_weights)} where the dispatch routes "
+                             f"(tokens, top-k) expert indices and weights; use train.expert_parallel=1")
         per_rank, device = self.total // self.group.size, hidden_states.device
         tokens, k = top_k_index.shape
         experts = top_k_index.reshape(-1)
@@ -241,6 +274,72 @@ class _Dispatch:
         (returned,), _ = _alltoall((computed,), received_splits, self.group, (f"{name}.combine",))
         combined = torch.zeros_like(hidden_states)
         return combined.index_add_(0, token, returned.to(combined.dtype))
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dim()}-D tensor {tuple(value.shape)}"
+    return type(value).__name__
+
+
+class _SortedDispatch:
+    """The split experts' forward for a module called with its rows already sorted by expert (SORTED:
+    with each expert's count; EXPERT_MAJOR: every expert the same count, rows / n). An owner's
+    experts are consecutive, so are their rows: each owner's block is sent to it, with the counts of
+    its experts; the owner puts what it received in its experts' order (expert by expert, the ranks
+    in order within each), runs the module's own forward, puts the result back in the order it came
+    in and returns it; the rows come back in this rank's own order. Each row is its own expert's
+    image, as the module computes it whole."""
+
+    def __init__(self, module: nn.Module, total: int, group: Group, name: str, layout: str) -> None:
+        self.module, self.total, self.group, self.name, self.layout = module, total, group, name, layout
+
+    def _counts(self, rows: torch.Tensor, args: Tuple[Any, ...]) -> torch.Tensor:
+        """Each expert's count of ``rows`` (a CPU int64 tensor of n), or ValueError naming the module."""
+        what = f"expert parallelism: {self.name} ({type(self.module).__name__})"
+        if self.layout == EXPERT_MAJOR:
+            if args or rows.dim() < 1 or rows.shape[0] % self.total:
+                raise ValueError(f"{what} was called with {1 + len(args)} argument(s), rows {tuple(rows.shape)}, "
+                                 f"not every token once per each of its {self.total} experts; use "
+                                 f"train.expert_parallel=1")
+            return torch.full((self.total,), rows.shape[0] // self.total, dtype=torch.int64)
+        counts = args[0] if len(args) == 1 else None
+        if isinstance(counts, torch.Tensor):
+            counts = counts.reshape(-1).tolist()
+        if not (isinstance(counts, (list, tuple)) and len(counts) == self.total
+                and all(isinstance(c, int) and c >= 0 for c in counts) and sum(counts) == rows.shape[0]):
+            raise ValueError(f"{what} was called with {_described(args[0]) if args else 'no counts'} where the "
+                             f"dispatch routes rows sorted by expert and each of its {self.total} experts' count; "
+                             f"use train.expert_parallel=1")
+        return torch.tensor(counts, dtype=torch.int64)
+
+    def __call__(self, rows: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        size, per_rank = self.group.size, self.total // self.group.size
+        if kwargs:
+            raise ValueError(f"expert parallelism: {self.name} ({type(self.module).__name__}) was called with "
+                             f"{', '.join(sorted(kwargs))}, which the dispatch by rows does not send to the experts' "
+                             f"owners; use train.expert_parallel=1")
+        counts = self._counts(rows, args)
+        splits = counts.reshape(size, per_rank).sum(dim=1).to(torch.int32)
+        name = f"ep.{self.name}"
+        (received,), received_splits = _alltoall((rows,), splits, self.group, (f"{name}.rows",))
+        (theirs,), _ = _alltoall((counts,), torch.full((size,), per_rank, dtype=torch.int32), self.group,
+                                 (f"{name}.counts",))
+        theirs = theirs.reshape(size, per_rank)  # [rank, local expert]: the rows it sent of each
+        starts = torch.cumsum(theirs.reshape(-1), 0) - theirs.reshape(-1)
+        starts = starts.reshape(size, per_rank)
+        order = torch.cat([torch.arange(int(starts[r, e]), int(starts[r, e] + theirs[r, e]))
+                           for e in range(per_rank) for r in range(size)]).to(rows.device)
+        local = received[order]
+        if self.layout == EXPERT_MAJOR:
+            computed = type(self.module).forward(self.module, local)
+        else:
+            computed = type(self.module).forward(self.module, local, theirs.sum(dim=0).tolist())
+        if received.requires_grad and not computed.requires_grad:
+            computed = computed + received.sum() * 0
+        back = computed[torch.argsort(order)]  # in the order received: by rank, then expert
+        (returned,), _ = _alltoall((back,), received_splits, self.group, (f"{name}.combine",))
+        return returned
 
 
 def expert_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:

@@ -5,26 +5,22 @@ transformer block), then the pipeline stages, then data parallelism outermost:
 
     rank = (data * pipeline_size + stage) * tensor_size + tensor
 
-Every rank creates the same process sets in the same order (hvd.add_process_set is a collective
-over the whole world): each tensor-parallel group, each data-parallel group, each pipeline (all the
-stages of one data and tensor coordinate), each pair of neighbouring stages, and each pipeline's
-first and last stage (for weights the two share, such as a tied embedding). A group of one rank has
-no process set: it has nothing to communicate. A group equal to a set already made reuses it.
+The groups: each tensor-parallel group, each data-parallel group, each pipeline (all the stages of
+one data and tensor coordinate), each pair of neighbouring stages, and each pipeline's first and last
+stage (for weights the two share, such as a tied embedding). A group of one rank has no process set:
+it has nothing to communicate. The process sets are the topology's (hvdtrain.parallel.topology, which
+makes every set of the job once, in one order on every rank); a Mesh is a view of them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import horovod.torch as hvd
 
 from hvdtrain.common.errors import LayoutError
-from hvdtrain.distributed import startup
+
 Ranks = Tuple[int, ...]
-# The process sets meshes made, and how many meshes use each: Horovod refuses a second set of the
-# same ranks, so a mesh built while another lives (a Trainer's, a test's) shares its sets. Every
-# rank builds and closes meshes in the same order, so the counts agree across ranks.
-_SHARED: Dict[Ranks, List] = {}
 
 
 class Coordinates(NamedTuple):
@@ -126,14 +122,47 @@ class Group:
         return f"Group(ranks={self.ranks}, index={self.index})"
 
 
-class Mesh:
-    """This rank's place in the mesh and its groups' process sets. ``build`` and ``close`` are
-    collectives over the whole world: every rank calls them, with the same shape."""
+class OwnedGroups:
+    """Groups a strategy asks a topology for (the expert groups, hsdp's): the run's topology, extended
+    with them (a collective: every rank alike), or for a strategy built without one (a unit test's) a
+    topology of their own, which ``close`` closes."""
 
-    def __init__(self, shape: MeshShape, rank: int, sets: Dict[Ranks, hvd.ProcessSet]) -> None:
+    _owner: Any = None
+
+    @staticmethod
+    def _asked(world: Any, topology: Any, view: str, **dimension: int) -> Any:
+        from hvdtrain.parallel.topology import Topology  # it imports this module
+
+        own = topology is None
+        topology = (Topology(world) if own else topology).extend(**dimension)
+        groups = getattr(topology, view)
+        if own:
+            groups._owner = topology
+        return groups
+
+    def close(self) -> None:
+        """Close the topology these groups own, if any (a collective); a shared topology's owner closes it."""
+        owner, self._owner = self._owner, None
+        if owner:
+            owner.close()
+
+
+class Mesh:
+    """This rank's place in the mesh and its groups' process sets (a view: a Topology holds the sets).
+    ``build`` and ``close`` are collectives over the whole world: every rank calls them, with the same shape.
+
+    Args:
+        shape: the mesh's shape.
+        rank: this rank.
+        sets: ranks -> process set, for every group of the mesh (the topology's).
+        held: the sets ``close`` releases (``build``'s own; a topology's mesh holds none).
+    """
+
+    def __init__(self, shape: MeshShape, rank: int, sets: Dict[Ranks, hvd.ProcessSet],
+                 held: Tuple[Ranks, ...] = ()) -> None:
         self.shape, self.rank = shape, rank
         self.coordinates = shape.coordinates(rank)
-        self._added = [ranks for ranks in sets if len(ranks) < shape.size]
+        self._added = list(held)
         group = lambda ranks: None if ranks is None else Group(ranks, rank, sets.get(ranks))
         self.tensor = group(shape.tensor_group(rank))
         self.data = group(shape.data_group(rank))
@@ -146,8 +175,9 @@ class Mesh:
 
     @classmethod
     def build(cls, world_size: int, rank: int, tensor: int = 1, pipeline: int = 1) -> "Mesh":
-        """The mesh of a world: its shape, and a Horovod process set for each group of ranks (collective: every rank
-        builds it).
+        """The mesh of a world alone (a bench's, a test's): its shape, and a Horovod process set for each group of
+        ranks through the topology's registry, shared with any live topology's (collective: every rank builds it).
+        A training's mesh is its Topology's.
 
         Args:
             world_size: ranks in the world.
@@ -155,14 +185,11 @@ class Mesh:
             tensor: T, ranks per tensor-parallel group.
             pipeline: P, pipeline stages.
         """
+        from hvdtrain.parallel.topology import acquire_sets
+
         shape = MeshShape.for_world(world_size, tensor, pipeline)
-        sets: Dict[Ranks, hvd.ProcessSet] = {}
-        groups = list(shape.all_groups())
-        if any(len(g) < world_size for g in groups) and not startup.dynamic_process_sets_enabled():
-            raise ValueError(startup.dynamic_process_sets_conflict())
-        for ranks in groups:
-            sets[ranks] = acquire_process_set(ranks, world_size)
-        return cls(shape, rank, sets)
+        sets, held = acquire_sets(shape.all_groups(), world_size)
+        return cls(shape, rank, sets, tuple(held))
 
     @property
     def stage(self) -> int:
@@ -177,29 +204,12 @@ class Mesh:
         return self.stage == self.shape.pipeline - 1
 
     def close(self) -> None:
-        """Remove the process sets no other live mesh uses (a collective: every rank, in the same order)."""
-        for ranks in self._added:
-            release_process_set(ranks)
-        self._added = []
+        """Release the sets ``build`` acquired, removing those no live topology holds (a collective: every rank,
+        in the same order). A topology's mesh holds none: its topology closes them."""
+        from hvdtrain.parallel.topology import release_sets
 
-
-def acquire_process_set(ranks: Ranks, world_size: int) -> hvd.ProcessSet:
-    """The process set of ``ranks``, made (a collective over the world: every rank, in the same order)
-    or shared with a live user of the same ranks; the whole world's is Horovod's global set."""
-    if len(ranks) == world_size:  # Horovod refuses a second set of the whole world's ranks
-        return hvd.global_process_set
-    if ranks not in _SHARED:
-        _SHARED[ranks] = [hvd.add_process_set(list(ranks)), 0]
-    _SHARED[ranks][1] += 1
-    return _SHARED[ranks][0]
-
-
-def release_process_set(ranks: Ranks) -> None:
-    """One user fewer of ``ranks``' set (acquired with fewer ranks than the world); removed with its last
-    (a collective: every rank, in the same order)."""
-    _SHARED[ranks][1] -= 1
-    if _SHARED[ranks][1] == 0:
-        hvd.remove_process_set(_SHARED.pop(ranks)[0])
+        held, self._added = self._added, []
+        release_sets(held)
 
 
 def describe_rank(shape: MeshShape, rank: int, hostname: str) -> str:

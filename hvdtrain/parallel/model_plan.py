@@ -1,6 +1,6 @@
 """How one model replica is split over a model-parallel mesh: the user's plan.
 
-``tensor_plan`` maps module paths to split styles (hvdtrain.parallel.tensor_plan, which lists them; a Hugging Face model's own
+``tensor_plan`` maps module paths to split styles (hvdtrain.parallel.tensor.plan, which lists them; a Hugging Face model's own
 ``tp_plan`` is used when none is given);
 ``pipeline_layers(model)`` returns the model as a sequence of layers for the pipeline (default:
 an nn.Sequential's children); ``stage_layers`` gives the layers per stage (default: balanced by

@@ -5,7 +5,7 @@ nn.Embedding computes on this rank's slice. A family that subclasses them to do 
 embedding multiplies the lookup by sqrt(hidden)) would lose that work silently if its layer were
 replaced by a plain split one: the run trains, and trains something else. So a subclass's forward
 is read before the split: it is kept, around the split lookup, when all it does with the table is
-call ``super().forward(...)`` (hvdtrain.parallel.tensor.VocabParallelEmbedding puts the split lookup
+call ``super().forward(...)`` (hvdtrain.parallel.tensor.layers.VocabParallelEmbedding puts the split lookup
 there); anything else (its own use of ``self.weight``, F.embedding or F.linear on it, a forward
 whose source cannot be read) is refused by name before the first step.
 """

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from hvdtrain.common.capabilities import STRATEGY_NAMES
-from hvdtrain.config.train import SEQUENCE_STRATEGIES
+from hvdtrain.common.layout_rules import EXPERT, PIPELINE, SEQUENCE, TENSOR, combines, strategies_with
 from hvdtrain.common.units import MiB
 from hvdtrain.planner.model_shape import ModelShape
 from hvdtrain.planner.network import CALIBRATION, NETWORKS, Calibration, Network
@@ -17,8 +17,10 @@ from hvdtrain.planner.network import CALIBRATION, NETWORKS, Calibration, Network
 STRATEGIES = STRATEGY_NAMES
 PRECISIONS = {"fp32": 4, "bf16": 2}          # bytes of a parameter, a gradient and an activation
 OPTIMIZERS = {"adam": 2, "sgd": 1}           # fp32 state tensors per parameter (sgd: with momentum)
-# The strategies that hold the rest of the model under expert parallelism (TrainConfig refuses the others).
-EXPERT_STRATEGIES = ("ddp", "fsdp")
+# The strategies that hold the rest of the model under expert parallelism, and those a sequence group's
+# ranks reduce under (hvdtrain.common.layout_rules; TrainConfig refuses the others).
+EXPERT_STRATEGIES = strategies_with(EXPERT)
+SEQUENCE_STRATEGIES = strategies_with(SEQUENCE)
 # Assumed, not measured: what one device achieves on a transformer's matrix products (set --flops).
 DEFAULT_FLOPS = 50e12
 # Assumed, not measured: bytes per second a device's optimizer update streams (set --update-bandwidth;
@@ -137,24 +139,26 @@ def layouts(setup: Setup, workers: Optional[int] = None) -> List[Layout]:
                 continue
             if tensor * pipeline == 1:
                 strategies = [s for s in STRATEGIES if s != "hsdp"] if n > 1 else ["ddp"]
-            else:  # over a mesh: plain replicas, or ZeRO-1 over each data group when there are several
-                strategies = ["ddp", "zero1"] if data > 1 else ["ddp"]
+            else:  # over a mesh, what its data groups combine with (ddp's replicas alone without several)
+                mesh = [d for d, size in ((TENSOR, tensor), (PIPELINE, pipeline)) if size > 1]
+                strategies = [s for s in strategies_with(*mesh) if s != "hsdp"] if data > 1 else ["ddp"]
             found += [Layout(s, tensor, pipeline, data, micro if pipeline > 1 else 1) for s in strategies]
             # hsdp: fsdp within each node, ddp across; between fsdp over every rank (K = n) and ddp (K = 1).
             if tensor * pipeline == 1 and 1 < setup.gpus_per_node < n and n % setup.gpus_per_node == 0:
                 found.append(Layout("hsdp", 1, 1, data, shard=setup.gpus_per_node))
     # Sequence parallelism, alone or inside tensor groups (no pipeline split): S divides the sequence
     # and each tensor rank's heads. Over a mesh the data group (D x S ranks) is ddp's or ZeRO-1's.
-    for tensor in (t for t in _divisors(n) if shape.heads % t == 0 and kv_heads % t == 0):
+    tensors = [t for t in _divisors(n) if shape.heads % t == 0 and kv_heads % t == 0]
+    for tensor in (t for t in tensors if t == 1 or combines(SEQUENCE, TENSOR)):
         own_kv = kv_heads // tensor  # split over S, or replicated onto it (hvdtrain.parallel.sequence.attention)
         for sequence in (s for s in _divisors(n // tensor)
                          if s > 1 and (shape.heads // tensor) % s == 0 and shape.seq_len % s == 0
                          and (own_kv % s == 0 or s % own_kv == 0)):
             data = n // (tensor * sequence)
             if setup.batch % data == 0:
-                strategies = SEQUENCE_STRATEGIES if tensor == 1 else ("ddp", "zero1")
+                strategies = strategies_with(SEQUENCE, *([TENSOR] if tensor > 1 else []))
                 found += [Layout(s, tensor, 1, data, sequence=sequence) for s in strategies]
-    # Expert parallelism (no tensor, pipeline or sequence split with it): E of the n data ranks.
+    # Expert parallelism (no tensor, pipeline or sequence split with it: layout_rules): E of the n data ranks.
     if shape.experts and setup.batch % n == 0:
         for experts in (e for e in _divisors(n) if e > 1 and shape.experts % e == 0):
             found += [Layout(s, 1, 1, n, experts=experts) for s in EXPERT_STRATEGIES]

@@ -62,8 +62,8 @@ def _held_bytes(setup: Setup, layout: Layout, elements: float, width: int, state
     experts = setup.shape.expert_params
     rest = sharded_state_bytes(layout.strategy, elements - experts, width, width, state, layout.sharing,
                                setup.ps_servers)
-    # Each rank's 1/E of the experts is held whole under ddp and fsdp alike (fsdp leaves the shares out
-    # of its units): replicated over the N/E ranks holding the same experts, as ddp holds everything.
+    # Each rank's 1/E of the experts is held whole under ddp, zero1, zero2 and fsdp alike (the shares stay
+    # out of ZeRO's buckets and fsdp's units): replicated over the N/E ranks holding the same experts.
     own = sharded_state_bytes("ddp", experts / layout.experts, width, width, state, 1, setup.ps_servers)
     return {key: rest[key] + own[key] for key in rest}
 

@@ -104,21 +104,25 @@ class Strategy(ABC):
     def broadcast_from_root(self) -> None:
         """Every rank starts from rank 0's parameters, buffers and optimizer state."""
 
-    def forward_backward(self, step_fn, batch: Any, autocast, scale_loss, divisor: int) -> Tuple[torch.Tensor, Dict]:
-        """One micro-batch: its forward, then backward of the scaled loss over the accumulation count;
-        returns (loss, metrics). A pipeline runs its schedule over the batch's micro-batches here instead.
+    def forward_backward(self, step_fn, batch: Any, autocast, scale_loss, weight: Any) -> Tuple[torch.Tensor, Dict]:
+        """One micro-batch: its forward, then backward of the scaled loss times its weight; returns
+        (loss, metrics), the loss unweighted. A pipeline runs its schedule over the batch's
+        micro-batches here instead.
 
         Args:
             step_fn: ``step_fn(model, batch) -> (loss, metrics)``, the forward.
             batch: this rank's micro-batch.
             autocast: ``autocast()``: the forward's precision context.
             scale_loss: ``scale_loss(loss)``: the loss times fp16's loss scale (unchanged otherwise).
-            divisor: the accumulation count, dividing the scaled loss.
+            weight: the micro-batch's share of the step (hvdtrain.components.token_mean): 1 / accumulation,
+                or its scored items x the replicas / the global batch's items, read (``float``) after the
+                forward, which the global count's all-reduce runs behind.
         """
         with autocast():
             loss, metrics = step_fn(self.model, batch)
+        weight = float(weight)
         scaled = scale_loss(loss)
-        self.backward(scaled / divisor if divisor > 1 else scaled)
+        self.backward(scaled * weight if weight != 1 else scaled)
         return loss, metrics
 
     def forward_only(self, step_fn, batch: Any) -> Tuple[torch.Tensor, Dict]:

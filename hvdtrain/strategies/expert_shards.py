@@ -7,6 +7,8 @@ together hold every expert once (the other expert groups hold copies of the same
 (``shard_part``) rank 0 writes it alone, as a data-parallel checkpoint would; under fsdp
 (``fsdp_shard_part``) each rank writes its own slices of the units' flat buckets, as the elements
 [start, stop) of each parameter a slice cuts (a FlatRange), and rank 0 the tensors outside them.
+hsdp (no experts) writes the same part: the ranks of its first shard group (0..K-1) their slices,
+the other groups' ranks, whose slices are copies of those, no model or optimizer data.
 
 The part has the layout of a tensor x pipeline mesh's (``kind`` "mesh", read by
 hvdtrain.checkpoint.sources.mesh): a split tensor's pieces carry their spec, so the same reader puts
@@ -20,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from hvdtrain.parallel.tensor_shard import FlatRange
+from hvdtrain.parallel.tensor.shard import FlatRange
 from hvdtrain.strategies.base import tensor_names
 from hvdtrain.strategies.sharding import flat_buckets as fb
 from hvdtrain.strategies.sharding.shard_state import compact
@@ -110,7 +112,8 @@ def shard_part(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: i
 
 
 def fsdp_shard_part(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket], optimizer: torch.optim.Optimizer,
-                    param_groups: Sequence[Dict[str, Any]], rank: int, world_size: int, experts: int) -> Dict[str, Any]:
+                    param_groups: Sequence[Dict[str, Any]], rank: int, world_size: int, experts: int,
+                    writes_slices: bool = True) -> Dict[str, Any]:
     """This rank's part of a sharded checkpoint under fsdp x expert parallelism: its own slice of
     every flat bucket, as the ranges of the parameters it cuts, with the same ranges of the shard
     optimizer's per-element state; its experts if it is in the first expert group; on rank 0 the
@@ -124,7 +127,9 @@ def fsdp_shard_part(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket], op
             the numbering and names of the state written.
         rank: this rank (its slice of every bucket).
         world_size: ranks in the world (every one a data-parallel rank).
-        experts: E, ranks per expert group.
+        experts: E, ranks per expert group (1 without experts: hsdp).
+        writes_slices: this rank writes its slices of the buckets; False on a rank whose slices another
+            rank writes (hsdp: every shard group but the first holds copies of the first's slices).
     """
     names = optimizer_names(model, param_groups)
     aliases_of = {id(value): aliases for aliases, value in tensor_names(model)}
@@ -136,7 +141,7 @@ def fsdp_shard_part(model: torch.nn.Module, buckets: Sequence[fb.FlatBucket], op
         for param, index, offset in zip(bucket.params, bucket.param_indices, bucket.offsets):
             in_buckets.add(id(param))
             start, stop = max(low, offset), min(high, offset + param.numel())
-            if start >= stop:
+            if start >= stop or not writes_slices:
                 continue
             piece = FlatRange(start - offset, stop - offset, tuple(param.shape))
             own = slice(start - low, stop - low)

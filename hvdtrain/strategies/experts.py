@@ -38,6 +38,8 @@ class ExpertParallelStrategy(DDPStrategy):
         accumulation: micro-batches per optimizer step.
         fp16_allreduce: compress gradients to fp16 for their exchange.
         experts: E, ranks per expert group.
+        topology: the run's Topology, which holds the expert groups' process sets (None: one of the strategy's
+            own, closed by close_groups).
     """
 
     name = "expert_parallel"
@@ -51,13 +53,14 @@ class ExpertParallelStrategy(DDPStrategy):
             model: the model.
             optimizer: its optimizer.
             world: this rank's World.
-            context: what set-up knows besides (unused: no mesh, no plan).
+            context: what set-up knows besides: the topology, whose expert groups these are (no mesh, no plan).
         """
-        return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce, experts=config.expert_parallel)
+        return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce, experts=config.expert_parallel,
+                   topology=context.get("topology"))
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
-                 accumulation: int, fp16_allreduce: bool, experts: int = 2) -> None:
-        self.groups = split_model_experts(model, optimizer, world, experts)
+                 accumulation: int, fp16_allreduce: bool, experts: int = 2, topology: Any = None) -> None:
+        self.groups = split_model_experts(model, optimizer, world, experts, topology)
         super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
         self.experts = experts
         self._expert_names = {name for name, _ in ep.expert_parameters(model)}
@@ -142,12 +145,13 @@ class ExpertParallelStrategy(DDPStrategy):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def close_groups(self) -> None:
-        """Remove the expert groups' process sets (a collective: every rank calls it)."""
+        """Remove the expert groups' process sets if this strategy's own topology holds them (a collective: every
+        rank calls it); the run's topology closes its own."""
         self.groups.close()
 
 
 def split_model_experts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
-                        experts: int) -> ep.ExpertGroups:
+                        experts: int, topology: Any = None) -> ep.ExpertGroups:
     """The set-up every expert-parallel strategy starts with, on every rank alike: refused before any
     collective; rank 0's model and optimizer state broadcast while every rank holds the whole model;
     then each fused experts module replaced by this rank's share, which the optimizer steps in the
@@ -158,6 +162,7 @@ def split_model_experts(model: torch.nn.Module, optimizer: torch.optim.Optimizer
         optimizer: the user's optimizer over it.
         world: this rank's World.
         experts: E, ranks per expert group.
+        topology: the run's Topology, asked for the expert groups (None: a topology of the groups' own).
     """
     ep.check_world(world.size, experts)
     found = ep.fused_experts(model)
@@ -168,7 +173,7 @@ def split_model_experts(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     for path, module in found.items():
         ep.check_experts(path, module, experts)
     collectives.broadcast_model_and_optimizer(model, optimizer, root_rank=0)
-    groups = ep.ExpertGroups.build(world.size, world.rank, experts)
+    groups = ep.ExpertGroups.of(world, experts, topology)
     replace_experts(model, optimizer, groups)
     return groups
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Callable, Dict, Optional
 
-from hvdtrain.common.capabilities import (DECLARED, ELASTIC, EXPERT_PARALLEL, EXPERT_PARALLEL_FSDP, MODEL_PARALLEL,
-                                          STRATEGY_NAMES, supporting)
+from hvdtrain.common.capabilities import (DECLARED, ELASTIC, EXPERT_PARALLEL, EXPERT_PARALLEL_FSDP,
+                                          EXPERT_PARALLEL_ZERO, MODEL_PARALLEL, STRATEGY_NAMES, supporting)
 from hvdtrain.config.strategy_checks import either
 
 if TYPE_CHECKING:
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from hvdtrain.config.train import TrainConfig
     from hvdtrain.distributed.world import World
     from hvdtrain.parallel.mesh import Mesh
+    from hvdtrain.parallel.topology import Topology
     from hvdtrain.parallel.model_plan import ModelPlan
     from hvdtrain.strategies.base import Strategy
     from hvdtrain.strategies.deferred_init import DeferredInit
@@ -36,6 +37,7 @@ STRATEGIES: Dict[str, str] = {
     MODEL_PARALLEL: "hvdtrain.strategies.model_parallel.strategy:ModelParallelStrategy",
     EXPERT_PARALLEL: "hvdtrain.strategies.experts:ExpertParallelStrategy",
     EXPERT_PARALLEL_FSDP: "hvdtrain.strategies.fsdp.experts:ExpertParallelFSDPStrategy",
+    EXPERT_PARALLEL_ZERO: "hvdtrain.strategies.zero_experts:ExpertParallelZeroStrategy",
 }
 
 
@@ -52,11 +54,13 @@ def strategy_class(name: str) -> type:
 
 def chosen_name(config: "TrainConfig") -> str:
     """The registered name of the strategy ``config`` runs: the model-parallel layout over a mesh,
-    expert parallelism (over ddp or fsdp) when train.expert_parallel > 1."""
+    expert parallelism (over ddp, fsdp, zero1 or zero2) when train.expert_parallel > 1."""
     if config.model_parallel:
         return MODEL_PARALLEL
     if config.expert_parallel > 1:
-        return EXPERT_PARALLEL_FSDP if config.strategy == "fsdp" else EXPERT_PARALLEL
+        if config.strategy == "fsdp":
+            return EXPERT_PARALLEL_FSDP
+        return EXPERT_PARALLEL_ZERO if config.strategy in ("zero1", "zero2") else EXPERT_PARALLEL
     return config.strategy
 
 
@@ -94,7 +98,8 @@ def launch_refusal(config: "TrainConfig", world: "World", elastic: bool) -> Opti
 
 def build_strategy(config: "TrainConfig", model: "torch.nn.Module", optimizer: "torch.optim.Optimizer",
                    world: "World", mesh: "Optional[Mesh]" = None, plan: "Optional[ModelPlan]" = None,
-                   loss_fn: Optional[Callable] = None, deferred: "Optional[DeferredInit]" = None) -> "Strategy":
+                   loss_fn: Optional[Callable] = None, deferred: "Optional[DeferredInit]" = None,
+                   topology: "Optional[Topology]" = None) -> "Strategy":
     """The strategy the settings ask for; with a model-parallel mesh, config.strategy over each
     data-parallel group of split replicas. Each class reads its own settings.
 
@@ -108,10 +113,12 @@ def build_strategy(config: "TrainConfig", model: "torch.nn.Module", optimizer: "
         loss_fn: a pipeline's last stage's loss function.
         deferred: the model was built on the meta device; a strategy that initializes by shard (its capabilities'
             ``initializes_by_shard``) takes it, the others get the model made whole first.
+        topology: the run's Topology, which owns every process set: a strategy with groups of its own (hsdp's
+            shard groups, the expert groups) asks it for them (None: such a strategy makes a topology of its own).
     """
     cls = strategy_class(MODEL_PARALLEL if mesh is not None else chosen_name(config))
     if deferred is not None and not cls.capabilities.initializes_by_shard:
         deferred.make_whole()
         deferred = None
     return cls.from_config(config, model, optimizer, world, mesh=mesh, plan=plan, loss_fn=loss_fn,
-                           deferred=deferred)
+                           deferred=deferred, topology=topology)

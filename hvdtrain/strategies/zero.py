@@ -11,7 +11,7 @@ the reduce-scatter in fp16; the gathered parameters stay full precision.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Optional, Sequence
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Set
 
 import torch
 
@@ -51,7 +51,8 @@ class ZeroStrategy(ShardedStrategy):
         super().__init__(model, optimizer, world, accumulation, fp16_allreduce)
         # The user's optimizer names the parameters and their groups: a new world's buckets are cut from it.
         self._user_optimizer, self._bucket_bytes = optimizer, bucket_bytes
-        self.buckets = fb.bucket_parameters(model, optimizer, bucket_bytes, world.rank, world.size)
+        self.buckets = fb.bucket_parameters(model, optimizer, bucket_bytes, world.rank, world.size,
+                                            whole=self._kept_whole(optimizer))
         self._attach_gradient_buffers(fp16_allreduce)
         self._take_optimizer(optimizer)
         self._begin_step_bookkeeping()
@@ -75,7 +76,7 @@ class ZeroStrategy(ShardedStrategy):
         for param in self.model.parameters():
             param.grad = None  # views of the old buckets' gradient buffers
         self.buckets = fb.bucket_parameters(self.model, self._user_optimizer, self._bucket_bytes, world.rank,
-                                            world.size)
+                                            world.size, whole=self._kept_whole(self._user_optimizer))
         self._attach_gradient_buffers(self.fp16_allreduce)
         repoint_optimizer(self.optimizer, [[b.shard for b in self.buckets if b.group == group]
                                            for group in range(len(self.optimizer.param_groups))])
@@ -83,6 +84,11 @@ class ZeroStrategy(ShardedStrategy):
         self._begin_step_bookkeeping()
 
     # Construction: everything a step needs is laid out once, here.
+
+    def _kept_whole(self, optimizer: torch.optim.Optimizer) -> Set[int]:
+        """ids of the optimizer's parameters left out of the buckets, whole on this rank: none here (a
+        subclass that reduces and steps some itself names them: zero_experts.py's expert shares)."""
+        return set()
 
     def _attach_gradient_buffers(self, fp16_allreduce: bool) -> None:
         for bucket in self.buckets:

@@ -51,7 +51,8 @@ def run_case(world: World, family: str, config: Any, layout: Layout, optimizer: 
         local = _judge(world, config, layout, optimizer, steps, trained)
     elif local["end"] == "trained":
         local = {"end": "trained", "verdict": {"result": "trained", "message": "trained on this rank"}}
-    if trainer is not None and layout.tensor * layout.pipeline * layout.sequence > 1 and all(e != "set-up" for e in ends):
+    groups = layout.tensor * layout.pipeline * layout.sequence * layout.experts > 1 or layout.strategy == "hsdp"
+    if trainer is not None and groups and all(e != "set-up" for e in ends):
         trainer.close_mesh()
     verdicts = collectives.allgather_object(local["verdict"], name=f"{tag}.verdicts")
     outcome = _agreed(verdicts)

@@ -25,7 +25,7 @@ REASONS: Tuple[Tuple[str, str], ...] = (
     (r"sequence_parallel.*AttentionInterface", "sp: attention outside transformers' interface"),
     (r"sequence_parallel.*num_attention_heads", "sp: no attention heads"),
     (r"sequence_parallel.*(query heads|key/value heads)", "sizes do not split"),
-    # hvdtrain.parallel.tensor_audit and tensor_probe: a split found wrong before any update.
+    # hvdtrain.parallel.tensor.audit and tensor_probe: a split found wrong before any update.
     (r"found on the first step", "tp: a gradient counted otherwise than once (first-step audit)"),
     (r"found at set-up\): on a probe", "tp: split logits differ from the whole model's (set-up probe)"),
     (r"found at set-up\): the split model's forward failed", "tp: split forward fails (set-up probe)"),

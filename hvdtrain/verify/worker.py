@@ -37,6 +37,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--data", type=int, default=0)
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--meta", action="store_true")
+    parser.add_argument("--sequence", type=int, default=1)
+    parser.add_argument("--experts", type=int, default=1)
+    parser.add_argument("--shard", type=int, default=0)
     return parser.parse_args(argv)
 
 
@@ -51,7 +54,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     world = startup.init(seed=0, threads=1, dynamic_process_sets=True)
     if world.local_size >= len(os.sched_getaffinity(0)):
         wait_without_spinning()
-    layouts = ([layout_for(args.tensor, args.pipeline, args.strategy, args.meta, args.data)]
+    layouts = ([layout_for(args.tensor, args.pipeline, args.strategy, args.meta, args.data, args.sequence, args.experts,
+                           args.shard)]
                if args.tensor else named(args.layouts))
     layouts = [layout for layout in layouts if layout.ranks == world.size]
     optimizers = [name for name in args.optimizers.split(",") if name]

@@ -221,7 +221,7 @@ def _qwen3_plan_without(*dropped, added=None):
 
 # A plan that leaves Qwen3's per-head norms unsummed trains each rank's copy on its own heads; one that
 # sums the whole-width input norm counts its gradient twice. Both train silently without the audit.
-# (The split region's rule, hvdtrain.parallel.tensor_region, sums the per-head norms a plan leaves out:
+# (The split region's rule, hvdtrain.parallel.tensor.region, sums the per-head norms a plan leaves out:
 # it is switched off in that case, which shows the audit still refuses what the rule would miss.)
 WITHOUT_THE_SPLIT_REGION = {"per-head norm left unsummed"}
 MISCOUNTED_PLANS = {
@@ -237,7 +237,7 @@ MISCOUNTED_PLANS = {
 @pytest.mark.parametrize("case", list(MISCOUNTED_PLANS))
 def test_a_plan_that_counts_a_gradient_otherwise_than_once_is_refused_before_the_first_update(world, case,
                                                                                             monkeypatch):
-    from hvdtrain.parallel import tensor_region
+    from hvdtrain.parallel.tensor import region as tensor_region
     from hvdtrain.parallel.model_plan import ModelPlan
 
     if world.size % 2:
@@ -262,7 +262,7 @@ def test_a_plan_that_counts_a_gradient_otherwise_than_once_is_refused_before_the
 def test_a_split_that_computes_otherwise_is_refused_at_set_up(world, monkeypatch):
     """The probe at set-up: with Gemma2's embedding split as a plain table again (the bug fixed above,
     put back), the split model's logits on a probe are not the whole model's: refused before training."""
-    from hvdtrain.parallel import tensor
+    from hvdtrain.parallel.tensor import layers as tensor
 
     if world.size % 2:
         pytest.skip("tensor_parallel=2 needs an even number of ranks")

@@ -156,9 +156,10 @@ def test_a_checkpoint_holds_the_experts_whole_and_resumes_at_any_expert_parallel
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
 def test_clipping_counts_every_expert_once(world, strategy):
-    """Mixtral at E=2 (under ddp, and under fsdp: its shards of the rest each counted by their rank)
+    """Mixtral at E=2 (under ddp, and under zero1, zero2 and fsdp: their slices of the rest each counted
+    by their rank)
     with train.max_grad_norm below the gradients' norm: the global norm counts each expert once (its
     replicas hold the same averaged gradient) and every replicated gradient once, so the steps are
     one process's clipped ones (a norm counting a rank's own experts only, or counting the
@@ -201,11 +202,11 @@ def test_ranks_that_made_different_numbers_of_collectives_before_still_meet(worl
     if world.size % 2:
         pytest.skip("expert_parallel=2 needs an even world")
     import horovod.torch as hvd
-    from hvdtrain.parallel.mesh import acquire_process_set, release_process_set
-    alone = acquire_process_set((0,), world.size)  # every rank makes it; rank 0 alone uses it
+    from hvdtrain.parallel.topology import PROCESS_SETS
+    alone = PROCESS_SETS.acquire((0,), world.size)  # every rank makes it; rank 0 alone uses it
     if world.rank == 0:
         hvd.allreduce(torch.ones(1), process_set=alone)  # unnamed: only rank 0's counter moves on
-    release_process_set((0,))
+    PROCESS_SETS.release((0,))
     with float64_throughout():
         trainer, data, initial, final, step_losses = train(world, "mixtral", expert_parallel=2)
         trainer.close_mesh()

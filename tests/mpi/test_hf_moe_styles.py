@@ -26,7 +26,7 @@ import torch
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed import collectives
 from hvdtrain.parallel.model_plan import ModelPlan
-from hvdtrain.parallel.tensor_plan import model_tensor_plan
+from hvdtrain.parallel.tensor.plan import model_tensor_plan
 from hvdtrain.trainer import Trainer
 from hvdtrain.verify.exact import float64_throughout
 from tests.mpi import helpers

@@ -1,4 +1,4 @@
-"""Whole parameters inside a split region (hvdtrain.parallel.tensor_region) under T=2: each rank's
+"""Whole parameters inside a split region (hvdtrain.parallel.tensor.region) under T=2: each rank's
 gradient of them is a part, summed over the tensor group; the model then takes one process's steps.
 
 - Apertus: its MLP's xIELU activation has learnable alpha_p and alpha_n, applied to the output of the

@@ -359,3 +359,51 @@ def test_your_own_loop_is_refused_by_name(world):
     with pytest.raises(ValueError, match="use hvdtrain.Trainer"):
         hvdtrain.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), helpers.token_data(VOCAB, SEQ),
                        config=config, world=world)
+
+
+def packed_rows():
+    """Rows of 16 tokens packing documents of 2 to 9 tokens (positions restarting at each, -100 at each
+    document's first label), so that boundaries fall in every rank's part of the rows."""
+    from hvdtrain.data.packing import packed
+
+    generator = torch.Generator().manual_seed(9)
+    lengths = torch.randint(2, 10, (120,), generator=generator).tolist()
+    documents = [torch.randint(0, VOCAB, (length,), generator=generator) for length in lengths]
+    return list(packed(documents, row_length=SEQ))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sequence", [2, 4])
+def test_packed_rows_keep_their_documents_apart_across_the_split(world, sequence):
+    """Packed rows (hvdtrain.packed, packed_lm_step): each rank holds part of every row, documents cross
+    the parts, and attention stays within each document over the whole row, as one process computes it
+    (transformers finds the documents in the whole rows' positions, not in a rank's part of them). The
+    loss is the token mean over the global batch: the reported train_loss is one process's."""
+    from hvdtrain.data.packing import causal_items, packed_lm_step
+
+    groups = groups_of(world, sequence)
+    rows = packed_rows()
+    stacked = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    starts = [(stacked["position_ids"][:, part * SEQ // sequence:(part + 1) * SEQ // sequence] == 0).any()
+              for part in range(sequence)]
+    assert all(starts), "a document starts in every rank's part of the rows"
+    with float64_throughout():
+        model = hf_model("llama", 100 + world.rank)
+        config = TrainConfig(epochs=1, batch_size=BATCH, lr=0.01, scale_lr=False, max_steps=STEPS, seed=SEED,
+                             log_every=1000, tensorboard=False, sequence_parallel=sequence)
+        trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), rows, None, config, world=world,
+                          step_fn=packed_lm_step)
+        initial = copy.deepcopy(trainer.strategy.state_dict()["model"])
+        reported = trainer.fit()[-1]["train_loss"]
+        final = trainer.strategy.state_dict()["model"]
+        trainer.close_mesh()
+        batches = step_batches(len(rows), groups)
+        loss_of = lambda model, indices: packed_lm_step(model, {k: v[indices] for k, v in stacked.items()})[0]  # noqa: E731
+        expected, expected_losses = one_process(lambda seed: hf_model("llama", seed), initial, batches, loss_of)
+    counts = [causal_items(stacked["labels"][indices]) for indices in batches]
+    token_mean = sum(loss * count for loss, count in zip(expected_losses, counts)) / sum(counts)
+    worst = max((final[name] - expected[name]).abs().max().item() for name in expected)
+    moved = min((expected[name] - initial[name]).abs().max().item() for name in expected if name.endswith("weight"))
+    assert moved > 1e-4, "training did not move every weight: the test proves nothing"
+    assert worst < 1e-10, f"max |gathered - one process| = {worst}"
+    assert abs(reported - token_mean) < 1e-10, f"train_loss {reported} against one process's {token_mean}"

@@ -9,7 +9,7 @@ from hvdtrain.distributed import collectives
 from hvdtrain.examples.textlm import TinyTransformerLM, lm_loss
 from hvdtrain.examples.textlm_parallel import parallelize_tensor
 from hvdtrain.parallel.mesh import Mesh
-from hvdtrain.parallel.tensor import copy_to_tensor_group, full_tensor, reduce_from_tensor_group
+from hvdtrain.parallel.tensor.layers import copy_to_tensor_group, full_tensor, reduce_from_tensor_group
 
 # The launches of scripts/run_tests.sh this file runs in besides the one at $NP ranks under MPI,
 # each with what it shows there (the markers: setup.cfg).

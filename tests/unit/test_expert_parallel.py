@@ -47,8 +47,6 @@ def test_the_fused_experts_are_found_and_nothing_else():
 
 
 @pytest.mark.parametrize("settings, refused", [
-    (dict(strategy="zero1"), "strategy=zero1: its flat buckets would cut the expert shares across ranks"),
-    (dict(strategy="zero2"), "strategy=zero2: its flat buckets would cut the expert shares across ranks"),
     (dict(strategy="ps"), "strategy=ps: its servers step every parameter for the whole world"),
     (dict(strategy="fsdp", compile=True), "compile: the experts' all-to-all"),
     (dict(tensor_parallel=2), "tensor_parallel=2 x pipeline_parallel=1: expert parallelism does not combine"),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hvdtrain.parallel.mesh import Group
-from hvdtrain.parallel.tensor_plan import check_plan, model_tensor_plan, parallelize
+from hvdtrain.parallel.tensor.plan import check_plan, model_tensor_plan, parallelize
 
 transformers = pytest.importorskip("transformers")
 

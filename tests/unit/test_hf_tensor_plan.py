@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from hvdtrain.parallel.mesh import Group
-from hvdtrain.parallel.tensor import (GatheredColumnParallelLinear, SplitInputRowParallelLinear,
+from hvdtrain.parallel.tensor.layers import (GatheredColumnParallelLinear, SplitInputRowParallelLinear,
                                       VocabParallelEmbedding)
-from hvdtrain.parallel.tensor_plan import STYLES, check_plan, model_tensor_plan, parallelize
+from hvdtrain.parallel.tensor.plan import STYLES, check_plan, model_tensor_plan, parallelize
 
 transformers = pytest.importorskip("transformers")
 
@@ -138,7 +138,7 @@ class _ClampedLinear(nn.Linear):
 
 def test_an_embedding_with_its_own_forward_keeps_it_around_the_split_lookup(monkeypatch):
     # No other rank here: the lookup's sum over the group is this rank's part, enough for ids it holds.
-    monkeypatch.setattr("hvdtrain.parallel.tensor.reduce_from_tensor_group", lambda x, group, name: x)
+    monkeypatch.setattr("hvdtrain.parallel.tensor.layers.reduce_from_tensor_group", lambda x, group, name: x)
     model = llama(tied=False)
     whole = _ScaledLookup(64, 32)
     model.model.embed_tokens = whole
@@ -200,7 +200,7 @@ def test_mla_kv_a_proj_without_a_rotary_width_is_refused_by_name():
 
 def test_mla_kv_a_proj_sums_only_the_rotary_keys_gradient():
     """Two ranks simulated by their gradient sum: the hook sums the rotary part, not the latent."""
-    from hvdtrain.parallel import tensor_mla
+    from hvdtrain.parallel.tensor import mla as tensor_mla
 
     calls = []
     model = nn.Module()
@@ -268,7 +268,7 @@ def test_an_entry_of_the_familys_own_plan_naming_nothing_here_is_skipped_whateve
     the model has, or in a plan of one's own, is still refused."""
     model = llama()
     own = {**model_tensor_plan(model), "model.layers.*.ple.embedding": "embedding_colwise"}
-    monkeypatch.setattr("hvdtrain.parallel.tensor_plan.model_tensor_plan", lambda _: own)
+    monkeypatch.setattr("hvdtrain.parallel.tensor.plan.model_tensor_plan", lambda _: own)
     assert dict(check_plan(model, own, 2))["model.embed_tokens"] == "embedding_rowwise"
     with pytest.raises(ValueError, match="embedding_colwise"):
         check_plan(model, {**own, "model.embed_tokens": "embedding_colwise"}, 2)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hvdtrain.parallel.mesh import Group
-from hvdtrain.parallel.tensor_plan import check_plan, model_tensor_plan, parallelize
+from hvdtrain.parallel.tensor.plan import check_plan, model_tensor_plan, parallelize
 
 pytest.importorskip("transformers")
 from hvdtrain.verify.tiny import build_tiny  # noqa: E402

@@ -3,7 +3,7 @@ checks on a login node, the launch's on every rank alike)."""
 import pytest
 import torch
 
-from hvdtrain.common.capabilities import DECLARED, ELASTIC, SHARDED_CHECKPOINTS, STRATEGY_NAMES
+from hvdtrain.common.capabilities import DECLARED, ELASTIC, EVERY_PART, SHARDED_CHECKPOINTS, STRATEGY_NAMES
 from hvdtrain.config.train import TrainConfig
 from hvdtrain.distributed.world import World
 from hvdtrain.strategies import registry
@@ -59,7 +59,6 @@ def test_its_groups_are_consecutive_shards_and_strided_replicas():
 
 @pytest.mark.parametrize("settings, message", [
     (dict(hsdp_shard_size=2), "hsdp_shard_size=2 applies to strategy=hsdp only"),
-    (dict(strategy="hsdp", checkpoint_format="sharded"), "Use checkpoint_format=full with hsdp"),
     (dict(strategy="hsdp", expert_parallel=2), "expert_parallel=2 does not work with strategy=hsdp"),
     (dict(strategy="hsdp", tensor_parallel=2), "does not work with strategy=hsdp"),
     (dict(strategy="hsdp", sequence_parallel=2), "does not work with strategy=hsdp"),
@@ -67,4 +66,11 @@ def test_its_groups_are_consecutive_shards_and_strided_replicas():
 def test_the_settings_it_does_not_combine_with_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**settings)
-    assert not DECLARED["hsdp"].supports(SHARDED_CHECKPOINTS) and not DECLARED["hsdp"].supports(ELASTIC)
+    assert not DECLARED["hsdp"].supports(ELASTIC)
+
+
+def test_its_sharded_checkpoints_are_a_meshs_read_from_every_part():
+    """hsdp writes the sharded format (the first shard group's slices, each element once), read from every
+    rank's file (hvdtrain.strategies.fsdp.hybrid)."""
+    TrainConfig(strategy="hsdp", checkpoint_format="sharded")
+    assert DECLARED["hsdp"].supports(SHARDED_CHECKPOINTS) and DECLARED["hsdp"].loads == EVERY_PART

@@ -12,7 +12,7 @@ from hvdtrain import planner
 from hvdtrain.examples.textlm import TinyTransformerLM, planner_shape
 from hvdtrain.examples.textlm_parallel import pipeline_layers, tensor_plan
 from hvdtrain.parallel.pipeline.schedule import split_layers
-from hvdtrain.parallel.tensor_plan import parallelize
+from hvdtrain.parallel.tensor.plan import parallelize
 from hvdtrain.cli.plan import parse_bytes
 
 SMALL = planner.ModelShape(layers=2, d_model=32, seq_len=8, vocab=11, heads=4)

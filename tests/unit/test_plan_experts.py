@@ -75,9 +75,9 @@ def test_expert_layouts_where_E_divides_the_experts_and_the_data_ranks():
     setup = planner.Setup(replace(MOE, experts=6), batch=8, memory=2**40, workers=8)
     expert_layouts = [layout.name for layout in planner.layouts(setup) if layout.experts > 1]
     # E=4 and E=8 do not divide 6 experts
-    assert expert_layouts == ["ddp T=1 P=1 D=8 E=2", "fsdp T=1 P=1 D=8 E=2"]
+    assert expert_layouts == [f"{s} T=1 P=1 D=8 E=2" for s in ("ddp", "zero1", "zero2", "fsdp")]
     assert [layout.experts for layout in planner.layouts(replace(setup, shape=MOE))
-            if layout.experts > 1] == [2, 2, 4, 4, 8, 8]
+            if layout.experts > 1] == [2] * 4 + [4] * 4 + [8] * 4
     dense = replace(setup, shape=planner.ModelShape(layers=4, d_model=256, seq_len=128, vocab=1000, heads=4))
     assert all(layout.experts == 1 for layout in planner.layouts(dense))
 

@@ -82,7 +82,7 @@ def test_the_step_sees_its_part_and_its_offset():
 @pytest.mark.parametrize("batch,message", [
     ({"input_ids": torch.zeros(2, 7, dtype=torch.long)}, "has 7 tokens: pad or cut sequences to a multiple of 2"),
     ({"input_ids": torch.zeros(1, 4, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 0, 1]])},
-     "packed sequences"),
+     "for a Hugging Face model only"),
     (torch.zeros(2, 4), "cuts batches of token sequences"),
 ])
 def test_batches_that_cannot_be_cut_are_refused_by_name(batch, message):

@@ -1,10 +1,10 @@
-"""hvdtrain.parallel.tensor: an activation gathered from the tensor group's ranks is laid out as the
+"""hvdtrain.parallel.tensor.layers: an activation gathered from the tensor group's ranks is laid out as the
 whole layer's output would be, so a forward that views it as the whole model does still can."""
 from types import SimpleNamespace
 
 import torch
 
-from hvdtrain.parallel import tensor
+from hvdtrain.parallel.tensor import layers as tensor
 
 
 def test_a_gathered_activation_is_laid_out_as_a_whole_linears_output(monkeypatch):

@@ -7,8 +7,8 @@ from torch import nn
 from hvdtrain.examples.textlm import TinyTransformerLM
 from hvdtrain.examples.textlm_parallel import check_tensor_parallel, parallelize_tensor, tensor_plan
 from hvdtrain.parallel.mesh import Group
-from hvdtrain.parallel.tensor import ColumnParallelLinear, ParallelSelfAttention, RowParallelLinear, TensorShard
-from hvdtrain.parallel.tensor_plan import check_plan, parallelize
+from hvdtrain.parallel.tensor.layers import ColumnParallelLinear, ParallelSelfAttention, RowParallelLinear, TensorShard
+from hvdtrain.parallel.tensor.plan import check_plan, parallelize
 
 
 def model(d_model=32, heads=4, layers=2, dropout=0.0, seed=0):

@@ -1,14 +1,14 @@
-"""The split region's rule (hvdtrain.parallel.tensor_region), decided in one process: which whole
+"""The split region's rule (hvdtrain.parallel.tensor.region), decided in one process: which whole
 parameters meet an activation a colwise layer splits before a layer of the plan makes it whole;
-and the first-step audit's view of the parameters it sums (hvdtrain.parallel.tensor_audit)."""
+and the first-step audit's view of the parameters it sums (hvdtrain.parallel.tensor.audit)."""
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from hvdtrain.parallel.tensor_audit import PRINTS, SplitAudit, fingerprint
-from hvdtrain.parallel.tensor_region import agreed_names, split_region_parameters
+from hvdtrain.parallel.tensor.audit import PRINTS, SplitAudit, fingerprint
+from hvdtrain.parallel.tensor.region import agreed_names, split_region_parameters
 
 CPU = torch.device("cpu")
 
@@ -94,7 +94,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def _region(family):
-    from hvdtrain.parallel.tensor_plan import check_plan, model_tensor_plan
+    from hvdtrain.parallel.tensor.plan import check_plan, model_tensor_plan
     from hvdtrain.verify.tiny import build_tiny
 
     model = build_tiny(family).model

@@ -20,7 +20,7 @@ not by ``fit()``, so that each one can be timed alone: a world barrier, then the
             time the stage waited in receives (and for its sends to be taken).
   tensor    T = world. Per step: wall time of forward + backward, and the time and bytes of the
             tensor group's all-reduces (Megatron's f and g), timed by wrapping the one function
-            through which they all go (hvdtrain.parallel.tensor._allreduce_sum; hvd.allreduce
+            through which they all go (hvdtrain.parallel.tensor.layers._allreduce_sum; hvd.allreduce
             returns when the reduction is done, so its time is the step's time in it, waiting for
             the peer included). Interleaved with steps of the whole, unsplit model on each rank
             alone (no communication): the T = 1 reference under the same load; and with steps of
@@ -160,13 +160,13 @@ def run_schedules(args: argparse.Namespace, world) -> Dict[str, Any]:
 
 
 class AllreduceTimer:
-    """Wraps hvdtrain.parallel.tensor's one all-reduce function: seconds, bytes and calls."""
+    """Wraps hvdtrain.parallel.tensor.layers's one all-reduce function: seconds, bytes and calls."""
 
     def __init__(self) -> None:
-        import hvdtrain.parallel.tensor as tensor_module
+        import hvdtrain.parallel.tensor.layers as tensor_module
 
         if not callable(getattr(tensor_module, "_allreduce_sum", None)):
-            raise RuntimeError("hvdtrain.parallel.tensor has no _allreduce_sum for f and g to route through: "
+            raise RuntimeError("hvdtrain.parallel.tensor.layers has no _allreduce_sum for f and g to route through: "
                                "time its all-reduces where it issues them")
         self.module, self.original = tensor_module, tensor_module._allreduce_sum
         self.seconds, self.bytes, self.calls = 0.0, 0, 0

@@ -13,7 +13,7 @@ range of every parameter its slices of the flat buckets cut):
   optimizer  {"state": {index: {key: piece or value}}, "shards": {index: {key: spec}}, "param_groups": [...]}
 
 A piece's spec is a TensorShard's (a slice along a dim) or a FlatRange's (elements [start, stop) of
-the tensor flattened); hvdtrain.parallel.tensor_shard.piece_from_spec tells them apart.
+the tensor flattened); hvdtrain.parallel.tensor.shard.piece_from_spec tells them apart.
 
 A reader asks for one whole tensor at a time: its pieces come from the files that hold them (the
 files are memory-mapped: only the pages asked for are read) and are put together, so no reader
@@ -33,7 +33,7 @@ import torch
 from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.common import io_watch
 from hvdtrain.checkpoint.sources.contract import TensorSource
-from hvdtrain.parallel.tensor_shard import FlatRange, TensorShard, piece_from_spec
+from hvdtrain.parallel.tensor.shard import FlatRange, TensorShard, piece_from_spec
 
 KIND = "mesh"
 Piece = Tuple[Any, torch.Tensor]  # (the piece's spec, or None for the whole tensor; its values)

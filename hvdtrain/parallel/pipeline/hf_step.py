@@ -4,9 +4,8 @@ stage: the model's own loss, and a ``step_fn`` written for the whole model.
 The loss is the model's ``loss_function`` (transformers' shift, ``ignore_index`` -100) with
 ``num_items_in_batch``, the count of label tokens in the rank's whole batch: each micro-batch's loss
 is its share of the batch's token mean, and their sum is what ``model(**batch).loss`` gives for the
-whole batch in one process. (Across data-parallel replicas the gradients are averaged, as ddp
-averages ranks' ``model(**batch).loss``: equal to one process over the global batch when every
-replica's batch holds the same number of label tokens, a mean of replicas' token means otherwise.)
+whole batch in one process. (Across data-parallel replicas and accumulated batches the loop weighs
+each batch's loss by its label tokens' share of the global batch's: hvdtrain.components.token_mean.)
 
 A ``step_fn(model, batch)`` cannot have the whole model on a stage. The one shape that runs is the
 one every layout runs: call ``model(**batch)`` once and return its ``.loss`` (with metrics computed

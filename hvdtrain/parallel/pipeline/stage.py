@@ -24,6 +24,7 @@ from hvdtrain.parallel.pipeline.hf_step import ModelLoss, StageStep, dict_micro_
 from hvdtrain.parallel.pipeline.p2p import ChunkLinks, StageLinks
 from hvdtrain.parallel.pipeline.schedule import (Measure, PipelineStage, from_last_stage, run_schedule,
                                                  split_micro_batches)
+from hvdtrain.components import token_mean
 from hvdtrain.components.steps import class_accuracy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -66,6 +67,23 @@ class _LastStageStep(NamedTuple):
     shares: bool
 
 
+def _target_shares(loss_fn: LossFn, targets_of: Callable[[Any], torch.Tensor],
+                   targets: torch.Tensor) -> Optional[Callable[[torch.Tensor, Any], torch.Tensor]]:
+    """For a cross-entropy-like ``loss_fn`` (a mean over the targets it does not ignore), each
+    micro-batch's loss as its share of the batch's token mean (its mean x its targets / the batch's),
+    as one pass over the whole batch computes it; None for a loss of another kind (equal
+    micro-batches: the mean of their means is the batch's). Counted on the device: no wait."""
+    ignore = token_mean.ignore_index_of(loss_fn)
+    if ignore is None or targets.is_floating_point():
+        return None
+    total = (targets != ignore).sum().clamp_min(1)
+
+    def share(out: torch.Tensor, micro: Any) -> torch.Tensor:
+        mine = targets_of(micro)
+        return loss_fn(out, mine) * ((mine != ignore).sum() / total)
+    return share
+
+
 def _is_default_step(step_fn: Any) -> bool:
     return step_fn is None or hasattr(step_fn, "supervised_loss_fn")
 
@@ -88,23 +106,37 @@ class PipelinedModel:
         self.micro_batches, self.schedule = micro_batches, schedule
         self.__dict__["model"] = model  # the whole model's object: its loss_function and config
 
-    def train_batch(self, batch: Any, autocast, divisor: int, step_fn: Any = None) -> Tuple[torch.Tensor, Dict]:
-        """Forward and backward of the batch's micro-batches by the schedule; the gradients of the loss over
-        the accumulation count accumulate. Returns (the batch's loss, its metrics: the means over the
-        micro-batches).
+    def train_batch(self, batch: Any, autocast, weight: Any = 1.0, step_fn: Any = None) -> Tuple[torch.Tensor, Dict]:
+        """Forward and backward of the batch's micro-batches by the schedule; the gradients of the loss
+        times ``weight`` accumulate. Returns (the batch's loss, unweighted; its metrics: the means over
+        the micro-batches).
 
         Args:
             batch: the batch, cut into micro-batches here.
             autocast: the forward's precision context.
-            divisor: the accumulation count, dividing the loss.
+            weight: the batch's share of the step (hvdtrain.components.token_mean): 1 / accumulation, or
+                its scored items x the replicas / the global batch's, read (``float``) at the last stage's
+                first loss, after its forward.
             step_fn: a user's step function run on the last stage (None: ``loss_fn`` on the logits).
         """
         micro = _micro_batches(batch, self.micro_batches)
         step = self._step_for(batch, micro, step_fn)  # every rank, before any exchange: refusals alike
-        loss_fn = step.loss_fn if divisor == 1 else (lambda out, target: step.loss_fn(out, target) / divisor)
+        if isinstance(weight, float) and weight == 1:
+            with autocast():
+                loss = run_schedule(self.schedule, self.module, self.mesh, micro, step.loss_fn, step.measure,
+                                    step.shares)
+            return loss, self.module.metrics
+        read: List[float] = []
+
+        def weighted(out: Any, target: Any) -> torch.Tensor:
+            if not read:
+                read.append(float(weight))
+            return step.loss_fn(out, target) * read[0]
         with autocast():
-            loss = run_schedule(self.schedule, self.module, self.mesh, micro, loss_fn, step.measure, step.shares)
-        return loss * divisor if divisor > 1 else loss, self.module.metrics
+            loss = run_schedule(self.schedule, self.module, self.mesh, micro, weighted, step.measure, step.shares)
+        weight = float(weight)
+        # A batch that scores nothing has weight 0 and no loss to report (the loop weighs it 0).
+        return (loss / weight if weight else torch.zeros_like(loss)), self.module.metrics
 
     def _step_for(self, batch: Any, micro: List[Tuple[Any, ...]], step_fn: Any) -> _LastStageStep:
         """(inputs, targets): the Trainer's loss_fn and supervised_step's metrics. A dict batch: the
@@ -116,9 +148,12 @@ class PipelinedModel:
                 raise ValueError("a step_fn under train.pipeline_parallel takes dict batches (input_ids, labels, "
                                  "attention_mask) and returns model(**batch).loss; with (inputs, targets) batches pass "
                                  "loss_fn instead")
-            return _LastStageStep(self.loss_fn, SUPERVISED, False)
+            shares = _target_shares(self.loss_fn, lambda targets: targets, _as_pair(batch)[1])
+            return _LastStageStep(shares or self.loss_fn, SUPERVISED, shares is not None)
         if _is_default_step(step_fn) and self.loss_fn is not F.cross_entropy:
-            return _LastStageStep(lambda out, micro: self.loss_fn(out, micro["labels"]), None, False)
+            shares = _target_shares(self.loss_fn, lambda micro: micro["labels"], batch["labels"])
+            return (_LastStageStep(shares, None, True) if shares is not None else
+                    _LastStageStep(lambda out, micro: self.loss_fn(out, micro["labels"]), None, False))
         model_loss = ModelLoss(self.model, batch["labels"])
         if _is_default_step(step_fn):
             return _LastStageStep(lambda out, micro: model_loss(out, micro["labels"]), None, True)

@@ -29,6 +29,16 @@ from hvdtrain.common.errors import LayoutError
 from hvdtrain.data.packing import IGNORE_INDEX
 
 _OFFSET: contextvars.ContextVar[int] = contextvars.ContextVar("hvdtrain_sequence_offset", default=0)
+# While a split step runs on a Hugging Face model: the whole rows' position ids when they pack several
+# documents (transformers builds the block-causal mask from them), (None,) when they do not; unset
+# outside a split step. Read by hf.py's mask builders, which see only this rank's part of them.
+_WHOLE_POSITIONS: contextvars.ContextVar[Optional[Tuple[Optional[torch.Tensor]]]] = contextvars.ContextVar(
+    "hvdtrain_sequence_whole_positions", default=None)
+
+
+def whole_positions() -> Optional[Tuple[Optional[torch.Tensor]]]:
+    """Inside a split step: (the whole rows' packed position ids, or None for unpacked rows); None outside."""
+    return _WHOLE_POSITIONS.get()
 
 
 def token_offset() -> int:
@@ -53,6 +63,10 @@ class BatchSplitter:
         # whole sequences) attends as one process does; the model's own pre-forward hook reads it once
         # per forward, so a backward's recomputation (activation checkpointing) keeps its forward's choice.
         self.active = False
+        # Set by hf.install: the model builds its attention mask through transformers' mask functions,
+        # which hvdtrain gives the whole rows' positions, so packed rows keep their documents apart.
+        self.packs_documents = False
+        self.packed_positions: Optional[torch.Tensor] = None  # the current batch's, when packed
 
     def _part(self, tensor: torch.Tensor) -> torch.Tensor:
         width = tensor.shape[1] // self.size
@@ -82,10 +96,17 @@ class BatchSplitter:
         self._check_length(length, "input_ids")
         whole = torch.arange(length, device=ids.device).expand(batch_size, length)
         positions = batch.get("position_ids")
-        if positions is not None and not torch.equal(positions, whole):
-            raise LayoutError("train.sequence_parallel does not take position_ids other than 0..T-1 (packed "
-                              "sequences) yet: the attention mask of a packed row is built from its positions, "
-                              "which one rank holds in part; train packed rows without sequence parallelism")
+        self.packed_positions = None
+        if positions is not None and not torch.equal(positions.expand(batch_size, length), whole):
+            if not self.packs_documents:
+                raise LayoutError("train.sequence_parallel takes position_ids other than 0..T-1 (packed rows) for a "
+                                  "Hugging Face model only, whose attention mask hvdtrain builds from the whole rows' "
+                                  "positions; a model of your own builds its mask from its part of them: train its "
+                                  "packed rows without sequence parallelism")
+            # As transformers does: with an attention_mask given, positions do not separate documents.
+            if batch.get("attention_mask") is None:
+                self.packed_positions = positions.expand(batch_size, length)
+            whole = positions.expand(batch_size, length)
         local = {}
         for key, value in batch.items():
             if key in ("attention_mask", "position_ids", "labels"):
@@ -117,12 +138,16 @@ class BatchSplitter:
 
     @contextlib.contextmanager
     def positioned(self, batch: Any) -> Iterator[None]:
-        """``token_offset()`` is this rank's first position while the step runs."""
+        """``token_offset()`` is this rank's first position while the step runs; ``whole_positions()``
+        the whole rows' packed positions (a Hugging Face model's)."""
         ids = batch["input_ids"] if isinstance(batch, Mapping) else batch[0]
         token = _OFFSET.set(self.index * (ids.shape[1] // self.size))
+        whole = _WHOLE_POSITIONS.set((self.packed_positions,)) if self.packs_documents else None
         try:
             yield
         finally:
+            if whole is not None:
+                _WHOLE_POSITIONS.reset(whole)
             _OFFSET.reset(token)
 
 
@@ -140,5 +165,7 @@ def split_step(step_fn: Callable[[torch.nn.Module, Any], Tuple[torch.Tensor, dic
         return (loss if isinstance(scale, float) and scale == 1.0 else loss * scale), metrics
 
     step.supervised_loss_fn = getattr(step_fn, "supervised_loss_fn", None)
+    # What the whole batch's loss scores, counted on the whole batch before the split (token_mean).
+    step.count_items = getattr(step_fn, "count_items", None)
     step.splits_sequences = True
     return step

@@ -15,11 +15,9 @@ data-parallel ones, unchanged. The data sees D = N / (S·T) workers: worker d //
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 from hvdtrain.common.errors import LayoutError
-from hvdtrain.distributed import startup
-from hvdtrain.parallel.mesh import acquire_process_set, release_process_set
 
 
 def check_divides(world_size: int, size: int, tensor: int = 1) -> None:
@@ -47,7 +45,8 @@ def group_ranks(world_size: int, size: int, tensor: int = 1) -> List[Tuple[int, 
 
 class SequenceGroup:
     """This rank's sequence group: its ranks, this rank's index in it, its process set (the global
-    one when it is the whole world). ``build`` and ``close`` are collectives over the world.
+    one when it is the whole world). A view: its topology (hvdtrain.parallel.topology) makes and
+    removes every group's process set.
 
     Args:
         ranks: the group's ranks, in order.
@@ -60,7 +59,6 @@ class SequenceGroup:
     def __init__(self, ranks: Tuple[int, ...], rank: int, process_set: Any, world_size: int, tensor: int = 1) -> None:
         self.ranks, self.index, self.process_set = ranks, ranks.index(rank), process_set
         self.world_size, self.tensor = world_size, tensor
-        self._held: Optional[Tuple[int, ...]] = ranks if len(ranks) < world_size else None
 
     @property
     def size(self) -> int:
@@ -75,30 +73,6 @@ class SequenceGroup:
     def data_workers(self) -> int:
         """How many data-parallel workers the data is sharded over: one per group of every tensor index."""
         return self.world_size // (self.size * self.tensor)
-
-    @classmethod
-    def build(cls, world_size: int, rank: int, size: int, tensor: int = 1) -> "SequenceGroup":
-        """Every rank makes every group's process set, in the same order; refused alike on every rank.
-
-        Args:
-            world_size: ranks in the world.
-            rank: this rank.
-            size: S, ranks per sequence group.
-            tensor: T, ranks per tensor group (the mesh's innermost axis).
-        """
-        groups = group_ranks(world_size, size, tensor)
-        if size < world_size and not startup.dynamic_process_sets_enabled():
-            raise ValueError(startup.dynamic_process_sets_conflict())
-        sets = {ranks: acquire_process_set(ranks, world_size) for ranks in groups}
-        mine = next(ranks for ranks in groups if rank in ranks)
-        return cls(mine, rank, sets[mine], world_size, tensor)
-
-    def close(self) -> None:
-        """Remove the groups' process sets (a collective: every rank, in the same order)."""
-        if self._held is not None:
-            for ranks in group_ranks(self.world_size, self.size, self.tensor):
-                release_process_set(ranks)
-            self._held = None
 
     def __repr__(self) -> str:
         return f"SequenceGroup(ranks={self.ranks}, index={self.index})"

@@ -7,7 +7,8 @@ implementation the model had (SDPA, or the family's own eager function, found in
 module's own modeling file so that its softcap or sinks come with it); the mask is built by that
 implementation's mask builder for the whole sequence (length T, not this rank's T/S; the batch's
 padding mask from batches.py), so causal, sliding-window and chunked masks index the whole
-sequence. Position ids (rotary embeddings) come with the batch (batches.py). What a family computes
+sequence; packed rows (documents told apart by their position ids) are found in the whole rows'
+positions too (``_whole_rows_packing``). Position ids (rotary embeddings) come with the batch (batches.py). What a family computes
 across the sequence outside attention (a convolution, a token shift) is not head-local: set-up's
 probe (probe.py) finds it, and the layout is refused.
 
@@ -27,7 +28,7 @@ from torch import nn
 
 from hvdtrain.common.errors import LayoutError
 from hvdtrain.parallel.sequence.attention import head_split, split_attention
-from hvdtrain.parallel.sequence.batches import token_offset
+from hvdtrain.parallel.sequence.batches import token_offset, whole_positions
 
 NAME = "hvdtrain_sequence"
 _STATES: Dict[int, "SplitAttention"] = {}
@@ -125,6 +126,34 @@ def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_
                  attention_mask=padding, config=config, **kwargs)
 
 
+def _whole_rows_packing() -> None:
+    """transformers finds packed documents from the position ids the model was given
+    (``find_packed_sequence_indices``) and indexes them with the mask's query and key indices
+    (``remap_positions_for_packed_sequence``); inside a split step a rank holds its part of them while
+    the mask spans the whole rows (``_mask``). Both read the whole rows' positions there instead
+    (batches.whole_positions: None for rows that pack nothing, whatever this rank's part looks like);
+    outside a split step they are transformers' own. Installed once, idempotent."""
+    from transformers import masking_utils
+
+    if getattr(masking_utils.find_packed_sequence_indices, "hvdtrain_whole_rows", False):
+        return
+    find, remap = masking_utils.find_packed_sequence_indices, masking_utils.remap_positions_for_packed_sequence
+
+    def find_packed(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        whole = whole_positions()
+        if whole is None:
+            return find(position_ids)
+        return None if whole[0] is None else find(whole[0])
+
+    def remap_packed(mask_function: Any, position_ids: torch.Tensor) -> Any:
+        whole = whole_positions()
+        return remap(mask_function, position_ids if whole is None or whole[0] is None else whole[0])
+
+    find_packed.hvdtrain_whole_rows = True
+    masking_utils.find_packed_sequence_indices = find_packed
+    masking_utils.remap_positions_for_packed_sequence = remap_packed
+
+
 def _positions(state: SplitAttention, module: nn.Module, args: tuple, kwargs: dict):
     """A forward given this rank's part of the sequences without position ids (a step of your own
     calling ``model(input_ids=...)``) gets the whole sequence's: rotary embeddings need them. Outside a
@@ -187,6 +216,8 @@ def install(model: nn.Module, group: Any, batches: Any) -> SplitAttention:
                family if tensor == 1 else f"{family}'s share of a tensor group of {tensor} ranks")
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, _mask)
+    _whole_rows_packing()
+    batches.packs_documents = True
     state = SplitAttention(group, inner, batches)
     _STATES[id(config)] = state
     model.set_attn_implementation(NAME)

@@ -14,24 +14,30 @@ the whole batch, and each replica steps its slice alike. What crosses hosts per 
 all-reduce of Psi / K elements per rank (a ring moves 2 (R - 1) / R of it, R = N / K), where fsdp over
 every rank sends its gathers and reduce-scatters of the whole model across hosts.
 
-Checkpoints are fsdp's full format (gathered within the shard group; the optimizer state assembled
-alike on every rank, rank 0 writes): they resume under hsdp at any K, and under every other strategy.
-The sharded format is refused (hvdtrain.common.capabilities says why), as is Horovod elastic: the
-process sets are fixed at start.
+A full checkpoint is fsdp's full format (gathered within the shard group; the optimizer state
+assembled alike on every rank, rank 0 writes). A sharded one gathers nothing: the ranks of the first
+shard group (0..K-1) each write their slices of the units' flat buffers as fsdp over K ranks holds
+them, recorded as the element ranges of the parameters each slice cuts with the same ranges of the
+optimizer's per-element state, rank 0 the tensors outside the buffers; the other groups' ranks hold
+copies of those slices and write their RNG states only (hvdtrain.strategies.expert_shards.fsdp_shard_part).
+The files have a mesh's layout (capabilities' loads: every part): each rank reads the ranges of its
+slices from the files that hold them, at this K or another, and every strategy, consolidation and
+export read it through the checkpoint's sources. Either format resumes under hsdp at any K and under
+every other strategy. Horovod elastic is refused: the process sets are fixed at start.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 import horovod.torch as hvd
 
 from hvdtrain.common.capabilities import ELASTIC
-from hvdtrain.distributed import startup
 from hvdtrain.distributed.world import World
-from hvdtrain.parallel.mesh import Group, Ranks, acquire_process_set, release_process_set
-from hvdtrain.strategies import clipping
+from hvdtrain.parallel.mesh import Ranks
+from hvdtrain.parallel.topology import HybridGroups
+from hvdtrain.strategies import clipping, expert_shards
 from hvdtrain.strategies.deferred_init import DeferredInit
 from hvdtrain.strategies.fsdp.communication import UnitCommunication
 from hvdtrain.strategies.fsdp.strategy import FSDPStrategy
@@ -98,48 +104,6 @@ def replica_group_ranks(world_size: int, rank: int, size: int) -> Ranks:
     return tuple(range(rank % size, world_size, size))
 
 
-class HybridGroups:
-    """This rank's shard group and replica group with their Horovod process sets (None for a group of
-    one rank). ``build`` and ``close`` are collectives over the whole world.
-
-    Args:
-        size: K, ranks per shard group.
-        shard: this rank's shard group (fsdp's gathers and reduce-scatters).
-        replica: the ranks holding the same slices (the once-per-step all-reduce).
-        added: the process sets this object holds a count of (released by close).
-    """
-
-    def __init__(self, size: int, shard: Group, replica: Group, added: List[Ranks]) -> None:
-        self.size, self.shard, self.replica, self._added = size, shard, replica, added
-
-    @classmethod
-    def build(cls, world_size: int, rank: int, size: int) -> "HybridGroups":
-        """Every rank adds the same process sets in the same order (hvd.add_process_set is a collective).
-
-        Args:
-            world_size: ranks in the world.
-            rank: this rank.
-            size: K, ranks per shard group (dividing the world: see ``refusal``).
-        """
-        groups: List[Ranks] = []
-        for r in range(world_size):
-            for ranks in (shard_group_ranks(world_size, r, size), replica_group_ranks(world_size, r, size)):
-                if len(ranks) > 1 and ranks not in groups:
-                    groups.append(ranks)
-        if any(len(g) < world_size for g in groups) and not startup.dynamic_process_sets_enabled():
-            raise ValueError(startup.dynamic_process_sets_conflict())
-        sets = {ranks: acquire_process_set(ranks, world_size) for ranks in groups}
-        added = [ranks for ranks in groups if len(ranks) < world_size]
-        shard, replica = shard_group_ranks(world_size, rank, size), replica_group_ranks(world_size, rank, size)
-        return cls(size, Group(shard, rank, sets.get(shard)), Group(replica, rank, sets.get(replica)), added)
-
-    def close(self) -> None:
-        """Remove the process sets no other live user holds (a collective: every rank, in the same order)."""
-        for ranks in self._added:
-            release_process_set(ranks)
-        self._added = []
-
-
 class HSDPStrategy(FSDPStrategy):
     """fsdp over each shard group of ``shard_size`` ranks, its slices' gradients averaged across the groups.
 
@@ -153,13 +117,15 @@ class HSDPStrategy(FSDPStrategy):
         shard_size: K, ranks per shard group; 0: the ranks of one host.
         deferred: the model was built on the meta device (fsdp's initialization by unit).
         overlap: what runs ahead of the compute, as fsdp's (train.fsdp_overlap).
+        topology: the run's Topology, which holds the shard and replica groups' process sets (None: one of the
+            strategy's own, closed by close_groups).
     """
 
     name = "hsdp"
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                  accumulation: int, fp16_allreduce: bool, shard_size: int = 0,
-                 deferred: Optional[DeferredInit] = None, overlap: str = "auto") -> None:
+                 deferred: Optional[DeferredInit] = None, overlap: str = "auto", topology: Any = None) -> None:
         self.check_optimizer(optimizer)  # local, before any collective: the same verdict on every rank
         from hvdtrain.distributed import collectives
 
@@ -168,7 +134,7 @@ class HSDPStrategy(FSDPStrategy):
             why = hosts_refusal(collectives.allgather_object(world.hostname, name="hsdp.hosts"), world.local_size)
         if why is not None:
             raise ValueError(why)
-        self.groups = HybridGroups.build(world.size, world.rank, shard_group_size(shard_size, world))
+        self.groups = HybridGroups.of(world, shard_group_size(shard_size, world), topology)
         self._replicas_owed = False  # a micro-batch closed since the slices were last averaged across groups
         super().__init__(model, optimizer, world, accumulation, fp16_allreduce, overlap=overlap, deferred=deferred)
 
@@ -182,10 +148,12 @@ class HSDPStrategy(FSDPStrategy):
             model: the model.
             optimizer: its optimizer.
             world: this rank's World.
-            context: what set-up knows besides: deferred initialization, if any.
+            context: what set-up knows besides: deferred initialization, if any; the topology, whose shard and
+                replica groups these are.
         """
         return cls(model, optimizer, world, config.accumulation, config.fp16_allreduce,
-                   shard_size=config.hsdp_shard_size, deferred=context.get("deferred"), overlap=config.fsdp_overlap)
+                   shard_size=config.hsdp_shard_size, deferred=context.get("deferred"), overlap=config.fsdp_overlap,
+                   topology=context.get("topology"))
 
     @property
     def label(self) -> str:
@@ -228,6 +196,32 @@ class HSDPStrategy(FSDPStrategy):
         counted = shards if self.groups.replica.index == 0 else []
         return clipping.clip_sharded(shards, max_norm, name="hsdp.grad_norm", counted=counted)
 
+    # A sharded checkpoint: the first shard group's slices, each element once, in a mesh's layout.
+
+    def shard_state_dict(self) -> Dict[str, Any]:
+        """This rank's part of a sharded checkpoint: its slices of the units' buffers (element ranges of
+        the parameters they cut, the optimizer's state alike) if it is in the first shard group, whose
+        slices the other groups hold copies of; the tensors outside the buffers on rank 0. Local."""
+        return expert_shards.fsdp_shard_part(self.model, self.buckets, self.optimizer,
+                                             self._user_optimizer.param_groups, self.world.rank, self.world.size,
+                                             1, writes_slices=self.groups.replica.index == 0)
+
+    def load_part(self, part: Any) -> None:
+        if "full" in part:
+            self.load_state_dict(part["full"])
+        else:  # this rank's slices, read by read_part from the files that hold them (every part)
+            super().load_shard_state_dict(part)
+
+    def check_shard_state_dict(self, state: Dict[str, Any]) -> None:
+        raise NotImplementedError(self._read_from_every_file())
+
+    def load_shard_state_dict(self, state: Dict[str, Any]) -> None:
+        raise NotImplementedError(self._read_from_every_file())
+
+    def _read_from_every_file(self) -> str:
+        return ("hsdp reads a sharded checkpoint from every rank's file (its capabilities' loads: every part), "
+                "through load_from, never one rank's file alone: ranks outside the first shard group wrote no slices")
+
     # What hsdp does not do.
 
     def follow_world(self, world: World) -> None:
@@ -235,5 +229,6 @@ class HSDPStrategy(FSDPStrategy):
                            f"--min-np/--max-np")
 
     def close_groups(self) -> None:
-        """Remove the shard and replica groups' process sets (a collective: every rank calls it)."""
+        """Remove the shard and replica groups' process sets if this strategy's own topology holds them (a
+        collective: every rank calls it); the run's topology closes its own."""
         self.groups.close()

@@ -1,7 +1,7 @@
 """Model parallelism's deferred initialization: each rank keeps only its tensor slices and its stage.
 
 The model built on the meta device is split first, while its tensors hold no memory: a split
-layer gets a placeholder of its slice's shape that remembers its whole (hvdtrain.parallel.tensor),
+layer gets a placeholder of its slice's shape that remembers its whole (hvdtrain.parallel.tensor.layers),
 and the pipeline decides which layers this rank's stage holds. Then every rank runs every
 initialization step (hvdtrain.strategies.deferred_init), so the random numbers come in the same
 order as for the model built whole. Every operation the steps run is looked at first (a dispatch
@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hvdtrain.distributed import collectives
-from hvdtrain.parallel.tensor_plan import Replacement
+from hvdtrain.parallel.tensor.plan import Replacement
 from hvdtrain.strategies.deferred_init import DeferredInit, is_unset, mark_unset, nbytes, touched
 from hvdtrain.strategies.sharding.storage import allocate_storage, is_allocated, release_storage
 

@@ -123,7 +123,7 @@ class ModelParallelStrategy(Strategy):
                               "it steps each parameter on one rank of its data group", "Use strategy=ddp")
         tensor_plan, self.plan_note = plan.tensor_plan, ""
         if shape.tensor > 1:
-            from hvdtrain.parallel.tensor_plan import check_plan, model_tensor_plan
+            from hvdtrain.parallel.tensor.plan import check_plan, model_tensor_plan
 
             if tensor_plan is None:
                 tensor_plan = model_tensor_plan(model)
@@ -157,10 +157,10 @@ class ModelParallelStrategy(Strategy):
         replacements: List[Any] = []
         self._audit = None
         if shape.tensor > 1:
-            from hvdtrain.parallel.tensor_audit import SplitAudit
-            from hvdtrain.parallel.tensor_plan import parallelize, summed_parameters
-            from hvdtrain.parallel.tensor_probe import ForwardProbe
-            from hvdtrain.parallel.tensor_region import agreed_names, split_region_parameters, sum_split_region_gradients
+            from hvdtrain.parallel.tensor.audit import SplitAudit
+            from hvdtrain.parallel.tensor.plan import parallelize, summed_parameters
+            from hvdtrain.parallel.tensor.probe import ForwardProbe
+            from hvdtrain.parallel.tensor.region import agreed_names, split_region_parameters, sum_split_region_gradients
             # Whole parameters that meet a split activation (xIELU's alpha_p after a colwise up_proj):
             # decided on the whole model; every rank sums the same ones (a model on the meta device:
             # none decided, the audit refuses them).
@@ -272,7 +272,7 @@ class ModelParallelStrategy(Strategy):
     def broadcast_from_root(self) -> None:
         """Done in set-up, before the model was cut (step 1 above): nothing left to send."""
 
-    def forward_backward(self, step_fn, batch: Any, autocast, scale_loss, divisor: int) -> Tuple[torch.Tensor, Dict]:
+    def forward_backward(self, step_fn, batch: Any, autocast, scale_loss, weight: Any) -> Tuple[torch.Tensor, Dict]:
         """One pass as Strategy.forward_backward's without a pipeline; with one, its schedule over the
         batch's micro-batches. Returns (loss, metrics).
 
@@ -282,11 +282,12 @@ class ModelParallelStrategy(Strategy):
             autocast: ``autocast()``: the forward's precision context.
             scale_loss: ``scale_loss(loss)``: the loss times fp16's loss scale (a pipeline's schedule does not
                 take it).
-            divisor: the accumulation count, dividing the loss.
+            weight: the batch's share of the step (hvdtrain.components.token_mean), multiplying its loss
+                (``float(weight)``, read after the forward).
         """
         if self.pipeline is None:
-            return super().forward_backward(step_fn, batch, autocast, scale_loss, divisor)
-        loss, metrics = self.pipeline.train_batch(batch, autocast, divisor, step_fn)
+            return super().forward_backward(step_fn, batch, autocast, scale_loss, weight)
+        loss, metrics = self.pipeline.train_batch(batch, autocast, weight, step_fn)
         if self._audit is not None:
             self._audit.observe_loss(loss)
         return loss, metrics

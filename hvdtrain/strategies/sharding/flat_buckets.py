@@ -10,7 +10,7 @@ Also here: moving per-parameter optimizer state (torch's format) to a bucket's o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -83,7 +83,7 @@ class FlatBucket:
 
 
 def bucket_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bucket_bytes: int,
-                      rank: int, world_size: int) -> List[FlatBucket]:
+                      rank: int, world_size: int, whole: Collection[int] = ()) -> List[FlatBucket]:
     """The optimizer's trainable parameters packed into buckets, each parameter now a view of its
     bucket's buffer. Group by group, each group in reverse registration order: the order in which
     backward produces the gradients, so that the first buckets fill up first.
@@ -94,11 +94,14 @@ def bucket_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
         bucket_bytes: the largest bucket, in bytes.
         rank: this rank among the data-parallel ranks: which slice of each bucket it owns.
         world_size: data-parallel ranks.
+        whole: ids of optimizer parameters left out of the buckets, held whole by this rank (a
+            strategy that reduces and steps them itself names them: expert shares).
     """
     registration = {id(p): i for i, p in enumerate(model.parameters())}
     buckets: List[FlatBucket] = []
     for group, indices in enumerate(indices_by_group(optimizer)):
-        indexed = [(i, p) for i, p in zip(indices, optimizer.param_groups[group]["params"]) if p.requires_grad]
+        indexed = [(i, p) for i, p in zip(indices, optimizer.param_groups[group]["params"])
+                   if p.requires_grad and id(p) not in whole]
         backward_order = sorted(indexed, key=lambda ip: registration.get(id(ip[1]), -1), reverse=True)
         for members in _split(backward_order, bucket_bytes):
             buckets.append(_bucket(len(buckets), group, members, rank, world_size))

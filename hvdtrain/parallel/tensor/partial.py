@@ -21,8 +21,8 @@ from typing import Any, Dict, List, Mapping
 import torch
 from torch import nn
 
-from hvdtrain.parallel.tensor import SumOutput, _shard, copy_to_tensor_group, is_placeholder, own_copy
-from hvdtrain.parallel.tensor_shard import TensorShard
+from hvdtrain.parallel.tensor.layers import SumOutput, _shard, copy_to_tensor_group, is_placeholder, own_copy
+from hvdtrain.parallel.tensor.shard import TensorShard
 
 PARTIAL_STYLES = ("all_reduce",)
 

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Mapping, Tuple
 import torch
 from torch import nn
 
-from hvdtrain.parallel.tensor import SumOutput, TensorShard, _shard, copy_to_tensor_group, own_copy
+from hvdtrain.parallel.tensor.layers import SumOutput, TensorShard, _shard, copy_to_tensor_group, own_copy
 
 EXPERT_STYLES = ("moe_tp_experts",)
 # How transformers cuts a 3-D parameter named by its own plan entry (shard_param: colwise Shard(ndim - 2),

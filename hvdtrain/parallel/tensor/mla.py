@@ -11,7 +11,7 @@ gradient over the tensor group. k_rot goes to this rank's heads directly: each r
 it is only its heads' part. transformers (MlaKvAProjParallel) sums that part's gradient over the
 group and leaves the forward as it is; so does this, with a forward hook, so the projection keeps
 its parameters and their names (the checkpoint is the one process's). Whether the sum is right is
-still proven on the first step (hvdtrain.parallel.tensor_audit: the projection's weight gradient
+still proven on the first step (hvdtrain.parallel.tensor.audit: the projection's weight gradient
 must then agree on every rank).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from hvdtrain.parallel.tensor import copy_to_tensor_group
+from hvdtrain.parallel.tensor.layers import copy_to_tensor_group
 
 MLA_STYLES = ("mla_kv_a_proj",)
 

@@ -18,8 +18,8 @@ from typing import Any, List, Mapping
 
 from torch import nn
 
-from hvdtrain.parallel.tensor import _shard, is_placeholder
-from hvdtrain.parallel.tensor_shard import TensorShard
+from hvdtrain.parallel.tensor.layers import _shard, is_placeholder
+from hvdtrain.parallel.tensor.shard import TensorShard
 
 LOCAL_STYLES = ("local_params",)
 # How a plan entry cuts a 1-D bare parameter: colwise cuts a layer's outputs, and a per-head vector

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hvdtrain.parallel.tensor_shard import TensorShard  # noqa: F401  (re-exported: a split parameter's slice)
+from hvdtrain.parallel.tensor.shard import TensorShard  # noqa: F401  (re-exported: a split parameter's slice)
 
 
 def _communicates(group: Any) -> bool:
@@ -406,7 +406,7 @@ def sum_gradients_over_group(module: nn.Module, group: Any, name: str,
         module: the whole module.
         group: the tensor group.
         name: names the collectives.
-        observe: ``observe(name, part)`` sees each part first (hvdtrain.parallel.tensor_audit's first-step check).
+        observe: ``observe(name, part)`` sees each part first (hvdtrain.parallel.tensor.audit's first-step check).
     """
     sum_parameter_gradients([(f"{name}.{path}", parameter) for path, parameter in module.named_parameters()],
                             group, observe)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from hvdtrain.parallel.tensor_probe import probe_ids
+from hvdtrain.parallel.tensor.probe import probe_ids
 
 # Styles whose layer's output holds only this rank's part (its output columns).
 SPLIT_OUTPUT_STYLES = ("colwise", "packed_colwise")
@@ -188,7 +188,7 @@ def sum_split_region_gradients(model: nn.Module, names: Sequence[str], group: An
         group: the tensor group.
         observe: ``observe(name, part)`` sees each part first.
     """
-    from hvdtrain.parallel.tensor import sum_parameter_gradients
+    from hvdtrain.parallel.tensor.layers import sum_parameter_gradients
 
     parameters: Mapping[str, nn.Parameter] = dict(model.named_parameters())
     sum_parameter_gradients([(name, parameters[name]) for name in names], group, observe)

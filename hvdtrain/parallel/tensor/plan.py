@@ -17,17 +17,17 @@ transformer:
   norm that sees only this rank's heads).
 - ``attention``: hvdtrain's own self-attention (qkv and proj) split by heads.
 - ``moe_tp_experts``: fused 3-D experts (Qwen2-MoE, Qwen3-MoE, Mixtral), each expert's intermediate
-  dimension cut, with the entries naming their parameters (hvdtrain.parallel.tensor_experts).
+  dimension cut, with the entries naming their parameters (hvdtrain.parallel.tensor.experts).
 - ``local_params``: a module running on its own split bare parameters (attention sinks), each cut
-  by its own entry (hvdtrain.parallel.tensor_local).
+  by its own entry (hvdtrain.parallel.tensor.local).
 - ``mla_kv_a_proj``: multi-head latent attention's whole [latent; rotary key] projection, the rotary
-  key's gradient summed over the group (hvdtrain.parallel.tensor_mla).
+  key's gradient summed over the group (hvdtrain.parallel.tensor.mla).
 - ``packed_rowwise``: a transposed experts layout's [gate | up] input projection (experts, hidden,
   2 x intermediate), cut along its last dim in 2 groups; an entry of moe_tp_experts' parameters only.
 - ``moe_identity_expert``: an identity expert inside moe_tp_experts, its input divided by the group
-  size so that the experts' sum counts it once (hvdtrain.parallel.tensor_experts).
+  size so that the experts' sum counts it once (hvdtrain.parallel.tensor.experts).
 - ``all_reduce``: a module running on its own bare parameters cut by their entries, its partial
-  output summed over the group (hvdtrain.parallel.tensor_partial).
+  output summed over the group (hvdtrain.parallel.tensor.partial).
 
 transformers 4.x plans name two of them otherwise, taken as aliases: ``colwise_rep`` is
 ``colwise_gather_output`` and ``rowwise_rep`` is ``rowwise_split_input`` (transformers registers each
@@ -46,15 +46,15 @@ from torch import nn
 
 from hvdtrain.common.errors import LayoutError
 from hvdtrain.parallel.own_forward import has_own_forward, own_forward_problem
-from hvdtrain.parallel.tensor_experts import (EXPERT_STYLES, IDENTITY_STYLES, check_experts, check_identity_expert,
+from hvdtrain.parallel.tensor.experts import (EXPERT_STYLES, IDENTITY_STYLES, check_experts, check_identity_expert,
                                               check_parameter_entries, divided_identity, is_transposed, named_cuts,
                                               parameter_paths, split_experts, why_not)
-from hvdtrain.parallel.tensor_local import (LOCAL_STYLES, check_local_parameter, owned_parameters,
+from hvdtrain.parallel.tensor.local import (LOCAL_STYLES, check_local_parameter, owned_parameters,
                                             split_local_parameters)
-from hvdtrain.parallel.tensor_mla import MLA_STYLES, check_mla, sum_rotary_key_gradient
-from hvdtrain.parallel.tensor_partial import (PARTIAL_STYLES, check_partial_module, owned_cuts,
+from hvdtrain.parallel.tensor.mla import MLA_STYLES, check_mla, sum_rotary_key_gradient
+from hvdtrain.parallel.tensor.partial import (PARTIAL_STYLES, check_partial_module, owned_cuts,
                                               partial_parameter_entries, split_partial_module)
-from hvdtrain.parallel.tensor import (ColumnParallelLinear, GatheredColumnParallelLinear, ParallelSelfAttention,
+from hvdtrain.parallel.tensor.layers import (ColumnParallelLinear, GatheredColumnParallelLinear, ParallelSelfAttention,
                                       RowParallelLinear, SplitInputRowParallelLinear, VocabParallelEmbedding,
                                       sum_gradients_over_group)
 
