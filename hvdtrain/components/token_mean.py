@@ -166,7 +166,7 @@ class StepItems:
         if not self.counts_tokens:
             return [1.0 / accumulation if accumulation > 1 else 1.0] * len(counts)
         mine = torch.tensor([sum(counts)], dtype=torch.int64)
-        total = GlobalItems(self._allreduce_sum_async(mine, name="loop.items"), replication)
+        total = GlobalItems(self._allreduce_sum_async(mine, name="train.scored_tokens"), replication)
         return [LossWeight(count, data_width, total) for count in counts]
 
 

@@ -101,7 +101,7 @@ def test_each_micro_batch_weighs_its_share_of_the_global_batch():
     weights = items.weights([3, 5], accumulation=2, data_width=2, replication=2)
     assert not waited, "the all-reduce is waited for when a weight is read, after the forward"
     assert [float(w) for w in weights] == [3 * 2 / 16, 5 * 2 / 16]
-    assert waited == ["loop.items"], "one wait per step"
+    assert waited == ["train.scored_tokens"], "one wait per step"
     assert [float(w) for w in items.weights([0, 0], accumulation=2, data_width=2, replication=2)] == [0.0, 0.0]
     replica = token_mean.StepItems(lambda batch: batch, len, token_mean.REPLICA, summing_over(4))
     assert replica.weights([3, 5], accumulation=2, data_width=2, replication=2) == [0.5, 0.5]
