@@ -8,10 +8,16 @@ from typing import Any
 IGNORE_INDEX = -100
 
 
-def causal_items(labels: Any) -> int:
+def causal_targets(labels: Any) -> Any:
     """The targets a causal LM's loss scores: each position's next label (``labels[..., 1:]``), the
-    ignore index skipped (what transformers' causal LM loss and packed_lm_step average over)."""
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+    ignore index skipped (what transformers' causal LM loss and packed_lm_step average over); a
+    tensor on the labels' device, so that counting makes no one wait for it."""
+    return (labels[..., 1:] != IGNORE_INDEX).sum()
+
+
+def causal_items(labels: Any) -> int:
+    """causal_targets as a number (host labels: the Trainer counts a step's before it runs)."""
+    return int(causal_targets(labels))
 
 
 def label_items(labels: Any, ignore_index: int = IGNORE_INDEX) -> int:

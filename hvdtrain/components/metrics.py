@@ -39,13 +39,13 @@ class RunningMeans:
                              "return the same metric names for every batch")
         values = [loss.detach()] + [torch.as_tensor(metrics[name]).detach() for name in names[1:]]
         weight = samples if loss_weight is None else loss_weight
-        weights = torch.tensor([weight] + [samples] * (len(names) - 1), dtype=torch.float64)
         if weight == 0:  # nothing scored (a NaN mean over no token): it adds nothing
             values[0] = torch.zeros(())
+        stacked = torch.stack([v.to(self.device, torch.float64).reshape(()) for v in values])
         self._totals[0] += samples
         self._totals[1] += weight
-        self._totals[2:] += torch.stack([v.to(self.device, torch.float64).reshape(()) for v in values]) \
-            * weights.to(self.device)
+        self._totals[2] += stacked[0] * weight
+        self._totals[3:] += stacked[1:] * samples
 
     def reduce(self, name: str, agree_on_names: bool = False) -> "Totals":
         """The sums and the sample count over every rank since the last reduction; a collective.

@@ -27,7 +27,7 @@ reads it through the checkpoint's sources.
 
 What differs between the two is a few hooks (ExpertsBesideShards): _sharding (the name in the label
 and the refusals), _collective_prefix (of the experts' collectives' names, part of the cross-rank
-protocol: each strategy keeps its own), _norm_name (clipping's collective), _whole_model_state (how
+protocol: each strategy keeps its own), _whole_model_state (how
 the whole model state is gathered), _shard_place (this rank's slice) and each strategy's own
 micro-batch hook, which sets _experts_owed.
 """
@@ -60,8 +60,6 @@ class ExpertsBesideShards:
 
     # The prefix of the experts' collectives' names: "ep.fsdp", "ep.zero" (part of the cross-rank protocol).
     _collective_prefix: ClassVar[str]
-    # The name of clipping's collective.
-    _norm_name: ClassVar[str]
 
     def _split_experts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                        experts: int, topology: Any) -> None:
@@ -178,7 +176,7 @@ class ExpertsBesideShards:
         slices = super().owned_gradients()
         experts = [share.grad for share in self._shares if share.grad is not None]
         counted = slices + (experts if self.world.rank < self.experts else [])
-        return clipping.clip_sharded(slices + experts, max_norm, name=self._norm_name, counted=counted)
+        return clipping.clip_sharded(slices + experts, max_norm, name=f"{self.name}.grad_norm", counted=counted)
 
     # --- the whole state: the sharded strategy's gathered, the experts gathered over the expert group
 

@@ -44,7 +44,6 @@ class ExpertParallelZeroStrategy(ExpertsBesideShards, ZeroStrategy):
 
     name = "expert_parallel_zero"
     _collective_prefix = "ep.zero"
-    _norm_name = "expert_parallel_zero.grad_norm"
 
     @classmethod
     def from_config(cls, config: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hvdtrain.common.errors import HvdtrainError
-from hvdtrain.data.packing import IGNORE_INDEX  # transformers' ignore_index of labels (padding, prompts)
+from hvdtrain.common.labels import causal_targets
 from hvdtrain.parallel.pipeline.schedule import Measure
 
 # What the stages give the model: the first stage's ids, every stage's mask, the last stage's labels.
@@ -58,11 +58,6 @@ def dict_micro_batches(batch: Mapping, count: int) -> List[Tuple[torch.Tensor, D
     return micro
 
 
-def label_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """The tokens a causal LM's loss counts: each position predicts the next label, -100 ignored."""
-    return (labels[..., 1:] != IGNORE_INDEX).sum()
-
-
 class ModelLoss:
     """The model's own loss of a micro-batch's logits, as its share of the whole batch's token mean."""
 
@@ -73,7 +68,7 @@ class ModelLoss:
                             f"model's); {type(model).__name__} has none: pass loss_fn(outputs, labels)")
         self.loss_function = loss_function
         self.vocab_size = model.config.get_text_config().vocab_size
-        self.items = label_tokens(batch_labels)
+        self.items = causal_targets(batch_labels)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_function(logits, labels, vocab_size=self.vocab_size, num_items_in_batch=self.items)

@@ -38,7 +38,6 @@ class ExpertParallelFSDPStrategy(ExpertsBesideShards, FSDPStrategy):
 
     name = "expert_parallel_fsdp"
     _collective_prefix = "ep.fsdp"
-    _norm_name = "expert_parallel_fsdp.grad_norm"
 
     @classmethod
     def from_config(cls, config: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
